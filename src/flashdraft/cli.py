@@ -1,0 +1,133 @@
+"""`flashdraft` entry point: generate | serve | bench | train-drafter.
+
+Each subcommand owns its argument parser (serve speaks llama-server's flags), so this module only dispatches.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+COMMANDS = {
+    "generate": "flashdraft.cli:generate_main",
+    "serve": "flashdraft.server.cli:main",
+    "bench": "flashdraft.bench.cli:main",
+    "train-drafter": "flashdraft.train.cli:main",
+}
+
+USAGE = """usage: flashdraft {generate,serve,bench,train-drafter} [options]
+
+  generate        generate text from a prompt, with or without a DFlash drafter
+  serve           OpenAI- and llama-server-compatible HTTP server with a web chat page
+  bench           side-by-side benchmark: plain decoding vs DFlash on the same prompts
+  train-drafter   train a DFlash drafter for a target model
+
+Run `flashdraft COMMAND --help` for a command's options. Without -m the embedded demo pair is used."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from flashdraft import __version__
+        print(f"flashdraft {__version__}")
+        return 0
+    target = COMMANDS.get(argv[0])
+    if target is None:
+        print(f"flashdraft: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    module, func = target.split(":")
+    import importlib
+    return int(getattr(importlib.import_module(module), func)(argv[1:]) or 0)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """Sampling flags in llama.cpp's spelling, shared by generate and bench."""
+    p.add_argument("-n", "--n-predict", type=int, default=256, help="max tokens to generate (default 256)")
+    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default 0)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k, 0 = off (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="top-p, 1 = off (default 1)")
+    p.add_argument("--min-p", type=float, default=0.0, help="min-p, 0 = off (default 0)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random, reported)")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", default=None, help="target model folder (default: the embedded demo model)")
+    p.add_argument("-md", "--spec-draft-model", "--drafter", dest="drafter", default=None,
+                   help="DFlash drafter folder (default with no -m: the demo drafter)")
+    p.add_argument("--no-draft", action="store_true", help="plain decoding even if a drafter is given")
+    p.add_argument("--draft-n", type=int, default=None, help="fixed draft length (default: block size - 1)")
+    p.add_argument("-c", "--ctx-size", type=int, default=None, help="context size in tokens")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+
+
+def resolve_model_paths(model: str | None, drafter: str | None) -> tuple[str, str | None]:
+    """Explicit paths, or the embedded demo pair when no model is given."""
+    if model is not None:
+        return model, drafter
+    from flashdraft.demo import demo_paths
+    demo_model, demo_drafter = demo_paths()
+    return str(demo_model), drafter or (str(demo_drafter) if demo_drafter else None)
+
+
+def sampling_from_args(args) -> "SamplingParams":
+    from flashdraft.config import SamplingParams
+    return SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          seed=args.seed, max_tokens=args.n_predict, stop=list(getattr(args, "stop", None) or []))
+
+
+def generate_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="flashdraft generate", description="Generate text, plain or with DFlash.")
+    add_model_args(p)
+    p.add_argument("-p", "--prompt", required=True, help="the prompt (raw text unless --chat)")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object: text, tokens and statistics")
+    add_sampling_args(p)
+    args = p.parse_args(argv)
+
+    from flashdraft.config import ConfigError
+    from flashdraft.engine.generator import Delta, Engine, GenerationResult
+    try:
+        model, drafter = resolve_model_paths(args.model, None if args.no_draft else args.drafter)
+        if args.no_draft:
+            drafter = None
+        engine = Engine.load(model, drafter, device=args.device, context_size=args.ctx_size)
+        params = sampling_from_args(args)
+        params.validate()
+        prompt_ids = (engine.encode_prompt(messages=[{"role": "user", "content": args.prompt}]) if args.chat
+                      else engine.encode_prompt(args.prompt))
+        draft = 0 if args.no_draft else args.draft_n
+        if draft is not None and not 0 <= draft <= engine.max_draft:
+            raise ValueError(f"--draft-n must be between 0 and {engine.max_draft} (block size - 1), got {draft}")
+        result = None
+        for event in engine.stream(prompt_ids, params, draft):
+            if isinstance(event, Delta) and not args.json:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            elif isinstance(event, GenerationResult):
+                result = event
+    except (ConfigError, ValueError) as e:
+        print(f"flashdraft generate: error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print()
+        print(summary_line(result), file=sys.stderr)
+    return 0
+
+
+def summary_line(result) -> str:
+    s = result.stats
+    line = (f"[{s.predicted_n} tokens in {s.predicted_ms / 1000:.2f} s: {s.predicted_per_second:.1f} tok/s; "
+            f"prompt {s.prompt_n} tokens in {s.prompt_ms:.0f} ms")
+    if s.draft_n:
+        line += f"; tau {s.tau:.2f}, acceptance {s.draft_n_accepted}/{s.draft_n} ({100 * s.acceptance_rate:.1f}%)"
+    return line + f"; finish {result.finish_reason}; seed {result.seed}]"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

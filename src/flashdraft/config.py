@@ -1,0 +1,207 @@
+"""Configuration dataclasses built from Hugging Face config.json files, and sampling parameters."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A model or drafter folder whose configuration cannot be used; the message names the problem."""
+
+
+# Architectures whose decoder we implement, keyed by HF model_type.
+SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
+
+
+@dataclass
+class ModelConfig:
+    """Shape and numerics of a decoder-only transformer (the target, or the drafter's layer stack)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    qk_norm: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            arch = raw.get("architectures") or [model_type]
+            raise ConfigError(
+                f"{source}: unsupported architecture {arch} (model_type={model_type!r}); "
+                f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in raw]
+        if missing:
+            raise ConfigError(f"{source}: missing required field(s) {missing}")
+        heads = int(raw["num_attention_heads"])
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+        eos = raw.get("eos_token_id")
+        rope_scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
+        rope_theta = raw.get("rope_theta")
+        if rope_theta is None and isinstance(rope_scaling, dict):
+            rope_theta = rope_scaling.get("rope_theta")
+        if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
+            rope_scaling = None
+        return cls(
+            model_type=model_type,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=int(raw["hidden_size"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            qk_norm=model_type == "qwen3",
+            attention_bias=bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            eos_token_ids=_as_id_list(eos),
+            bos_token_id=raw.get("bos_token_id"),
+        )
+
+    @classmethod
+    def from_file(cls, path: Path) -> "ModelConfig":
+        return cls.from_dict(read_json(path), source=str(path))
+
+
+@dataclass
+class DrafterConfig:
+    """A DFlash drafter: its layer stack (a ModelConfig) plus the block and tap settings."""
+
+    layers: ModelConfig
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    num_target_layers: int | None = None
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "DrafterConfig":
+        archs = raw.get("architectures") or []
+        if "DFlashDraftModel" not in archs:
+            raise ConfigError(f"{source}: not a DFlash drafter (architectures={archs}, expected ['DFlashDraftModel'])")
+        dflash = raw.get("dflash_config") or {}
+        block_size = raw.get("block_size", dflash.get("block_size"))
+        if block_size is None:
+            raise ConfigError(f"{source}: missing block_size (top level or inside dflash_config)")
+        if "mask_token_id" not in dflash:
+            raise ConfigError(f"{source}: missing dflash_config.mask_token_id")
+        layers = ModelConfig.from_dict(raw, source)
+        n_target = raw.get("num_target_layers")
+        tap_ids = dflash.get("target_layer_ids")
+        if tap_ids is None:
+            if n_target is None:
+                raise ConfigError(f"{source}: neither dflash_config.target_layer_ids nor num_target_layers given")
+            tap_ids = default_tap_ids(int(n_target), layers.num_hidden_layers)
+        if int(block_size) < 2:
+            raise ConfigError(f"{source}: block_size must be >= 2, got {block_size}")
+        return cls(layers=layers, block_size=int(block_size), mask_token_id=int(dflash["mask_token_id"]),
+                   target_layer_ids=[int(i) for i in tap_ids],
+                   num_target_layers=int(n_target) if n_target is not None else None)
+
+    @classmethod
+    def from_file(cls, path: Path) -> "DrafterConfig":
+        return cls.from_dict(read_json(path), source=str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The z-lab config.json layout."""
+        c = self.layers
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": c.model_type,
+            "block_size": self.block_size,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": self.target_layer_ids},
+            "num_target_layers": self.num_target_layers,
+            "vocab_size": c.vocab_size,
+            "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size,
+            "num_hidden_layers": c.num_hidden_layers,
+            "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": c.num_key_value_heads,
+            "head_dim": c.head_dim,
+            "rms_norm_eps": c.rms_norm_eps,
+            "rope_theta": c.rope_theta,
+            "max_position_embeddings": c.max_position_embeddings,
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+            "layer_types": ["full_attention"] * c.num_hidden_layers,
+        }
+
+
+def default_tap_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """z-lab's default: the middle layer for one draft layer, else evenly spaced from 1 to N-3."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    k = num_draft_layers
+    return [round(1 + i * (num_target_layers - 4) / (k - 1)) for i in range(k)]
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling. temperature 0 is greedy. Warping order: temperature, top-k, top-p, min-p (as HF and vLLM)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if not (self.temperature >= 0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be a non-negative integer below 2**63, got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"missing file: {path}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: invalid JSON ({e})") from e
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]

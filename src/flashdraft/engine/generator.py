@@ -1,0 +1,307 @@
+"""Generation around the DFlash loop: prompt checks, stop rules, incremental text, statistics, streaming."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Protocol
+
+from flashdraft.config import SamplingParams
+from flashdraft.engine.sampling import resolve_seed
+from flashdraft.engine.speculative import Sequence, SpeculativeDecoder
+from flashdraft.loading import Tokenizer, load_model
+
+# Caches get this many rows past the context so that any supported block can overhang the last position.
+MAX_BLOCK_SIZE = 64
+
+
+class DraftPolicy(Protocol):
+    """Chooses the draft length before each step and learns from what the step gave."""
+
+    def next_length(self, max_useful: int) -> int: ...
+
+    def record(self, drafted: int, accepted: int, seconds: float) -> None: ...
+
+
+@dataclass
+class FixedDraft:
+    """Always the same draft length (0 = plain decoding)."""
+
+    length: int
+
+    def next_length(self, max_useful: int) -> int:
+        return min(self.length, max_useful)
+
+    def record(self, drafted: int, accepted: int, seconds: float) -> None:
+        pass
+
+
+@dataclass
+class GenerationStats:
+    """Per-generation statistics, in llama.cpp's names where it has them."""
+
+    prompt_n: int = 0
+    prompt_ms: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+    draft_n: int = 0
+    draft_n_accepted: int = 0
+    steps: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # steps whose guess at position p was accepted
+    draft_lengths: dict[int, int] = field(default_factory=dict)     # draft length -> steps that used it
+
+    def record_step(self, drafted: int, accepted: int) -> None:
+        self.steps += 1
+        self.draft_n += drafted
+        self.draft_n_accepted += accepted
+        self.draft_lengths[drafted] = self.draft_lengths.get(drafted, 0) + 1
+        if accepted > len(self.accepted_per_position):
+            self.accepted_per_position += [0] * (accepted - len(self.accepted_per_position))
+        for p in range(accepted):
+            self.accepted_per_position[p] += 1
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length: tokens committed per decoding step (accepted guesses + 1)."""
+        return (self.draft_n_accepted + self.steps) / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.draft_n_accepted / self.draft_n if self.draft_n else None
+
+    @property
+    def predicted_per_second(self) -> float:
+        return 1000.0 * self.predicted_n / self.predicted_ms if self.predicted_ms > 0 else 0.0
+
+    def timings(self) -> dict:
+        """llama-server's `timings` object (draft fields only when drafting ran)."""
+        t = {
+            "cache_n": 0,
+            "prompt_n": self.prompt_n,
+            "prompt_ms": self.prompt_ms,
+            "prompt_per_token_ms": self.prompt_ms / self.prompt_n if self.prompt_n else 0.0,
+            "prompt_per_second": 1000.0 * self.prompt_n / self.prompt_ms if self.prompt_ms > 0 else 0.0,
+            "predicted_n": self.predicted_n,
+            "predicted_ms": self.predicted_ms,
+            "predicted_per_token_ms": self.predicted_ms / self.predicted_n if self.predicted_n else 0.0,
+            "predicted_per_second": self.predicted_per_second,
+        }
+        if self.draft_n > 0:
+            t["draft_n"] = self.draft_n
+            t["draft_n_accepted"] = self.draft_n_accepted
+        return t
+
+    def to_dict(self) -> dict:
+        return {**self.timings(), "draft_n": self.draft_n, "draft_n_accepted": self.draft_n_accepted,
+                "steps": self.steps, "tau": self.tau, "acceptance_rate": self.acceptance_rate,
+                "accepted_per_position": list(self.accepted_per_position),
+                "draft_lengths": {str(k): v for k, v in sorted(self.draft_lengths.items())}}
+
+
+@dataclass
+class Delta:
+    """Newly committed text and token ids (stop strings and incomplete characters held back)."""
+
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    finish_reason: str   # "stop" (EOS or a stop string) or "length" (max tokens or context full)
+    stop_type: str       # llama.cpp's: "eos", "word", "limit"
+    stopping_word: str
+    seed: int
+    stats: GenerationStats
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason,
+                "stop_type": self.stop_type, "seed": self.seed, **self.stats.to_dict()}
+
+
+class Engine:
+    """A loaded target (and optional drafter) that generates, plain or with DFlash, from one code path."""
+
+    def __init__(self, target, tokenizer: Tokenizer | None, drafter=None, context_size: int | None = None,
+                 name: str = "model"):
+        ctx = context_size or target.config.max_position_embeddings
+        self.decoder = SpeculativeDecoder(target, drafter, ctx)
+        self.tokenizer = tokenizer
+        self.name = name
+        self.eos_ids = set(target.config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_ids.add(int(tokenizer.eos_token_id))
+        self._sequence: Sequence | None = None
+
+    @classmethod
+    def load(cls, model: str | Path, drafter: str | Path | None = None, device=None, dtype=None,
+             context_size: int | None = None) -> "Engine":
+        """Load a target (and optional drafter) from model folders; the context defaults to min(8192, the model's)."""
+        loaded = load_model(model, drafter, device=device, dtype=dtype, context_size=context_size,
+                            overhang=MAX_BLOCK_SIZE)
+        return cls(loaded.target, loaded.tokenizer, loaded.drafter, loaded.context_size, name=loaded.name)
+
+    @property
+    def context_size(self) -> int:
+        return self.decoder.context_size
+
+    @property
+    def has_drafter(self) -> bool:
+        return self.decoder.drafter is not None
+
+    @property
+    def max_draft(self) -> int:
+        return self.decoder.max_draft if self.has_drafter else 0
+
+    def new_sequence(self) -> Sequence:
+        return self.decoder.new_sequence()
+
+    def encode_prompt(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer; pass token ids")
+        if messages is not None:
+            return self.tokenizer.encode_chat(messages)
+        if not prompt:
+            raise ValueError("prompt is empty")
+        return self.tokenizer.encode(prompt)
+
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        if len(prompt_ids) >= self.context_size:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens, which does not fit the context size "
+                             f"{self.context_size} (it needs room for at least one generated token)")
+        vocab = self.decoder.target.config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id(s) {bad[:5]} outside the vocabulary (size {vocab})")
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, draft: int | DraftPolicy | None = None,
+                 sequence: Sequence | None = None) -> GenerationResult:
+        result = None
+        for event in self.stream(prompt_ids, params, draft, sequence):
+            if isinstance(event, GenerationResult):
+                result = event
+        return result
+
+    def make_policy(self) -> DraftPolicy:
+        """The default draft-length policy for a new sequence (one per slot: it learns across requests)."""
+        return FixedDraft(self.max_draft)
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams, draft: int | DraftPolicy | None = None,
+               sequence: Sequence | None = None, n_min: int = 0, n_max: int | None = None,
+               ) -> Iterator[Delta | GenerationResult]:
+        """Yield Delta events as tokens are committed, then one GenerationResult.
+
+        draft: None = the engine's default policy, an int = that fixed length (0 = plain decoding), or a
+        DraftPolicy. n_max caps the draft length of this request; a length below n_min drafts nothing (as
+        llama-server's speculative.n_max / n_min). Closing the iterator stops the generation at once.
+        """
+        params.validate()
+        self.check_prompt(prompt_ids)
+        if draft is None:
+            draft = self.make_policy()
+        policy = draft if hasattr(draft, "next_length") else FixedDraft(int(draft))
+        cap = self.max_draft if n_max is None else max(0, min(int(n_max), self.max_draft))
+        if sequence is None:
+            if self._sequence is None:
+                self._sequence = self.new_sequence()
+            sequence = self._sequence
+        seed = resolve_seed(params)
+        stats = GenerationStats(prompt_n=len(prompt_ids))
+        out = _OutputTracker(self, params)
+
+        t0 = time.perf_counter()
+        first = self.decoder.prefill(sequence, prompt_ids, params, seed)
+        t1 = time.perf_counter()
+        stats.prompt_ms = 1000 * (t1 - t0)
+        delta = out.add([first])
+        while True:
+            if delta is not None:
+                yield delta
+            if out.finished is None and len(sequence.tokens) >= self.context_size:
+                out.finish("length", "limit")
+            if out.finished is not None:
+                break
+            max_useful = min(params.max_tokens - len(out.tokens), self.context_size - len(sequence.tokens)) - 1
+            n = max(0, policy.next_length(min(max_useful, cap))) if self.has_drafter else 0
+            if n < n_min:
+                n = 0
+            ts = time.perf_counter()
+            step = self.decoder.step(sequence, n)
+            policy.record(step.drafted, step.accepted, time.perf_counter() - ts)
+            stats.record_step(step.drafted, step.accepted)
+            delta = out.add(step.committed)
+        stats.predicted_n = len(out.tokens)
+        stats.predicted_ms = 1000 * (time.perf_counter() - t1)
+        finish_reason, stop_type = out.finished
+        yield GenerationResult(text=out.text, tokens=list(out.tokens), finish_reason=finish_reason,
+                               stop_type=stop_type, stopping_word=out.stopping_word, seed=seed, stats=stats)
+
+
+class _OutputTracker:
+    """Applies EOS, max-token and stop-string rules to committed tokens and releases text that is final."""
+
+    def __init__(self, engine: Engine, params: SamplingParams):
+        self.tokenizer = engine.tokenizer
+        self.eos_ids = set() if params.ignore_eos else engine.eos_ids
+        self.max_tokens = params.max_tokens
+        self.stops = [s for s in params.stop if s]
+        self.holdback = max((len(s) for s in self.stops), default=1) - 1
+        self.tokens: list[int] = []
+        self.text = ""
+        self.emitted = 0  # characters of text already released
+        self.tokens_emitted = 0
+        self.finished: tuple[str, str] | None = None
+        self.stopping_word = ""
+
+    def finish(self, reason: str, stop_type: str) -> None:
+        if self.finished is None:
+            self.finished = (reason, stop_type)
+
+    def add(self, committed: list[int]) -> Delta | None:
+        for tok in committed:
+            if tok in self.eos_ids:
+                self.finish("stop", "eos")
+                break
+            self.tokens.append(tok)
+            if len(self.tokens) >= self.max_tokens:
+                self.finish("length", "limit")
+                break
+        if self.tokenizer is not None:
+            self.text = self.tokenizer.decode(self.tokens)
+            self._apply_stop_strings()
+        final = self.finished is not None
+        release = len(self.text) if final else len(self.text) - self.holdback
+        if not final:
+            while release > self.emitted and self.text[release - 1] == "\ufffd":  # an incomplete UTF-8 sequence
+                release -= 1
+        release = max(release, self.emitted)
+        # Token ids are released with their text, so a stop string can never take back a released token.
+        k = len(self.tokens)
+        if release < len(self.text):
+            while k > self.tokens_emitted and len(self.tokenizer.decode(self.tokens[:k])) > release:
+                k -= 1
+        text, new_tokens = self.text[self.emitted:release], self.tokens[self.tokens_emitted:k]
+        self.emitted, self.tokens_emitted = release, k
+        if not text and not new_tokens:
+            return None
+        return Delta(text=text, token_ids=new_tokens)
+
+    def _apply_stop_strings(self) -> None:
+        if not self.stops:
+            return
+        search_from = max(0, self.emitted - self.holdback)
+        hits = [(self.text.find(s, search_from), s) for s in self.stops]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return
+        cut, word = min(hits)
+        self.text = self.text[:cut]
+        # Keep only the tokens whose text lies wholly before the stop string.
+        while self.tokens and len(self.tokenizer.decode(self.tokens)) > cut:
+            self.tokens.pop()
+        self.stopping_word = word
+        self.finished = ("stop", "word")

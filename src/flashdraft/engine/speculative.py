@@ -1,0 +1,126 @@
+"""The DFlash loop: draft a block in one drafter pass, verify it in one target pass, accept, roll back.
+
+Positions: the sequence's committed tokens are tokens[0..L-1]. The target cache holds rows 0..L-2 (the last
+committed token has not been run yet); the drafter cache holds projected context for rows below
+`draft_len` and `pending` keeps the target taps of rows draft_len..L-2 that are not projected yet.
+A step with draft length n runs the drafter on [tokens[L-1], mask x (B-1)] at positions L-1..L+B-2, takes its
+greedy guesses for the first n slots, verifies [tokens[L-1], guess_1..guess_n] in one target pass and keeps the
+longest prefix of guesses that equal the target's own samples, plus the target's next sample. Cache rows past
+the new length are stale and masked by position, so rollback costs nothing. n = 0 is plain decoding on the
+same path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from flashdraft.config import SamplingParams
+from flashdraft.engine.kv_cache import KVCache
+from flashdraft.engine.sampling import sample_tokens
+from flashdraft.models import DecoderLM, DFlashDrafter
+
+# Taps waiting for projection are flushed into the drafter cache at this many rows even while drafting is off,
+# so a long stretch of plain decoding keeps bounded memory; one batched projection costs little.
+MAX_PENDING_ROWS = 256
+
+
+@dataclass
+class Sequence:
+    """One generation's state: its tokens and caches. Reused across requests by re-prefilling."""
+
+    target_cache: KVCache
+    draft_cache: KVCache | None
+    tokens: list[int] = field(default_factory=list)
+    draft_len: int = 0
+    pending: list[torch.Tensor] = field(default_factory=list)
+    seed: int = 0
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class StepResult:
+    committed: list[int]  # accepted guesses then the target's own token
+    drafted: int           # guesses proposed (n)
+    accepted: int          # guesses accepted
+
+
+class SpeculativeDecoder:
+    """Target plus optional drafter over static caches of `capacity` rows (context limit = capacity)."""
+
+    def __init__(self, target: DecoderLM, drafter: DFlashDrafter | None, context_size: int):
+        self.target, self.drafter = target, drafter
+        self.context_size = context_size
+        self.block_size = drafter.block_size if drafter is not None else 1
+        # The verify block may run up to block_size rows past the last committed position.
+        self.capacity = context_size + self.block_size
+        self.tap_ids = drafter.config.target_layer_ids if drafter is not None else None
+        self.device = target.lm_head.weight.device
+        # Optional replacement of the drafter's guesses (benchmarks with a chosen acceptance pattern): called
+        # as oracle(start, guesses) after the drafter has run, so the drafter's cost stays real.
+        self.oracle = None
+
+    @property
+    def max_draft(self) -> int:
+        return self.block_size - 1
+
+    def new_sequence(self) -> Sequence:
+        return Sequence(target_cache=self.target.new_cache(self.capacity),
+                        draft_cache=self.drafter.new_cache(self.capacity) if self.drafter is not None else None)
+
+    def _positions(self, start: int, count: int) -> torch.Tensor:
+        return torch.arange(start, start + count, device=self.device)
+
+    @torch.inference_mode()
+    def prefill(self, seq: Sequence, prompt: list[int], params: SamplingParams, seed: int) -> int:
+        """Run the prompt and sample the first new token; returns it (already appended to seq.tokens)."""
+        seq.tokens, seq.draft_len, seq.pending = list(prompt), 0, []
+        seq.params, seq.seed = params, seed
+        P = len(prompt)
+        tokens = torch.tensor(prompt, device=self.device)
+        logits, taps = self.target(tokens, self._positions(0, P), seq.target_cache, P, self.tap_ids, last_only=True)
+        first = int(sample_tokens(logits, params, seed, self._positions(P, 1))[0])
+        if taps is not None:
+            seq.pending.append(taps)
+        seq.tokens.append(first)
+        return first
+
+    def _flush_context(self, seq: Sequence) -> None:
+        if not seq.pending:
+            return
+        taps = torch.cat(seq.pending) if len(seq.pending) > 1 else seq.pending[0]
+        self.drafter.add_context(taps, self._positions(seq.draft_len, taps.shape[0]), seq.draft_cache)
+        seq.draft_len += taps.shape[0]
+        seq.pending = []
+
+    def _draft(self, seq: Sequence, n: int) -> torch.Tensor:
+        """The drafter's greedy guesses for the n tokens after the last committed one ([n] on the device)."""
+        self._flush_context(seq)
+        start, B = len(seq.tokens) - 1, self.block_size
+        block = torch.full((B,), self.drafter.config.mask_token_id, device=self.device)
+        block[0] = seq.tokens[-1]
+        hidden = self.drafter(self.target.embed(block), self._positions(start, B), seq.draft_cache, start + B)
+        guesses = self.target.logits(hidden[1:n + 1]).argmax(dim=-1)
+        return self.oracle(start, guesses) if self.oracle is not None else guesses
+
+    @torch.inference_mode()
+    def step(self, seq: Sequence, n: int) -> StepResult:
+        """One decoding step with up to n drafted tokens (0 = plain decoding)."""
+        n = max(0, min(n, self.max_draft)) if self.drafter is not None else 0
+        start = len(seq.tokens) - 1
+        last = torch.tensor([seq.tokens[-1]], device=self.device)
+        guesses = self._draft(seq, n) if n > 0 else last[:0]
+        verify = torch.cat([last, guesses])
+        logits, taps = self.target(verify, self._positions(start, n + 1), seq.target_cache, start + n + 1, self.tap_ids)
+        samples = sample_tokens(logits, seq.params, seq.seed, self._positions(start + 1, n + 1))
+        accepted = torch.cumprod((guesses == samples[:n]).long(), 0).sum().view(1)
+        # The one host sync of the step: acceptance count and the target's samples together.
+        host = torch.cat([accepted, samples]).tolist()
+        acc = host[0]
+        committed = host[1:acc + 2]  # samples 0..acc-1 equal the accepted guesses; sample acc is the target's own
+        seq.tokens.extend(committed)
+        if taps is not None:
+            seq.pending.append(taps[:acc + 1])
+            if n == 0 and sum(t.shape[0] for t in seq.pending) >= MAX_PENDING_ROWS:
+                self._flush_context(seq)
+        return StepResult(committed=committed, drafted=n, accepted=acc)

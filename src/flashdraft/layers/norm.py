@@ -1,0 +1,17 @@
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back, as the HF Qwen3/Llama reference does."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)

@@ -1,0 +1,65 @@
+"""Decoder-only language model over a static KV cache: the Qwen3 and Llama-3.x targets.
+
+Module and parameter names follow HF (model.embed_tokens, model.layers.N..., model.norm, lm_head), so a
+checkpoint's state dict loads as is. Qwen3 differs from Llama only in per-head q/k RMSNorm (ModelConfig.qk_norm)
+and its explicit head_dim; both come from config.json, so one class serves both families.
+"""
+import torch
+from torch import nn
+
+from flashdraft.config import ModelConfig
+from flashdraft.engine.kv_cache import KVCache
+from flashdraft.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+
+
+class DecoderStack(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DecoderLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderStack(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(cfg, max_positions)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token embeddings as the first layer sees them (the drafter embeds its block with this too)."""
+        return self.model.embed_tokens(tokens)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits from final hidden states that are already normed (the drafter's outputs are)."""
+        return self.lm_head(hidden).float()
+
+    def new_cache(self, capacity: int) -> KVCache:
+        p = self.lm_head.weight
+        return KVCache(self.config, capacity, p.device, p.dtype)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int,
+                tap_ids: list[int] | None = None, last_only: bool = False):
+        """Run tokens [T] at absolute positions [T] (ascending), reading cache rows [0, kv_len).
+
+        Returns float32 logits [T, vocab] (or [1, vocab] with last_only) and, if tap_ids is given, the
+        outputs of those decoder layers concatenated in list order ([T, len(tap_ids) * hidden]) else None.
+        Tap id i is the output of decoder layer i (HF hidden_states[i + 1]).
+        """
+        cos, sin = self.rope(positions)
+        # Causal by absolute position: a query sees cache rows at or before its own position.
+        mask = torch.arange(kv_len, device=positions.device)[None, :] <= positions[:, None]
+        h = self.embed(tokens)
+        taps = {}
+        wanted = set(tap_ids or ())
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, cache.k[i], cache.v[i], positions, kv_len, mask)
+            if i in wanted:
+                taps[i] = h
+        if last_only:
+            h = h[-1:]
+        logits = self.logits(self.model.norm(h))
+        tap_out = torch.cat([taps[i] for i in tap_ids], dim=-1) if tap_ids else None
+        return logits, tap_out

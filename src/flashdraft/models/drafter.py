@@ -1,0 +1,56 @@
+"""The DFlash drafter: a few non-causal decoder layers fed with target hidden states as injected keys/values.
+
+Parameter names follow z-lab's checkpoints (fc, hidden_norm, norm, layers.N...). It has no embedding and no
+LM head: the target's embed the block and turn its outputs into logits.
+"""
+import torch
+from torch import nn
+
+from flashdraft.config import DrafterConfig
+from flashdraft.engine.kv_cache import KVCache
+from flashdraft.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        c = cfg.layers
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.rope = RotaryEmbedding(c, max_positions)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def new_cache(self, capacity: int) -> KVCache:
+        p = self.fc.weight
+        return KVCache(self.config.layers, capacity, p.device, p.dtype)
+
+    def add_context(self, taps: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> None:
+        """Project target taps of committed tokens ([T, n_tap * hidden]) into every layer's cached keys/values.
+
+        The context is shared by all layers and is not updated by them; each layer has its own k/v projections.
+        """
+        ctx = self.hidden_norm(self.fc(taps))
+        cos, sin = self.rope(positions)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.project_kv(ctx, cos, sin)
+            cache.k[i].index_copy_(1, positions, k)
+            cache.v[i].index_copy_(1, positions, v)
+
+    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int) -> torch.Tensor:
+        """Block embeddings [B, hidden] at positions start..start+B-1 -> normed hidden states [B, hidden].
+
+        kv_len = start + B. The block attends to all cached context (positions < start) and to itself,
+        bidirectionally, so no mask is needed. Its own keys land in the cache at the block positions and
+        are overwritten by context rows later.
+        """
+        cos, sin = self.rope(positions)
+        h = block_embeds
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, cache.k[i], cache.v[i], positions, kv_len, None)
+        return self.norm(h)

@@ -1,0 +1,36 @@
+"""Shared fixtures: tiny random checkpoints built once per test session."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_models import build_drafter, build_target  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory) -> Path:
+    return build_target(tmp_path_factory.mktemp("qwen3"), family="qwen3")
+
+
+@pytest.fixture(scope="session")
+def qwen3_sharded_dir(tmp_path_factory) -> Path:
+    return build_target(tmp_path_factory.mktemp("qwen3_sharded"), family="qwen3", shard=True, seed=3)
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory) -> Path:
+    return build_target(tmp_path_factory.mktemp("llama"), family="llama", seed=2)
+
+
+@pytest.fixture(scope="session")
+def drafter_dir(tmp_path_factory, qwen3_dir) -> Path:
+    """A random drafter (block size 8) for qwen3_dir."""
+    return build_drafter(tmp_path_factory.mktemp("drafter"), qwen3_dir, block_size=8)
+
+
+@pytest.fixture(scope="session")
+def engine(qwen3_dir, drafter_dir):
+    """Tiny Qwen3 target + random drafter, CPU float32, context 256."""
+    from flashdraft.engine.generator import Engine
+    return Engine.load(qwen3_dir, drafter_dir, device="cpu", context_size=256)

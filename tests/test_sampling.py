@@ -1,0 +1,157 @@
+"""Warping, position-keyed sampling, and a chi-square test that sampled DFlash output follows the target."""
+import math
+
+import pytest
+import torch
+
+from flashdraft.config import SamplingParams
+from flashdraft.engine.generator import Engine
+from flashdraft.engine.sampling import gumbel_noise, sample_tokens, warp_logits
+
+
+def reference_warp(logits: list[float], p: SamplingParams) -> list[float]:
+    """Plain-Python warping (temperature, top-k, top-p, min-p), written independently of the engine's."""
+    def softmax(xs):
+        m = max(x for x in xs if x != -math.inf)
+        e = [math.exp(x - m) if x != -math.inf else 0.0 for x in xs]
+        s = sum(e)
+        return [v / s for v in e]
+
+    probs = softmax([x / p.temperature for x in logits])
+    if p.top_k:
+        kth = sorted(probs, reverse=True)[p.top_k - 1]
+        probs = [q if q >= kth else 0.0 for q in probs]
+        probs = [q / sum(probs) for q in probs]
+    if p.top_p < 1:
+        order = sorted(range(len(probs)), key=lambda i: -probs[i])
+        keep, mass = set(), 0.0
+        for i in order:
+            if mass >= p.top_p:
+                break
+            keep.add(i)
+            mass += probs[i]
+        probs = [q if i in keep else 0.0 for i, q in enumerate(probs)]
+        probs = [q / sum(probs) for q in probs]
+    if p.min_p:
+        top = max(probs)
+        probs = [q if q >= p.min_p * top else 0.0 for q in probs]
+        probs = [q / sum(probs) for q in probs]
+    return probs
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.0, top_k=5),
+    SamplingParams(temperature=1.3, top_p=0.8),
+    SamplingParams(temperature=1.0, min_p=0.1),
+    SamplingParams(temperature=0.9, top_k=20, top_p=0.9, min_p=0.05),
+])
+def test_warp_matches_reference(params):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=g) * 3
+    ours = warp_logits(logits, params).exp()
+    for row in range(4):
+        ref = torch.tensor(reference_warp(logits[row].tolist(), params))
+        assert torch.allclose(ours[row], ref.float(), atol=1e-5)
+
+
+def test_gumbel_noise_is_keyed_and_well_spread():
+    pos = torch.arange(100, 104)
+    a, b = gumbel_noise(7, pos, 5000), gumbel_noise(7, pos, 5000)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, gumbel_noise(8, pos, 5000))
+    assert not torch.equal(a[0], a[1])
+    # Standard Gumbel: mean = Euler-Mascheroni constant, variance = pi^2 / 6.
+    big = gumbel_noise(123, torch.arange(0, 64), 4096)
+    assert abs(big.mean().item() - 0.5772) < 0.01
+    assert abs(big.var().item() - math.pi ** 2 / 6) < 0.03
+    # Same row of noise for one position, whichever block it is computed in.
+    assert torch.equal(gumbel_noise(7, torch.tensor([102]), 5000)[0], a[2])
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(3, 20)
+    assert torch.equal(sample_tokens(logits, SamplingParams(), 0, torch.arange(3)), logits.argmax(-1))
+
+
+def _chi2_critical(df: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: p = 0.001)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def _chi2(counts: dict, expected: dict, n: int) -> tuple[float, int]:
+    """Pearson statistic with cells of expected count < 5 pooled together."""
+    stat, df, pooled_obs, pooled_exp = 0.0, -1, 0, 0.0
+    for cell, p in expected.items():
+        e = p * n
+        if e < 5:
+            pooled_obs += counts.get(cell, 0)
+            pooled_exp += e
+            continue
+        stat += (counts.get(cell, 0) - e) ** 2 / e
+        df += 1
+    outside = n - sum(counts.get(c, 0) for c in expected)
+    pooled_obs += outside
+    if pooled_exp > 0 or pooled_obs:
+        stat += (pooled_obs - pooled_exp) ** 2 / max(pooled_exp, 1e-9)
+        df += 1
+    return stat, df
+
+
+def test_sampled_dflash_follows_target_distribution(qwen3_dir, drafter_dir):
+    """Joint distribution of the first three sampled tokens vs exact probabilities from the target.
+
+    The drafter proposes the target's greedy continuation (so guesses are often accepted and the
+    verify-block path is exercised); expected probabilities come from the reference warping above.
+    """
+    engine = Engine.load(qwen3_dir, drafter_dir, device="cpu", context_size=64)
+    target = engine.decoder.target
+    params = SamplingParams(temperature=1.2, top_k=4, top_p=0.9, min_p=0.05, max_tokens=3, ignore_eos=True)
+    prompt = [10, 20, 30]
+
+    @torch.no_grad()
+    def next_probs(prefix):
+        logits, _ = target(torch.tensor(prefix), torch.arange(len(prefix)), target.new_cache(64), len(prefix))
+        return reference_warp(logits[-1].tolist(), params)
+
+    expected = {}
+    p1 = next_probs(prompt)
+    for a in (i for i, q in enumerate(p1) if q > 0):
+        p2 = next_probs(prompt + [a])
+        for b in (i for i, q in enumerate(p2) if q > 0):
+            p3 = next_probs(prompt + [a, b])
+            for c in (i for i, q in enumerate(p3) if q > 0):
+                expected[(a, b, c)] = p1[a] * p2[b] * p3[c]
+
+    seq = engine.new_sequence()
+
+    @torch.no_grad()
+    def greedy_oracle(start, guesses):
+        prefix = seq.tokens[:start + 1]
+        out = []
+        for _ in range(guesses.shape[0]):
+            logits, _ = target(torch.tensor(prefix + out), torch.arange(len(prefix) + len(out)),
+                               target.new_cache(64), len(prefix) + len(out))
+            out.append(int(logits[-1].argmax()))
+        return torch.tensor(out)
+
+    engine.decoder.oracle = greedy_oracle
+    n, counts, accepted = 2500, {}, 0
+    for seed in range(n):
+        out = engine.generate(prompt, SamplingParams(**{**params.__dict__, "seed": seed}), draft=2, sequence=seq)
+        counts[tuple(out.tokens)] = counts.get(tuple(out.tokens), 0) + 1
+        accepted += out.stats.draft_n_accepted
+    engine.decoder.oracle = None
+    assert accepted > n // 4  # the verify block really accepted guesses
+    stat, df = _chi2(counts, expected, n)
+    assert df >= 5
+    assert stat < _chi2_critical(df), f"chi2 {stat:.1f} with {df} dof"
+    # The test has power: the same samples against the unwarped distribution are rejected.
+    unwarped = SamplingParams(temperature=1.2)
+    q1 = reference_warp(target(torch.tensor(prompt), torch.arange(3), target.new_cache(64), 3)[0][-1].tolist(),
+                        unwarped)
+    marginal = {}
+    for (a, _, _), c in counts.items():
+        marginal[a] = marginal.get(a, 0) + c
+    wrong_stat, wrong_df = _chi2(marginal, {i: q for i, q in enumerate(q1)}, n)
+    assert wrong_stat > _chi2_critical(wrong_df)

@@ -1,0 +1,121 @@
+"""`flashdraft generate`, stop rules, streaming, and clear errors for bad input."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from flashdraft.cli import main
+from flashdraft.config import SamplingParams
+from flashdraft.engine.generator import Delta, GenerationResult
+
+
+def test_generate_json(qwen3_dir, drafter_dir, capsys):
+    rc = main(["generate", "-m", str(qwen3_dir), "-md", str(drafter_dir), "-p", "def add(a, b):", "-n", "20",
+               "--json", "--device", "cpu", "-c", "128"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["predicted_n"] == len(out["tokens"]) <= 20
+    for key in ("text", "prompt_n", "prompt_ms", "predicted_ms", "predicted_per_second", "draft_n",
+                "draft_n_accepted", "steps", "tau", "accepted_per_position"):
+        assert key in out
+    rc = main(["generate", "-m", str(qwen3_dir), "-p", "def add(a, b):", "-n", "20", "--json", "--device", "cpu",
+               "-c", "128"])
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["tokens"] == out["tokens"] and plain["draft_n"] == 0
+
+
+def test_generate_text_and_summary(qwen3_dir, drafter_dir, capsys):
+    rc = main(["generate", "-m", str(qwen3_dir), "-md", str(drafter_dir), "-p", "hello", "-n", "12", "--chat",
+               "--device", "cpu", "-c", "128"])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "tok/s" in err and "tau" in err and "acceptance" in err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["-p", ""], "prompt is empty"),
+    (["-p", "x " * 200, "-c", "64"], "does not fit the context size 64"),
+    (["-p", "x", "--temp", "-1"], "temperature must be >= 0"),
+    (["-p", "x", "--top-p", "0"], "top_p must be in"),
+    (["-p", "x", "-n", "0"], "max_tokens must be >= 1"),
+    (["-p", "x", "--draft-n", "99"], "--draft-n must be between 0 and 7"),
+])
+def test_generate_errors(qwen3_dir, drafter_dir, capsys, args, message):
+    base = ["generate", "-m", str(qwen3_dir), "-md", str(drafter_dir), "--device", "cpu"]
+    if "-c" not in args:
+        base += ["-c", "128"]
+    assert main(base + args) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_missing_model_folder_is_a_clean_error(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "flashdraft.cli", "generate", "-m", str(tmp_path / "none"),
+                           "-p", "hi"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "model folder not found" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_unknown_command():
+    assert main(["frobnicate"]) == 2
+
+
+def test_stop_string_never_emitted(engine):
+    prompt = engine.encode_prompt("def add(a, b):")
+    full = engine.generate(prompt, SamplingParams(max_tokens=40, ignore_eos=True), draft=0)
+    assert len(full.text) > 6
+    stop = full.text[3:6]
+    for draft in (0, None):
+        events = list(engine.stream(prompt, SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop]), draft))
+        result = events[-1]
+        assert isinstance(result, GenerationResult)
+        streamed = "".join(e.text for e in events if isinstance(e, Delta))
+        assert stop not in streamed and streamed == result.text == full.text[:full.text.index(stop)]
+        assert result.finish_reason == "stop" and result.stop_type == "word" and result.stopping_word == stop
+        # Tokens are those wholly before the stop string (text is cut exactly at the stop string).
+        assert result.text.startswith(engine.tokenizer.decode(result.tokens).rstrip("\ufffd"))
+        assert [t for e in events if isinstance(e, Delta) for t in e.token_ids] == result.tokens
+
+
+def test_eos_stops_and_is_not_emitted(engine):
+    prompt = [5, 9, 11]
+    full = engine.generate(prompt, SamplingParams(max_tokens=60, ignore_eos=True), draft=0)
+    eos = next(iter(engine.eos_ids))
+    # Force an EOS into the output by treating the 5th generated token as EOS.
+    engine.eos_ids = {full.tokens[4]}
+    try:
+        for draft in (0, None):
+            out = engine.generate(prompt, SamplingParams(max_tokens=60), draft)
+            assert out.tokens == full.tokens[:full.tokens.index(full.tokens[4])]
+            assert out.finish_reason == "stop" and out.stop_type == "eos"
+    finally:
+        engine.eos_ids = {eos}
+
+
+def test_max_tokens_exact_with_drafting(engine):
+    for n in (1, 2, 7, 8, 9, 33):
+        out = engine.generate([1, 2, 3], SamplingParams(max_tokens=n, ignore_eos=True))
+        assert len(out.tokens) == n and out.finish_reason == "length"
+
+
+def test_context_full_stops_with_length(qwen3_dir, drafter_dir):
+    from flashdraft.engine.generator import Engine
+    eng = Engine.load(qwen3_dir, drafter_dir, device="cpu", context_size=40)
+    out = eng.generate(list(range(30)), SamplingParams(max_tokens=100, ignore_eos=True))
+    assert out.finish_reason == "length" and 30 + len(out.tokens) == 40
+
+
+def test_closing_the_stream_stops_generation(engine):
+    stream = engine.stream([1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True), 0)
+    next(stream)
+    stream.close()
+    with pytest.raises(StopIteration):
+        next(stream)
+
+
+def test_utf8_never_split(engine):
+    """Streamed text never ends inside a multi-byte character; the joined stream equals the final text."""
+    params = SamplingParams(temperature=1.5, seed=3, max_tokens=60, ignore_eos=True)
+    events = list(engine.stream([1, 2, 3], params))
+    streamed = "".join(e.text for e in events if isinstance(e, Delta))
+    assert streamed == events[-1].text

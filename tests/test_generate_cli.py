@@ -94,7 +94,7 @@ def test_eos_stops_and_is_not_emitted(engine):
 
 def test_max_tokens_exact_with_drafting(engine):
     for n in (1, 2, 7, 8, 9, 33):
-        out = engine.generate([1, 2, 3], SamplingParams(max_tokens=n, ignore_eos=True))
+        out = engine.generate([1, 2, 3], SamplingParams(max_tokens=n, ignore_eos=True), draft=engine.max_draft)
         assert len(out.tokens) == n and out.finish_reason == "length"
 
 

@@ -29,8 +29,9 @@ def test_greedy_random_drafter_equals_baseline_and_transformers(tmp_path, qwen3_
     params = SamplingParams(max_tokens=48)
     for prompt in _prompts(engine.decoder.target.config.vocab_size, 6, seed=block_size):
         base = engine.generate(prompt, params, draft=0)
-        dflash = engine.generate(prompt, params)
+        dflash = engine.generate(prompt, params, draft=engine.max_draft)
         assert dflash.tokens == base.tokens
+        assert engine.generate(prompt, params).tokens == base.tokens  # the default (adaptive) policy
         assert dflash.finish_reason == base.finish_reason
         with torch.no_grad():
             ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False,
@@ -55,7 +56,7 @@ def test_long_acceptance_with_oracle_drafter(engine, pattern_name, pattern):
         engine.decoder.oracle = PlantedOracle(prompt + base.tokens, pattern,
                                               engine.decoder.target.config.vocab_size, "cpu")
         try:
-            out = engine.generate(prompt, params)
+            out = engine.generate(prompt, params, draft=engine.max_draft)
         finally:
             engine.decoder.oracle = None
         assert out.tokens == base.tokens
@@ -95,7 +96,7 @@ def test_sampled_dflash_equals_baseline_for_same_seed(engine):
     for i, prompt in enumerate(_prompts(vocab, 5, seed=11)):
         params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, min_p=0.01, seed=1000 + i, max_tokens=40)
         base = engine.generate(prompt, params, draft=0)
-        out = engine.generate(prompt, params)
+        out = engine.generate(prompt, params, draft=engine.max_draft)
         assert out.tokens == base.tokens
         other = engine.generate(prompt, SamplingParams(temperature=0.9, seed=5000 + i, max_tokens=40), draft=0)
         assert other.tokens != base.tokens or len(base.tokens) < 3
@@ -108,7 +109,7 @@ def test_sampled_oracle_full_acceptance(engine):
     base = engine.generate(prompt, params, draft=0)
     engine.decoder.oracle = PlantedOracle(prompt + base.tokens, lambda s: 99, engine.decoder.target.config.vocab_size, "cpu")
     try:
-        out = engine.generate(prompt, params)
+        out = engine.generate(prompt, params, draft=engine.max_draft)
     finally:
         engine.decoder.oracle = None
     assert out.tokens == base.tokens
@@ -117,7 +118,7 @@ def test_sampled_oracle_full_acceptance(engine):
 
 def test_stats_are_consistent(engine):
     params = SamplingParams(max_tokens=50, ignore_eos=True)
-    out = engine.generate([1, 2, 3], params)
+    out = engine.generate([1, 2, 3], params, draft=engine.max_draft)
     s = out.stats
     assert s.predicted_n == len(out.tokens) == 50
     # Every step commits accepted + 1 tokens; the prefill commits one more.

@@ -149,3 +149,21 @@ def test_unsupported_architecture(tmp_path, qwen3_dir):
 def test_missing_folder(tmp_path):
     with pytest.raises(ConfigError, match="model folder not found"):
         Engine.load(tmp_path / "nope", device="cpu")
+
+
+def test_fused_projections_same_logits(qwen3_dir, drafter_dir):
+    """The CUDA default fuses q/k/v and gate/up into single GEMMs; the results must not change."""
+    from flashdraft.engine.cuda_graphs import fuse_projections
+    from flashdraft.config import SamplingParams
+    engine = Engine.load(qwen3_dir, drafter_dir, device="cpu", context_size=64)
+    target = engine.decoder.target
+    ids = torch.randint(0, target.config.vocab_size, (20,))
+    with torch.no_grad():
+        ref, ref_taps = target(ids, torch.arange(20), target.new_cache(64), 20, tap_ids=[1])
+        base = engine.generate(ids.tolist(), SamplingParams(max_tokens=30, ignore_eos=True), draft=0).tokens
+        fuse_projections(target, engine.decoder.drafter)
+        assert target.model.layers[0].self_attn.qkv_weight is not None
+        out, taps = target(ids, torch.arange(20), target.new_cache(64), 20, tap_ids=[1])
+    assert (out - ref).abs().max().item() < 1e-5 and (taps - ref_taps).abs().max().item() < 1e-5
+    assert engine.generate(ids.tolist(), SamplingParams(max_tokens=30, ignore_eos=True)).tokens == base
+    assert sum(p.numel() for p in target.parameters()) == sum(p.numel() for p in engine.decoder.target.parameters())

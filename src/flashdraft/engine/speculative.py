@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashdraft.config import SamplingParams
+from flashdraft.engine.cuda_graphs import GraphCache, bucket, compile_layers, fuse_projections
 from flashdraft.engine.kv_cache import KVCache
 from flashdraft.engine.sampling import sample_tokens
 from flashdraft.models import DecoderLM, DFlashDrafter
@@ -48,7 +49,8 @@ class StepResult:
 class SpeculativeDecoder:
     """Target plus optional drafter over static caches of `capacity` rows (context limit = capacity)."""
 
-    def __init__(self, target: DecoderLM, drafter: DFlashDrafter | None, context_size: int):
+    def __init__(self, target: DecoderLM, drafter: DFlashDrafter | None, context_size: int,
+                 cuda_graphs: bool | None = None, compile: bool | None = None):
         self.target, self.drafter = target, drafter
         self.context_size = context_size
         self.block_size = drafter.block_size if drafter is not None else 1
@@ -59,6 +61,14 @@ class SpeculativeDecoder:
         # Optional replacement of the drafter's guesses (benchmarks with a chosen acceptance pattern): called
         # as oracle(start, guesses) after the drafter has run, so the drafter's cost stays real.
         self.oracle = None
+        # Decode, verify and draft passes replayed as CUDA graphs (default on CUDA); prefill stays eager.
+        # On CUDA by default, also fused projections and compiled layers (docs/performance.md measures each).
+        on_cuda = self.device.type == "cuda"
+        self.graphs = GraphCache() if (on_cuda if cuda_graphs is None else cuda_graphs) else None
+        if on_cuda if compile is None else compile:
+            models = [m for m in (target, drafter) if m is not None]
+            fuse_projections(*models)
+            compile_layers(*models)
 
     @property
     def max_draft(self) -> int:
@@ -95,13 +105,55 @@ class SpeculativeDecoder:
 
     def _draft(self, seq: Sequence, n: int) -> torch.Tensor:
         """The drafter's greedy guesses for the n tokens after the last committed one ([n] on the device)."""
-        self._flush_context(seq)
         start, B = len(seq.tokens) - 1, self.block_size
-        block = torch.full((B,), self.drafter.config.mask_token_id, device=self.device)
-        block[0] = seq.tokens[-1]
-        hidden = self.drafter(self.target.embed(block), self._positions(start, B), seq.draft_cache, start + B)
-        guesses = self.target.logits(hidden[1:n + 1]).argmax(dim=-1)
+        block = torch.tensor([seq.tokens[-1]] + [self.drafter.config.mask_token_id] * (B - 1), device=self.device)
+        if self.graphs is None:
+            self._flush_context(seq)
+            hidden = self.drafter(self.target.embed(block), self._positions(start, B), seq.draft_cache, start + B)
+            guesses = self.target.logits(hidden[1:n + 1]).argmax(dim=-1)
+        else:
+            guesses = self._draft_graphed(seq, block, start)[:n]
         return self.oracle(start, guesses) if self.oracle is not None else guesses
+
+    def _draft_graphed(self, seq: Sequence, block: torch.Tensor, start: int) -> torch.Tensor:
+        """Context projection and the block pass as one graph. Up to B pending context rows go in with the
+        block, padded to B rows; the padding lands on the block's own positions, which the block pass then
+        overwrites. More pending rows (after prefill or plain decoding) are projected eagerly first."""
+        B = self.block_size
+        if sum(t.shape[0] for t in seq.pending) > B:
+            self._flush_context(seq)
+        taps = torch.zeros(B, self.drafter.fc.in_features, device=self.device, dtype=self.drafter.fc.weight.dtype)
+        rows = 0
+        for t in seq.pending:
+            taps[rows:rows + t.shape[0]] = t
+            rows += t.shape[0]
+        seq.pending, seq.draft_len = [], seq.draft_len + rows
+        kv_len = bucket(start + B, self.capacity)
+        cache = seq.draft_cache
+
+        def draft_pass(ctx_taps, ctx_positions, block, block_positions):
+            self.drafter.add_context(ctx_taps, ctx_positions, cache)
+            mask = torch.arange(kv_len, device=block.device)[None, :] <= block_positions[-1:, None]
+            hidden = self.drafter(self.target.embed(block), block_positions, cache, kv_len, mask)
+            return self.target.logits(hidden[1:]).argmax(dim=-1)
+
+        return self.graphs.run(("draft", id(cache), kv_len), draft_pass, ctx_taps=taps,
+                               ctx_positions=self._positions(start - rows, B), block=block,
+                               block_positions=self._positions(start, B))
+
+    def _verify(self, seq: Sequence, tokens: torch.Tensor, start: int):
+        """Target pass over tokens at positions start.. (T = 1 is a plain decode step): logits and taps."""
+        T = tokens.shape[0]
+        if self.graphs is None:
+            return self.target(tokens, self._positions(start, T), seq.target_cache, start + T, self.tap_ids)
+        kv_len = bucket(start + T, self.capacity)
+        cache = seq.target_cache
+
+        def target_pass(tokens, positions):
+            return self.target(tokens, positions, cache, kv_len, self.tap_ids)
+
+        return self.graphs.run(("target", id(cache), T, kv_len), target_pass, tokens=tokens,
+                               positions=self._positions(start, T))
 
     @torch.inference_mode()
     def step(self, seq: Sequence, n: int) -> StepResult:
@@ -111,7 +163,7 @@ class SpeculativeDecoder:
         last = torch.tensor([seq.tokens[-1]], device=self.device)
         guesses = self._draft(seq, n) if n > 0 else last[:0]
         verify = torch.cat([last, guesses])
-        logits, taps = self.target(verify, self._positions(start, n + 1), seq.target_cache, start + n + 1, self.tap_ids)
+        logits, taps = self._verify(seq, verify, start)
         samples = sample_tokens(logits, seq.params, seq.seed, self._positions(start + 1, n + 1))
         accepted = torch.cumprod((guesses == samples[:n]).long(), 0).sum().view(1)
         # The one host sync of the step: acceptance count and the target's samples together.
@@ -120,7 +172,7 @@ class SpeculativeDecoder:
         committed = host[1:acc + 2]  # samples 0..acc-1 equal the accepted guesses; sample acc is the target's own
         seq.tokens.extend(committed)
         if taps is not None:
-            seq.pending.append(taps[:acc + 1])
+            seq.pending.append(taps[:acc + 1].clone() if self.graphs is not None else taps[:acc + 1])
             if n == 0 and sum(t.shape[0] for t in seq.pending) >= MAX_PENDING_ROWS:
                 self._flush_context(seq)
         return StepResult(committed=committed, drafted=n, accepted=acc)

@@ -28,27 +28,73 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv_weight = None
+
+    def fuse_projections(self) -> None:
+        """One [q + 2 kv, hidden] matrix for q, k and v (one GEMM per step instead of three); the q/k/v_proj
+        weights become views of it, so no memory is added and the other paths keep working."""
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        fused = torch.cat([p.weight for p in parts])
+        self.qkv_bias = torch.cat([p.bias for p in parts]) if self.q_proj.bias is not None else None
+        offset = 0
+        for p in parts:
+            rows = p.weight.shape[0]
+            p.weight = nn.Parameter(fused[offset:offset + rows], requires_grad=False)
+            offset += rows
+        self.qkv_weight = fused
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_weight is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        return F.linear(x, self.qkv_weight, self.qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
+
+    def _rotate_kv(self, k: torch.Tensor, v: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        T = k.shape[0]
+        k = k.view(T, self.n_kv, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rope(k.transpose(0, 1), cos, sin), v.view(T, self.n_kv, self.head_dim).transpose(0, 1)
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (normed, rotated) and values for rows x: [T, hidden] -> two [kv_heads, T, head_dim]."""
-        T = x.shape[0]
-        k = self.k_proj(x).view(T, self.n_kv, self.head_dim)
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        k = apply_rope(k.transpose(0, 1), cos, sin)
-        v = self.v_proj(x).view(T, self.n_kv, self.head_dim).transpose(0, 1)
-        return k, v
+        return self._rotate_kv(self.k_proj(x), self.v_proj(x), cos, sin)
 
     def forward(self, x, cos, sin, cache_k, cache_v, positions, kv_len: int, mask: torch.Tensor | None):
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.n_heads, self.head_dim)
+        q, k, v = self._qkv(x)
+        q = q.view(T, self.n_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
         q = apply_rope(q.transpose(0, 1), cos, sin)
-        k, v = self.project_kv(x, cos, sin)
+        k, v = self._rotate_kv(k, v, cos, sin)
         cache_k.index_copy_(1, positions, k)
         cache_v.index_copy_(1, positions, v)
         out = F.scaled_dot_product_attention(
             q[None], cache_k[None, :, :kv_len], cache_v[None, :, :kv_len],
             attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
         return self.o_proj(out[0].transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
+
+    # Cache-free batched path (drafter training, batched data generation): x is [b, T, hidden] and cos/sin are
+    # [b, T, head_dim] (or [T, head_dim] shared by the batch); the projections match project_kv/forward.
+
+    def batched_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Queries (normed, rotated) for rows x: [b, T, hidden] -> [b, heads, T, head_dim]."""
+        q = self.q_proj(x).unflatten(-1, (self.n_heads, self.head_dim))
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return apply_rope(q.transpose(1, 2), cos.unsqueeze(-3), sin.unsqueeze(-3))
+
+    def batched_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (normed, rotated) and values for rows x: [b, T, hidden] -> two [b, kv_heads, T, head_dim]."""
+        k = self.k_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        k = apply_rope(k.transpose(1, 2), cos.unsqueeze(-3), sin.unsqueeze(-3))
+        return k, self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim)).transpose(1, 2)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [b, heads, Tq, hd] over k/v [b, kv_heads, Tk, hd] under a boolean mask broadcastable to
+        [b, heads, Tq, Tk] (True = may attend; every query row needs one True), then o_proj: -> [b, Tq, hidden]."""
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
+        return self.o_proj(out.transpose(1, 2).flatten(-2))

@@ -1,6 +1,8 @@
 import torch
 from torch import nn
 
+from flashdraft.layers import kernels
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 and cast back, as the HF Qwen3/Llama reference does."""
@@ -11,7 +13,4 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return kernels.rms_norm(x, self.weight, self.eps)

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from flashdraft.config import ConfigError, ModelConfig
+from flashdraft.layers import kernels
 
 
 def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -46,7 +47,4 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [heads, T, head_dim]; cos/sin: [T, head_dim] in float32 (cast to x's dtype as HF does)."""
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    return kernels.rope(x, cos, sin)

@@ -42,15 +42,42 @@ class DFlashDrafter(nn.Module):
             cache.k[i].index_copy_(1, positions, k)
             cache.v[i].index_copy_(1, positions, v)
 
-    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int) -> torch.Tensor:
+    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         """Block embeddings [B, hidden] at positions start..start+B-1 -> normed hidden states [B, hidden].
 
         kv_len = start + B. The block attends to all cached context (positions < start) and to itself,
         bidirectionally, so no mask is needed. Its own keys land in the cache at the block positions and
-        are overwritten by context rows later.
+        are overwritten by context rows later. A caller reading more rows (a graph captured for a longer
+        kv_len) passes a mask hiding the rows past the block.
         """
         cos, sin = self.rope(positions)
         h = block_embeds
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, cache.k[i], cache.v[i], positions, kv_len, None)
+            h = layer(h, cos, sin, cache.k[i], cache.v[i], positions, kv_len, mask)
+        return self.norm(h)
+
+    def forward_train(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, taps: torch.Tensor,
+                      mask: torch.Tensor) -> torch.Tensor:
+        """Training path, batched and cache-free: the blocks of many anchors in one pass.
+
+        block_embeds [b, Q, hidden] at block_positions [b, Q]; taps [b, S, n_tap * hidden] of context rows at
+        positions 0..S-1; mask [b, Q, S + Q] (True = may attend) over the keys [context | blocks]. Context keys
+        and values are projected exactly as add_context does and block rows as forward does, so with a mask
+        that lets each block see the context before its first position and itself, a block's outputs equal
+        forward's for the same context. Returns normed hidden states [b, Q, hidden].
+        """
+        ctx = self.hidden_norm(self.fc(taps))
+        ctx_cos, ctx_sin = self.rope(torch.arange(taps.shape[1], device=taps.device))
+        cos, sin = self.rope(block_positions)
+        mask = mask.unsqueeze(1)
+        h = block_embeds
+        for layer in self.layers:
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            ctx_k, ctx_v = attn.batched_kv(ctx, ctx_cos, ctx_sin)
+            k, v = attn.batched_kv(x, cos, sin)
+            q = attn.batched_q(x, cos, sin)
+            h = h + attn.attend(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), mask)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)

@@ -1,0 +1,74 @@
+"""One GPU run for docs/performance.md: correctness of the graphed path, then the synthetic benchmark.
+
+Usage (on the GPU machine, from the repo root): PYTHONPATH=src python scripts/gpu/perf_run.py OUT_DIR
+Writes OUT_DIR/perf.json and prints a summary table last.
+"""
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+
+from flashdraft.bench.synthetic import run  # noqa: E402
+from flashdraft.config import SamplingParams  # noqa: E402
+from flashdraft.engine.generator import Engine  # noqa: E402
+from flashdraft.engine.oracle import PlantedOracle  # noqa: E402
+
+
+def check_graphed_path_is_lossless(tmp: Path) -> dict:
+    """Tiny random checkpoint on CUDA in float32: graphed DFlash (all acceptance patterns) == graphed baseline
+    == eager baseline, token for token."""
+    from tiny_models import build_drafter, build_target
+    target = build_target(tmp / "t", layers=4, init_std=0.3)
+    drafter = build_drafter(tmp / "d", target, block_size=16, init_std=0.3)
+    eager = Engine.load(target, drafter, device="cuda", dtype=torch.float32, context_size=512)
+    eager.decoder.graphs = None
+    graphed = Engine.load(target, drafter, device="cuda", dtype=torch.float32, context_size=512)
+    params = SamplingParams(max_tokens=300, ignore_eos=True)
+    checked, mismatches = 0, 0
+    for i in range(6):
+        prompt = list(range(3 + i, 40 + 5 * i))
+        ref = eager.generate(prompt, params, 0).tokens
+        outs = [graphed.generate(prompt, params, 0).tokens, graphed.generate(prompt, params, 15).tokens]
+        graphed.decoder.oracle = PlantedOracle(prompt + ref, lambda s: (s * 7) % 17, 384, "cuda")
+        outs.append(graphed.generate(prompt, params, 15).tokens)
+        graphed.decoder.oracle = None
+        sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=200, ignore_eos=True)
+        outs.append(graphed.generate(prompt, sampled, 15).tokens == eager.generate(prompt, sampled, 0).tokens)
+        checked += 1
+        mismatches += sum(o != ref for o in outs[:3]) + (not outs[3])
+    return {"prompts": checked, "mismatches": mismatches, "graphs_captured": len(graphed.decoder.graphs)}
+
+
+def main(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    t0 = time.time()
+    if "--skip-check" not in sys.argv:
+        results["lossless_check"] = check_graphed_path_is_lossless(Path("/tmp/flashdraft-perf"))
+        print("lossless check:", results["lossless_check"], f"({time.time() - t0:.0f} s)", flush=True)
+    for shape, variants in (("qwen3-8b", ("eager", "graphs", "graphs+compiled")),
+                            ("llama-3.1-8b", ("graphs+compiled",))):
+        t = time.time()
+        report = run(shape, "cuda", tokens=256, variants=variants, log=lambda s: print(s, flush=True))
+        results[f"{shape} {variants[-1]}"] = report.to_dict()
+        print(f"[{shape}] done in {time.time() - t:.0f} s", flush=True)
+        (out / "perf.json").write_text(json.dumps(results, indent=2))
+        torch.cuda.empty_cache()
+    print("\nshape                          variant                    baseline tok/s  %roofline  verify ms  draft ms  "
+          "speedup@tau2/4/6/8/16")
+    for shape in [k for k in results if " " in k]:
+        r = results[shape]
+        for v, row in r["variants"].items():
+            print(f"{shape:30s} {v:26s} {row['baseline_tok_s']:14.1f} "
+                  f"{100 * row['baseline_tok_s'] / r['baseline_roofline_tok_s']:9.0f}%")
+        print(f"{'':30s} {'(last) steps':26s} {'':14s} {'':10s} {r['verify_step_ms']:9.3f} {r['draft_step_ms']:9.3f}  "
+              + " ".join(f"{d['speedup']:.2f}" for d in r["dflash"]))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

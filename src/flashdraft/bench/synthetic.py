@@ -1,0 +1,249 @@
+"""`flashdraft bench --synthetic SHAPE`: speed at real published shapes with random weights.
+
+The target and drafter have the shapes of published checkpoints and random weights, so no download is needed.
+In oracle mode the drafter really runs (its cost is real) but its guesses are replaced by the target's own
+greedy continuation with a planted mismatch (engine.oracle.PlantedOracle), so acceptance, and with it tau,
+follows a chosen pattern: tau = k + 1 when k guesses are accepted per step.
+
+The random target is built so that its greedy continuation has huge logit margins: the LM head is a permuted
+copy of the embedding and the embedding dominates the residual stream, so the next token is a fixed
+permutation of the current one. bf16 rounding differences between a 1-token and a 16-token pass then never
+flip an argmax, and the baseline's tokens stay a valid oracle for the DFlash run. Every layer still does its
+full work, so the timings are those of a real model of that shape.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from flashdraft.config import DrafterConfig, ModelConfig, SamplingParams, default_tap_ids
+from flashdraft.engine.generator import Engine
+from flashdraft.engine.oracle import PlantedOracle
+from flashdraft.models import DecoderLM, DFlashDrafter
+
+QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                rope_theta=1e6, max_position_embeddings=40960)
+LLAMA31_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                  rope_theta=500000.0, max_position_embeddings=131072,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+# name -> (target shape, drafter layers, block size); the drafter layers take the target's shape (z-lab's).
+SHAPES = {
+    "qwen3-8b": (QWEN3_8B, 5, 16),
+    "llama-3.1-8b": (LLAMA31_8B, 5, 10),
+    "qwen3-1b": (dict(QWEN3_8B, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                      num_attention_heads=16, num_key_value_heads=8), 2, 16),
+    "tiny": (dict(QWEN3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048), 2, 8),
+}
+TAUS = (2, 4, 6, 8, 16)
+
+
+def build_synthetic(shape: str, device: torch.device, dtype: torch.dtype, context_size: int, seed: int = 0):
+    if shape not in SHAPES:
+        raise ValueError(f"unknown synthetic shape {shape!r}; choose from {', '.join(SHAPES)}")
+    raw, draft_layers, block = SHAPES[shape]
+    cfg = ModelConfig.from_dict(raw)
+    capacity = context_size + 64
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.device("meta"):
+        target = DecoderLM(cfg, capacity)
+    target = target.to_empty(device=device).to(dtype)
+    for name, p in target.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        elif name == "model.embed_tokens.weight":
+            p.data.normal_(0, 1.0, generator=gen)
+        else:
+            p.data.normal_(0, 0.002, generator=gen)  # small layer outputs: the embedding dominates the residual
+    perm = torch.randperm(cfg.vocab_size, generator=gen, device=device)
+    target.lm_head.weight.data.copy_(target.model.embed_tokens.weight.data[perm])
+    target.rope = target.rope.__class__(cfg, capacity).to(device)
+    target.eval().requires_grad_(False)
+
+    dcfg = DrafterConfig(layers=ModelConfig.from_dict(dict(raw, num_hidden_layers=draft_layers)), block_size=block,
+                         mask_token_id=cfg.vocab_size - 1,
+                         target_layer_ids=default_tap_ids(cfg.num_hidden_layers, draft_layers),
+                         num_target_layers=cfg.num_hidden_layers)
+    with torch.device("meta"):
+        drafter = DFlashDrafter(dcfg, capacity)
+    drafter = drafter.to_empty(device=device).to(dtype)
+    for name, p in drafter.named_parameters():
+        p.data.fill_(1.0) if name.endswith("norm.weight") else p.data.normal_(0, 0.02, generator=gen)
+    drafter.rope = drafter.rope.__class__(dcfg.layers, capacity).to(device)
+    drafter.eval().requires_grad_(False)
+    return target, drafter
+
+
+def weight_bytes(module: torch.nn.Module, skip: tuple[str, ...] = ()) -> int:
+    return sum(p.numel() * p.element_size() for n, p in module.named_parameters() if not n.startswith(skip))
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read + bytes written), median of 10."""
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(12):
+        synchronize(device)
+        t = time.perf_counter()
+        b.copy_(a)
+        synchronize(device)
+        times.append(time.perf_counter() - t)
+    return 2 * a.numel() * a.element_size() / statistics.median(times[2:]) / 1e9
+
+
+def measure_matmul(device: torch.device, n: int = 8192) -> float:
+    """bf16 (CPU: float32) matrix-product rate in TFLOP/s on random data, median of 10."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    n = n if device.type == "cuda" else 512
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    times = []
+    for _ in range(12):
+        synchronize(device)
+        t = time.perf_counter()
+        a @ b
+        synchronize(device)
+        times.append(time.perf_counter() - t)
+    return 2 * n ** 3 / statistics.median(times[2:]) / 1e12
+
+
+@dataclass
+class SyntheticReport:
+    shape: str
+    device: str
+    variant: str
+    bandwidth_gb_s: float
+    matmul_tflop_s: float
+    target_gb: float
+    drafter_gb: float
+    lm_head_gb: float
+    block_size: int
+    baseline_tok_s: float = 0.0
+    baseline_gb_s: float = 0.0
+    baseline_roofline_tok_s: float = 0.0
+    decode_step_ms: float = 0.0
+    verify_step_ms: float = 0.0
+    draft_step_ms: float = 0.0
+    dflash: list[dict] = field(default_factory=list)
+    variants: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def decode_tok_s(result) -> float:
+    """Tokens per second of the decode phase (after the prompt; each step ends in a host sync)."""
+    s = result.stats
+    return (s.predicted_n - 1) / (s.predicted_ms / 1000)
+
+
+def median_ms(fn, device, reps: int = 30) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        synchronize(device)
+        t = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - t)
+    return 1000 * statistics.median(times)
+
+
+def run(shape: str, device: str | None = None, tokens: int = 256, variants: tuple[str, ...] | None = None,
+        taus: tuple[int, ...] = TAUS, log=print) -> SyntheticReport:
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if variants is None:
+        variants = (("eager", "graphs", "graphs+compiled") if dev.type == "cuda"
+                    else ("eager",))
+    prompt_len = 32
+    context = prompt_len + tokens + 64
+    target, drafter = build_synthetic(shape, dev, dtype, context)
+    lm_head = weight_bytes(target.lm_head)
+    report = SyntheticReport(
+        shape=shape, device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", variant=variants[-1],
+        bandwidth_gb_s=measure_bandwidth(dev) if dev.type == "cuda" else measure_bandwidth(dev, 256 << 20),
+        matmul_tflop_s=measure_matmul(dev),
+        target_gb=(weight_bytes(target, ("model.embed_tokens",))) / 1e9, drafter_gb=weight_bytes(drafter) / 1e9,
+        lm_head_gb=lm_head / 1e9, block_size=drafter.block_size)
+    log(f"[{shape}] copy bandwidth {report.bandwidth_gb_s:.0f} GB/s, matmul {report.matmul_tflop_s:.0f} TFLOP/s; "
+        f"target {report.target_gb:.2f} GB read per step, drafter {report.drafter_gb:.2f} GB, LM head {report.lm_head_gb:.2f} GB")
+    report.baseline_roofline_tok_s = report.bandwidth_gb_s / report.target_gb
+    prompt = list(range(1, prompt_len + 1))
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    engine = None
+    B = drafter.block_size
+    for variant in variants:
+        # "compiled" = fused q/k/v and gate/up projections plus torch.compile'd layers (the CUDA default).
+        graphs = "graphs" in variant
+        engine = Engine(target, None, drafter, context_size=context, cuda_graphs=graphs,
+                        compile="compiled" in variant)
+        engine.generate(prompt, params, 0)  # warm-up: captures graphs, compiles kernels
+        if graphs:
+            warm = PlantedOracle(prompt + engine.generate(prompt, params, 0).tokens, lambda s: s % B,
+                                 target.config.vocab_size, dev)
+            engine.decoder.oracle = warm  # capture every verify length before timing anything
+            engine.generate(prompt, params, B - 1)
+            engine.decoder.oracle = None
+        base = engine.generate(prompt, params, 0)
+        tok_s = decode_tok_s(base)
+        report.variants[variant] = {"baseline_tok_s": tok_s, "gb_s": tok_s * report.target_gb}
+        log(f"  {variant:24s} baseline {tok_s:8.1f} tok/s = {tok_s * report.target_gb:6.0f} GB/s "
+            f"({100 * tok_s / report.baseline_roofline_tok_s:.0f}% of roofline {report.baseline_roofline_tok_s:.0f})")
+    report.baseline_tok_s = report.variants[variants[-1]]["baseline_tok_s"]
+    report.baseline_gb_s = report.baseline_tok_s * report.target_gb
+    seq = engine.decoder.new_sequence()
+    reference = prompt + base.tokens
+    decoder = engine.decoder
+    decoder.prefill(seq, prompt, params, 0)
+    report.decode_step_ms = median_ms(lambda: decoder._verify(seq, torch.tensor([1], device=dev), prompt_len), dev)
+    report.verify_step_ms = median_ms(
+        lambda: decoder._verify(seq, torch.arange(B, device=dev), prompt_len), dev)
+    report.draft_step_ms = median_ms(lambda: decoder._draft(seq, B - 1), dev)
+    log(f"  decode step {report.decode_step_ms:.3f} ms, verify step ({B} tokens) {report.verify_step_ms:.3f} ms, "
+        f"draft step {report.draft_step_ms:.3f} ms")
+    step_bytes = (report.target_gb + report.drafter_gb + report.lm_head_gb)
+    for tau in taus:
+        accept = min(tau - 1, B - 1)
+        decoder.oracle = PlantedOracle(reference, lambda s, k=accept: k, target.config.vocab_size, dev)
+        try:
+            engine.generate(prompt, params, B - 1)  # untimed pass: any capture or compile this pattern needs
+            decoder.oracle.calls = 0
+            out = engine.generate(prompt, params, B - 1)
+        finally:
+            decoder.oracle = None
+        tok_s = decode_tok_s(out)
+        roofline = (accept + 1) * report.bandwidth_gb_s / step_bytes
+        row = {"tau_planned": tau if accept + 1 == tau else accept + 1, "tau": out.stats.tau,
+               "dflash_tok_s": tok_s, "speedup": tok_s / report.baseline_tok_s, "roofline_tok_s": roofline,
+               "roofline_speedup": roofline / report.baseline_roofline_tok_s,
+               "identical": out.tokens == base.tokens}
+        report.dflash.append(row)
+        log(f"  tau {row['tau']:5.2f}: DFlash {tok_s:8.1f} tok/s, speedup {row['speedup']:5.2f}x "
+            f"(roofline {roofline:7.0f} tok/s, {row['roofline_speedup']:.2f}x), same tokens as baseline: {row['identical']}")
+    return report
+
+
+def main(args) -> int:
+    try:
+        report = run(args.synthetic, device=args.device, tokens=args.n_predict,
+                     log=(lambda s: print(s, file=sys.stderr)) if args.json else print)
+    except ValueError as e:
+        print(f"flashdraft bench: error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    return 0

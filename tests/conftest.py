@@ -3,9 +3,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import build_drafter, build_target  # noqa: E402
+
+# The models here are tiny: one thread avoids oversubscribing the cores that test servers also use.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

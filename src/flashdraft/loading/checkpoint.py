@@ -9,6 +9,7 @@ from safetensors import safe_open
 from torch import nn
 
 from flashdraft.config import ConfigError, DrafterConfig, ModelConfig, read_json
+from flashdraft.config_gemma4 import GEMMA4_MODEL_TYPES, is_gemma4_folder
 from flashdraft.models import DecoderLM, DFlashDrafter
 
 
@@ -77,11 +78,17 @@ def default_device_dtype(device: str | torch.device | None, dtype: torch.dtype |
 
 
 def target_max_positions(folder: Path) -> int:
+    if is_gemma4_folder(folder):
+        from flashdraft.models.gemma4 import gemma4_max_positions  # imported here: it builds on this module
+        return gemma4_max_positions(folder)
     return ModelConfig.from_file(folder / "config.json").max_position_embeddings
 
 
 def load_target(path: str | Path, max_positions: int, device=None, dtype=None) -> DecoderLM:
     folder = model_folder(path, "model")
+    if is_gemma4_folder(folder):
+        from flashdraft.models.gemma4 import load_gemma4_target  # imported here: it builds on this module
+        return load_gemma4_target(folder, device, dtype)
     cfg = ModelConfig.from_file(folder / "config.json")
     gen_cfg = folder / "generation_config.json"
     if gen_cfg.is_file():
@@ -103,6 +110,9 @@ def load_target(path: str | Path, max_positions: int, device=None, dtype=None) -
 
 
 def load_drafter(path: str | Path, target: DecoderLM, max_positions: int) -> DFlashDrafter:
+    if getattr(target.config, "model_type", None) in GEMMA4_MODEL_TYPES:
+        from flashdraft.models.gemma4_drafter import load_gemma4_drafter  # imported here: it builds on this module
+        return load_gemma4_drafter(path, target, max_positions)
     folder = model_folder(path, "drafter")
     cfg = DrafterConfig.from_file(folder / "config.json")
     check_drafter_fits(cfg, target.config, folder)

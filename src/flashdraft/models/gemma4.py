@@ -1,0 +1,392 @@
+"""The Gemma 4 text decoder (31B dense, 26B-A4B mixture of experts) over static caches.
+
+What differs from Llama/Qwen3, each of which silently ruins the output if missed:
+- embeddings are scaled by sqrt(hidden), the scale first rounded to the weight dtype (73.5 in bf16 for the 31B);
+- per-layer attention types: sliding-window layers (their own head shape and default RoPE) and full layers (wider
+  heads, "proportional" partial RoPE, and with attention_k_eq_v no v_proj: the raw key projection is the value);
+- q/k RMSNorm with weights, a weightless v norm, attention scale 1.0, no attention softcap;
+- four sandwich norms per layer, GeGLU (tanh gelu), and a per-layer `layer_scalar` multiplying the whole residual;
+- RMSNorm is x_hat * w (no Gemma 1-3 `1 + w` offset);
+- the 26B-A4B adds a router (weightless norm, scale, per-expert scale, top-k of softmax, renormalised), experts
+  and an always-on dense MLP, with three extra norms;
+- final logit softcapping (30 * tanh(logits / 30)) through the tied embedding.
+
+Module and parameter names follow transformers' Gemma4TextModel, so checkpoint tensors load by name once the
+multimodal prefix (model.language_model.) is mapped to model.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from flashdraft.config import read_json
+from flashdraft.config_gemma4 import FULL, SLIDING, Gemma4Config, RopeSpec
+from flashdraft.loading.checkpoint import CheckpointError, assign_tensors, default_device_dtype, safetensors_files
+
+# Sliding-window layers keep window + RING_OVERHANG rows (row = position % rows). A call of T rows rolled back to
+# any of its positions still finds every row its window needs while T <= RING_OVERHANG + 2. The engine's verify
+# blocks are at most generator.MAX_BLOCK_SIZE (64) rows; a test pins RING_OVERHANG >= it.
+RING_OVERHANG = 64
+# Stored position of a ring row never written: far enough below any query that the window excludes it.
+_EMPTY = -(2 ** 40)
+
+
+class Gemma4RMSNorm(nn.Module):
+    """x * (mean(x^2) + eps)^-1/2 (* w), in float32 and cast back, as transformers' Gemma4RMSNorm."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, with_weight: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if with_weight else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.pow(y.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        if self.weight is not None:
+            y = y * self.weight.float()
+        return y.type_as(x)
+
+
+def rope_inverse_frequencies(spec: RopeSpec, head_dim: int) -> torch.Tensor:
+    """Per-pair inverse frequencies over the whole head. "proportional" rotates only the first
+    partial_rotary_factor of the pairs, with exponents over the FULL head_dim; the other pairs get 0 (identity).
+    Computed on the CPU, also while a model is being built on the meta device."""
+    cpu = torch.device("cpu")
+    if spec.rope_type == "default":
+        return 1.0 / (spec.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=cpu) / head_dim))
+    angles = int(spec.partial_rotary_factor * head_dim // 2)
+    rotated = 1.0 / (spec.theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.float, device=cpu) / head_dim))
+    return torch.cat([rotated, torch.zeros(head_dim // 2 - angles, device=cpu)]) / spec.factor
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos/sin: [T, head_dim] (rotate-half layout)."""
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def embedding_scale(hidden_size: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """sqrt(hidden) rounded to the weight dtype, as the checkpoint was trained (73.5, not 73.32, in bf16)."""
+    return torch.tensor(math.sqrt(hidden_size), device=device).to(dtype)
+
+
+class Gemma4Cache:
+    """Static keys/values for one sequence.
+
+    Full layers: [kv_heads, capacity, head_dim] rows at absolute positions, valid below kv_len (as KVCache).
+    Sliding layers: a ring of window + RING_OVERHANG rows, row = position % ring; `ring_pos` records which position
+    each row holds, and attention masks by those stored positions: rows at or after the call's first position are
+    stale (rolled back or being rewritten) and hidden. Rollback is thus O(1), as for full layers, and a call
+    repeated at the same positions (CUDA-graph warm-up, then capture) gives the same result. A ring row is lost
+    only when a later position overwrites it, which RING_OVERHANG rules out for rollbacks within one verify block.
+    Nothing here needs the host to know the current length, so the forward pass can be captured as a CUDA graph.
+    """
+
+    def __init__(self, cfg: Gemma4Config, capacity: int, device, dtype):
+        self.capacity = capacity
+        self.ring = min(capacity, cfg.sliding_window + RING_OVERHANG)
+        self.window = cfg.sliding_window
+        self.k, self.v = [], []
+        for i in range(cfg.num_hidden_layers):
+            rows = self.ring if cfg.is_sliding(i) else capacity
+            shape = (cfg.layer_kv_heads[i], rows, cfg.layer_head_dims[i])
+            self.k.append(torch.zeros(shape, device=device, dtype=dtype))
+            self.v.append(torch.zeros(shape, device=device, dtype=dtype))
+        self.ring_pos = torch.full((self.ring,), _EMPTY, device=device, dtype=torch.long)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class Gemma4Attention(nn.Module):
+    def __init__(self, cfg: Gemma4Config, layer: int):
+        super().__init__()
+        self.sliding = cfg.is_sliding(layer)
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv, self.head_dim = cfg.layer_kv_heads[layer], cfg.layer_head_dims[layer]
+        h, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = None if cfg.uses_k_as_v(layer) else nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=bias)
+        self.q_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.v_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps, with_weight=False)
+
+    def forward(self, x, cos, sin, cache: Gemma4Cache, layer: int, positions, kv_len: int, mask) -> torch.Tensor:
+        T = x.shape[0]
+        q = apply_rope(self.q_norm(self.q_proj(x).view(T, self.n_heads, self.head_dim)), cos, sin)
+        raw_k = self.k_proj(x).view(T, self.n_kv, self.head_dim)
+        # Under attention_k_eq_v the value is the key projection before k_norm and RoPE.
+        v = self.v_norm(raw_k if self.v_proj is None else self.v_proj(x).view(T, self.n_kv, self.head_dim))
+        k = apply_rope(self.k_norm(raw_k), cos, sin)
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+        cache_k, cache_v = cache.k[layer], cache.v[layer]
+        if self.sliding:
+            # Attend over [ring rows | this call's rows], then keep this call's last `ring` rows in the ring.
+            keys, values = torch.cat([cache_k, k], dim=1), torch.cat([cache_v, v], dim=1)
+            keep = min(T, cache.ring)
+            slots = positions[-keep:] % cache.ring
+            cache_k.index_copy_(1, slots, k[:, -keep:])
+            cache_v.index_copy_(1, slots, v[:, -keep:])
+        else:
+            cache_k.index_copy_(1, positions, k)
+            cache_v.index_copy_(1, positions, v)
+            keys, values = cache_k[:, :kv_len], cache_v[:, :kv_len]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+                                             scale=1.0, enable_gqa=self.n_heads != self.n_kv)
+        return self.o_proj(out[0].transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
+
+
+class Gemma4MLP(nn.Module):
+    """GeGLU: down(gelu_tanh(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class Gemma4Router(nn.Module):
+    """Expert choice: softmax over all experts of proj(rmsnorm(x) * scale / sqrt(H)), top-k, renormalised to sum 1,
+    then times each chosen expert's per_expert_scale."""
+
+    def __init__(self, cfg: Gemma4Config):
+        super().__init__()
+        self.top_k = cfg.top_k_experts
+        self.norm = Gemma4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, with_weight=False)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts))
+        self.root_size = cfg.hidden_size ** -0.5
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.proj(self.norm(x) * self.scale * self.root_size)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale[experts], experts
+
+
+class Gemma4Experts(nn.Module):
+    """Expert GeGLU MLPs as stacked tensors: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
+
+    def __init__(self, cfg: Gemma4Config):
+        super().__init__()
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        T, k = experts.shape
+        if 4 * T * k <= self.gate_up_proj.shape[0]:
+            return self._gathered(x, weights, experts)
+        if _capturing():
+            return self._all_experts(x, weights, experts)
+        out = torch.zeros_like(x)
+        # Loop over the experts some token chose; each runs on its tokens only. Listing them syncs with the host,
+        # which is cheap next to a long prompt's work but cannot be captured in a CUDA graph.
+        for e in experts.unique().tolist():
+            token, slot = torch.where(experts == e)
+            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[e])
+            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+        return out
+
+    def _gathered(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Few choices in all (decoding): each (token, choice) multiplies a gathered copy of its expert's matrices.
+        Reads only the chosen experts, and never syncs with the host."""
+        T, k = experts.shape
+        rows = x[:, None, :, None].expand(T, k, x.shape[-1], 1)
+        gate, up = torch.matmul(self.gate_up_proj[experts], rows).squeeze(-1).chunk(2, dim=-1)
+        y = torch.matmul(self.down_proj[experts], (F.gelu(gate, approximate="tanh") * up)[..., None]).squeeze(-1)
+        return (y * weights[..., None]).sum(dim=1).to(x.dtype)
+
+    def _all_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Every expert on every row, unchosen ones weighted 0: for verify blocks inside a CUDA graph, where
+        the choices cover most experts anyway, so each expert's weights are read once and nothing is copied."""
+        gate, up = torch.einsum("th,eoh->teo", x, self.gate_up_proj).chunk(2, dim=-1)
+        y = torch.einsum("tei,ehi->teh", F.gelu(gate, approximate="tanh") * up, self.down_proj)
+        dense = torch.zeros(y.shape[:2], device=x.device, dtype=weights.dtype).scatter(1, experts, weights)
+        return (y * dense[..., None]).sum(dim=1).to(x.dtype)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class Gemma4DecoderLayer(nn.Module):
+    def __init__(self, cfg: Gemma4Config, layer: int):
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.layer = layer
+        self.self_attn = Gemma4Attention(cfg, layer)
+        self.mlp = Gemma4MLP(h, cfg.intermediate_size)
+        self.input_layernorm = Gemma4RMSNorm(h, eps)
+        self.post_attention_layernorm = Gemma4RMSNorm(h, eps)
+        self.pre_feedforward_layernorm = Gemma4RMSNorm(h, eps)
+        self.post_feedforward_layernorm = Gemma4RMSNorm(h, eps)
+        # A checkpoint value (JAX skip_scale), not 1: it scales the whole residual stream leaving the layer.
+        self.layer_scalar = nn.Parameter(torch.ones(1))
+        self.moe = cfg.num_experts > 0
+        if self.moe:
+            self.router = Gemma4Router(cfg)
+            self.experts = Gemma4Experts(cfg)
+            self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(h, eps)
+            self.post_feedforward_layernorm_1 = Gemma4RMSNorm(h, eps)
+            self.post_feedforward_layernorm_2 = Gemma4RMSNorm(h, eps)
+
+    def forward(self, h, cos, sin, cache, positions, kv_len: int, mask) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(h), cos, sin, cache, self.layer, positions, kv_len, mask)
+        h = h + self.post_attention_layernorm(attn)
+        ff = self.mlp(self.pre_feedforward_layernorm(h))
+        if self.moe:
+            # The dense MLP is the always-on shared expert; the router reads the raw residual.
+            weights, experts = self.router(h)
+            routed = self.experts(self.pre_feedforward_layernorm_2(h), weights, experts)
+            ff = self.post_feedforward_layernorm_1(ff) + self.post_feedforward_layernorm_2(routed)
+        h = h + self.post_feedforward_layernorm(ff)
+        return h * self.layer_scalar
+
+
+class Gemma4TextModel(nn.Module):
+    def __init__(self, cfg: Gemma4Config):
+        super().__init__()
+        # Given an (uninitialised) weight, Embedding skips its random init, which is slow on the meta device.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.ModuleList(Gemma4DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = Gemma4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Gemma4LM(nn.Module):
+    """The engine's target contract (see DecoderLM) for Gemma 4."""
+
+    def __init__(self, cfg: Gemma4Config):
+        super().__init__()
+        self.config = cfg
+        self.model = Gemma4TextModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        for kind in sorted(set(cfg.layer_types)):
+            head_dim = next(cfg.layer_head_dims[i] for i, t in enumerate(cfg.layer_types) if t == kind)
+            self.register_buffer(f"{kind}_inv_freq", rope_inverse_frequencies(cfg.rope[kind], head_dim),
+                                 persistent=False)
+
+    @property
+    def embed_scale(self) -> torch.Tensor:
+        w = self.model.embed_tokens.weight
+        return embedding_scale(self.config.hidden_size, w.dtype, w.device)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(tokens) * self.embed_scale
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else cap * torch.tanh(logits / cap)
+
+    def new_cache(self, capacity: int) -> Gemma4Cache:
+        p = self.lm_head.weight
+        return Gemma4Cache(self.config, capacity, p.device, p.dtype)
+
+    def _rope(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        out = {}
+        for kind in set(self.config.layer_types):
+            freqs = positions[:, None].float() * getattr(self, f"{kind}_inv_freq")[None, :]
+            emb = torch.cat([freqs, freqs], dim=-1)
+            out[kind] = (emb.cos(), emb.sin())
+        return out
+
+    def _masks(self, positions: torch.Tensor, cache: Gemma4Cache, kv_len: int) -> dict[str, torch.Tensor]:
+        """Boolean masks per layer type. kv_len may exceed the last position + 1 (a CUDA graph captured for a
+        longer length): full layers hide rows past each query, sliding layers decide by stored positions."""
+        q = positions[:, None]
+        masks = {FULL: torch.arange(kv_len, device=positions.device)[None, :] <= q}
+        if SLIDING in self.config.layer_types:
+            w = cache.window
+            stored = cache.ring_pos[None, :]
+            ring = (stored < positions[:1, None]) & (q - stored < w)
+            new = (positions[None, :] <= q) & (q - positions[None, :] < w)
+            masks[SLIDING] = torch.cat([ring, new], dim=1)
+        return masks
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Gemma4Cache, kv_len: int,
+                tap_ids: list[int] | None = None, last_only: bool = False):
+        """tokens [T] at ascending contiguous positions [T], reading full-layer cache rows below kv_len (at least the
+        last position + 1); see DecoderLM.forward.
+
+        Returns float32 softcapped logits and, with tap_ids, the outputs of those layers (after layer_scalar)
+        concatenated in list order.
+        """
+        T = positions.shape[0]
+        rope, masks = self._rope(positions), self._masks(positions, cache, kv_len)
+        h = self.embed(tokens)
+        taps, wanted = {}, set(tap_ids or ())
+        for i, layer in enumerate(self.model.layers):
+            kind = self.config.layer_types[i]
+            h = layer(h, *rope[kind], cache, positions, kv_len, masks[kind])
+            if i in wanted:
+                taps[i] = h
+        if SLIDING in self.config.layer_types:
+            keep = min(T, cache.ring)
+            cache.ring_pos.index_copy_(0, positions[-keep:] % cache.ring, positions[-keep:])
+        if last_only:
+            h = h[-1:]
+        logits = self.logits(self.model.norm(h))
+        return logits, (torch.cat([taps[i] for i in tap_ids], dim=-1) if tap_ids else None)
+
+
+def _text_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """The text decoder's tensors under our names (model.*, lm_head.*); vision/audio towers are skipped unread."""
+    files = safetensors_files(folder)
+    names = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            names.update({n: f for n in st.keys()})
+    prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in names) else "model."
+    wanted = {n: "model." + n[len(prefix):] for n in names if n.startswith(prefix)}
+    if "lm_head.weight" in names:
+        wanted["lm_head.weight"] = "lm_head.weight"
+    tensors = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for n in st.keys():
+                if n in wanted:
+                    tensors[wanted[n]] = st.get_tensor(n)
+    return tensors
+
+
+def load_gemma4_target(folder: Path, device=None, dtype=None) -> Gemma4LM:
+    """A Gemma 4 checkpoint folder (Gemma4ForConditionalGeneration or Gemma4ForCausalLM layout) as a Gemma4LM."""
+    folder = Path(folder)
+    cfg = Gemma4Config.from_folder(folder)
+    device, dtype = default_device_dtype(device, dtype)
+    with torch.device("meta"):
+        model = Gemma4LM(cfg)
+    tensors = _text_tensors(folder)
+    if not cfg.tie_word_embeddings and "lm_head.weight" not in tensors:
+        raise CheckpointError(f"{folder}: tie_word_embeddings is false but there is no 'lm_head.weight'")
+    assign_tensors(model, tensors, folder, device, dtype)
+    if cfg.tie_word_embeddings:  # loading by assignment replaced the shared Parameter on one side only
+        model.lm_head.weight = model.model.embed_tokens.weight
+    for kind in sorted(set(cfg.layer_types)):
+        name = f"{kind}_inv_freq"
+        setattr(model, name, getattr(model, name).to(device))
+    return model.eval().requires_grad_(False)
+
+
+def gemma4_max_positions(folder: Path) -> int:
+    path = Path(folder) / "config.json"
+    return Gemma4Config.from_dict(read_json(path), str(path)).max_position_embeddings

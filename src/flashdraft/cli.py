@@ -58,7 +58,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-md", "--spec-draft-model", "--drafter", dest="drafter", default=None,
                    help="DFlash drafter folder (default with no -m: the demo drafter)")
     p.add_argument("--no-draft", action="store_true", help="plain decoding even if a drafter is given")
-    p.add_argument("--draft-n", type=int, default=None, help="fixed draft length (default: block size - 1)")
+    p.add_argument("--draft-n", type=int, default=None,
+                   help="fixed draft length (default: chosen by the adaptive controller)")
+    p.add_argument("--no-adaptive", action="store_true",
+                   help="no adaptive draft control: draft the full block (block size - 1) unless --draft-n")
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context size in tokens")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
 
@@ -94,7 +97,8 @@ def generate_main(argv: list[str]) -> int:
         model, drafter = resolve_model_paths(args.model, None if args.no_draft else args.drafter)
         if args.no_draft:
             drafter = None
-        engine = Engine.load(model, drafter, device=args.device, context_size=args.ctx_size)
+        engine = Engine.load(model, drafter, device=args.device, context_size=args.ctx_size,
+                             adaptive=not args.no_adaptive)
         params = sampling_from_args(args)
         params.validate()
         prompt_ids = (engine.encode_prompt(messages=[{"role": "user", "content": args.prompt}]) if args.chat

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Iterator, Protocol
 
 from flashdraft.config import SamplingParams
+from flashdraft.engine.adaptive import AdaptiveDraft
 from flashdraft.engine.sampling import resolve_seed
 from flashdraft.engine.speculative import Sequence, SpeculativeDecoder
 from flashdraft.loading import Tokenizer, load_model
@@ -125,23 +126,26 @@ class Engine:
     """A loaded target (and optional drafter) that generates, plain or with DFlash, from one code path."""
 
     def __init__(self, target, tokenizer: Tokenizer | None, drafter=None, context_size: int | None = None,
-                 name: str = "model"):
+                 name: str = "model", adaptive: bool = True, cuda_graphs: bool | None = None,
+                 compile: bool | None = None):
         ctx = context_size or target.config.max_position_embeddings
-        self.decoder = SpeculativeDecoder(target, drafter, ctx)
+        self.decoder = SpeculativeDecoder(target, drafter, ctx, cuda_graphs, compile)
         self.tokenizer = tokenizer
         self.name = name
         self.eos_ids = set(target.config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(int(tokenizer.eos_token_id))
         self._sequence: Sequence | None = None
+        self.adaptive = adaptive  # default policy: the adaptive controller (True) or the full block (False)
 
     @classmethod
     def load(cls, model: str | Path, drafter: str | Path | None = None, device=None, dtype=None,
-             context_size: int | None = None) -> "Engine":
+             context_size: int | None = None, adaptive: bool = True) -> "Engine":
         """Load a target (and optional drafter) from model folders; the context defaults to min(8192, the model's)."""
         loaded = load_model(model, drafter, device=device, dtype=dtype, context_size=context_size,
                             overhang=MAX_BLOCK_SIZE)
-        return cls(loaded.target, loaded.tokenizer, loaded.drafter, loaded.context_size, name=loaded.name)
+        return cls(loaded.target, loaded.tokenizer, loaded.drafter, loaded.context_size, name=loaded.name,
+                   adaptive=adaptive)
 
     @property
     def context_size(self) -> int:
@@ -188,6 +192,8 @@ class Engine:
 
     def make_policy(self) -> DraftPolicy:
         """The default draft-length policy for a new sequence (one per slot: it learns across requests)."""
+        if self.has_drafter and self.adaptive:
+            return AdaptiveDraft(self.max_draft)
         return FixedDraft(self.max_draft)
 
     def stream(self, prompt_ids: list[int], params: SamplingParams, draft: int | DraftPolicy | None = None,

@@ -1,0 +1,169 @@
+"""Slots and the one worker thread that runs the engine.
+
+The engine is not thread-safe, so only the worker thread touches its caches. Each slot owns a Sequence (its
+caches) and a draft policy that keeps learning across the slot's requests. The worker advances every busy slot
+by one stream event per round (one decoding step, or a few when text is held back), so slots share the model
+fairly, and checks each job's cancel flag before every step: a disconnected client stops its generation within
+one step. Events reach the request's asyncio queue through loop.call_soon_threadsafe, so the event loop (and
+with it /health and /metrics) never waits on the model.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+from flashdraft.engine.generator import Delta, GenerationResult
+from flashdraft.server.jobs import DELTA, ENDED, ERROR, RESULT, Job
+
+log = logging.getLogger("flashdraft.server")
+
+
+@dataclass
+class Slot:
+    id: int
+    sequence: object
+    policy: object                  # a DraftPolicy, or 0 for plain decoding
+    job: Job | None = None
+    iterator: object = None
+    n_prompt: int = 0
+    n_decoded: int = 0
+    requests: int = 0
+
+    def state(self, context_size: int) -> dict:
+        job = self.job  # read once: the worker may finish it meanwhile
+        state = {"id": self.id, "is_processing": job is not None, "id_task": job.id if job else None,
+                 "n_ctx": context_size, "n_prompt_tokens": self.n_prompt, "n_decoded": self.n_decoded,
+                 "requests": self.requests}
+        policy_state = getattr(self.policy, "state", None)
+        if callable(policy_state):
+            state["draft_policy"] = policy_state()
+        return state
+
+
+class Scheduler:
+    def __init__(self, engine, n_slots: int, fixed_draft: int | None, metrics):
+        """fixed_draft: None = each slot gets the engine's default policy (engine.make_policy()); an int = that
+        fixed draft length on every step (0 = plain decoding)."""
+        self.engine = engine
+        self.metrics = metrics
+        self.slots = [Slot(i, engine.new_sequence(), engine.make_policy() if fixed_draft is None else fixed_draft)
+                      for i in range(n_slots)]
+        self.pending: deque[Job] = deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="flashdraft-worker", daemon=True)
+
+    # --- called from the event loop ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self._cv:
+            if self._stopping:
+                job.post(ENDED, "shutdown")
+                return
+            self.pending.append(job)
+            self._cv.notify()
+
+    def stop(self) -> None:
+        """End every job (their clients get the end of their stream) and stop the worker after its current step.
+        Safe to call from a signal handler: it does not wait."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+
+    def join(self, timeout: float) -> None:
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def busy(self) -> int:
+        return sum(1 for s in self.slots if s.job is not None)
+
+    @property
+    def deferred(self) -> int:
+        return len(self.pending)
+
+    def slots_state(self) -> list[dict]:
+        return [s.state(self.engine.context_size) for s in self.slots]
+
+    # --- the worker thread -------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopping and not self._assign():
+                    self._cv.wait()
+                if self._stopping:
+                    break
+                active = [s for s in self.slots if s.job is not None]
+            self.metrics.on_round(len(active))
+            for slot in active:
+                self._advance(slot)
+        with self._cv:
+            for slot in self.slots:
+                if slot.job is not None:
+                    slot.job.post(ENDED, "shutdown")
+                    self._release(slot)
+            while self.pending:
+                self.pending.popleft().post(ENDED, "shutdown")
+
+    def _assign(self) -> bool:
+        """Give queued jobs (oldest first) to free slots; True when any slot has work."""
+        for slot in self.slots:
+            while slot.job is None and self.pending:
+                job = self.pending.popleft()
+                if job.cancelled.is_set():
+                    continue
+                self._start(slot, job)
+        return any(s.job is not None for s in self.slots)
+
+    def _start(self, slot: Slot, job: Job) -> None:
+        r = job.request
+        job.slot_id = slot.id
+        slot.job, slot.n_prompt, slot.n_decoded = job, len(r.prompt_ids), 0
+        slot.requests += 1
+        slot.iterator = self.engine.stream(r.prompt_ids, r.params, draft=slot.policy, sequence=slot.sequence,
+                                           n_min=r.n_min, n_max=r.n_max)
+
+    def _release(self, slot: Slot) -> None:
+        if slot.iterator is not None:
+            slot.iterator.close()  # stops the generation at once
+        slot.job, slot.iterator = None, None
+
+    def _advance(self, slot: Slot) -> None:
+        job = slot.job
+        if job.cancelled.is_set():
+            log.info("slot %d: request %d cancelled after %d tokens", slot.id, job.id, slot.n_decoded)
+            job.post(ENDED, "cancelled")
+            self._release(slot)
+            return
+        try:
+            event = next(slot.iterator)
+        except Exception as e:  # a failure inside the model must end this request only, never the worker
+            log.exception("slot %d: request %d failed", slot.id, job.id)
+            job.post(ERROR, e)
+            self._release(slot)
+            return
+        self.metrics.on_step()
+        if isinstance(event, Delta):
+            slot.n_decoded += len(event.token_ids)
+            job.post(DELTA, event)
+            return
+        slot.n_decoded = event.stats.predicted_n
+        self.metrics.on_result(event)
+        log.info("slot %d: request %d done: %s", slot.id, job.id, _summary(event))
+        job.post(RESULT, event)
+        self._release(slot)
+
+
+def _summary(result: GenerationResult) -> str:
+    s = result.stats
+    line = (f"{s.prompt_n} prompt tokens in {s.prompt_ms:.0f} ms, {s.predicted_n} tokens in "
+            f"{s.predicted_ms / 1000:.2f} s ({s.predicted_per_second:.1f} tok/s)")
+    if s.draft_n:
+        line += f", tau {s.tau:.2f}, acceptance {100 * s.acceptance_rate:.1f}%"
+    return line + f", stop {result.stop_type}"

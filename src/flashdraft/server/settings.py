@@ -1,0 +1,33 @@
+"""What `flashdraft serve` was asked to do, once its flags are parsed."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ServerSettings:
+    model: str
+    drafter: str | None
+    alias: str
+    host: str = "127.0.0.1"
+    port: int = 8080
+    ctx_size: int | None = None         # None = the model's (capped by the engine)
+    n_slots: int = 1
+    drafting: bool = True               # False with --spec-type none (or no drafter): plain decoding
+    # Request defaults (llama-server's flag defaults where flashdraft's differ are noted in docs/server.md).
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    n_predict: int = -1                 # -1 = until the context is full
+    spec_n_max: int | None = None       # None = the drafter's block size - 1
+    spec_n_min: int = 0
+    adaptive_draft: bool = True         # False (--no-spec-dm-adaptive): always draft up to n_max
+    api_keys: list[str] = field(default_factory=list)
+    metrics: bool = False
+    webui: bool = True
+    chat_template: str | None = None    # overrides the tokenizer's (from --chat-template-file)
+    device: str | None = None
+    threads: int | None = None
+    max_body_bytes: int = 8 * 1024 * 1024

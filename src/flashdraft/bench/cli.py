@@ -1,0 +1,157 @@
+"""`flashdraft bench`: the same prompts with plain decoding and with DFlash, side by side.
+
+In process (default) one engine is loaded and each prompt runs both ways with the same sampling and seed;
+with --url the prompts go to running servers instead. The table streams to stdout as prompts finish (to
+stderr with --json, whose stdout is exactly one JSON object); the progress bar is on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tqdm import tqdm
+
+from flashdraft.cli import add_sampling_args, resolve_model_paths, sampling_from_args
+
+PROG = "flashdraft bench"
+# Sized so that the no-argument run (demo pair, 3 code prompts) stays within a few minutes on 2 CPU cores.
+DEFAULT_REPS = 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=(
+        "Benchmark plain decoding against DFlash on the same prompts: tokens/s, speedup, generation time, "
+        "tau, acceptance rate, draft lengths and (greedy) whether the outputs are identical. Without -m or "
+        "--url it benchmarks the embedded demo pair on the code prompts."))
+    p.add_argument("-m", "--model", default=None, help="target model folder (default: the embedded demo model)")
+    p.add_argument("-md", "--spec-draft-model", "--drafter", dest="drafter", default=None,
+                   help="DFlash drafter folder (default with no -m: the demo drafter)")
+    p.add_argument("-c", "--ctx-size", type=int, default=None, help="context size in tokens (in-process)")
+    p.add_argument("--device", default=None, help="cpu or cuda (in-process; default: cuda if available)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch (in-process; default: torch's)")
+    p.add_argument("--draft-n", type=int, default=None,
+                   help="fixed DFlash draft length (default: the engine's draft policy; with --url: the server's)")
+    p.add_argument("--prompts", default="code", metavar="code|prose|multiturn|FILE",
+                   help="built-in prompt set or a JSONL file of {name, prompt|messages|turns} (default: code)")
+    p.add_argument("--reps", type=int, default=DEFAULT_REPS,
+                   help=f"timed repetitions per prompt and way, after one untimed warm-up (default {DEFAULT_REPS})")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout (table goes to stderr)")
+    p.add_argument("--plot", metavar="FILE.png", default=None, help="write a PNG: tok/s per prompt, tau annotated")
+    p.add_argument("--url", default=None, help="benchmark a running server with DFlash (OpenAI-style API)")
+    p.add_argument("--baseline-url", default=None, help="a server without drafting for the baseline (default: "
+                   "--url with \"speculative.n_max\": 0 per request)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for one server response (default 600)")
+    p.add_argument("--synthetic", metavar="SHAPE", default=None,
+                   help="synthetic benchmark of a model shape (flashdraft.bench.synthetic)")
+    add_sampling_args(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.synthetic is not None:
+        return run_synthetic(args)
+
+    from flashdraft.bench.prompts import load_prompt_set
+    from flashdraft.bench.runner import BenchError
+    from flashdraft.config import ConfigError
+    try:
+        check_args(args)
+        prompts = load_prompt_set(args.prompts)
+        params = sampling_from_args(args)
+        params.validate()
+        if params.seed is None:  # one seed for both ways and every repetition, reported so runs can be repeated
+            from flashdraft.engine.sampling import resolve_seed
+            params.seed = resolve_seed(params)
+        backend, config = make_backend(args, params)
+        report = run(backend, prompts, args, config, greedy=params.greedy)
+        if args.plot:
+            from flashdraft.bench.plot import write_plot
+            print(f"{PROG}: wrote {write_plot(report, args.plot)}", file=sys.stderr)
+    except (BenchError, ConfigError, ValueError, OSError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+def check_args(args) -> None:
+    if args.reps < 1:
+        raise ValueError(f"--reps must be >= 1, got {args.reps}")
+    if args.baseline_url and not args.url:
+        raise ValueError("--baseline-url needs --url (the server with DFlash)")
+    if args.url:
+        local = [flag for flag, value in (("-m", args.model), ("-md", args.drafter), ("-c", args.ctx_size),
+                                          ("--device", args.device), ("-t", args.threads)) if value is not None]
+        if local:
+            raise ValueError(f"{', '.join(local)} apply to in-process runs; with --url the server has its model")
+        if args.timeout <= 0:
+            raise ValueError(f"--timeout must be > 0, got {args.timeout}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"-t/--threads must be >= 1, got {args.threads}")
+    if args.draft_n is not None and args.draft_n < 1:
+        raise ValueError(f"--draft-n must be >= 1 (0 would be the baseline), got {args.draft_n}")
+    if args.plot:
+        from pathlib import Path
+        folder = Path(args.plot).resolve().parent
+        if not folder.is_dir():  # fail before the run, not after it
+            raise ValueError(f"--plot: folder {folder} does not exist")
+
+
+def make_backend(args, params):
+    from flashdraft.bench.runner import BenchError, InProcessBackend, ServerBackend
+    config = {"prompt_set": args.prompts, "n_predict": params.max_tokens, "temperature": params.temperature,
+              "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p, "seed": params.seed,
+              "reps": args.reps, "warmup": 1, "draft": args.draft_n if args.draft_n is not None else "default"}
+    if args.url:
+        backend = ServerBackend(args.url, args.baseline_url, params, args.draft_n, args.timeout)
+        return backend, {"mode": "server", "url": backend.url, "baseline_url": backend.baseline_url, **config}
+
+    from flashdraft.engine.generator import Engine
+    if args.threads is not None:
+        import torch
+        torch.set_num_threads(args.threads)
+    model, drafter = resolve_model_paths(args.model, args.drafter)
+    print(f"{PROG}: loading {model}" + (f" with drafter {drafter}" if drafter else ""), file=sys.stderr)
+    engine = Engine.load(model, drafter, device=args.device, context_size=args.ctx_size)
+    if not engine.has_drafter:
+        raise BenchError("bench compares plain decoding with DFlash: pass a drafter with -md DRAFTER_FOLDER")
+    if args.draft_n is not None and args.draft_n > engine.max_draft:
+        raise ValueError(f"--draft-n must be between 1 and {engine.max_draft} (block size - 1), got {args.draft_n}")
+    device = str(engine.decoder.device)
+    return InProcessBackend(engine, params, args.draft_n), {
+        "mode": "in-process", "model": engine.name, "model_path": str(model), "drafter_path": str(drafter),
+        "device": device, "context_size": engine.context_size, "block_size": engine.decoder.block_size, **config}
+
+
+def run(backend, prompts, args, config: dict, greedy: bool) -> dict:
+    from flashdraft.bench.report import build_report, prompt_row, summary_row, table_header, table_row
+    from flashdraft.bench.runner import run_bench
+    table = sys.stderr if args.json else sys.stdout
+    total = 2 + 2 * args.reps * sum(p.cases for p in prompts)
+    with tqdm(total=total, desc="bench", unit="gen", file=sys.stderr, disable=None, leave=False) as bar:
+        bar.write(table_header(), file=table)
+        results = run_bench(backend, prompts, args.reps, on_generation=bar.update,
+                            on_result=lambda r: bar.write(table_row(prompt_row(r, greedy)), file=table))
+    report = build_report(results, greedy, config)
+    print("-" * len(table_header().splitlines()[0]), file=table)
+    print(summary_row(report["summary"]), file=table)
+    return report
+
+
+def run_synthetic(args) -> int:
+    """The lead's synthetic mode, when its module is installed: synthetic.main(args) gets the parsed flags."""
+    import importlib
+    try:
+        synthetic = importlib.import_module("flashdraft.bench.synthetic")
+    except ModuleNotFoundError as e:
+        if e.name != "flashdraft.bench.synthetic":
+            raise
+        print(f"{PROG}: error: synthetic mode is not available", file=sys.stderr)
+        return 1
+    return int(synthetic.main(args) or 0)

@@ -1,0 +1,203 @@
+"""Running the benchmark: the same prompts plain and with DFlash, in process or against running servers.
+
+Both backends answer `generate(case, dflash) -> Measurement`; `run_bench` drives either one: one warm-up
+generation each way (not timed), then --reps timed repetitions of every prompt both ways. A conversation
+is run turn by turn, the baseline's first reply fed back as the assistant turn so that both ways see the
+same conversation.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, replace
+from typing import Callable, Protocol
+
+from flashdraft.bench.prompts import BenchPrompt
+from flashdraft.bench.report import Measurement, PromptResult
+from flashdraft.config import SamplingParams
+
+# Tokens each way for the warm-up generation: enough to touch every code path (prefill, drafting, verify).
+WARMUP_TOKENS = 32
+
+
+class BenchError(Exception):
+    """A benchmark that cannot go on; the message names the prompt, server or setting at fault."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One prompt as sent: raw text or chat messages."""
+
+    name: str
+    prompt: str | None = None
+    messages: list[dict] | None = None
+
+
+class Backend(Protocol):
+    def generate(self, case: Case, dflash: bool, max_tokens: int | None = None) -> Measurement: ...
+
+
+class InProcessBackend:
+    """One loaded Engine; the baseline is draft length 0 on the same code path, same sampling and seed.
+
+    DFlash runs share one draft policy, made once like a server slot's, so that an adaptive policy learns
+    across prompts (and from the warm-up) as it would in `flashdraft serve`.
+    """
+
+    def __init__(self, engine, params: SamplingParams, draft_n: int | None = None):
+        self.engine, self.params = engine, params
+        self.dflash_draft = engine.make_policy() if draft_n is None else draft_n
+
+    def generate(self, case: Case, dflash: bool, max_tokens: int | None = None) -> Measurement:
+        params = self.params if max_tokens is None else replace_max_tokens(self.params, max_tokens)
+        try:
+            ids = (self.engine.encode_prompt(messages=case.messages) if case.messages is not None
+                   else self.engine.encode_prompt(case.prompt))
+            result = self.engine.generate(ids, params, self.dflash_draft if dflash else 0)
+        except ValueError as e:
+            raise BenchError(f"prompt {case.name!r}: {e}") from e
+        s = result.stats
+        return Measurement(predicted_n=s.predicted_n, predicted_ms=s.predicted_ms, prompt_n=s.prompt_n,
+                           prompt_ms=s.prompt_ms, text=result.text, draft_n=s.draft_n,
+                           draft_n_accepted=s.draft_n_accepted, steps=s.steps,
+                           draft_lengths=dict(s.draft_lengths), tokens=list(result.tokens))
+
+
+def replace_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
+    return replace(params, max_tokens=min(params.max_tokens, max_tokens))
+
+
+class ServerBackend:
+    """OpenAI-style HTTP: chat messages to /v1/chat/completions, raw prompts to /v1/completions (non-stream).
+
+    The baseline goes to baseline_url if given, else to the same server with "speculative.n_max": 0 (the
+    per-request override of llama-server forks and `flashdraft serve`). Numbers come from the responses'
+    llama.cpp `timings` object; servers return no token ids, so `identical` compares text.
+    """
+
+    def __init__(self, url: str, baseline_url: str | None, params: SamplingParams, draft_n: int | None = None,
+                 timeout: float = 600.0):
+        self.url = normalize_url(url)
+        self.baseline_url = normalize_url(baseline_url) if baseline_url else None
+        self.params, self.draft_n, self.timeout = params, draft_n, timeout
+
+    def request_body(self, case: Case, dflash: bool, max_tokens: int) -> dict:
+        p = self.params
+        body = {"model": "bench", "stream": False, "max_tokens": max_tokens, "temperature": p.temperature,
+                "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p, "seed": p.seed}
+        if case.messages is not None:
+            body["messages"] = case.messages
+        else:
+            body["prompt"] = case.prompt
+        if not dflash and self.baseline_url is None:
+            body["speculative.n_max"] = 0
+        if dflash and self.draft_n is not None:
+            body["speculative.n_max"] = self.draft_n
+        return body
+
+    def generate(self, case: Case, dflash: bool, max_tokens: int | None = None) -> Measurement:
+        base = self.url if dflash or self.baseline_url is None else self.baseline_url
+        endpoint = "/v1/chat/completions" if case.messages is not None else "/v1/completions"
+        n = self.params.max_tokens if max_tokens is None else min(max_tokens, self.params.max_tokens)
+        response = post_json(base + endpoint, self.request_body(case, dflash, n), self.timeout)
+        m = parse_response(response, base + endpoint, chat=case.messages is not None)
+        if not dflash and m.draft_n > 0:
+            raise BenchError(f"the baseline request to {base} drafted {m.draft_n} tokens: that server ignores "
+                             "\"speculative.n_max\": 0; pass --baseline-url of a server started without a drafter")
+        return m
+
+
+def normalize_url(url: str) -> str:
+    """Accept a server root or an OpenAI base URL (ending in /v1)."""
+    if not url.startswith(("http://", "https://")):
+        raise BenchError(f"server URL must start with http:// or https://, got {url!r}")
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def post_json(url: str, body: dict, timeout: float) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            raw = response.read()
+    except urllib.error.HTTPError as e:
+        raise BenchError(f"{url} answered HTTP {e.code}: {error_message(e.read())}") from e
+    except (urllib.error.URLError, ConnectionError) as e:
+        raise BenchError(f"cannot reach {url}: {getattr(e, 'reason', e)}") from e
+    except (TimeoutError, socket.timeout) as e:
+        raise BenchError(f"{url} did not answer within {timeout:g} s (--timeout)") from e
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise BenchError(f"{url} did not answer with JSON: {raw[:200]!r}") from e
+
+
+def error_message(raw: bytes) -> str:
+    """The error text of an OpenAI/llama-server style error body, else the body itself."""
+    try:
+        error = json.loads(raw).get("error")
+        return error.get("message", str(error)) if isinstance(error, dict) else str(error or raw[:300])
+    except (json.JSONDecodeError, AttributeError):
+        return raw[:300].decode(errors="replace")
+
+
+def parse_response(response: dict, url: str, chat: bool) -> Measurement:
+    timings = response.get("timings") if isinstance(response, dict) else None
+    if not isinstance(timings, dict):
+        raise BenchError(f"{url}: the response has no 'timings' object; bench needs a server that reports "
+                         "llama.cpp timings (flashdraft serve, llama-server)")
+    try:
+        choice = response["choices"][0]
+        text = choice["message"]["content"] if chat else choice["text"]
+        return Measurement(predicted_n=int(timings["predicted_n"]), predicted_ms=float(timings["predicted_ms"]),
+                           prompt_n=int(timings["prompt_n"]), prompt_ms=float(timings["prompt_ms"]),
+                           text=text or "", draft_n=int(timings.get("draft_n", 0)),
+                           draft_n_accepted=int(timings.get("draft_n_accepted", 0)))
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise BenchError(f"{url}: unexpected response shape ({type(e).__name__}: {e})") from e
+
+
+def run_bench(backend: Backend, prompts: list[BenchPrompt], reps: int,
+              on_generation: Callable[[], None] = lambda: None,
+              on_result: Callable[[PromptResult], None] = lambda r: None) -> list[PromptResult]:
+    """Warm up once each way, then every prompt (every turn) reps times each way, alternating."""
+    first = first_case(prompts[0])
+    for dflash in (False, True):
+        backend.generate(first, dflash, max_tokens=WARMUP_TOKENS)
+        on_generation()
+    results = []
+    for prompt in prompts:
+        for result in run_prompt(backend, prompt, reps, on_generation):
+            results.append(result)
+            on_result(result)
+    return results
+
+
+def first_case(prompt: BenchPrompt) -> Case:
+    if prompt.turns:
+        return Case(f"{prompt.name}-1", messages=[{"role": "user", "content": prompt.turns[0]}])
+    return Case(prompt.name, prompt=prompt.prompt, messages=prompt.messages)
+
+
+def run_prompt(backend: Backend, prompt: BenchPrompt, reps: int, on_generation: Callable[[], None]):
+    if not prompt.turns:
+        yield measure(backend, first_case(prompt), reps, on_generation)
+        return
+    history: list[dict] = []
+    for number, turn in enumerate(prompt.turns, 1):
+        history.append({"role": "user", "content": turn})
+        result = measure(backend, Case(f"{prompt.name}-{number}", messages=list(history)), reps, on_generation)
+        history.append({"role": "assistant", "content": result.baseline[0].text})
+        yield result
+
+
+def measure(backend: Backend, case: Case, reps: int, on_generation: Callable[[], None]) -> PromptResult:
+    result = PromptResult(case.name, baseline=[], dflash=[])
+    for _ in range(reps):
+        for dflash, runs in ((False, result.baseline), (True, result.dflash)):
+            runs.append(backend.generate(case, dflash))
+            on_generation()
+    return result

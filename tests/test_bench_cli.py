@@ -1,0 +1,132 @@
+"""`flashdraft bench` in process on the tiny checkpoints: the --json schema, --plot, errors, the synthetic hook."""
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+from flashdraft.bench.cli import main
+
+ROW_KEYS = {"name", "baseline_tok_s", "dflash_tok_s", "speedup", "tau", "acceptance_rate", "identical",
+            "draft_n", "draft_n_accepted", "mean_draft_length", "draft_lengths", "prompt_tokens",
+            "baseline_tokens", "dflash_tokens", "baseline_gen_s", "dflash_gen_s"}
+SUMMARY_KEYS = ROW_KEYS - {"name", "prompt_tokens", "baseline_tokens", "dflash_tokens"} | {"prompts"}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # The tiny models run fastest on one thread, and far faster when other processes share the two cores.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"name": "raw", "prompt": "def add(a, b):"}) + "\n"
+                    + json.dumps({"name": "talk", "turns": ["Hello", "And then?"]}) + "\n")
+    return path
+
+
+def bench_json(capsys, argv):
+    code = main(argv + ["--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(out), err  # json.loads rejects anything but exactly one JSON value
+
+
+def test_json_schema_greedy(capsys, qwen3_dir, drafter_dir, prompt_file):
+    report, err = bench_json(capsys, ["-m", str(qwen3_dir), "-md", str(drafter_dir), "-c", "256", "--device",
+                                      "cpu", "-n", "6", "--reps", "2", "--prompts", str(prompt_file)])
+    assert set(report) == {"prompts", "summary", "config"}
+    rows = report["prompts"]
+    assert [r["name"] for r in rows] == ["raw", "talk-1", "talk-2"]
+    for row in rows:
+        assert set(row) == ROW_KEYS
+        assert row["identical"] is True                 # lossless: greedy DFlash equals plain decoding
+        assert row["baseline_tok_s"] > 0 and row["dflash_tok_s"] > 0
+        assert row["speedup"] == pytest.approx(row["dflash_tok_s"] / row["baseline_tok_s"])
+        assert row["tau"] >= 1.0
+        # The default (adaptive) policy may stop drafting for this random drafter, so no draft count is required.
+        assert row["acceptance_rate"] is None or 0 <= row["acceptance_rate"] <= 1
+        assert sum(row["draft_lengths"].values()) > 0 and all(0 <= int(k) <= 7 for k in row["draft_lengths"])
+    # The second turn carries the first turn and the model's reply, so its prompt is longer.
+    assert rows[2]["prompt_tokens"] > rows[1]["prompt_tokens"]
+    s = report["summary"]
+    assert set(s) == SUMMARY_KEYS and s["prompts"] == 3 and s["identical"] is True
+    assert s["draft_n"] == sum(r["draft_n"] for r in rows)
+    c = report["config"]
+    assert c["mode"] == "in-process" and c["reps"] == 2 and c["n_predict"] == 6 and isinstance(c["seed"], int)
+    assert "raw" in err and "all (3)" in err  # the table went to stderr
+
+
+def test_sampling_reports_null_identical_and_plot_writes_png(capsys, qwen3_dir, drafter_dir, tmp_path):
+    prompts = tmp_path / "one.jsonl"
+    prompts.write_text(json.dumps({"name": "chat", "messages": [{"role": "user", "content": "Hi"}]}) + "\n")
+    png = tmp_path / "bench.png"
+    report, err = bench_json(capsys, ["-m", str(qwen3_dir), "-md", str(drafter_dir), "-c", "256", "--device",
+                                      "cpu", "-n", "5", "--temp", "0.9", "--seed", "7", "--prompts", str(prompts),
+                                      "--plot", str(png), "--draft-n", "3"])
+    assert report["prompts"][0]["identical"] is None and report["summary"]["identical"] is None
+    assert report["config"]["seed"] == 7 and report["config"]["draft"] == 3
+    assert set(report["prompts"][0]["draft_lengths"]) <= {"0", "1", "2", "3"}
+    assert report["prompts"][0]["draft_n"] > 0  # a fixed length drafts on every step
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert f"wrote {png}" in err
+
+
+def test_table_goes_to_stdout_without_json(capsys, qwen3_dir, drafter_dir, prompt_file):
+    prompts = prompt_file.parent / "raw.jsonl"
+    prompts.write_text(prompt_file.read_text().splitlines()[0] + "\n")
+    assert main(["-m", str(qwen3_dir), "-md", str(drafter_dir), "-c", "256", "--device", "cpu", "-n", "3",
+                 "--prompts", str(prompts)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("prompt") and out[2].startswith("raw") and out[-1].startswith("all (1)")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--reps", "0"], "--reps must be >= 1"),
+    (["--baseline-url", "http://127.0.0.1:1"], "--baseline-url needs --url"),
+    (["--url", "http://127.0.0.1:1", "-m", "x"], "-m apply to in-process runs"),
+    (["--url", "ftp://host"], "must start with http:// or https://"),
+    (["--prompts", "nonsense"], "neither a built-in set"),
+    (["-m", "/nonexistent/model"], "/nonexistent/model"),
+    (["--temp", "-1"], "temperature must be >= 0"),
+    (["-t", "0"], "-t/--threads must be >= 1"),
+    (["--draft-n", "0"], "--draft-n must be >= 1"),
+    (["--plot", "/nonexistent/dir/x.png"], "--plot: folder"),
+])
+def test_bad_arguments_are_clean_errors(capsys, argv, message):
+    assert main(argv) == 1
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith("flashdraft bench: error: ") and message in last
+
+
+def test_model_without_drafter_and_draft_n_out_of_range(capsys, qwen3_dir, drafter_dir):
+    assert main(["-m", str(qwen3_dir), "--device", "cpu"]) == 1
+    assert "pass a drafter with -md" in capsys.readouterr().err
+    assert main(["-m", str(qwen3_dir), "-md", str(drafter_dir), "--device", "cpu", "--draft-n", "8"]) == 1
+    assert "--draft-n must be between 1 and 7" in capsys.readouterr().err
+
+
+def test_no_arguments_without_the_demo_pair_is_a_clean_error(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr("flashdraft.demo.DEMO_DIR", tmp_path)
+    assert main([]) == 1
+    err = capsys.readouterr().err
+    assert "embedded demo model is missing" in err and "Traceback" not in err
+
+
+def test_synthetic_hook(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "flashdraft.bench.synthetic", None)  # as if the module were not installed
+    assert main(["--synthetic", "gemma4-31b"]) == 1
+    assert "synthetic mode is not available" in capsys.readouterr().err
+
+    seen = []
+    fake = types.ModuleType("flashdraft.bench.synthetic")
+    fake.main = lambda args: seen.append(args) or 0
+    monkeypatch.setitem(sys.modules, "flashdraft.bench.synthetic", fake)
+    assert main(["--synthetic", "gemma4-31b", "-n", "64"]) == 0
+    assert seen[0].synthetic == "gemma4-31b" and seen[0].n_predict == 64

@@ -205,3 +205,8 @@ def _as_id_list(value: Any) -> list[int]:
     if isinstance(value, int):
         return [value]
     return [int(v) for v in value]
+
+
+def is_gguf_path(path) -> bool:
+    """A llama.cpp GGUF file rather than a Hugging Face folder (decided by name; kept torch-free for the server)."""
+    return path is not None and str(path).lower().endswith(".gguf")

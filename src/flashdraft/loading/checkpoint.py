@@ -116,7 +116,7 @@ def load_drafter(path: str | Path, target: DecoderLM, max_positions: int) -> DFl
     folder = model_folder(path, "drafter")
     cfg = DrafterConfig.from_file(folder / "config.json")
     check_drafter_fits(cfg, target.config, folder)
-    p = target.lm_head.weight
+    p = target.model.norm.weight  # the target's device and dtype (a float parameter even in GGUF models)
     with torch.device("meta"):
         drafter = DFlashDrafter(cfg, max_positions)
     assign_tensors(drafter, read_tensors(folder), folder, p.device, p.dtype)

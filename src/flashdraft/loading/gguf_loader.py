@@ -1,0 +1,414 @@
+"""Load llama.cpp GGUF files (`-m file.gguf`, `-md file.gguf`) into our own modules.
+
+The gguf package memory-maps the file. Float tensors (F32/F16/BF16) become ordinary parameters in the model
+dtype; quantized tensors stay in their GGUF blocks (flashdraft.quant.QuantLinear / QuantEmbedding), so a
+Q4_K file takes about as much memory as it does on disk. Metadata gives the config, the tokenizer (with its
+chat template and EOS ids) and, for DFlash drafters, the block/tap settings in both the legacy
+"dflash-draft" and the upstream "dflash" layouts. The drafter's embedding and LM head come from the target.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from flashdraft.config import ConfigError, DrafterConfig, ModelConfig, is_gguf_path
+from flashdraft.loading.checkpoint import CheckpointError, check_drafter_fits
+from flashdraft.loading.tokenizer import Tokenizer
+from flashdraft.layers.rope import RotaryEmbedding
+from flashdraft.models import DecoderLM, DFlashDrafter
+from flashdraft.quant import QuantEmbedding, QuantLinear, UnsupportedQuantType, block_format
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+# general.architecture -> our model_type. llama.cpp stores Llama's q/k rows permuted for its interleaved RoPE.
+TARGET_ARCHS = {"llama": "llama", "qwen3": "qwen3"}
+PERMUTED_QK_ARCHS = ("llama",)
+DRAFTER_ARCHS = ("dflash-draft", "dflash")
+
+# Per-layer GGUF tensor -> our parameter (shared by targets and drafters; Qwen3 q/k norms when present).
+LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+TARGET_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Legacy "dflash-draft" names first, then the upstream "dflash" renames (beellama.md section 5).
+DRAFTER_TENSORS = {"dflash_fc": "fc", "fc": "fc", "dflash_hidden_norm": "hidden_norm",
+                   "enc.output_norm": "hidden_norm", "output_norm": "norm"}
+DRAFTER_LAYER_RENAMES = {"post_attention_norm": "ffn_norm"}
+# A drafter file may carry copies of the target's embedding/head; the target's are used.
+DRAFTER_IGNORED = ("token_embd.weight", "output.weight")
+
+# tokenizer.ggml.pre -> split regex of the byte-level BPE pre-tokenizer (llama.cpp llama-vocab.cpp);
+# None = GPT-2's own regex.
+PRE_TOKENIZER_REGEX = {
+    "default": None,
+    "gpt-2": None,
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+             r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+CONTROL_TOKEN, USER_DEFINED_TOKEN = 3, 4
+
+
+class GGUFFile:
+    """A memory-mapped GGUF file: metadata by key and tensors by name."""
+
+    def __init__(self, path: str | Path, what: str = "model"):
+        from gguf import GGUFReader
+
+        self.path = Path(path).expanduser()
+        if not self.path.is_file():
+            raise ConfigError(f"{what} GGUF file not found: {self.path}")
+        try:
+            # Copy-on-write mapping: tensors share the file's pages and torch gets writable arrays.
+            self.reader = GGUFReader(self.path, "c")
+        except Exception as e:  # the reader raises ValueError/struct errors/... on a damaged file
+            raise ConfigError(f"{self.path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self._values: dict = {}  # decoded metadata (the token list of a large vocabulary is slow to decode)
+        self.arch = self.get("general.architecture")
+        if not isinstance(self.arch, str):
+            raise ConfigError(f"{self.path}: missing general.architecture")
+
+    def get(self, key: str, default=None):
+        field = self.reader.fields.get(key)
+        if field is None:
+            return default
+        if key not in self._values:
+            self._values[key] = field.contents()
+        return self._values[key]
+
+    def arch_get(self, key: str, default=None):
+        return self.get(f"{self.arch}.{key}", default)
+
+    def require(self, key: str):
+        value = self.arch_get(key)
+        if value is None:
+            raise ConfigError(f"{self.path}: missing metadata {self.arch}.{key}")
+        return value
+
+    def qtype(self, name: str) -> str:
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(self.tensors[name].tensor_type).name
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The logical shape in torch order ([out_features, in_features] for a matrix)."""
+        return tuple(int(d) for d in reversed(self.tensors[name].shape.tolist()))
+
+    def raw(self, name: str) -> torch.Tensor:
+        """Float tensors in their own dtype and logical shape; quantized ones as uint8 [rows, row_bytes]."""
+        data = torch.from_numpy(self.tensors[name].data)
+        qtype = self.qtype(name)
+        if qtype == "BF16":
+            return data.view(torch.bfloat16)
+        if qtype not in FLOAT_TYPES:
+            block_format(qtype)  # names an unsupported type
+        return data
+
+
+def _single(value, key: str, source: Path):
+    """A per-layer metadata array must be uniform here (we have no per-layer head counts)."""
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise ConfigError(f"{source}: per-layer values for {key} ({value}) are not supported")
+        return value[0]
+    return value
+
+
+def _eos_ids(g: GGUFFile) -> list[int]:
+    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    return list(dict.fromkeys(int(v) for v in (g.get(k) for k in keys) if v is not None))
+
+
+def _rope_scaling(g: GGUFFile) -> dict | None:
+    kind = g.arch_get("rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(g.require("rope.scaling.factor"))}
+    raise ConfigError(f"{g.path}: unsupported rope scaling type {kind!r} (supported: none, linear, "
+                      f"and llama3-style rope_freqs factors)")
+
+
+def _layer_stack_config(g: GGUFFile, model_type: str, vocab_size: int, **extra) -> ModelConfig:
+    hidden = int(g.require("embedding_length"))
+    heads = int(_single(g.require("attention.head_count"), "attention.head_count", g.path))
+    kv_heads = _single(g.arch_get("attention.head_count_kv", heads), "attention.head_count_kv", g.path)
+    raw = {
+        "model_type": model_type,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": int(_single(g.require("feed_forward_length"), "feed_forward_length", g.path)),
+        "num_hidden_layers": int(g.require("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(kv_heads),
+        "head_dim": int(g.arch_get("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(g.arch_get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(g.arch_get("rope.freq_base", 10000.0)),
+        "rope_scaling": _rope_scaling(g),
+        "attention_bias": "blk.0.attn_q.bias" in g.tensors,
+        **extra,
+    }
+    cfg = ModelConfig.from_dict(raw, source=str(g.path))
+    cfg.qk_norm = "blk.0.attn_q_norm.weight" in g.tensors
+    return cfg
+
+
+def gguf_target_config(g: GGUFFile) -> ModelConfig:
+    if g.arch not in TARGET_ARCHS:
+        hint = " (a DFlash drafter: pass it as the drafter)" if g.arch in DRAFTER_ARCHS else ""
+        raise ConfigError(f"{g.path}: unsupported GGUF architecture {g.arch!r}{hint}; "
+                          f"supported: {', '.join(TARGET_ARCHS)}")
+    if "token_embd.weight" not in g.tensors:
+        raise CheckpointError(f"{g.path}: missing tensor 'token_embd.weight'")
+    bos = g.get("tokenizer.ggml.bos_token_id")
+    # The embedding's rows, not the token list: llama.cpp pads one or the other.
+    return _layer_stack_config(
+        g, TARGET_ARCHS[g.arch], g.shape("token_embd.weight")[0],
+        max_position_embeddings=int(g.arch_get("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in g.tensors,
+        eos_token_id=_eos_ids(g), bos_token_id=int(bos) if bos is not None else None)
+
+
+def _drafter_settings(g: GGUFFile) -> tuple[int, int, list[int]]:
+    """(block_size, mask_token_id, target_layer_ids in HF numbering) from either drafter layout."""
+    if g.arch == "dflash-draft":
+        block = g.arch_get("dflash.block_size", 16)
+        mask = g.arch_get("dflash.mask_token_id", g.get("tokenizer.ggml.mask_token_id"))
+        taps = g.arch_get("dflash.target_layer_ids")
+        missing = "dflash-draft.dflash.target_layer_ids"
+    else:
+        block = g.arch_get("block_size", g.arch_get("dflash.block_size", 16))
+        mask = g.get("tokenizer.ggml.mask_token_id", g.arch_get("mask_token_id"))
+        # llama.cpp's converter stores HF hidden_states indices: the output of layer i is index i + 1.
+        layers = g.arch_get("target_layers")
+        taps = [int(i) - 1 for i in layers] if layers is not None else None
+        missing = "dflash.target_layers"
+    if taps is None:
+        raise ConfigError(f"{g.path}: missing metadata {missing}")
+    if mask is None:
+        raise ConfigError(f"{g.path}: no mask token id (tokenizer.ggml.mask_token_id or {g.arch}.dflash.mask_token_id)")
+    return int(block), int(mask), [int(i) for i in taps]
+
+
+def gguf_drafter_config(g: GGUFFile, target: ModelConfig) -> DrafterConfig:
+    if g.arch not in DRAFTER_ARCHS:
+        raise ConfigError(f"{g.path}: GGUF architecture {g.arch!r} is not a DFlash drafter "
+                          f"(expected one of {', '.join(DRAFTER_ARCHS)})")
+    block, mask, taps = _drafter_settings(g)
+    if block < 2:
+        raise ConfigError(f"{g.path}: block_size must be >= 2, got {block}")
+    qk_norm = "blk.0.attn_q_norm.weight" in g.tensors
+    layers = _layer_stack_config(g, "qwen3" if qk_norm else "llama", target.vocab_size,
+                                 max_position_embeddings=int(g.arch_get("context_length",
+                                                                        target.max_position_embeddings)))
+    return DrafterConfig(layers=layers, block_size=block, mask_token_id=mask, target_layer_ids=taps,
+                         num_target_layers=target.num_hidden_layers)
+
+
+def _unpermute_rows(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo convert_hf_to_gguf's LlamaModel.permute on the rows of a q/k weight (float rows or block rows) or bias."""
+    n = t.shape[0]
+    return t.reshape(n_head, n // n_head // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape).contiguous()
+
+
+def _submodule(root: nn.Module, path: str) -> tuple[nn.Module, str]:
+    parent, _, attr = path.rpartition(".")
+    return (root.get_submodule(parent) if parent else root), attr
+
+
+class _Installer:
+    """Puts GGUF tensors into a model built on the meta device, checking names, shapes and types."""
+
+    def __init__(self, g: GGUFFile, model: nn.Module, device: torch.device, dtype: torch.dtype):
+        self.g, self.model, self.device, self.dtype = g, model, device, dtype
+        self.used: set[str] = set()
+
+    def tensor(self, gguf_name: str, module_path: str, attr: str, permute_heads: int | None = None) -> None:
+        module = self.model.get_submodule(module_path)
+        param = getattr(module, attr)
+        expected = tuple(param.shape)
+        if self.g.shape(gguf_name) != expected:
+            raise CheckpointError(f"{self.g.path}: tensor {gguf_name!r} has shape {list(self.g.shape(gguf_name))}, "
+                                  f"expected {list(expected)} (for {module_path}.{attr})")
+        try:
+            data = self.g.raw(gguf_name)
+        except UnsupportedQuantType as e:
+            raise UnsupportedQuantType(f"{self.g.path}: tensor {gguf_name!r}: {e}") from None
+        if permute_heads:
+            data = _unpermute_rows(data, permute_heads)
+        self.used.add(gguf_name)
+        qtype = self.g.qtype(gguf_name)
+        if qtype in FLOAT_TYPES:
+            setattr(module, attr, nn.Parameter(data.to(self.device, self.dtype), requires_grad=False))
+        else:
+            self._quantized(gguf_name, module_path, module, attr, data.to(self.device), qtype)
+
+    def _quantized(self, gguf_name, module_path, module, attr, blocks, qtype):
+        if attr != "weight" or not isinstance(module, (nn.Linear, nn.Embedding)):
+            raise CheckpointError(f"{self.g.path}: tensor {gguf_name!r} is {qtype}-quantized, but only "
+                                  f"matrix weights may be (not {module_path}.{attr})")
+        if isinstance(module, nn.Embedding):
+            replacement = QuantEmbedding(blocks, qtype, module.embedding_dim, self.dtype)
+        else:
+            bias = module.bias if module.bias is not None and not module.bias.is_meta else None
+            replacement = QuantLinear(blocks, qtype, module.in_features, self.dtype, bias)
+        parent, name = _submodule(self.model, module_path)
+        setattr(parent, name, replacement)
+
+    def layer(self, prefix: str, i: int, cfg: ModelConfig, permute_qk: bool, renames: dict) -> None:
+        heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads} if permute_qk else {}
+        present = {n for n in self.g.tensors if n.startswith(f"blk.{i}.")}
+        for gguf_base, ours in LAYER_TENSORS.items():
+            for kind in ("bias", "weight"):  # a quantized weight's QuantLinear takes the loaded bias
+                path = f"{prefix}layers.{i}.{ours}"
+                try:
+                    owner = self.model.get_submodule(path)
+                except AttributeError:
+                    continue  # e.g. q_norm on a model without qk norm (then the tensor shows as unexpected)
+                if getattr(owner, kind, None) is None:
+                    continue
+                names = [f"blk.{i}.{gguf_base}.{kind}"] + [f"blk.{i}.{old}.{kind}" for old, new in renames.items()
+                                                            if new == gguf_base]
+                name = next((n for n in names if n in present), None)
+                if name is None:
+                    raise CheckpointError(f"{self.g.path}: missing tensor {names[0]!r} "
+                                          f"(expected shape {list(getattr(owner, kind).shape)})")
+                self.tensor(name, path, kind, heads.get(gguf_base))
+
+    def finish(self, ignored: tuple[str, ...] = ()) -> None:
+        extra = sorted(set(self.g.tensors) - self.used - set(ignored) - {"rope_freqs.weight"})
+        if extra:
+            raise CheckpointError(f"{self.g.path}: unexpected tensor(s) for a {self.g.arch} model: {extra[:8]}")
+        left = [n for n, p in [*self.model.named_parameters(), *self.model.named_buffers()] if p.is_meta]
+        if left:
+            raise CheckpointError(f"{self.g.path}: no tensor for {left[:8]}")
+
+
+def _rope(g: GGUFFile, cfg: ModelConfig, max_positions: int, device) -> RotaryEmbedding:
+    """The RoPE tables; llama3-style scaling comes as per-frequency divisors in rope_freqs.weight."""
+    rope = RotaryEmbedding(cfg, max_positions)
+    if "rope_freqs.weight" in g.tensors:
+        factors = g.raw("rope_freqs.weight").float().flatten()
+        if factors.numel() != cfg.head_dim // 2:
+            raise CheckpointError(f"{g.path}: rope_freqs.weight has {factors.numel()} values, "
+                                  f"expected head_dim/2 = {cfg.head_dim // 2}")
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float()
+                                             / cfg.head_dim)) / factors
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        rope.cos, rope.sin = emb.cos(), emb.sin()
+    return rope.to(device)
+
+
+def load_gguf_target(g: GGUFFile, max_positions: int, device: torch.device, dtype: torch.dtype) -> DecoderLM:
+    cfg = gguf_target_config(g)
+    with torch.device("meta"):
+        model = DecoderLM(cfg, max_positions)
+    inst = _Installer(g, model, device, dtype)
+    for gguf_base, ours in TARGET_TENSORS.items():
+        name = f"{gguf_base}.weight"
+        if name in g.tensors:
+            inst.tensor(name, ours, "weight")
+        elif gguf_base != "output":
+            raise CheckpointError(f"{g.path}: missing tensor {name!r}")
+    if cfg.tie_word_embeddings:
+        emb = model.model.embed_tokens
+        if isinstance(emb, QuantEmbedding):
+            model.lm_head = QuantLinear(emb.blocks, emb.qtype, cfg.hidden_size, dtype)
+        else:
+            model.lm_head.weight = emb.weight
+    for i in range(cfg.num_hidden_layers):
+        inst.layer("model.", i, cfg, g.arch in PERMUTED_QK_ARCHS, {})
+    model.rope = _rope(g, cfg, max_positions, device)
+    inst.finish()
+    return model.eval().requires_grad_(False)
+
+
+def load_gguf_drafter(path: str | Path, target: DecoderLM, max_positions: int) -> DFlashDrafter:
+    g = GGUFFile(path, "drafter")
+    target_type = getattr(target.config, "model_type", None)
+    if target_type not in TARGET_ARCHS.values():
+        raise ConfigError(f"{g.path}: GGUF drafters are supported for {', '.join(TARGET_ARCHS.values())} targets, "
+                          f"not {target_type!r}")
+    cfg = gguf_drafter_config(g, target.config)
+    check_drafter_fits(cfg, target.config, g.path)
+    ref = target.model.norm.weight  # a float parameter: the target's device and compute dtype
+    with torch.device("meta"):
+        drafter = DFlashDrafter(cfg, max_positions)
+    inst = _Installer(g, drafter, ref.device, ref.dtype)
+    for gguf_base, ours in DRAFTER_TENSORS.items():
+        if f"{gguf_base}.weight" in g.tensors:
+            inst.tensor(f"{gguf_base}.weight", ours, "weight")
+    for i in range(cfg.layers.num_hidden_layers):
+        inst.layer("", i, cfg.layers, False, DRAFTER_LAYER_RENAMES)
+    drafter.rope = _rope(g, cfg.layers, max_positions, ref.device)
+    inst.finish(ignored=DRAFTER_IGNORED)
+    return drafter.eval().requires_grad_(False)
+
+
+class GGUFTokenizer(Tokenizer):
+    """Our Tokenizer over a fast tokenizer built from the GGUF's tokenizer.ggml.* metadata."""
+
+    def __init__(self, g: GGUFFile):
+        self.hf = build_hf_tokenizer(g)
+
+
+def build_hf_tokenizer(g: GGUFFile):
+    """A transformers fast tokenizer equivalent to llama.cpp's for byte-level BPE ("gpt2") vocabularies."""
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer as RawTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    kind = g.get("tokenizer.ggml.model")
+    if kind is None:
+        raise ConfigError(f"{g.path}: no tokenizer in the GGUF metadata (tokenizer.ggml.model)")
+    if kind != "gpt2":
+        raise ConfigError(f"{g.path}: unsupported tokenizer model {kind!r} (supported: gpt2, byte-level BPE)")
+    pre = g.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZER_REGEX:
+        raise ConfigError(f"{g.path}: unsupported pre-tokenizer {pre!r} (supported: {', '.join(PRE_TOKENIZER_REGEX)})")
+    tokens = g.get("tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in g.get("tokenizer.ggml.merges", [])]
+    types = g.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    tok = RawTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                                  ignore_merges=pre == "llama-bpe"))
+    regex = PRE_TOKENIZER_REGEX[pre]
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=regex is None)
+    tok.pre_tokenizer = byte_level if regex is None else pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(regex), behavior="isolated"), byte_level])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, k in zip(tokens, types) if k == CONTROL_TOKEN])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, k in zip(tokens, types) if k == USER_DEFINED_TOKEN])
+
+    def token(key):
+        i = g.get(f"tokenizer.ggml.{key}_token_id")
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    bos = token("bos")
+    if g.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=token("eos"),
+                                 unk_token=token("unknown"), pad_token=token("padding"))
+    hf.chat_template = g.get("tokenizer.chat_template")
+    return hf
+
+
+def gguf_name(g: GGUFFile) -> str:
+    return re.sub(r"\.gguf$", "", g.path.name, flags=re.IGNORECASE)

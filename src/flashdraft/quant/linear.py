@@ -1,0 +1,85 @@
+"""Linear and Embedding layers whose weights stay in their GGUF blocks (uint8), bit-faithful to the file.
+
+The blocks are the only copy of a weight. A forward dequantizes them per call (CPU, and any type without a
+GPU kernel) and runs an ordinary matmul, so the result is exactly that of an nn.Linear holding the
+dequantized weight. On CUDA, `gpu_matmul` may supply a kernel that reads the blocks directly; it must
+compute the same product, batch-invariantly, for plain decoding and speculative verify to agree.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashdraft.quant.dequant import dequantize
+from flashdraft.quant.formats import block_format
+
+
+@functools.cache
+def _gpu_kernels() -> dict:
+    """qtype -> matmul(x, blocks, out_features) from the Triton kernels; empty when Triton is unavailable."""
+    try:
+        from flashdraft.quant import triton_kernels
+    except ImportError:
+        return {}
+    return triton_kernels.KERNELS
+
+
+def gpu_matmul(qtype: str, device: torch.device):
+    return _gpu_kernels().get(qtype) if device.type == "cuda" else None
+
+
+def _checked_blocks(blocks: torch.Tensor, qtype: str, rows: int, row_elems: int) -> torch.Tensor:
+    expected = (rows, block_format(qtype).row_bytes(row_elems))
+    if blocks.dtype != torch.uint8 or tuple(blocks.shape) != expected:
+        raise ValueError(f"{qtype} blocks must be uint8 {list(expected)}, got {blocks.dtype} {list(blocks.shape)}")
+    return blocks
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T (+ b) with W [out_features, in_features] held as GGUF blocks uint8 [out_features, row_bytes]."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: str, in_features: int, dtype: torch.dtype,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        self.qtype, self.in_features, self.out_features = qtype, in_features, blocks.shape[0]
+        self.dtype = dtype  # the compute dtype: activations and the dequantized weight
+        self.register_buffer("blocks", _checked_blocks(blocks, qtype, blocks.shape[0], in_features))
+        self.bias = nn.Parameter(bias.to(dtype), requires_grad=False) if bias is not None else None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight, materialized on every access (for code that needs a dense tensor)."""
+        return dequantize(self.blocks, self.qtype).to(self.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = gpu_matmul(self.qtype, self.blocks.device)
+        if kernel is None:
+            return F.linear(x, self.weight, self.bias)
+        y = kernel(x, self.blocks, self.out_features)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}"
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding rows held as GGUF blocks; only the rows looked up are dequantized."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: str, embedding_dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.qtype, self.num_embeddings, self.embedding_dim = qtype, blocks.shape[0], embedding_dim
+        self.dtype = dtype
+        self.register_buffer("blocks", _checked_blocks(blocks, qtype, blocks.shape[0], embedding_dim))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return dequantize(self.blocks, self.qtype).to(self.dtype)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return dequantize(self.blocks[tokens], self.qtype).to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype}"

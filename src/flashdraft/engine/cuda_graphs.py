@@ -53,11 +53,13 @@ class GraphCache:
 
 def fuse_projections(*models: nn.Module) -> None:
     """Fused q/k/v and gate/up weights: fewer, larger GEMMs per layer (views, so no memory is added)."""
+    from flashdraft.layers import RMSNorm
     for model in models:
         for m in model.modules():
             if hasattr(m, "fuse_projections") and getattr(m, "qkv_weight", None) is None \
-                    and getattr(m, "gate_up_weight", None) is None:
-                m.fuse_projections()
+                    and getattr(m, "gate_up_weight", None) is None \
+                    and all(type(c) is nn.Linear for c in m.children() if not isinstance(c, RMSNorm)):
+                m.fuse_projections()  # plain float Linear layers only: quantized blocks stay as they are
 
 
 def compile_layers(*models: nn.Module) -> None:

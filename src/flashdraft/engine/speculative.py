@@ -57,7 +57,7 @@ class SpeculativeDecoder:
         # The verify block may run up to block_size rows past the last committed position.
         self.capacity = context_size + self.block_size
         self.tap_ids = drafter.config.target_layer_ids if drafter is not None else None
-        self.device = target.lm_head.weight.device
+        self.device = target.model.norm.weight.device  # a float parameter even when weights are quantized
         # Optional replacement of the drafter's guesses (benchmarks with a chosen acceptance pattern): called
         # as oracle(start, guesses) after the drafter has run, so the drafter's cost stays real.
         self.oracle = None
@@ -122,7 +122,8 @@ class SpeculativeDecoder:
         B = self.block_size
         if sum(t.shape[0] for t in seq.pending) > B:
             self._flush_context(seq)
-        taps = torch.zeros(B, self.drafter.fc.in_features, device=self.device, dtype=self.drafter.fc.weight.dtype)
+        taps = torch.zeros(B, len(self.tap_ids) * self.target.config.hidden_size, device=self.device,
+                           dtype=self.drafter.norm.weight.dtype)
         rows = 0
         for t in seq.pending:
             taps[rows:rows + t.shape[0]] = t

@@ -37,7 +37,7 @@ class DecoderLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def new_cache(self, capacity: int) -> KVCache:
-        p = self.lm_head.weight
+        p = self.model.norm.weight  # a float parameter even when the projections are quantized
         return KVCache(self.config, capacity, p.device, p.dtype)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int,

@@ -27,7 +27,7 @@ class DFlashDrafter(nn.Module):
         return self.config.block_size
 
     def new_cache(self, capacity: int) -> KVCache:
-        p = self.fc.weight
+        p = self.norm.weight  # a float parameter even when fc is quantized
         return KVCache(self.config.layers, capacity, p.device, p.dtype)
 
     def add_context(self, taps: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> None:

@@ -298,7 +298,7 @@ class Gemma4LM(nn.Module):
         return logits if cap is None else cap * torch.tanh(logits / cap)
 
     def new_cache(self, capacity: int) -> Gemma4Cache:
-        p = self.lm_head.weight
+        p = self.model.norm.weight  # a float parameter even when the projections are quantized
         return Gemma4Cache(self.config, capacity, p.device, p.dtype)
 
     def _rope(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

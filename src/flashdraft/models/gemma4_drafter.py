@@ -64,7 +64,7 @@ def load_gemma4_drafter(path: str | Path, target: Gemma4LM, max_positions: int) 
     folder = model_folder(path, "drafter")
     cfg = Gemma4DrafterConfig.from_file(folder / "config.json")
     check_drafter_fits(cfg, target.config, folder)
-    p = target.lm_head.weight
+    p = target.model.norm.weight
     scale = float(target.embed_scale)
     with torch.device("meta"):
         drafter = Gemma4DFlashDrafter(cfg, max_positions, scale)

@@ -39,3 +39,22 @@ def test_stop_ids_are_eos_end_of_turn_and_tool_response(engine, tmp_path):
     assert stop_token_ids(tmp_path) == []  # no tokenizer files: no ids guessed
     assert {1, 106, 50} <= engine.eos_ids
     assert {1, 106, 50} <= set(engine.decoder.target.config.eos_token_ids)
+
+
+def test_serve_reasoning_off_maps_to_the_empty_thought_channel(engine, tmp_path):
+    """`flashdraft serve --reasoning off` renders chat requests with thinking off; a request can still override."""
+    from flashdraft.server.cli import build_parser, settings_from_args
+    from flashdraft.server.requests import parse_chat
+
+    (tmp_path / "config.json").write_text("{}")  # the flags are only parsed here; no model is loaded
+
+    def settings(*flags):
+        return settings_from_args(build_parser().parse_args(["-m", str(tmp_path), *flags]))
+
+    body = {"messages": MESSAGES, "max_tokens": 4}
+    off = parse_chat(body, engine, settings("--reasoning", "off")).prompt_ids
+    assert off == engine.tokenizer.encode_chat(MESSAGES, **reasoning_template_kwargs(False))
+    on = parse_chat(body, engine, settings("--reasoning", "on")).prompt_ids
+    assert on == engine.tokenizer.encode_chat(MESSAGES, **reasoning_template_kwargs(True))
+    override = {**body, "chat_template_kwargs": {"enable_thinking": True}}
+    assert parse_chat(override, engine, settings("--reasoning", "off")).prompt_ids == on

@@ -38,7 +38,7 @@ NO_EFFECT_WITH_VALUE = [
     ("--reasoning-format",), ("--reasoning-budget",), ("--prio",), ("--poll",), ("-C", "--cpu-mask"),
     ("--log-file",), ("-lv", "--verbosity", "--log-verbosity"), ("--sleep-idle-seconds",),
 ]
-NO_EFFECT_OPTIONAL_VALUE = [("-fa", "--flash-attn"), ("-rea", "--reasoning"), ("--log-colors",), ("-fit", "--fit")]
+NO_EFFECT_OPTIONAL_VALUE = [("-fa", "--flash-attn"), ("--log-colors",), ("-fit", "--fit")]
 NO_EFFECT_BARE = [
     ("--no-mmap",), ("--mmap",), ("--mlock",), ("--no-host",), ("-kvu", "--kv-unified"), ("--no-kv-unified",),
     ("--log-timestamps",), ("--log-prefix",), ("--no-jinja",), ("-cb", "--cont-batching"),
@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", action="store_true", help="enable GET /metrics (Prometheus)")
     p.add_argument("--jinja", action="store_true", help="use the model's Jinja chat template (always on)")
     p.add_argument("--chat-template-file", default=None, help="Jinja chat template to use instead of the model's")
+    p.add_argument("-rea", "--reasoning", choices=("on", "off", "auto"), default="auto",
+                   help="off: chat templates get enable_thinking=false (Qwen3, Gemma 4: no thinking, Gemma's empty "
+                        "thought channel); on: true; auto (default): the template's own default")
     p.add_argument("--webui", dest="webui", action="store_true", default=True, help="serve the web chat page at / (default)")
     p.add_argument("--no-webui", dest="webui", action="store_false", help="do not serve the web chat page")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
@@ -153,7 +156,8 @@ def settings_from_args(args) -> ServerSettings:
         min_p=args.min_p, seed=args.seed if args.seed is None or args.seed >= 0 else None,
         n_predict=args.n_predict, spec_n_max=args.spec_n_max, spec_n_min=args.spec_n_min,
         adaptive_draft=args.adaptive and args.spec_dm_controller != "off", api_keys=keys,
-        metrics=args.metrics, webui=args.webui, chat_template=template, device=device, threads=args.threads)
+        metrics=args.metrics, webui=args.webui, chat_template=template, device=device, threads=args.threads,
+        reasoning=args.reasoning)
     return settings
 
 

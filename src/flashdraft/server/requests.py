@@ -154,6 +154,8 @@ def parse_chat(body: dict, engine, settings: ServerSettings) -> GenerationReques
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise _bad("chat_template_kwargs", "must be an object")
+    if settings.reasoning != "auto":  # the server-wide default; a request's own chat_template_kwargs win
+        kwargs = {"enable_thinking": settings.reasoning == "on", **kwargs}
     if settings.chat_template:
         kwargs = {**kwargs, "chat_template": settings.chat_template}
     try:

@@ -28,6 +28,7 @@ class ServerSettings:
     metrics: bool = False
     webui: bool = True
     chat_template: str | None = None    # overrides the tokenizer's (from --chat-template-file)
+    reasoning: str = "auto"             # --reasoning: on/off set the templates' enable_thinking, auto leaves it
     device: str | None = None
     threads: int | None = None
     max_body_bytes: int = 8 * 1024 * 1024

@@ -91,18 +91,25 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def median_seconds(fn, device: torch.device, reps: int = 10, warmup: int = 2) -> float:
+    """Median wall time of fn() over reps runs after warmup runs, synchronizing the device around each."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        synchronize(device)
+        t = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def measure_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in GB/s (bytes read + bytes written), median of 10."""
     a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
     b = torch.empty_like(a)
-    times = []
-    for _ in range(12):
-        synchronize(device)
-        t = time.perf_counter()
-        b.copy_(a)
-        synchronize(device)
-        times.append(time.perf_counter() - t)
-    return 2 * a.numel() * a.element_size() / statistics.median(times[2:]) / 1e9
+    return 2 * a.numel() * a.element_size() / median_seconds(lambda: b.copy_(a), device) / 1e9
 
 
 def measure_matmul(device: torch.device, n: int = 8192) -> float:
@@ -110,14 +117,7 @@ def measure_matmul(device: torch.device, n: int = 8192) -> float:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     n = n if device.type == "cuda" else 512
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    times = []
-    for _ in range(12):
-        synchronize(device)
-        t = time.perf_counter()
-        a @ b
-        synchronize(device)
-        times.append(time.perf_counter() - t)
-    return 2 * n ** 3 / statistics.median(times[2:]) / 1e12
+    return 2 * n ** 3 / median_seconds(lambda: a @ b, device) / 1e12
 
 
 @dataclass
@@ -150,16 +150,6 @@ def decode_tok_s(result) -> float:
     return (s.predicted_n - 1) / (s.predicted_ms / 1000)
 
 
-def median_ms(fn, device, reps: int = 30) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        synchronize(device)
-        t = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - t)
-    return 1000 * statistics.median(times)
 
 
 def run(shape: str, device: str | None = None, tokens: int = 256, variants: tuple[str, ...] | None = None,
@@ -209,10 +199,12 @@ def run(shape: str, device: str | None = None, tokens: int = 256, variants: tupl
     reference = prompt + base.tokens
     decoder = engine.decoder
     decoder.prefill(seq, prompt, params, 0)
-    report.decode_step_ms = median_ms(lambda: decoder._verify(seq, torch.tensor([1], device=dev), prompt_len), dev)
-    report.verify_step_ms = median_ms(
-        lambda: decoder._verify(seq, torch.arange(B, device=dev), prompt_len), dev)
-    report.draft_step_ms = median_ms(lambda: decoder._draft(seq, B - 1), dev)
+    def step_ms(fn) -> float:
+        return 1000 * median_seconds(fn, dev, reps=30, warmup=1)
+
+    report.decode_step_ms = step_ms(lambda: decoder._verify(seq, torch.tensor([1], device=dev), prompt_len))
+    report.verify_step_ms = step_ms(lambda: decoder._verify(seq, torch.arange(B, device=dev), prompt_len))
+    report.draft_step_ms = step_ms(lambda: decoder._draft(seq, B - 1))
     log(f"  decode step {report.decode_step_ms:.3f} ms, verify step ({B} tokens) {report.verify_step_ms:.3f} ms, "
         f"draft step {report.draft_step_ms:.3f} ms")
     step_bytes = (report.target_gb + report.drafter_gb + report.lm_head_gb)

@@ -65,6 +65,7 @@ class SpeculativeDecoder:
         # On CUDA by default, also fused projections and compiled layers (docs/performance.md measures each).
         on_cuda = self.device.type == "cuda"
         self.graphs = GraphCache() if (on_cuda if cuda_graphs is None else cuda_graphs) else None
+        self._ctx_taps = None
         if on_cuda if compile is None else compile:
             models = [m for m in (target, drafter) if m is not None]
             fuse_projections(*models)
@@ -122,8 +123,10 @@ class SpeculativeDecoder:
         B = self.block_size
         if sum(t.shape[0] for t in seq.pending) > B:
             self._flush_context(seq)
-        taps = torch.zeros(B, len(self.tap_ids) * self.target.config.hidden_size, device=self.device,
-                           dtype=self.drafter.norm.weight.dtype)
+        if self._ctx_taps is None:  # one staging buffer for the graph's input; stale rows are padding
+            self._ctx_taps = torch.zeros(B, len(self.tap_ids) * self.target.config.hidden_size, device=self.device,
+                                         dtype=self.drafter.norm.weight.dtype)
+        taps = self._ctx_taps
         rows = 0
         for t in seq.pending:
             taps[rows:rows + t.shape[0]] = t

@@ -49,25 +49,26 @@ class Attention(nn.Module):
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         return F.linear(x, self.qkv_weight, self.qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
 
-    def _rotate_kv(self, k: torch.Tensor, v: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-        T = k.shape[0]
-        k = k.view(T, self.n_kv, self.head_dim)
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        return apply_rope(k.transpose(0, 1), cos, sin), v.view(T, self.n_kv, self.head_dim).transpose(0, 1)
+    def _rotated(self, x: torch.Tensor, heads: int, norm: RMSNorm | None, cos, sin) -> torch.Tensor:
+        """[..., T, heads * head_dim] -> [..., heads, T, head_dim], per-head normed (Qwen3) and rotated."""
+        x = x.unflatten(-1, (heads, self.head_dim))
+        if norm is not None:
+            x = norm(x)
+        return apply_rope(x.transpose(-3, -2), cos.unsqueeze(-3), sin.unsqueeze(-3))
+
+    def _value_heads(self, v: torch.Tensor) -> torch.Tensor:
+        return v.unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (normed, rotated) and values for rows x: [T, hidden] -> two [kv_heads, T, head_dim]."""
-        return self._rotate_kv(self.k_proj(x), self.v_proj(x), cos, sin)
+        """Keys (normed, rotated) and values for rows x: [..., T, hidden] -> two [..., kv_heads, T, head_dim]
+        (cos/sin: [..., T, head_dim], or [T, head_dim] shared by a batch)."""
+        return self._rotated(self.k_proj(x), self.n_kv, self.k_norm, cos, sin), self._value_heads(self.v_proj(x))
 
     def forward(self, x, cos, sin, cache_k, cache_v, positions, kv_len: int, mask: torch.Tensor | None):
         T = x.shape[0]
         q, k, v = self._qkv(x)
-        q = q.view(T, self.n_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        q = apply_rope(q.transpose(0, 1), cos, sin)
-        k, v = self._rotate_kv(k, v, cos, sin)
+        q = self._rotated(q, self.n_heads, self.q_norm, cos, sin)
+        k, v = self._rotated(k, self.n_kv, self.k_norm, cos, sin), self._value_heads(v)
         cache_k.index_copy_(1, positions, k)
         cache_v.index_copy_(1, positions, v)
         out = F.scaled_dot_product_attention(
@@ -76,22 +77,11 @@ class Attention(nn.Module):
         return self.o_proj(out[0].transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
 
     # Cache-free batched path (drafter training, batched data generation): x is [b, T, hidden] and cos/sin are
-    # [b, T, head_dim] (or [T, head_dim] shared by the batch); the projections match project_kv/forward.
+    # [b, T, head_dim] (or [T, head_dim] shared by the batch); keys and values come from project_kv.
 
     def batched_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Queries (normed, rotated) for rows x: [b, T, hidden] -> [b, heads, T, head_dim]."""
-        q = self.q_proj(x).unflatten(-1, (self.n_heads, self.head_dim))
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        return apply_rope(q.transpose(1, 2), cos.unsqueeze(-3), sin.unsqueeze(-3))
-
-    def batched_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (normed, rotated) and values for rows x: [b, T, hidden] -> two [b, kv_heads, T, head_dim]."""
-        k = self.k_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        k = apply_rope(k.transpose(1, 2), cos.unsqueeze(-3), sin.unsqueeze(-3))
-        return k, self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim)).transpose(1, 2)
+        return self._rotated(self.q_proj(x), self.n_heads, self.q_norm, cos, sin)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [b, heads, Tq, hd] over k/v [b, kv_heads, Tk, hd] under a boolean mask broadcastable to

@@ -75,8 +75,8 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            ctx_k, ctx_v = attn.batched_kv(ctx, ctx_cos, ctx_sin)
-            k, v = attn.batched_kv(x, cos, sin)
+            ctx_k, ctx_v = attn.project_kv(ctx, ctx_cos, ctx_sin)
+            k, v = attn.project_kv(x, cos, sin)
             q = attn.batched_q(x, cos, sin)
             h = h + attn.attend(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), mask)
             h = h + layer.mlp(layer.post_attention_layernorm(h))

@@ -18,7 +18,7 @@ def _layer(layer, h, cos, sin, mask, cached=None):
     returns all keys/values to attend to (cache included)."""
     attn = layer.self_attn
     x = layer.input_layernorm(h)
-    k, v = attn.batched_kv(x, cos, sin)
+    k, v = attn.project_kv(x, cos, sin)
     if cached is not None:
         k, v = cached(k, v)
     h = h + attn.attend(attn.batched_q(x, cos, sin), k, v, mask)

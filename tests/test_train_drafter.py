@@ -100,3 +100,52 @@ def test_cli_errors_name_the_problem(qwen3_dir, prompt_file, tmp_path, capsys):
     assert "not a row of the target embedding" in capsys.readouterr().err
     assert train_main(base + ["--prompts", str(prompt_file), "--steps", "0"]) == 1
     assert "steps=0" in capsys.readouterr().err
+
+
+def test_time_budgets_end_generation_and_training(qwen3_dir, prompt_file, tmp_path):
+    """--gen-max-minutes: no batch after the first starts past it (training uses what exists); --max-minutes:
+    training stops at its budget long before --steps, with the schedule annealed, and the drafter is saved."""
+    fresh_data = tmp_path / "data"
+    report = train_drafter(small(qwen3_dir, prompt_file, fresh_data, tmp_path / "d", steps=100_000,
+                                 max_minutes=0.02, gen_batch_size=2, gen_max_minutes=1e-9, eval_prompts=0))
+    batches = [json.loads(line) for line in (fresh_data / "generation.jsonl").read_text().splitlines()]
+    assert len(batches) == 1 and batches[0]["prompts"] == 2 and batches[0]["tokens"] > 0
+    assert report["responses"] == 2 < report["training_prompts"] == len(PROMPTS)
+    assert 1 <= report["steps"] < 100_000
+    log = [json.loads(line) for line in (tmp_path / "d" / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["step"] == report["steps"] and log[-1]["lr"] < 0.2 * 5e-3  # annealed by the time budget
+    assert Engine.load(qwen3_dir, tmp_path / "d", device="cpu", context_size=128).max_draft == 3
+
+
+def test_lr_schedule_follows_progress():
+    assert trainer.lr_factor(0.0, 0.1, 100) == pytest.approx(0.1)  # first step: 1 / warmup steps
+    assert trainer.lr_factor(0.05, 0.1, 100) == pytest.approx(0.5)
+    assert trainer.lr_factor(0.1, 0.1, 100) == pytest.approx(1.0)
+    assert trainer.lr_factor(0.55, 0.1, 100) == pytest.approx(0.5)
+    assert trainer.lr_factor(1.0, 0.1, 100) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_sigint_stops_at_a_step_boundary_with_the_drafter_saved(qwen3_dir, prompt_file, data_dir, tmp_path,
+                                                                monkeypatch):
+    """The pipeline's time caps send SIGINT: training stops after the step in flight, with the checkpoint and a
+    loadable drafter folder, and --resume continues from there."""
+    import os
+    import signal
+    real_step, calls = trainer.train_step, []
+
+    def signalled(*args, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_step(*args, **kw)
+
+    monkeypatch.setattr(trainer, "train_step", signalled)
+    out = tmp_path / "d"
+    with pytest.raises(KeyboardInterrupt):
+        train_drafter(small(qwen3_dir, prompt_file, data_dir, out, steps=50, eval_prompts=0))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is gone again
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 3
+    assert Engine.load(qwen3_dir, out, device="cpu", context_size=128).max_draft == 3
+    monkeypatch.setattr(trainer, "train_step", real_step)
+    report = train_drafter(small(qwen3_dir, prompt_file, data_dir, out, steps=6, eval_prompts=0, resume=True))
+    assert report["steps"] == 6

@@ -33,11 +33,11 @@ def test_batched_taps_match_target_forward(pair):
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_batched_generation_matches_engine(engine, temperature):
     prompts = [engine.encode_prompt(p) for p in ("def add(a, b):", "Hello", "for i in range(10):\n    print(i)")]
-    seeds = [11, 12, 13]
-    outs = generate_batch(engine.decoder.target, prompts, [12, 12, 12], engine.eos_ids,
+    seeds, budgets = [11, 12, 13], [12, 5, 37]  # 37 > SYNC_EVERY: rows finish between the device-side checks
+    outs = generate_batch(engine.decoder.target, prompts, budgets, engine.eos_ids,
                           SamplingParams(temperature=temperature), seeds)
-    for prompt, out, seed in zip(prompts, outs, seeds):
-        ref = engine.generate(prompt, SamplingParams(temperature=temperature, max_tokens=12, seed=seed), draft=0)
+    for prompt, out, seed, budget in zip(prompts, outs, seeds, budgets):
+        ref = engine.generate(prompt, SamplingParams(temperature=temperature, max_tokens=budget, seed=seed), draft=0)
         expected = ref.tokens + ([out[-1]] if ref.stop_type == "eos" else [])  # the engine drops the EOS
         assert out == expected
 

@@ -24,14 +24,15 @@ TOTAL_SECONDS=${TOTAL_SECONDS:-570}  # the training budgets shrink if earlier st
 CORPUS_MB=${CORPUS_MB:-160}          # train split of .py files
 BPE_SAMPLE_MB=${BPE_SAMPLE_MB:-24}   # text the BPE is trained on
 VOCAB=${VOCAB:-8192}
-TARGET_SECONDS=${TARGET_SECONDS:-195}     # target training time (at most)
-AFTER_TARGET=${AFTER_TARGET:-270}         # seconds kept for the stages after the target
-DRAFT_PROMPTS=${DRAFT_PROMPTS:-8192}
-DRAFTER_SECONDS=${DRAFTER_SECONDS:-105}   # drafter optimisation time (at most) after its responses are generated
-AFTER_DRAFTER=${AFTER_DRAFTER:-75}        # seconds kept for the drafter's start and save, evaluate and package
+TARGET_SECONDS=${TARGET_SECONDS:-190}     # target training time (at most)
+AFTER_TARGET=${AFTER_TARGET:-290}         # seconds kept for the stages after the target
+DRAFT_PROMPTS=${DRAFT_PROMPTS:-8192}      # prompts offered; the generation budget decides how many get a response
+GEN_SECONDS=${GEN_SECONDS:-70}            # response generation time (at most)
+AFTER_GENERATION=${AFTER_GENERATION:-200} # seconds kept for drafter training, evaluate and package
+DRAFTER_SECONDS=${DRAFTER_SECONDS:-110}   # drafter optimisation time (at most)
+AFTER_DRAFTER=${AFTER_DRAFTER:-100}       # seconds kept for the drafter's save, evaluate and package
 CORPUS_CAP=${CORPUS_CAP:-90} TOKENIZER_CAP=${TOKENIZER_CAP:-120} TARGET_CAP=${TARGET_CAP:-285}
-PROMPTS_CAP=${PROMPTS_CAP:-60} CALIBRATE_CAP=${CALIBRATE_CAP:-120} DRAFTER_CAP=${DRAFTER_CAP:-165}
-EVAL_CAP=${EVAL_CAP:-90} PACKAGE_CAP=${PACKAGE_CAP:-60}
+PROMPTS_CAP=${PROMPTS_CAP:-60} EVAL_CAP=${EVAL_CAP:-90} PACKAGE_CAP=${PACKAGE_CAP:-60}
 
 mkdir -p "$OUT/logs" "$RUN/logs"
 exec > >(tee -a "$OUT/logs/pipeline.log") 2>&1
@@ -85,33 +86,20 @@ stage prompts "$PROMPTS_CAP" "$PY" -m flashdraft.demo.pipeline.prompts --corpus 
     --train "$DRAFT_PROMPTS" --heldout 48 --seed "$SEED"
 
 # The drafter: `flashdraft train-drafter` writes the target's own greedy responses to the prompts (cached in
-# drafter_data/), then trains. A short calibration run generates the responses and times 60 steps; the real
-# run reuses the cached responses and gets as many steps as fit DRAFTER_SECONDS.
-DRAFT_ARGS=(--target "$RUN/target" --prompts "$RUN/prompts/train.jsonl" --data-dir "$RUN/drafter_data"
-            --block-size 16 --layers 2 --tap-ids 1,4,7 --max-new-tokens 320 --gen-batch-size 512
-            --batch-size 32 --anchors 128 --lr 1e-3 --eval-prompts 0 --seed "$SEED" -q)
-rm -rf "$RUN/drafter_calibrate" "$RUN/drafter_train"
-calibrate_rc=0
-stage drafter-calibrate "$CALIBRATE_CAP" "$PY" -m flashdraft.cli train-drafter "${DRAFT_ARGS[@]}" \
-    --out "$RUN/drafter_calibrate" --steps 60 || calibrate_rc=$?
-# At its cap the calibration leaves the responses it finished in the cache; the real run generates the rest.
-[ "$calibrate_rc" -eq 0 ] || [ "$calibrate_rc" -eq 124 ] || exit "$calibrate_rc"
+# drafter_data/, with each batch's speed in generation.jsonl) for at most GEN_SECONDS, then trains on them for
+# the time left to it (its learning-rate schedule follows that budget).
+GEN_S=$(budget "$GEN_SECONDS" "$(( AFTER_GENERATION ))")
 DRAFTER_S=$(budget "$DRAFTER_SECONDS" "$AFTER_DRAFTER")
-STEPS=$("$PY" - "$RUN/drafter_calibrate/train_report.json" "$DRAFTER_S" <<'PYEOF'
-import json, sys
-try:
-    report = json.load(open(sys.argv[1]))
-    per_step = report["train_seconds"] / max(1, report["steps"])
-    print(max(100, min(20000, int(float(sys.argv[2]) / max(per_step, 1e-3)))))
-except (OSError, KeyError, TypeError, ValueError) as e:
-    print(f"calibration unreadable ({e}); using 1500 steps", file=sys.stderr)
-    print(1500)
-PYEOF
-)
-echo "drafter: $STEPS steps fit ${DRAFTER_S}s"
+echo "drafter: ${GEN_S}s of response generation, then ${DRAFTER_S}s of training"
+rm -rf "$RUN/drafter_train" "$RUN/drafter_data"
 drafter_rc=0
-stage drafter "$DRAFTER_CAP" "$PY" -m flashdraft.cli train-drafter "${DRAFT_ARGS[@]}" --out "$RUN/drafter_train" \
-    --steps "$STEPS" --save-every 100 || drafter_rc=$?
+stage drafter "$(( GEN_S + DRAFTER_S + 60 ))" "$PY" -m flashdraft.cli train-drafter --target "$RUN/target" \
+    --prompts "$RUN/prompts/train.jsonl" --data-dir "$RUN/drafter_data" --out "$RUN/drafter_train" \
+    --block-size 16 --layers 2 --tap-ids 1,4,7 --max-new-tokens 320 --gen-batch-size 512 \
+    --gen-max-minutes "$(awk "BEGIN {print $GEN_S / 60}")" --batch-size 32 --anchors 128 --lr 1e-3 \
+    --steps 100000 --max-minutes "$(awk "BEGIN {print $DRAFTER_S / 60}")" --save-every 200 --eval-prompts 0 \
+    --seed "$SEED" -q || drafter_rc=$?
+cat "$RUN/drafter_data/generation.jsonl" 2>/dev/null || true
 if [ "$drafter_rc" -ne 0 ]; then
     [ "$drafter_rc" -eq 124 ] || exit "$drafter_rc"
     echo "drafter: stopped at its cap; package exports the last checkpoint"

@@ -46,9 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-seq-len", type=int, default=None, help="train on at most this many tokens per sequence")
     g.add_argument("--gen-batch-size", type=int, default=d.gen_batch_size,
                    help=f"prompts generated at once (default {d.gen_batch_size})")
+    g.add_argument("--gen-max-minutes", type=float, default=None,
+                   help="response generation budget: no new batch starts after it, and training uses the "
+                        "responses made by then (default: no limit)")
     g.add_argument("--data-dir", default=None, help="response cache folder, shareable between runs (default OUT/data)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
+    g.add_argument("--max-minutes", type=float, default=None,
+                   help="optimisation wall-clock budget: training ends at --steps or here, whichever comes first, "
+                        "and the learning-rate schedule follows the nearer of the two (default: no limit)")
     g.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate (default {d.lr})")
     g.add_argument("--warmup", type=float, default=d.warmup, help=f"warmup fraction of the steps (default {d.warmup})")
     g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay (default 0)")
@@ -78,10 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     cfg = TrainConfig(
         target=args.target, prompts=args.prompts, out=args.out, block_size=args.block_size, layers=args.layers,
-        tap_ids=args.tap_ids, mask_token_id=args.mask_token_id, steps=args.steps, lr=args.lr, warmup=args.warmup,
+        tap_ids=args.tap_ids, mask_token_id=args.mask_token_id, steps=args.steps, max_minutes=args.max_minutes, lr=args.lr, warmup=args.warmup,
         weight_decay=args.weight_decay, batch_size=args.batch_size, anchors=args.anchors, gamma=args.gamma,
         max_new_tokens=args.max_new_tokens, max_seq_len=args.max_seq_len, temperature=args.temperature,
-        chat=args.chat, gen_batch_size=args.gen_batch_size, data_dir=args.data_dir, eval_prompts=args.eval_prompts,
+        chat=args.chat, gen_batch_size=args.gen_batch_size, gen_max_minutes=args.gen_max_minutes, data_dir=args.data_dir, eval_prompts=args.eval_prompts,
         eval_file=args.eval_file, eval_max_tokens=args.eval_max_tokens, seed=args.seed, resume=args.resume,
         device=args.device, save_every=args.save_every, save_dtype=args.save_dtype, progress=not args.quiet)
     try:
@@ -90,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flashdraft train-drafter: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"flashdraft train-drafter: interrupted; rerun with --resume to continue from {args.out}",
-              file=sys.stderr)
+        print(f"flashdraft train-drafter: interrupted; a run interrupted while training saves its checkpoint and "
+              f"the drafter so far in {args.out}; rerun with --resume to continue", file=sys.stderr)
         return 130
     return 0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,11 +125,15 @@ def generation_meta(target_dir: Path, prompt_ids: list[list[int]], max_new_token
 
 def generate_responses(target: DecoderLM, prompt_ids: list[list[int]], indices: list[int], cache: ResponseCache,
                        max_new_tokens: int, eos_ids: set[int], params: SamplingParams, seed: int,
-                       batch_size: int, max_positions: int, progress: bool = True) -> dict[int, list[int]]:
+                       batch_size: int, max_positions: int, progress: bool = True,
+                       max_seconds: float | None = None) -> dict[int, list[int]]:
     """The target's responses to prompt_ids[i] for i in indices, from the cache or generated (then cached).
 
-    Prompt i is sampled with seed + i, so a response does not depend on batching or on resuming.
-    Prompts are batched by length to keep padding small.
+    Prompt i is sampled with seed + i, so a response does not depend on batching or on resuming. Prompts are
+    batched by length to keep padding small; the batches run in a seeded random order, so a time budget
+    (max_seconds: no batch after the first starts past it) keeps a sample of all prompt lengths. Each batch's speed is
+    appended to generation.jsonl in the cache folder. Returns the responses there are, for the indices that
+    have one.
     """
     done = cache.load()
     todo = sorted((i for i in indices if i not in done), key=lambda i: len(prompt_ids[i]))
@@ -136,18 +141,29 @@ def generate_responses(target: DecoderLM, prompt_ids: list[list[int]], indices: 
     if too_long:
         raise ValueError(f"{len(too_long)} prompt(s) (e.g. #{too_long[0]}, {len(prompt_ids[too_long[0]])} tokens) "
                          f"leave no room for a response within the target's {max_positions} positions")
+    batches = [todo[k:k + batch_size] for k in range(0, len(todo), batch_size)]
+    order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed)).tolist()
     bar = tqdm(total=len(indices), initial=len(indices) - len(todo), desc="responses", unit="seq",
                disable=not progress)
-    for k in range(0, len(todo), batch_size):
-        batch = todo[k:k + batch_size]
-        prompts = [prompt_ids[i] for i in batch]
-        budgets = [min(max_new_tokens, max_positions - len(p)) for p in prompts]
-        outs = generate_batch(target, prompts, budgets, eos_ids, params, [seed + i for i in batch])
-        cache.append(list(zip(batch, outs)))
-        done.update(zip(batch, outs))
-        bar.update(len(batch))
+    started = time.time()
+    with (cache.folder / "generation.jsonl").open("a") as log:
+        for k, n in enumerate(order):
+            if k and max_seconds is not None and time.time() - started >= max_seconds:
+                break  # the first batch always runs, so training has data
+            batch, t = batches[n], time.time()
+            prompts = [prompt_ids[i] for i in batch]
+            budgets = [min(max_new_tokens, max_positions - len(p)) for p in prompts]
+            outs = generate_batch(target, prompts, budgets, eos_ids, params, [seed + i for i in batch])
+            cache.append(list(zip(batch, outs)))
+            done.update(zip(batch, outs))
+            seconds, tokens = time.time() - t, sum(map(len, outs))
+            log.write(json.dumps({"prompts": len(batch), "prompt_width": max(map(len, prompts)),
+                                  "tokens": tokens, "seconds": round(seconds, 2),
+                                  "tokens_per_s": round(tokens / max(seconds, 1e-9))}) + "\n")
+            log.flush()
+            bar.update(len(batch))
     bar.close()
-    return {i: done[i] for i in indices}
+    return {i: done[i] for i in indices if i in done}
 
 
 @dataclass

@@ -12,6 +12,8 @@ from flashdraft.config import SamplingParams
 from flashdraft.engine.sampling import sample_tokens
 from flashdraft.models import DecoderLM
 
+SYNC_EVERY = 16  # decoding steps between checks for an all-finished batch
+
 
 def _layer(layer, h, cos, sin, mask, cached=None):
     """One decoder layer over h [b, T, hidden]. cached(k, v), if given, stores the rows' keys/values and
@@ -68,10 +70,16 @@ def generate_batch(target: DecoderLM, prompts: list[list[int]], max_new_tokens: 
     columns = torch.arange(total, device=device)
     real = columns[None, :] >= pad[:, None]  # [b, total]: columns holding real tokens
 
-    out: list[list[int]] = [[] for _ in prompts]
-    done = [m <= 0 for m in max_new_tokens]
+    # Outputs stay on the device; finished rows are noted there and read back every SYNC_EVERY steps, so the
+    # host does not wait on the device each step.
+    steps = max(max_new_tokens)
+    budget = torch.tensor(max_new_tokens, device=device)
+    eos = torch.tensor(sorted(eos_ids), device=device, dtype=torch.long)
+    out = torch.zeros(b, max(steps, 1), dtype=torch.long, device=device)
+    lengths = torch.zeros(b, dtype=torch.long, device=device)
+    finished = budget <= 0
     start = 0
-    while not all(done):
+    for step in range(steps):
         end = start + tokens.shape[1]
         step_cols = columns[start:end]
         # Finished rows keep stepping with their batch; their outputs are dropped, but their positions must stay
@@ -90,14 +98,14 @@ def generate_batch(target: DecoderLM, prompts: list[list[int]], max_new_tokens: 
         logits = target.logits(target.model.norm(h[:, -1]))
         next_positions = positions[:, -1] + 1
         if params.greedy:
-            new = logits.argmax(dim=-1).tolist()
+            new = logits.argmax(dim=-1)
         else:
-            new = [int(sample_tokens(logits[i:i + 1], params, seeds[i], next_positions[i:i + 1])[0])
-                   for i in range(b)]
-        for i, tok in enumerate(new):
-            if done[i]:
-                continue
-            out[i].append(tok)
-            done[i] = tok in eos_ids or len(out[i]) >= max_new_tokens[i]
-        start, tokens = end, torch.tensor(new, device=device)[:, None]
-    return out
+            new = torch.cat([sample_tokens(logits[i:i + 1], params, seeds[i], next_positions[i:i + 1])
+                             for i in range(b)])
+        out[:, step] = new
+        lengths += ~finished
+        finished = finished | torch.isin(new, eos) | (lengths >= budget)
+        start, tokens = end, new[:, None]
+        if (step + 1) % SYNC_EVERY == 0 and bool(finished.all()):
+            break
+    return [row[:n] for row, n in zip(out.tolist(), lengths.tolist())]

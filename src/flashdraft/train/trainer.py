@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,6 +44,7 @@ class TrainConfig:
     tap_ids: list[int] | None = None
     mask_token_id: int | None = None
     steps: int = 1000
+    max_minutes: float | None = None  # training wall-clock budget: the schedule ends at steps or here, first
     lr: float = 6e-4
     warmup: float = 0.04              # fraction of steps with linear warmup, then cosine to 0
     weight_decay: float = 0.0
@@ -53,6 +56,7 @@ class TrainConfig:
     temperature: float = 0.0          # the target's sampling temperature for responses (0 = greedy)
     chat: bool = False                # wrap "prompt" strings as a user message in the chat template
     gen_batch_size: int = 64
+    gen_max_minutes: float | None = None  # response generation budget: train on the responses made by then
     data_dir: str | None = None       # response cache folder (default OUT/data)
     eval_prompts: int | None = None   # held-out prompts (default: 10% of the prompts, at most 16)
     eval_file: str | None = None      # held-out prompts from another file instead of a split
@@ -74,6 +78,8 @@ class TrainConfig:
                   ("gamma", self.gamma is None or self.gamma > 0),
                   ("max_seq_len", self.max_seq_len is None or self.max_seq_len >= 3),
                   ("eval_prompts", self.eval_prompts is None or self.eval_prompts >= 0),
+                  ("max_minutes", self.max_minutes is None or self.max_minutes > 0),
+                  ("gen_max_minutes", self.gen_max_minutes is None or self.gen_max_minutes > 0),
                   ("eval_max_tokens", self.eval_max_tokens is None or self.eval_max_tokens >= 2),
                   ("save_dtype", self.save_dtype in ("bfloat16", "float16", "float32"))]
         bad = [name for name, ok in checks if not ok]
@@ -107,10 +113,33 @@ class Sampler:
         self.order = list(state["order"])
 
 
-def lr_factor(step: int, steps: int, warmup_steps: int) -> float:
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    return 0.5 * (1 + math.cos(math.pi * (step - warmup_steps) / max(1, steps - warmup_steps)))
+class StopRequest:
+    """While active, a first SIGINT (Ctrl-C, or `timeout -s INT`) only sets `requested`, so the training loop
+    can stop at a step boundary with its checkpoint and the drafter saved; a second one interrupts at once."""
+
+    def __init__(self):
+        self.requested, self._previous = False, None
+
+    def _handle(self, signum, frame):
+        self.requested = True
+        signal.signal(signal.SIGINT, self._previous)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None and not self.requested:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def lr_factor(progress: float, warmup: float, steps: int) -> float:
+    """Linear warmup over the first `warmup` of training, then a cosine to 0. progress in [0, 1] is the larger
+    of step / steps and elapsed / time budget, so a run cut short by its budget still anneals."""
+    if progress < warmup:
+        return max(progress / warmup, 1 / max(1, round(warmup * steps)))
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - warmup) / (1 - warmup))))
 
 
 class SlotStats:
@@ -184,8 +213,11 @@ def train_drafter(cfg: TrainConfig) -> dict:
                                                     cfg.seed))
     t0 = time.time()
     responses = generate_responses(target, prompt_ids, train_idx, cache, cfg.max_new_tokens, eos_ids, gen_params,
-                                   cfg.seed, cfg.gen_batch_size, tcfg.max_position_embeddings, cfg.progress)
+                                   cfg.seed, cfg.gen_batch_size, tcfg.max_position_embeddings, cfg.progress,
+                                   cfg.gen_max_minutes * 60 if cfg.gen_max_minutes else None)
     gen_seconds = time.time() - t0
+    if len(responses) < len(train_idx):
+        say(f"responses for {len(responses)} of {len(train_idx)} training prompts within the generation budget")
     max_seq_len = min(cfg.max_seq_len or tcfg.max_position_embeddings, tcfg.max_position_embeddings)
     seqs = training_sequences(prompt_ids, responses, max_seq_len)
     response_tokens = sum(len(s.tokens) - s.prompt_len for s in seqs)
@@ -193,10 +225,9 @@ def train_drafter(cfg: TrainConfig) -> dict:
 
     drafter = init_drafter(dcfg, max_seq_len + cfg.block_size, cfg.seed).to(device).train()
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    warmup_steps = max(1, round(cfg.warmup * cfg.steps))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.steps, warmup_steps))
     sampler = Sampler(len(seqs), torch.Generator().manual_seed(cfg.seed))
-    step = 0
+    step, trained_seconds = 0, 0.0  # trained_seconds: optimisation time of earlier runs of a resumed training
+    budget = cfg.max_minutes * 60 if cfg.max_minutes else math.inf
     if ckpt_path.is_file():
         state = torch.load(ckpt_path, map_location="cpu", weights_only=False)  # rng state must stay on cpu
         check_compatible(dcfg, state["drafter_config"], str(ckpt_path))
@@ -205,15 +236,14 @@ def train_drafter(cfg: TrainConfig) -> dict:
                              f"resume with the same prompts and data settings")
         drafter.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
         sampler.load_state_dict(state["sampler"])
-        step = state["step"]
+        step, trained_seconds = state["step"], state.get("train_seconds", 0.0)
         say(f"resumed from {ckpt_path} at step {step}")
 
     def save_checkpoint() -> None:
         tmp = ckpt_path.with_suffix(".tmp")
         torch.save({"drafter_config": dcfg.to_dict(), "model": drafter.state_dict(), "step": step,
-                    "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "optimizer": optimizer.state_dict(), "train_seconds": trained_seconds + time.time() - t0,
                     "sampler": sampler.state_dict(), "sequences": len(seqs), "train_config": asdict(cfg)}, tmp)
         os.replace(tmp, ckpt_path)
 
@@ -222,8 +252,19 @@ def train_drafter(cfg: TrainConfig) -> dict:
     window, last_window, first_loss = SlotStats(cfg.block_size - 1), None, None
     t0 = time.time()
     bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step", disable=not cfg.progress)
-    with (out / LOG).open("a") as log:
-        while step < cfg.steps:
+
+    def progress() -> float:
+        return max(step / cfg.steps, (trained_seconds + time.time() - t0) / budget)
+
+    with (out / LOG).open("a") as log, StopRequest() as stop:
+        while (p := progress()) < 1:
+            if stop.requested:
+                save_checkpoint()
+                save_drafter(drafter.eval(), out, getattr(torch, cfg.save_dtype))
+                raise KeyboardInterrupt(f"stopped at step {step}")
+            lr = cfg.lr * lr_factor(p, cfg.warmup, cfg.steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
             batch = [seqs[i] for i in sampler.batch(cfg.batch_size)]
             loss, correct, label_mask = train_step(target, drafter, batch, sampler.generator, cfg.anchors,
                                                    dcfg, weights, pad_id, device)
@@ -232,21 +273,21 @@ def train_drafter(cfg: TrainConfig) -> dict:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
             optimizer.step()
-            scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
+            last = progress() >= 1
             first_loss = first_loss if first_loss is not None else loss.item()
             window.add(loss.item(), correct, label_mask)
-            if step % cfg.log_every == 0 or step == cfg.steps:
+            if step % cfg.log_every == 0 or last:
                 s = window.summary()
-                log.write(json.dumps({"step": step, "lr": scheduler.get_last_lr()[0], **s}) + "\n")
+                log.write(json.dumps({"step": step, "lr": lr, **s}) + "\n")
                 log.flush()
                 # Per-slot accuracy in percent, slot 1 first.
                 bar.set_postfix_str(f"loss {s['loss']:.3f} tau {s['train_tau']:.2f} acc% "
                                     + ",".join(str(round(100 * a)) for a in s["slot_acc"]))
                 last_window = s
                 window = SlotStats(cfg.block_size - 1)
-            if step % cfg.save_every == 0 or step == cfg.steps:
+            if step % cfg.save_every == 0 or last:
                 save_checkpoint()
             bar.update(1)
     bar.close()
@@ -255,7 +296,8 @@ def train_drafter(cfg: TrainConfig) -> dict:
     drafter.eval()
     save_drafter(drafter, out, getattr(torch, cfg.save_dtype))
     report = {"target": str(target_dir), "drafter": str(out), "drafter_config": dcfg.to_dict(),
-              "train_config": asdict(cfg), "gamma": gamma, "sequences": len(seqs),
+              "train_config": asdict(cfg), "gamma": gamma, "training_prompts": len(train_idx),
+              "responses": len(responses), "sequences": len(seqs),
               "response_tokens": response_tokens, "generation_seconds": round(gen_seconds, 1),
               "train_seconds": round(train_seconds, 1), "steps": step, "first_loss": first_loss,
               "final": last_window}

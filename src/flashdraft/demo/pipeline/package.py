@@ -74,8 +74,6 @@ def report_markdown(run: Path, out: Path, sizes: dict) -> str:
     tokens = read_json(run / "tokenizer" / "tokens" / "meta.json") or {}
     target = last_line(run / "logs" / "target.jsonl", "final_heldout_loss") or {}
     drafter = read_json(run / "drafter_train" / "train_report.json") or {}
-    # The GPU script's calibration run generates the responses; the main run finds them cached.
-    responses = read_json(run / "drafter_calibrate" / "train_report.json") or drafter
     drafter_log = last_line(run / "drafter_train" / "train_log.jsonl", "loss") or {}
     ev = read_json(run / "eval" / "eval.json") or {}
     timings = (run / "logs" / "timings.tsv").read_text() if (run / "logs" / "timings.tsv").is_file() else ""
@@ -95,7 +93,8 @@ def report_markdown(run: Path, out: Path, sizes: dict) -> str:
         f"| target loss | train {target.get('final_train_loss')}, held-out {target.get('final_heldout_loss')} |",
         f"| drafter | {drafter_params / 1e6:.2f} M params, {sizes['drafter']:.1f} MB bf16; "
         f"{drafter.get('steps', drafter_log.get('step'))} steps, {drafter.get('sequences')} sequences ({drafter.get('response_tokens')} response tokens), "
-        f"{drafter.get('train_seconds')} s training, {responses.get('generation_seconds')} s responses |",
+        f"{drafter.get('train_seconds')} s training; responses to {drafter.get('responses')} of "
+        f"{drafter.get('training_prompts')} prompts in {drafter.get('generation_seconds')} s |",
         f"| drafter loss | last window {fmt(drafter_log.get('loss'), 3)}, in-training tau "
         f"{fmt(drafter_log.get('train_tau'))}, slot-1 accuracy {fmt((drafter_log.get('slot_acc') or [None])[0], 3)} |",
         f"| tau, held-out code (block {ev.get('block_size')}, T=0, {ev.get('max_tokens')} tokens) | "

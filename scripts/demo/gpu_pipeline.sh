@@ -24,12 +24,12 @@ TOTAL_SECONDS=${TOTAL_SECONDS:-570}  # the training budgets shrink if earlier st
 CORPUS_MB=${CORPUS_MB:-160}          # train split of .py files
 BPE_SAMPLE_MB=${BPE_SAMPLE_MB:-24}   # text the BPE is trained on
 VOCAB=${VOCAB:-8192}
-TARGET_SECONDS=${TARGET_SECONDS:-190}     # target training time (at most)
-AFTER_TARGET=${AFTER_TARGET:-290}         # seconds kept for the stages after the target
-DRAFT_PROMPTS=${DRAFT_PROMPTS:-8192}      # prompts offered; the generation budget decides how many get a response
-GEN_SECONDS=${GEN_SECONDS:-70}            # response generation time (at most)
-AFTER_GENERATION=${AFTER_GENERATION:-200} # seconds kept for drafter training, evaluate and package
-DRAFTER_SECONDS=${DRAFTER_SECONDS:-110}   # drafter optimisation time (at most)
+TARGET_SECONDS=${TARGET_SECONDS:-170}     # target training time (at most)
+AFTER_TARGET=${AFTER_TARGET:-300}         # seconds kept for the stages after the target
+DRAFT_PROMPTS=${DRAFT_PROMPTS:-16384}     # prompts offered; the generation budget decides how many get a response
+GEN_SECONDS=${GEN_SECONDS:-50}            # response generation time (at most)
+AFTER_GENERATION=${AFTER_GENERATION:-250} # seconds kept for drafter training, evaluate and package
+DRAFTER_SECONDS=${DRAFTER_SECONDS:-150}   # drafter optimisation time (at most)
 AFTER_DRAFTER=${AFTER_DRAFTER:-100}       # seconds kept for the drafter's save, evaluate and package
 CORPUS_CAP=${CORPUS_CAP:-90} TOKENIZER_CAP=${TOKENIZER_CAP:-120} TARGET_CAP=${TARGET_CAP:-285}
 PROMPTS_CAP=${PROMPTS_CAP:-60} EVAL_CAP=${EVAL_CAP:-90} PACKAGE_CAP=${PACKAGE_CAP:-60}
@@ -96,7 +96,7 @@ drafter_rc=0
 stage drafter "$(( GEN_S + DRAFTER_S + 60 ))" "$PY" -m flashdraft.cli train-drafter --target "$RUN/target" \
     --prompts "$RUN/prompts/train.jsonl" --data-dir "$RUN/drafter_data" --out "$RUN/drafter_train" \
     --block-size 16 --layers 2 --tap-ids 1,4,7 --max-new-tokens 320 --gen-batch-size 512 \
-    --gen-max-minutes "$(awk "BEGIN {print $GEN_S / 60}")" --batch-size 32 --anchors 128 --lr 1e-3 \
+    --gen-max-minutes "$(awk "BEGIN {print $GEN_S / 60}")" --batch-size 64 --anchors 64 --lr 1e-3 \
     --steps 100000 --max-minutes "$(awk "BEGIN {print $DRAFTER_S / 60}")" --save-every 200 --eval-prompts 0 \
     --seed "$SEED" -q || drafter_rc=$?
 cat "$RUN/drafter_data/generation.jsonl" 2>/dev/null || true

@@ -19,11 +19,24 @@ from flashdraft.config import SamplingParams
 from flashdraft.engine.cuda_graphs import GraphCache, bucket, compile_layers, fuse_projections
 from flashdraft.engine.kv_cache import KVCache
 from flashdraft.engine.sampling import sample_tokens
+from flashdraft.layers.skinny_gemm import BLOCK_M, GEMM_BACKENDS, can_run, route_linears, triton_available
 from flashdraft.models import DecoderLM, DFlashDrafter
 
 # Taps waiting for projection are flushed into the drafter cache at this many rows even while drafting is off,
 # so a long stretch of plain decoding keeps bounded memory; one batched projection costs little.
 MAX_PENDING_ROWS = 256
+
+
+def resolve_gemm(gemm: str | None, device: torch.device) -> str:
+    """The GEMM backend for the linear layers: "cublas" (the default) or "triton", which needs Triton and a CUDA
+    device (or Triton's interpreter, TRITON_INTERPRET=1, as the CPU tests use)."""
+    gemm = gemm or "cublas"
+    if gemm not in GEMM_BACKENDS:
+        raise ValueError(f"unknown gemm backend {gemm!r}; choose from {', '.join(GEMM_BACKENDS)}")
+    if gemm == "triton" and not can_run(device):
+        raise ValueError(f"gemm='triton' needs Triton and a CUDA device (got {device.type}"
+                         f"{'' if triton_available() else ', and Triton is not installed'})")
+    return gemm
 
 
 @dataclass
@@ -50,7 +63,7 @@ class SpeculativeDecoder:
     """Target plus optional drafter over static caches of `capacity` rows (context limit = capacity)."""
 
     def __init__(self, target: DecoderLM, drafter: DFlashDrafter | None, context_size: int,
-                 cuda_graphs: bool | None = None, compile: bool | None = None):
+                 cuda_graphs: bool | None = None, compile: bool | None = None, gemm: str | None = None):
         self.target, self.drafter = target, drafter
         self.context_size = context_size
         self.block_size = drafter.block_size if drafter is not None else 1
@@ -66,9 +79,15 @@ class SpeculativeDecoder:
         on_cuda = self.device.type == "cuda"
         self.graphs = GraphCache() if (on_cuda if cuda_graphs is None else cuda_graphs) else None
         self._ctx_taps = None
+        # gemm: "cublas" (F.linear) or "triton" (flashdraft.layers.skinny_gemm: batch-invariant GEMMs, so the
+        # linear layers give a verify step's rows bitwise what plain decoding gets; inputs of more than
+        # max(16, block) rows, such as prefill, stay on F.linear). None = "cublas".
+        self.gemm = resolve_gemm(gemm, self.device)
+        models = [m for m in (target, drafter) if m is not None]
         if on_cuda if compile is None else compile:
-            models = [m for m in (target, drafter) if m is not None]
             fuse_projections(*models)
+        route_linears(*models, gemm=self.gemm, max_m=max(BLOCK_M, self.block_size))
+        if on_cuda if compile is None else compile:
             compile_layers(*models)
 
     @property

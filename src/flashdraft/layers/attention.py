@@ -5,6 +5,28 @@ from torch import nn
 from flashdraft.config import ModelConfig
 from flashdraft.layers.norm import RMSNorm
 from flashdraft.layers.rope import apply_rope
+from flashdraft.layers.skinny_gemm import linear
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """SDPA of q [b, heads, Tq, hd] over k/v [b, kv_heads, Tk, hd] (grouped query heads: head h reads kv head
+    h // (heads // kv_heads)), mask None or boolean, broadcastable to [b, 1, Tq, Tk].
+
+    With a mask, SDPA's `enable_gqa` falls back on CUDA to its math kernel, which materialises every score in
+    float32. Folding each group's query heads into the query length instead ([b, kv_heads, group * Tq, hd],
+    the mask tiled to match) asks the same of a plain multi-head call that the fused kernels take, and copies
+    no key or value."""
+    heads, kv_heads = q.shape[-3], k.shape[-3]
+    if mask is None or heads == kv_heads:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=heads != kv_heads)
+    b, group, Tq, hd = q.shape[0], heads // kv_heads, q.shape[-2], q.shape[-1]
+    if mask.dim() == 4 and mask.shape[1] != 1:
+        raise ValueError(f"grouped_attention takes a mask shared by the heads, got shape {list(mask.shape)}")
+    mask = mask.reshape(-1, 1, *mask.shape[-2:]) if mask.dim() >= 3 else mask
+    if mask.shape[-2] > 1:  # folded query row g * Tq + t is query t of the group's head g
+        mask = mask.repeat(*[1] * (mask.dim() - 2), group, 1)
+    folded = F.scaled_dot_product_attention(q.reshape(b, kv_heads, group * Tq, hd), k, v, attn_mask=mask)
+    return folded.reshape(b, heads, Tq, hd)  # fused kernels may return [b, Tq, heads, hd] strides
 
 
 class Attention(nn.Module):
@@ -14,6 +36,8 @@ class Attention(nn.Module):
     Rows past a query's position are stale (rolled back) or not yet written, and the mask hides them,
     which is what makes rollback free.
     """
+
+    skinny_max_m = 0  # > 0: the fused q/k/v product of up to this many rows runs skinny_gemm (route_linears)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -47,7 +71,7 @@ class Attention(nn.Module):
         if self.qkv_weight is None:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        return F.linear(x, self.qkv_weight, self.qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
+        return linear(x, self.qkv_weight, self.qkv_bias, self.skinny_max_m).split([q_size, kv_size, kv_size], dim=-1)
 
     def _rotated(self, x: torch.Tensor, heads: int, norm: RMSNorm | None, cos, sin) -> torch.Tensor:
         """[..., T, heads * head_dim] -> [..., heads, T, head_dim], per-head normed (Qwen3) and rotated."""
@@ -71,9 +95,7 @@ class Attention(nn.Module):
         k, v = self._rotated(k, self.n_kv, self.k_norm, cos, sin), self._value_heads(v)
         cache_k.index_copy_(1, positions, k)
         cache_v.index_copy_(1, positions, v)
-        out = F.scaled_dot_product_attention(
-            q[None], cache_k[None, :, :kv_len], cache_v[None, :, :kv_len],
-            attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
+        out = grouped_attention(q[None], cache_k[None, :, :kv_len], cache_v[None, :, :kv_len], mask)
         return self.o_proj(out[0].transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
 
     # Cache-free batched path (drafter training, batched data generation): x is [b, T, hidden] and cos/sin are
@@ -86,5 +108,5 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [b, heads, Tq, hd] over k/v [b, kv_heads, Tk, hd] under a boolean mask broadcastable to
         [b, heads, Tq, Tk] (True = may attend; every query row needs one True), then o_proj: -> [b, Tq, hidden]."""
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
+        out = grouped_attention(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).flatten(-2))

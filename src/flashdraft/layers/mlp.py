@@ -1,12 +1,14 @@
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flashdraft.layers import kernels
+from flashdraft.layers.skinny_gemm import linear
 
 
 class GatedMLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    skinny_max_m = 0  # > 0: the fused gate/up product of up to this many rows runs skinny_gemm (route_linears)
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False):
         super().__init__()
@@ -28,7 +30,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
-            gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+            gate, up = linear(x, self.gate_up_weight, self.gate_up_bias, self.skinny_max_m).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(kernels.silu_mul(gate, up))

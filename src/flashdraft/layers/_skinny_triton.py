@@ -1,0 +1,102 @@
+"""The Triton kernels behind flashdraft.layers.skinny_gemm (imported lazily, on first use, by that module).
+
+Kept apart so that importing flashdraft never needs Triton, and so that TRITON_INTERPRET (read by triton.jit
+when these functions are decorated, i.e. when this module is first imported) can still be set by a CPU test.
+
+y[M, N] = x[M, K] @ W[N, K]^T with fp32 accumulation. Every program owns BLOCK_N output features of one
+BLOCK_M = 16 row tile (rows past M are loaded as zeros) and one fixed K range, and walks that range in
+BLOCK_K steps from low to high K, feeding the tensor cores with tl.dot. Nothing in the instruction sequence
+depends on M (only which padding rows are zero), and a tensor-core product's output row depends only on its own
+input row, so row m of y is bitwise the same for every M: batch invariance. With SPLIT_K > 1 the K ranges are
+fixed by (K, SPLIT_K, BLOCK_K) alone and a second kernel adds the fp32 partials in split order 0, 1, ...
+"""
+import triton
+import triton.language as tl
+
+# Only Triton builtins below, none of triton.language's own @triton.jit helpers (tl.zeros, tl.cdiv, ...): those
+# are decorated when Triton is first imported, so under the interpreter they would only work if TRITON_INTERPRET
+# had been set before that, while these kernels are decorated when this module is imported (first use).
+
+
+# M is never specialized (Triton would otherwise compile separate variants for M == 1 and M % 16 == 0): one
+# compiled kernel serves every M, which batch invariance relies on.
+@triton.jit(do_not_specialize=["M"])
+def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, M, N, stride_xm, stride_wn, stride_ym, K: tl.constexpr, STEPS: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    if PDL:  # launched as a programmatic dependent: wait here for the previous kernel's writes (our input)
+        tl.extra.cuda.gdc_wait()
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    # This split's K range: STEPS = ceil(ceil(K / BLOCK_K) / SPLIT_K) steps of BLOCK_K from k_lo, fixed by K,
+    # SPLIT_K and BLOCK_K (never by M). K is a compile-time constant (a handful of weight widths per model).
+    k_lo = pid_k * STEPS * BLOCK_K
+    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k_lo + rk)[None, :]
+    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]
+    m_ok = rm[:, None] < M
+    n_ok = rn[:, None] < N
+    if SWAP:
+        acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+    else:
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    for step in range(0, STEPS):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_ok, other=0.0)
+            if EVEN_N:
+                w = tl.load(w_ptrs, eviction_policy="evict_first")
+            else:
+                w = tl.load(w_ptrs, mask=n_ok, other=0.0, eviction_policy="evict_first")
+        else:
+            k_ok = (k_lo + step * BLOCK_K + rk)[None, :] < K
+            x = tl.load(x_ptrs, mask=m_ok & k_ok, other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok & k_ok, other=0.0, eviction_policy="evict_first")
+        if UPCAST:  # Triton's interpreter only: its tl.dot multiplies bf16 operands' raw bits (3.6)
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        if SWAP:
+            if IEEE:
+                acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(x), acc)
+        else:
+            if IEEE:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if SWAP:
+        out = tl.trans(acc)
+    else:
+        out = acc
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            out = out + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], out.to(y_ptr.dtype.element_ty),
+                 mask=mask)
+    else:
+        # fp32 partials [SPLIT_K, M, N]; skinny_reduce_kernel adds them in split order.
+        base = p_ptr + pid_k.to(tl.int64) * M * N
+        tl.store(base + rm[:, None].to(tl.int64) * N + rn[None, :], out, mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def skinny_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, stride_ym,
+                         HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """y[m, n] = ((p[0, m, n] + p[1, m, n]) + p[2, m, n]) + ... (+ bias[n]): always the same order."""
+    m = tl.program_id(1)
+    rn = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = rn < N
+    row = p_ptr + m.to(tl.int64) * N + rn
+    acc = tl.load(row, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(row + s * M.to(tl.int64) * N, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m.to(tl.int64) * stride_ym + rn, acc.to(y_ptr.dtype.element_ty), mask=ok)

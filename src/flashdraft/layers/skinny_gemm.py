@@ -1,0 +1,264 @@
+"""Batch-invariant skinny GEMM: y[M, N] = x[M, K] @ W[N, K]^T for the few rows of a decode or verify step.
+
+`skinny_linear(x, weight, bias)` runs a Triton kernel (flashdraft.layers._skinny_triton) built for M = 1..16:
+bf16 (or fp16 / fp32) in and out, fp32 accumulation, every program reading its [BLOCK_N, BLOCK_K] weight tiles
+once and using them for all rows of a 16-row tile (rows past M are zero padding), so the cost is nearly flat from
+M = 1 to 16 and the weights stream at close to the memory bandwidth.
+
+**Bitwise batch invariance.** Row m of the output depends only on x[m] and W, never on M or on the other rows:
+the tiling, the K split and the order in which K is reduced are fixed by (N, K) alone (one config per weight
+shape, chosen by `config_for`, never by M; no autotuning at run time; M is not specialized by the compiler; a
+split-K second pass adds its partials in a fixed order; no atomics), and a tensor-core product's output row
+depends only on its own input row. So every linear layer gives a token bitwise the same output whether it
+goes through a 1-token decode step or a 16-token DFlash verify step: the GEMMs are no longer a way for greedy
+DFlash output to differ from plain decoding on the GPU. cuBLAS does not promise this: it picks different
+kernels (split-K, GEMV, tile shapes) for different M, so a 1-row and a 16-row product can round differently
+(scripts/gpu/gemm_run.py found one such shape, Qwen3-8B's down projection, on an H200). Bitwise identical logits
+for the whole pass also need the other ops to be batch-invariant: the RMSNorms are (eager and compiled, same
+script), SDPA over the cache with a mask is not yet (a row of a 16-query call differs from the same query alone).
+
+Routing: `route_linears(*models, gemm="triton")` makes every plain float nn.Linear of the models (and the fused
+q/k/v and gate/up projections of Attention and GatedMLP) call `linear()`, which sends inputs of at most `max_m`
+rows to the kernel and larger ones (prefill, long context projections) to F.linear; `gemm="cublas"` undoes it.
+SpeculativeDecoder(gemm=...) / Engine(..., gemm=...) call it. The kernel is registered as the custom op
+`flashdraft::skinny_linear` (with a fake implementation), so torch.compile'd layers treat it as one opaque call,
+and it neither syncs with the host nor allocates anything but its output (and, for split-K shapes, one fp32
+workspace) from the current allocator, so it is safe inside CUDA graph capture.
+
+Triton is imported on first use only. On CUDA the kernel runs compiled; elsewhere only under Triton's
+interpreter (TRITON_INTERPRET=1 set before the first call), which the CPU tests use.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BLOCK_M = 16  # rows per tile: tl.dot's minimum, and a whole DFlash verify block (B = 16) in one tile
+GEMM_BACKENDS = ("cublas", "triton")
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """One tiling of the kernel. Chosen per weight shape (N, K), never per M (batch invariance)."""
+
+    block_n: int = 32      # output features per program
+    block_k: int = 256     # K step (elements) of the inner loop
+    split_k: int = 1       # fixed K split (> 1: fp32 partials plus a deterministic reduce kernel)
+    num_warps: int = 4
+    num_stages: int = 4    # software-pipelining depth of the weight loads
+    swap: bool = False     # compute (W x^T)^T: the weight tile is the left tl.dot operand
+    pdl: bool = False      # CUDA only: launch as a programmatic dependent launch (Hopper), so the launch
+    #                        overlaps the end of the previous kernel; the kernel waits before reading anything
+
+    @property
+    def name(self) -> str:
+        return (f"n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}p{self.num_stages}"
+                + ("x" if self.swap else "") + ("+pdl" if self.pdl else ""))
+
+
+# (N, K) -> the tiling measured fastest (M = 1 plus M = 16) on one H200 (torch 2.11, Triton 3.6) by
+# `scripts/gpu/gemm_run.py OUT --sweep`: Qwen3-8B's fused q/k/v, o, fused gate/up, down, LM head, and its
+# DFlash drafter's fc and lone k/v projections. Other shapes get the heuristic of `config_for`.
+CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
+    (6144, 4096): SkinnyConfig(64, 128, 1, 4, 6, swap=True),
+    (4096, 4096): SkinnyConfig(64, 128, 1, 4, 6, swap=True),
+    (24576, 4096): SkinnyConfig(64, 128, 1, 4, 6, swap=True),
+    (4096, 12288): SkinnyConfig(16, 128, 1, 2, 8),
+    (151936, 4096): SkinnyConfig(64, 128, 1, 4, 6),
+    (4096, 20480): SkinnyConfig(16, 128, 1, 2, 8),
+    (1024, 4096): SkinnyConfig(32, 64, 4, 4, 8),
+}
+
+
+@functools.cache
+def _sm_count(device_index: int | None) -> int:
+    if device_index is None:
+        return 1  # Triton's interpreter runs programs one after another: the fewest, largest tiles
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def config_for(n: int, k: int, sms: int = 132) -> SkinnyConfig:
+    """The config for an [n, k] weight: the measured table, else a fixed heuristic of (n, k, SM count) that
+    follows what the table's measurements favour:
+
+    - k <= 8192 and at least sms / 2 tiles of 64 rows: 64-row tiles, weight tile as the left tl.dot operand,
+      K steps of 128, 6 stages (the q/k/v, o, gate/up shapes);
+    - longer k with at least sms tiles of 16 rows: 16-row tiles, 2 warps, 8 stages (down, the drafter's fc);
+    - fewer rows: 32-row tiles and a fixed split of K (up to 4 ways) towards 2 programs per SM.
+    """
+    config = _config_for(n, k, sms)
+    return dataclasses.replace(config, pdl=True) if _pdl_everywhere() else config
+
+
+def _pdl_everywhere() -> bool:
+    """FLASHDRAFT_SKINNY_PDL=1 launches every skinny GEMM as a programmatic dependent (an experiment's switch)."""
+    return os.environ.get("FLASHDRAFT_SKINNY_PDL", "0") not in ("", "0") and not _interpreting()
+
+
+def _config_for(n: int, k: int, sms: int) -> SkinnyConfig:
+    if (n, k) in CONFIGS:
+        return CONFIGS[(n, k)]
+    block_k = 128 if k >= 128 else max(16, 1 << (k - 1).bit_length())
+    if k <= 8192 and -(-n // 64) * 2 >= sms:
+        return SkinnyConfig(64, block_k, 1, 4, 6, swap=True)
+    if -(-n // 16) >= sms:
+        return SkinnyConfig(16, block_k, 1, 2, 8)
+    block_k = min(block_k, 64)
+    tiles, steps, split = -(-n // 32), -(-k // block_k), 1
+    while tiles * split < 2 * sms and split < 4 and steps // (split * 2) >= 4:
+        split *= 2
+    return SkinnyConfig(32, block_k, split, 4, 8)
+
+
+def candidate_configs(n: int, k: int, wide: bool = False) -> list[SkinnyConfig]:
+    """Tilings worth timing for one shape, config_for's first and its PDL twin second (the GPU script times
+    each and prints them; wide: a larger sweep)."""
+    first = config_for(n, k)
+    out = [first, dataclasses.replace(first, pdl=True),
+           SkinnyConfig(64, 128, 1, 4, 6, swap=True), SkinnyConfig(16, 128, 1, 2, 8), SkinnyConfig(64, 128, 1, 4, 6),
+           SkinnyConfig(32, 64, 2, 4, 8), SkinnyConfig(64, 256, 1, 4, 4, swap=True), SkinnyConfig(32, 128, 1, 4, 6)]
+    loops = [(256, 4, 4, False), (128, 4, 6, False), (512, 8, 3, False), (256, 4, 4, True)]
+    if wide:
+        loops += [(128, 2, 8, False), (256, 8, 4, False), (512, 4, 3, False), (128, 4, 6, True), (64, 4, 8, False)]
+    for block_n, split in ((16, 1), (32, 1), (64, 1), (16, 2), (32, 2), (32, 4), (64, 4)):
+        for block_k, warps, stages, swap in loops:
+            if block_n == 16 and swap:
+                continue
+            if -(-k // block_k) < 2 * split:
+                continue
+            out.append(SkinnyConfig(block_n, block_k, split, warps, stages, swap))
+    seen, unique = set(), []
+    for c in out:
+        if c not in seen:
+            seen.add(c)
+            unique.append(c)
+    return unique
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def _kernels():
+    from flashdraft.layers import _skinny_triton
+    return _skinny_triton
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def can_run(device: torch.device | str) -> bool:
+    """Whether the kernel can run for tensors on `device`: CUDA with Triton, or Triton's interpreter."""
+    device = torch.device(device)
+    return triton_available() and (device.type == "cuda" or _interpreting())
+
+
+def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           config: SkinnyConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the kernel: x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype (no custom-op wrapper;
+    config None = config_for(N, K)). Benchmarks pass a config; the model path goes through skinny_linear."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"skinny_linear: x has {k} features, weight is {list(weight.shape)}")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < k):
+        x2 = x2.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    m = x2.shape[0]
+    y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y.reshape(*lead, n)
+    if config is None:
+        config = config_for(n, k, _sm_count(x.device.index if x.device.type == "cuda" else None))
+    kern = _kernels()
+    split = config.split_k
+    m_tiles = -(-m // BLOCK_M)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    even_k = k % (split * config.block_k) == 0
+    pdl = {"launch_pdl": True} if config.pdl and x.device.type == "cuda" else {}
+    kern.skinny_gemm_kernel[(-(-n // config.block_n), split, m_tiles)](
+        x2, weight, bias if bias is not None else y, y, part, m, n, x2.stride(0), weight.stride(0), y.stride(0), K=k,
+        STEPS=-(-(-(-k // config.block_k)) // split),
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, SWAP=config.swap,
+        UPCAST=x.device.type != "cuda" and x.dtype != torch.float32, PDL=bool(pdl),
+        BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split,
+        EVEN_N=n % config.block_n == 0, EVEN_K=even_k, num_warps=config.num_warps, num_stages=config.num_stages, **pdl)
+    if split > 1:
+        block = 1024
+        kern.skinny_reduce_kernel[(-(-n // block), m)](
+            part, bias if bias is not None else y, y, m, n, y.stride(0),
+            HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK=block, num_warps=4)
+    return y.reshape(*lead, n)
+
+
+# The custom op: torch.compile sees one opaque call with a known output shape (no tracing into Triton).
+@torch.library.custom_op("flashdraft::skinny_linear", mutates_args=())
+def _skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return launch(x, weight, bias)
+
+
+@_skinny_linear_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias) with the batch-invariant Triton kernel (see the module docstring):
+    each output row is bitwise independent of how many rows go through together. Meant for few rows (<= 16
+    reads the weights once; more rows re-read them per 16-row tile)."""
+    return _skinny_linear_op(x, weight, bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, max_m: int = 0) -> torch.Tensor:
+    """F.linear, except that inputs of 1..max_m rows go to skinny_linear (max_m = 0: always F.linear)."""
+    if max_m and math.prod(x.shape[:-1]) <= max_m:
+        return skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class SkinnyLinear(nn.Linear):
+    """An nn.Linear whose few-row inputs go through skinny_linear (route_linears swaps the class in place)."""
+
+    skinny_max_m = BLOCK_M
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.skinny_max_m)
+
+
+def route_linears(*models: nn.Module, gemm: str = "triton", max_m: int = BLOCK_M) -> int:
+    """Send the models' linear layers through the Triton kernel (gemm="triton": inputs of <= max_m rows) or
+    back to cuBLAS/F.linear (gemm="cublas"). Plain float nn.Linear layers (quantized ones are left alone) and
+    modules with fused projections (a `skinny_max_m` attribute: Attention, GatedMLP). Returns how many modules
+    were routed. Call it after fuse_projections (which only fuses plain nn.Linear children) and before
+    torch.compile or CUDA graph capture."""
+    if gemm not in GEMM_BACKENDS:
+        raise ValueError(f"unknown gemm backend {gemm!r}; choose from {', '.join(GEMM_BACKENDS)}")
+    on = gemm == "triton"
+    routed = 0
+    for model in models:
+        for m in model.modules():
+            if on and type(m) is nn.Linear and m.weight.is_floating_point():
+                m.__class__ = SkinnyLinear
+            elif not on and type(m) is SkinnyLinear:
+                m.__class__ = nn.Linear
+                continue
+            if isinstance(m, SkinnyLinear) or "skinny_max_m" in type(m).__dict__:
+                m.skinny_max_m = max_m if on else 0
+                routed += on
+    return routed

@@ -1,0 +1,28 @@
+"""grouped_attention: grouped query heads under a mask, folded into one multi-head call (no math fallback)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashdraft.layers.attention import grouped_attention
+
+
+@pytest.mark.parametrize("b,heads,kv_heads,Tq,Tk,layout", [
+    (2, 6, 2, 5, 9, "b1qk"), (1, 8, 2, 4, 7, "qk"), (3, 4, 1, 1, 6, "b1qk"), (2, 6, 3, 5, 9, "bqk"),
+    (2, 4, 4, 3, 5, "b1qk")])
+def test_matches_sdpa_with_repeated_kv_heads(b, heads, kv_heads, Tq, Tk, layout):
+    g = torch.Generator().manual_seed(Tq * 31 + heads)
+    q = torch.randn(b, heads, Tq, 16, generator=g)
+    k, v = torch.randn(2, b, kv_heads, Tk, 16, generator=g)
+    allowed = torch.rand(b, Tq, Tk, generator=g) > 0.4
+    allowed[..., 0] = True  # every query row sees one key
+    mask = {"b1qk": allowed[:, None], "bqk": allowed, "qk": allowed[0]}[layout]
+    group = heads // kv_heads
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                         attn_mask=mask[:, None] if layout == "bqk" else mask)
+    torch.testing.assert_close(grouped_attention(q, k, v, mask), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_per_head_masks_are_refused():
+    q, k = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 3, 8)
+    with pytest.raises(ValueError, match="shared by the heads"):
+        grouped_attention(q, k, k, torch.ones(1, 4, 2, 3, dtype=torch.bool))

@@ -1,0 +1,186 @@
+"""The batch-invariant skinny GEMM (flashdraft.layers.skinny_gemm): its Triton kernel under Triton's interpreter
+on the CPU (skipped without Triton), the config choice, the custom op, and the engine's gemm option.
+
+On a CUDA machine the kernel tests run the compiled kernel instead (the interpreter is only switched on here
+when no GPU is present); scripts/gpu/gemm_run.py checks the GPU kernel at the real shapes.
+"""
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+
+pytest.importorskip("triton")
+
+from flashdraft.layers import skinny_gemm as sg  # noqa: E402
+
+# Without a GPU, Triton's interpreter. triton.jit reads TRITON_INTERPRET when a kernel is decorated, which for
+# ours is when flashdraft.layers._skinny_triton is first imported (first launch), so it is set here, before any
+# launch, and that module is dropped in case something imported it earlier. It stays set for the session
+# (nothing else runs Triton in-process on the CPU).
+if not ON_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.modules.pop("flashdraft.layers._skinny_triton", None)
+    sg._kernels.cache_clear()
+
+
+# (n, k, config): the heuristic's pick, uneven N and K (masked edges), split-K (the deterministic reduce
+# kernel, an uneven split too), the swapped operand order.
+CASES = [
+    (96, 256, None),
+    (80, 200, None),
+    (64, 512, sg.SkinnyConfig(16, 64, split_k=2)),
+    (72, 200, sg.SkinnyConfig(32, 64, split_k=4, swap=True)),
+    (64, 256, sg.SkinnyConfig(32, 64, swap=True)),
+    (48, 160, sg.SkinnyConfig(16, 32, split_k=3)),
+]
+
+
+def _tol(dtype):
+    # bf16 output rounding (the interpreter truncates fp32 -> bf16 instead of rounding: up to 2 ** -7)
+    return 1e-5 if dtype == torch.float32 else 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k,config", CASES)
+def test_matches_float64_product_and_is_batch_invariant(n, k, config, dtype):
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g).to(DEVICE, dtype)
+    x = torch.randn(16, k, generator=g).to(DEVICE, dtype)
+    b = torch.randn(n, generator=g).to(DEVICE, dtype)
+    y = sg.launch(x, w, b, config)
+    assert y.shape == (16, n) and y.dtype == dtype
+    ref = x.double() @ w.double().T + b.double()
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < _tol(dtype)
+    # Bitwise: the rows of a 16-row product are those of 1-, 3- and 7-row products of the same inputs.
+    for m in (1, 3, 7):
+        assert torch.equal(sg.launch(x[:m], w, b, config), y[:m])
+    # and a row does not depend on what the other rows hold
+    other = x.clone()
+    other[1:] = torch.randn(15, k, generator=g).to(DEVICE, dtype)
+    assert torch.equal(sg.launch(other, w, b, config)[0], y[0])
+    no_bias = sg.launch(x[:2], w, None, config)
+    ref_nb = x[:2].double() @ w.double().T
+    assert ((no_bias.double() - ref_nb).abs().max() / ref_nb.abs().max()).item() < _tol(dtype)
+
+
+def test_more_than_16_rows_and_leading_dims():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 96, generator=g).to(DEVICE)
+    x = torch.randn(2, 20, 96, generator=g).to(DEVICE)
+    y = sg.skinny_linear(x, w)
+    assert y.shape == (2, 20, 64)
+    torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-4)
+    flat = x.reshape(40, 96)
+    assert torch.equal(sg.skinny_linear(flat[16:32], w), y.reshape(40, 64)[16:32])  # still tile by tile
+    assert sg.skinny_linear(x[:, :0], w).shape == (2, 0, 64)
+
+
+def test_a_broken_kernel_is_caught(monkeypatch):
+    """The checks above can fail: a kernel whose K steps depend on M is caught by the invariance check."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(64, 512, generator=g).to(DEVICE)
+    x = torch.randn(16, 512, generator=g).to(DEVICE)
+    real = sg.launch
+
+    def m_dependent(x, w, b=None, config=None):
+        config = sg.SkinnyConfig(16, 128 if x.shape[0] > 1 else 32, split_k=1 if x.shape[0] > 1 else 2)
+        return real(x, w, b, config)
+
+    rows = [m_dependent(x[i:i + 1], w)[0] for i in range(16)]
+    assert not all(torch.equal(r, y) for r, y in zip(rows, m_dependent(x, w)))
+
+
+def test_config_is_chosen_by_shape_not_rows():
+    for n, k in [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096), (4096, 20480),
+                 (1024, 4096), (28672, 4096), (4096, 14336), (2048, 6144), (300, 100)]:
+        c = sg.config_for(n, k)
+        assert c == sg.config_for(n, k)  # deterministic
+        assert c.block_n in (16, 32, 64) and c.split_k in (1, 2, 4) and not c.pdl
+        assert c in sg.candidate_configs(n, k)
+    assert sg.config_for(4096, 4096) == sg.CONFIGS[(4096, 4096)]
+
+
+def test_custom_op_registration_and_compile():
+    """The op has a fake implementation (opcheck) and works inside torch.compile with a dynamic row count."""
+    w = torch.randn(32, 64).to(DEVICE)
+    x = torch.randn(3, 64).to(DEVICE)
+    torch.library.opcheck(torch.ops.flashdraft.skinny_linear.default, (x, w, None),
+                          test_utils=("test_schema", "test_faketensor"))
+
+    def f(x):
+        return sg.linear(x, w, None, 16).relu()
+
+    compiled = torch.compile(f, backend="aot_eager", dynamic=True, fullgraph=True)
+    for m in (1, 5, 16):
+        assert torch.equal(compiled(x.repeat(6, 1)[:m]), f(x.repeat(6, 1)[:m]))
+
+
+def test_route_linears_and_back():
+    from flashdraft.layers import Attention, GatedMLP
+    from flashdraft.config import ModelConfig
+    cfg = ModelConfig.from_dict(dict(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                     head_dim=16, max_position_embeddings=64))
+    model = nn.Sequential(Attention(cfg), GatedMLP(32, 64), nn.Linear(32, 8))
+    n = sg.route_linears(model, gemm="triton", max_m=16)
+    assert n == 4 + 3 + 1 + 2  # the linear layers, plus Attention and GatedMLP for their fused products
+    assert type(model[2]) is sg.SkinnyLinear and model[0].skinny_max_m == 16
+    calls = []
+    real = sg._skinny_linear_op
+    try:
+        sg._skinny_linear_op = lambda *a: calls.append(a[0].shape) or real(*a)
+        x = torch.randn(4, 32)
+        model[2](x)
+        model[2](torch.randn(17, 32))  # more rows than max_m: F.linear
+        model[1].fuse_projections()
+        model[1](x)
+    finally:
+        sg._skinny_linear_op = real
+    assert calls == [(4, 32), (4, 32), (4, 64)]  # lm-head-like layer, fused gate/up, down
+    sg.route_linears(model, gemm="cublas")
+    assert type(model[2]) is nn.Linear and model[0].skinny_max_m == 0
+    with pytest.raises(ValueError, match="unknown gemm"):
+        sg.route_linears(model, gemm="cutlass")
+
+
+def test_engine_gemm_option(qwen3_dir, drafter_dir):
+    """gemm="triton" routes the target's and drafter's layers through the kernel, and greedy output (plain
+    and DFlash) equals the cuBLAS/F.linear engine's on this tiny float32 model."""
+    from flashdraft.config import SamplingParams
+    from flashdraft.engine.generator import Engine
+
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    prompt = list(range(3, 19))
+    plain = Engine.load(qwen3_dir, drafter_dir, device=DEVICE, context_size=64)
+    assert plain.decoder.gemm == "cublas"
+    ref = plain.generate(prompt, params, 0).tokens
+    eng = Engine.load(qwen3_dir, drafter_dir, device=DEVICE, context_size=64, gemm="triton")
+    assert eng.decoder.gemm == "triton"
+    assert type(eng.decoder.target.lm_head) is sg.SkinnyLinear
+    assert type(eng.decoder.drafter.fc) is sg.SkinnyLinear
+    assert eng.decoder.target.model.layers[0].mlp.skinny_max_m == max(16, eng.decoder.block_size)
+    calls = []
+    real = sg._skinny_linear_op
+    try:
+        sg._skinny_linear_op = lambda *a: calls.append(tuple(a[0].shape)) or real(*a)
+        assert eng.generate(prompt, params, 0).tokens == ref
+        assert eng.generate(prompt, params, 7).tokens == ref
+    finally:
+        sg._skinny_linear_op = real
+    assert (1, 64) in calls and (8, 64) in calls  # decode steps and drafter blocks/verify went through it
+    assert all(shape[0] <= 16 for shape in calls)  # the 16-token prompt's prefill too (<= max_m), never more
+
+
+def test_engine_rejects_triton_where_it_cannot_run(monkeypatch, qwen3_dir):
+    from flashdraft.engine.speculative import resolve_gemm
+    assert resolve_gemm(None, torch.device("cpu")) == "cublas"
+    with pytest.raises(ValueError, match="unknown gemm"):
+        resolve_gemm("fast", torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="needs Triton and a CUDA device"):
+        resolve_gemm("triton", torch.device("cpu"))

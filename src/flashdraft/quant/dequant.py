@@ -17,7 +17,11 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
 
 
 def _shifts(*values: int, shape: tuple[int, ...], device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.uint8, device=device).view(shape)
+    """Shift amounts 0, s, 2s, ... made on the device by arange (torch.tensor would copy from the host, which a
+    CUDA graph capture forbids: a QuantEmbedding lookup runs inside the engine's graphs)."""
+    step = values[1] - values[0]
+    assert values == tuple(step * i for i in range(len(values)))
+    return (torch.arange(len(values), dtype=torch.uint8, device=device) * step).view(shape)
 
 
 def _nibbles_32(qs: torch.Tensor) -> torch.Tensor:

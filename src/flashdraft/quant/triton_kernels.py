@@ -1,148 +1,423 @@
-"""Triton matmul kernels that read GGUF blocks directly (CUDA only; imported by flashdraft.quant.linear on CUDA).
+"""Triton matmul kernels that read GGUF blocks directly (imported by flashdraft.quant.linear on CUDA; the CPU
+tests run them under Triton's interpreter, TRITON_INTERPRET=1 set before this module is first imported).
 
-y[M, N] = x[M, K] @ W^T with W held as uint8 blocks [N, row_bytes]. Each program decodes a [BLOCK_N, BLOCK_K]
-tile of W to float32 (the same formulas as flashdraft.quant.dequant), casts it to the activation dtype and
-feeds tensor cores with tl.dot. The tiling is fixed (no autotuning, no split-K, no atomics) and every M-tile
-runs the same instruction sequence, so a token's output row is bitwise the same whether 1 or 16 tokens go
-through: plain decoding and DFlash verify agree. BLOCK_M = 16 covers a whole verify block in one M-tile, so
-the weight bytes are read once for M <= 16 and the cost stays nearly flat from 1 to 16 tokens.
+y[M, N] = x[M, K] @ W^T with W held as uint8 blocks [N, row_bytes] (blocks run along K). Each program owns
+BLOCK_N output features of one BLOCK_M = 16 row tile and one fixed K range. Per K step it loads the raw bytes of
+a [BLOCK_N, BLOCK_K] weight tile once, decodes it to float32 (the formulas of flashdraft.quant.dequant), casts it
+to the activation dtype and multiplies with tl.dot, accumulating in fp32. Two decode formulations give the same
+weights: per element on a 2-D tile (the default: each element finds its own quant bits and scales, repeated
+loads served by L1) or per sub-block on 3-D tiles ([BLOCK_N, sub-blocks, 1] scales, [BLOCK_N, sub-blocks, elems]
+quants, then a reshape); QuantConfig.decode_2d picks one.
 
-This is the simple first version (element-wise byte gathers served by L1); it is correct and batch-invariant,
-not yet bandwidth-optimal (see docs/gguf.md).
+Cost nearly flat in M: a 16-row tile holds a whole DFlash verify block, so the weight bytes are read once for
+any M <= 16; rows past M are masked loads (zeros) that cost no memory traffic.
+
+Bitwise batch invariance (a token's output row is the same whether 1 or 16 tokens go through, which keeps
+greedy DFlash identical to plain decoding):
+- the tiling, the K split and the K order are chosen from (qtype, N, K, SM count) alone (`config_for`), never
+  from M, and there is no autotuning;
+- M is not specialized by the compiler (do_not_specialize), so one binary serves every M;
+- a tensor-core product's output row depends only on its own input row; padding rows are zeros;
+- with a K split, fp32 partials go to a workspace and a second kernel adds them in split order; no atomics.
+
+K is a compile-time constant (one binary per K; a model has a handful), and so is every loop trip count: the
+interpreter cannot run loops with run-time bounds under numpy >= 2.4, and the compiler gets exact trip counts.
 """
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-QTYPE_CODES = {"Q4_0": 0, "Q5_0": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
-BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS = 16, 64, 64, 4
+QTYPE_CODES = {"Q4_0": 0, "Q5_0": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5, "Q4_1": 6, "Q5_1": 7}
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # 256-weight super-blocks; the others have 32-weight blocks
+BLOCK_BYTES = {"Q4_0": 18, "Q5_0": 22, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q4_1": 20, "Q5_1": 24}
+BLOCK_M = 16           # rows per tile: tl.dot's minimum, and a whole 16-token verify block
+PROGRAMS_PER_SM = 2    # the K split aims at about this many programs per multiprocessor
+MAX_SPLIT = 8
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """One tiling. Chosen per (qtype, N, K) and the SM count, never per M (batch invariance)."""
+
+    block_n: int = 64
+    block_k: int = 64      # weights per K step (divides 256 for K-quants; a multiple of 32 for the others)
+    split_k: int = 1       # fixed K split (> 1: fp32 partials plus a reduce kernel adding them in order)
+    num_warps: int = 4
+    num_stages: int = 3    # software pipelining (3-D tiles of 64 x 256 measured fastest at 1 on an H200)
+    decode_2d: bool = True   # per-element index math on a 2-D tile (else 3-D sub-block tiles and a reshape)
+
+    @property
+    def name(self) -> str:
+        return (f"n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}p{self.num_stages}"
+                + ("" if self.decode_2d else "t"))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# (qtype, N, K) -> a measured tiling (scripts/gpu/gguf_sweep.py); other shapes get heuristic_config.
+CONFIGS: dict[tuple[str, int, int], QuantConfig] = {}
+
+
+def config_for(qtype: str, n: int, k: int, sms: int = 132) -> QuantConfig:
+    """The tiling for a [n, k] weight of `qtype`: the measured table, else the heuristic. Never depends on M."""
+    return CONFIGS.get((qtype, n, k)) or heuristic_config(qtype, n, k, sms)
+
+
+def split_for(n: int, k: int, block_n: int, block_k: int, sms: int = 132) -> int:
+    """The smallest K split that divides the K steps evenly and gives about PROGRAMS_PER_SM programs per SM (at
+    most MAX_SPLIT, and at least 2 K steps per split)."""
+    steps = -(-k // block_k)
+    tiles = -(-n // block_n)
+    split = 1
+    for d in _divisors(steps):
+        if d > MAX_SPLIT or (d > 1 and steps // d < 2):
+            break
+        split = d
+        if tiles * d >= PROGRAMS_PER_SM * sms:
+            break
+    return split
+
+
+def heuristic_config(qtype: str, n: int, k: int, sms: int = 132, block_n: int = 64, num_warps: int = 4,
+                     num_stages: int = 3, decode_2d: bool = True, block_k: int = 64) -> QuantConfig:
+    """A 64 x 64 weight tile per K step (the tiling of the first version, measured at ~70 us for the 31B gate/up
+    shape on an H200, against ~105 us for 3-D tiles of 64 x 256, whose fp32 tile crowds the registers), 4 warps,
+    and split_for's K split (the first version had none: 84 programs for down_proj's 5376 rows)."""
+    if k < block_k:
+        block_k = max(32, 1 << (k - 1).bit_length())
+    return QuantConfig(block_n, block_k, split_for(n, k, block_n, block_k, sms), num_warps, num_stages, decode_2d)
 
 
 @triton.jit
-def _fp16_at(ptr, valid):
-    """Little-endian fp16 at ptr -> float32 (0 where masked)."""
-    bits = (tl.load(ptr + 1, mask=valid, other=0).to(tl.uint16) << 8) | tl.load(ptr, mask=valid, other=0).to(tl.uint16)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+def _fp16_at(ptr, mask):
+    """Little-endian fp16 at ptr (uint8 pointers) -> float32 (0 where masked)."""
+    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
+    return ((hi << 8) | lo).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def _byte_at(ptr, valid):
-    return tl.load(ptr, mask=valid, other=0).to(tl.int32)
+def _byte_at(ptr, mask):
+    return tl.load(ptr, mask=mask, other=0).to(tl.int32)
 
 
 @triton.jit
-def _legacy_32(row, k, valid, BLOCK_BYTES: tl.constexpr, QS_OFFSET: tl.constexpr, HIGH_BITS: tl.constexpr,
-               SIGNED_BYTES: tl.constexpr):
-    """Q4_0 (d*(q-8)), Q5_0 (d*(q-16), 4 bytes of 5th bits) and Q8_0 (d*int8) blocks of 32 weights."""
-    base = row + (k // 32) * BLOCK_BYTES
-    e = k % 32
-    d = _fp16_at(base, valid)
-    if SIGNED_BYTES:
-        w = tl.load(base + 2 + e, mask=valid, other=0).to(tl.int8, bitcast=True).to(tl.float32) * d
+def _int8_at(ptr, mask):
+    return tl.load(ptr, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _legacy_tile(row, k0, mask, QTYPE: tl.constexpr, S: tl.constexpr):
+    """S blocks of 32 weights starting at weight k0 -> float32 [BLOCK_N, S, 32].
+    Q4_0 d*(q-8); Q5_0 d*(q-16) (4 bytes of 5th bits); Q8_0 d*int8; Q4_1 d*q+m; Q5_1 d*q+m (5th bits)."""
+    blk = (k0 // 32 + tl.arange(0, S))[None, :, None]
+    e = tl.arange(0, 32)[None, None, :]
+    if QTYPE == 0:
+        base = row + blk * 18
+        q = (_byte_at(base + 2 + e % 16, mask) >> (4 * (e // 16))) & 0x0F
+        w = _fp16_at(base, mask) * (q - 8).to(tl.float32)
+    elif QTYPE == 1:
+        base = row + blk * 22
+        q = (_byte_at(base + 6 + e % 16, mask) >> (4 * (e // 16))) & 0x0F
+        q = q | (((_byte_at(base + 2 + e // 8, mask) >> (e % 8)) & 1) << 4)
+        w = _fp16_at(base, mask) * (q - 16).to(tl.float32)
+    elif QTYPE == 2:
+        base = row + blk * 34
+        w = _int8_at(base + 2 + e, mask) * _fp16_at(base, mask)
+    elif QTYPE == 6:
+        base = row + blk * 20
+        q = (_byte_at(base + 4 + e % 16, mask) >> (4 * (e // 16))) & 0x0F
+        w = _fp16_at(base, mask) * q.to(tl.float32) + _fp16_at(base + 2, mask)
     else:
-        q = (_byte_at(base + QS_OFFSET + e % 16, valid) >> (4 * (e // 16))) & 0x0F
-        if HIGH_BITS:
-            q = (q | (((_byte_at(base + 2 + e // 8, valid) >> (e % 8)) & 1) << 4)) - 16
-        else:
-            q = q - 8
-        w = d * q.to(tl.float32)
+        base = row + blk * 24
+        q = (_byte_at(base + 8 + e % 16, mask) >> (4 * (e // 16))) & 0x0F
+        q = q | (((_byte_at(base + 4 + e // 8, mask) >> (e % 8)) & 1) << 4)
+        w = _fp16_at(base, mask) * q.to(tl.float32) + _fp16_at(base + 2, mask)
     return w
 
 
 @triton.jit
-def _q6_k(row, k, valid):
-    """Q6_K super-block: ql[128] qh[64] int8 scales[16] fp16 d; weight = (d * s_j) * (q - 32)."""
-    base = row + (k // 256) * 210
-    e = k % 256
-    h, r = e // 128, e % 128
-    lo = (_byte_at(base + h * 64 + r % 64, valid) >> (4 * (r // 64))) & 0x0F
-    hi = (_byte_at(base + 128 + h * 32 + r % 32, valid) >> (2 * (r // 32))) & 0x03
-    sc = tl.load(base + 192 + e // 16, mask=valid, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-    return (_fp16_at(base + 208, valid) * sc) * ((lo | (hi << 4)) - 32).to(tl.float32)
-
-
-@triton.jit
-def _q45_k(row, k, valid, FIVE_BIT: tl.constexpr):
-    """Q4_K / Q5_K super-block: d, dmin, 12 packed 6-bit scale/min bytes, [Q5_K: 32 bytes of 5th bits], nibbles."""
+def _q45_k_tile(row, k0, mask, FIVE_BIT: tl.constexpr, S: tl.constexpr):
+    """S sub-blocks of 32 weights of a Q4_K/Q5_K super-block, from weight k0 -> float32 [BLOCK_N, S, 32].
+    Super-block: fp16 d, fp16 dmin, 12 bytes of packed 6-bit scales/mins, [Q5_K: 32 bytes of 5th bits],
+    128 nibble bytes (byte 32g+i: weight 64g+i low, 64g+32+i high); weight = (d*sc_j)*q - dmin*m_j."""
+    j = ((k0 % 256) // 32 + tl.arange(0, S))[None, :, None]
+    i = tl.arange(0, 32)[None, None, :]
     if FIVE_BIT:
-        base = row + (k // 256) * 176
+        base = row + (k0 // 256) * 176
         qs = base + 48
     else:
-        base = row + (k // 256) * 144
+        base = row + (k0 // 256) * 144
         qs = base + 16
-    e = k % 256
-    j, i = e // 32, e % 32
-    q = (_byte_at(qs + 32 * (j // 2) + i, valid) >> (4 * (j % 2))) & 0x0F
+    q = (_byte_at(qs + 32 * (j // 2) + i, mask) >> (4 * (j % 2))) & 0x0F
     if FIVE_BIT:
-        q = q | (((_byte_at(base + 16 + i, valid) >> j) & 1) << 4)
-    sc_lo = _byte_at(base + 4 + j % 4, valid)
-    mn_lo = _byte_at(base + 8 + j % 4, valid)
-    hi = _byte_at(base + 12 + j % 4, valid)
+        q = q | (((_byte_at(base + 16 + i, mask) >> j) & 1) << 4)
+    sc_lo = _byte_at(base + 4 + j % 4, mask)
+    mn_lo = _byte_at(base + 8 + j % 4, mask)
+    hi = _byte_at(base + 12 + j % 4, mask)
     sc = tl.where(j < 4, sc_lo & 0x3F, (hi & 0x0F) | ((sc_lo >> 6) << 4)).to(tl.float32)
     mn = tl.where(j < 4, mn_lo & 0x3F, (hi >> 4) | ((mn_lo >> 6) << 4)).to(tl.float32)
-    return (_fp16_at(base, valid) * sc) * q.to(tl.float32) - _fp16_at(base + 2, valid) * mn
+    return (_fp16_at(base, mask) * sc) * q.to(tl.float32) - _fp16_at(base + 2, mask) * mn
 
 
 @triton.jit
-def _decode_tile(w_ptr, rn, rk, row_bytes, valid, QTYPE: tl.constexpr):
-    """Weights W[rn, rk] as float32 [BLOCK_N, BLOCK_K]; `valid` masks rows/columns outside the matrix."""
-    row = w_ptr + rn[:, None].to(tl.int64) * row_bytes
-    k = rk[None, :]
-    if QTYPE == 0:
-        w = _legacy_32(row, k, valid, 18, 2, False, False)
-    elif QTYPE == 1:
-        w = _legacy_32(row, k, valid, 22, 6, True, False)
-    elif QTYPE == 2:
-        w = _legacy_32(row, k, valid, 34, 2, False, True)
-    elif QTYPE == 3:
-        w = _q45_k(row, k, valid, False)
+def _q6_k_tile(row, k0, mask, S: tl.constexpr):
+    """S sub-blocks of 16 weights of a Q6_K super-block, from weight k0 -> float32 [BLOCK_N, S, 16].
+    Super-block: ql[128] (weight 128h+64t+c: byte 64h+c, nibble t), qh[64] (weight 128h+32u+c: byte 32h+c,
+    bits 2u..2u+1), int8 scales[16], fp16 d; weight = (d*s_j)*(q-32)."""
+    j = ((k0 % 256) // 16 + tl.arange(0, S))[None, :, None]
+    i = tl.arange(0, 16)[None, None, :]
+    base = row + (k0 // 256) * 210
+    h = j // 8
+    jj = j % 8
+    lo = (_byte_at(base + 64 * h + 16 * (jj % 4) + i, mask) >> (4 * (jj // 4))) & 0x0F
+    hi = (_byte_at(base + 128 + 32 * h + 16 * (jj % 2) + i, mask) >> (2 * (jj // 2))) & 0x03
+    return (_fp16_at(base + 208, mask) * _int8_at(base + 192 + j, mask)) * ((lo | (hi << 4)) - 32).to(tl.float32)
+
+
+@triton.jit
+def _decode_tile(row, k0, mask, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Weights W[rows, k0:k0+BLOCK_K] as float32 [BLOCK_N, BLOCK_K]; row: [BLOCK_N, 1, 1] row pointers."""
+    if QTYPE == 3:
+        w = _q45_k_tile(row, k0, mask, False, BLOCK_K // 32)
     elif QTYPE == 4:
-        w = _q45_k(row, k, valid, True)
+        w = _q45_k_tile(row, k0, mask, True, BLOCK_K // 32)
+    elif QTYPE == 5:
+        w = _q6_k_tile(row, k0, mask, BLOCK_K // 16)
     else:
-        w = _q6_k(row, k, valid)
-    return tl.where(valid, w, 0.0)
+        w = _legacy_tile(row, k0, mask, QTYPE, BLOCK_K // 32)
+    return tl.reshape(w, (BLOCK_N, BLOCK_K))
 
 
 @triton.jit
-def _quant_matmul_kernel(x_ptr, w_ptr, y_ptr, M, N, K, row_bytes, stride_xm, stride_ym,
-                         QTYPE: tl.constexpr, FP32: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _decode_tile_2d(row, k0, mask, QTYPE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The same weights as _decode_tile, computed per element on a [BLOCK_N, BLOCK_K] grid (row: [BLOCK_N, 1]
+    row pointers): each element finds its own quant bits and scales (repeated loads are served by L1), with no
+    3-D tiles and no reshape."""
+    k = k0 + tl.arange(0, BLOCK_K)[None, :]
+    if QTYPE == 3 or QTYPE == 4:
+        e = k % 256
+        j = e // 32
+        i = e % 32
+        if QTYPE == 4:
+            base = row + (k // 256) * 176
+            qs = base + 48
+        else:
+            base = row + (k // 256) * 144
+            qs = base + 16
+        q = (_byte_at(qs + 32 * (j // 2) + i, mask) >> (4 * (j % 2))) & 0x0F
+        if QTYPE == 4:
+            q = q | (((_byte_at(base + 16 + i, mask) >> j) & 1) << 4)
+        sc_lo = _byte_at(base + 4 + j % 4, mask)
+        mn_lo = _byte_at(base + 8 + j % 4, mask)
+        hi = _byte_at(base + 12 + j % 4, mask)
+        sc = tl.where(j < 4, sc_lo & 0x3F, (hi & 0x0F) | ((sc_lo >> 6) << 4)).to(tl.float32)
+        mn = tl.where(j < 4, mn_lo & 0x3F, (hi >> 4) | ((mn_lo >> 6) << 4)).to(tl.float32)
+        w = (_fp16_at(base, mask) * sc) * q.to(tl.float32) - _fp16_at(base + 2, mask) * mn
+    elif QTYPE == 5:
+        base = row + (k // 256) * 210
+        e = k % 256
+        h = e // 128
+        r = e % 128
+        lo = (_byte_at(base + h * 64 + r % 64, mask) >> (4 * (r // 64))) & 0x0F
+        hi = (_byte_at(base + 128 + h * 32 + r % 32, mask) >> (2 * (r // 32))) & 0x03
+        w = (_fp16_at(base + 208, mask) * _int8_at(base + 192 + e // 16, mask)) * ((lo | (hi << 4)) - 32).to(tl.float32)
+    else:
+        e = k % 32
+        if QTYPE == 0:
+            base = row + (k // 32) * 18
+            q = (_byte_at(base + 2 + e % 16, mask) >> (4 * (e // 16))) & 0x0F
+            w = _fp16_at(base, mask) * (q - 8).to(tl.float32)
+        elif QTYPE == 1:
+            base = row + (k // 32) * 22
+            q = (_byte_at(base + 6 + e % 16, mask) >> (4 * (e // 16))) & 0x0F
+            q = q | (((_byte_at(base + 2 + e // 8, mask) >> (e % 8)) & 1) << 4)
+            w = _fp16_at(base, mask) * (q - 16).to(tl.float32)
+        elif QTYPE == 2:
+            base = row + (k // 32) * 34
+            w = _int8_at(base + 2 + e, mask) * _fp16_at(base, mask)
+        elif QTYPE == 6:
+            base = row + (k // 32) * 20
+            q = (_byte_at(base + 4 + e % 16, mask) >> (4 * (e // 16))) & 0x0F
+            w = _fp16_at(base, mask) * q.to(tl.float32) + _fp16_at(base + 2, mask)
+        else:
+            base = row + (k // 32) * 24
+            q = (_byte_at(base + 8 + e % 16, mask) >> (4 * (e // 16))) & 0x0F
+            q = q | (((_byte_at(base + 4 + e // 8, mask) >> (e % 8)) & 1) << 4)
+            w = _fp16_at(base, mask) * q.to(tl.float32) + _fp16_at(base + 2, mask)
+    return w
+
+
+@triton.jit
+def _round_like(v, dtype: tl.constexpr):
+    """float32 v rounded to `dtype` (nearest, ties to even) and returned as float32 (interpreter use only:
+    its own bf16 casts truncate)."""
+    if dtype == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    elif dtype == tl.float16:
+        return v.to(tl.float16).to(tl.float32)
+    else:
+        return v
+
+
+# M is never specialized (Triton would otherwise compile separate variants for M == 1 and M % 16 == 0): one
+# binary serves every M, which batch invariance relies on.
+@triton.jit(do_not_specialize=["M"])
+def _quant_matmul_kernel(x_ptr, w_ptr, y_ptr, p_ptr, M, N, row_bytes, stride_xm, stride_ym,
+                         K: tl.constexpr, QTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         SPLIT_K: tl.constexpr, STEPS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                         DECODE_2D: tl.constexpr):
     pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    if DECODE_2D:
+        row = w_ptr + (rn.to(tl.int64) * row_bytes)[:, None]
+        n_ok = (rn < N)[:, None]
+    else:
+        row = w_ptr + (rn.to(tl.int64) * row_bytes)[:, None, None]
+        n_ok = (rn < N)[:, None, None]
+    m_ok = rm[:, None] < M
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :],
-                    mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-        valid = (rn[:, None] < N) & (rk[None, :] < K)
-        w = _decode_tile(w_ptr, rn, rk, row_bytes, valid, QTYPE)
-        if FP32:
+    for t in range(STEPS):  # this split's K steps, low to high K: a fixed order
+        k0 = (pid_k * STEPS + t) * BLOCK_K
+        if EVEN_K:
+            x_mask = m_ok
+            if EVEN_N:
+                w_mask = n_ok | True
+            else:
+                w_mask = n_ok
+        else:
+            # legacy types only: K is a multiple of 32, so whole 32-weight blocks are in or out
+            x_mask = m_ok & ((k0 + rk)[None, :] < K)
+            if DECODE_2D:
+                w_mask = n_ok & ((k0 + rk)[None, :] < K)
+            else:
+                w_mask = n_ok & ((k0 // 32 + tl.arange(0, BLOCK_K // 32))[None, :, None] < K // 32)
+        x = tl.load(x_rows + (k0 + rk)[None, :], mask=x_mask, other=0.0)
+        if DECODE_2D:
+            w = _decode_tile_2d(row, k0, w_mask, QTYPE, BLOCK_K)
+        else:
+            w = _decode_tile(row, k0, w_mask, QTYPE, BLOCK_N, BLOCK_K)
+        if IEEE:
             acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        elif UPCAST:
+            # the interpreter multiplies bf16 tiles as raw integers (and truncates casts unless told to round):
+            # give it the values the GPU multiplies, in float32
+            acc = tl.dot(x.to(tl.float32), tl.trans(_round_like(w, x.dtype)), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-    tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    mask = m_ok & (rn[None, :] < N)
+    if SPLIT_K == 1:
+        if UPCAST:
+            acc = _round_like(acc, y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=mask)
+    else:
+        # fp32 partials [SPLIT_K, M, N]; _split_reduce_kernel adds them in split order.
+        base = p_ptr + pid_k.to(tl.int64) * M * N
+        tl.store(base + rm[:, None].to(tl.int64) * N + rn[None, :], acc, mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _split_reduce_kernel(p_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+                         UPCAST: tl.constexpr):
+    """y[m, n] = ((p[0, m, n] + p[1, m, n]) + p[2, m, n]) + ...: always the same order."""
+    m = tl.program_id(1)
+    rn = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = rn < N
+    row = p_ptr + m.to(tl.int64) * N + rn
+    acc = tl.load(row, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(row + s * M.to(tl.int64) * N, mask=ok, other=0.0)
+    if UPCAST:
+        acc = _round_like(acc, y_ptr.dtype.element_ty)
+    tl.store(y_ptr + m.to(tl.int64) * stride_ym + rn, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def _interpreting() -> bool:
+    """Whether these kernels run under Triton's interpreter (decided when this module was imported)."""
+    return type(_quant_matmul_kernel).__name__ == "InterpretedFunction"
+
+
+@functools.cache
+def _sm_count(device_index: int | None) -> int:
+    if device_index is None or not torch.cuda.is_available():
+        return 132  # an H100/H200: the interpreter tiles as the GPU does
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str,
+           config: QuantConfig | None = None) -> torch.Tensor:
+    """y = x @ W^T for W [out_features, K] held as `qtype` blocks (uint8 [out_features, row_bytes]); y in x's
+    dtype (bf16/fp16: tensor-core products of the weights rounded to that dtype; fp32: IEEE products).
+    No host sync and no allocation besides the output (and the split-K workspace): safe in CUDA graphs."""
+    code = QTYPE_CODES[qtype]
+    lead, k = x.shape[:-1], x.shape[-1]
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[0] != out_features:
+        raise ValueError(f"{qtype} blocks must be uint8 [{out_features}, row_bytes], got {blocks.dtype} "
+                         f"{list(blocks.shape)}")
+    elems = 256 if qtype in K_QUANTS else 32
+    if k % elems or blocks.shape[1] != k // elems * BLOCK_BYTES[qtype]:
+        raise ValueError(f"{qtype}: x has {k} features, which does not match blocks of {blocks.shape[1]} bytes a row")
+    if blocks.stride(1) != 1 or blocks.stride(0) != blocks.shape[1]:
+        blocks = blocks.contiguous()
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < k):
+        x2 = x2.contiguous()
+    m, n = x2.shape[0], out_features
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y.reshape(*lead, n)
+    if config is None:
+        config = config_for(qtype, n, k, _sm_count(x.device.index if x.device.type == "cuda" else None))
+    bk, split = config.block_k, config.split_k
+    steps = -(-k // bk)
+    if steps % split:
+        raise ValueError(f"split {split} does not divide the {steps} K steps of {k} weights")
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, BLOCK_M))
+    _quant_matmul_kernel[grid](
+        x2, blocks, y, part, m, n, blocks.shape[1], x2.stride(0), y.stride(0),
+        K=k, QTYPE=code, IEEE=x.dtype == torch.float32, UPCAST=_interpreting(), BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=bk,
+        SPLIT_K=split, STEPS=steps // split, EVEN_N=n % config.block_n == 0, EVEN_K=k % bk == 0,
+        DECODE_2D=config.decode_2d, num_warps=config.num_warps, num_stages=config.num_stages)
+    if split > 1:
+        block = 1024
+        _split_reduce_kernel[(triton.cdiv(n, block), m)](part, y, m, n, y.stride(0), SPLIT_K=split, BLOCK=block,
+                                                         UPCAST=_interpreting(), num_warps=4)
+    return y.reshape(*lead, n)
+
+
+# The custom op: torch.compile'd code sees one opaque call with a known output shape (no tracing into Triton).
+@torch.library.custom_op("flashdraft::quant_matmul", mutates_args=())
+def _quant_matmul_op(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str) -> torch.Tensor:
+    return launch(x, blocks, out_features, qtype)
+
+
+@_quant_matmul_op.register_fake
+def _(x, blocks, out_features, qtype):
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 def _matmul(qtype: str):
-    code = QTYPE_CODES[qtype]
-
     def matmul(x: torch.Tensor, blocks: torch.Tensor, out_features: int) -> torch.Tensor:
-        lead, k = x.shape[:-1], x.shape[-1]
-        x2 = x.reshape(-1, k).contiguous()
-        m = x2.shape[0]
-        y = torch.empty((m, out_features), dtype=x.dtype, device=x.device)
-        if m:
-            grid = (triton.cdiv(out_features, BLOCK_N), triton.cdiv(m, BLOCK_M))
-            _quant_matmul_kernel[grid](x2, blocks, y, m, out_features, k, blocks.shape[1], x2.stride(0), y.stride(0),
-                                       QTYPE=code, FP32=x.dtype == torch.float32,
-                                       BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
-        return y.reshape(*lead, out_features)
+        return _quant_matmul_op(x, blocks, out_features, qtype)
 
+    matmul.qtype = qtype
     return matmul
 
 

@@ -1,0 +1,137 @@
+"""scripts/gpu/gguf_run.py --tiny: the GPU run's code paths on tiny shapes on the CPU (Triton kernels under the
+interpreter when Triton is installed, the model on the dequantize path), so the one GPU run does not fail on a bug
+that a CPU could have shown. Checks the JSON's fields and that its correctness and invariance checks passed."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu" / "gguf_run.py"
+
+
+def _has_triton() -> bool:
+    # found, not imported: importing Triton here, without TRITON_INTERPRET, would fix its mode for this process
+    return importlib.util.find_spec("triton") is not None
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gguf_run")
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), "--tiny", "--budget-s", "600"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((out / "gguf.json").read_text())
+    data["_stdout"] = proc.stdout
+    return data
+
+
+def test_runs_without_errors_and_prints_the_table(report):
+    assert report["tiny"] is True and report["device"] == "cpu"
+    assert report["errors"] == [], report["errors"]
+    assert report["skipped"] == []
+    assert "checks:" in report["_stdout"].splitlines()[-1]
+    bw = report["bandwidth"]
+    assert bw["read_gb_s"] > 0 and bw["copy_gb_s"] > 0 and bw["roofline_gb_s"] == max(bw["read_gb_s"], bw["copy_gb_s"])
+
+
+@pytest.mark.skipif(not _has_triton(), reason="the kernel stage needs Triton (its interpreter on the CPU)")
+def test_kernels_are_correct_and_batch_invariant(report):
+    kernels = report["kernels"]
+    assert {k["qtype"] for k in kernels} == {"Q4_K", "Q5_K", "Q6_K", "Q8_0"}
+    assert any(k["config"] != kernels[0]["config"] and "s1" not in k["config"] for k in kernels), \
+        "no split-K case ran"
+    for k in kernels:
+        assert k["ok"], k
+        assert k["finite"] and 0 < k["rel_err"] < 1e-2 and 0 < k["rel_err_2"] < 1e-2
+        assert k.get("rel_err_fp32", 0.0) < 1e-5
+        assert k["batch_invariant"] and all(k["invariance"].values())
+        assert set(k["ms"]) == {"1", "2", "4", "8", "16"} and all(v > 0 for v in k["ms"].values())
+        assert set(k["dequant_cublas_ms"]) == set(k["bf16_cublas_ms"]) == {"1", "16"}
+        assert k["roofline_ms"] > 0 and k["bytes"] > 0
+    checks = report["checks"]
+    assert checks["kernels_correct"] and checks["kernels_batch_invariant"] and checks["kernel_failures"] == []
+
+
+def test_model_decodes_plain_and_with_dflash(report):
+    m = report["model"]
+    assert m["qtypes"] == ["Q4_K", "Q5_K", "Q6_K"]
+    # Q4_K_S: Q5_K for attn_v of layers 0-3 (the tiny model's first 4 v_proj are in layers 0, 1, 3, 4: layer 2 is
+    # full, with k_eq_v) and for ffn_down of the first n_layer / 8 layers (none of 6)
+    assert m["q5_k_tensors"] == [f"model.layers.{i}.self_attn.v_proj" for i in (0, 1, 3, 4)]
+    assert m["drafter_weights"] == "Q8_0" and m["drafter_bytes"] > 0
+    assert m["target_step_bytes"] == m["target_bytes"] > m["lm_head_bytes"] > 0
+    assert m["baseline_tok_s"] > 0 and m["roofline_tok_s"] > 0
+    assert m["decode_step_ms"] > 0 and m["verify_step_ms"] > 0 and m["draft_step_ms"] > 0
+    assert m["long_decode_step_ms"] > 0 and m["long_context_tokens"] > 400
+    assert [d["tau_planned"] for d in m["dflash"]] == [2, 4, 6, 8]
+    for d in m["dflash"]:
+        assert d["identical"], d
+        assert d["tau_planned"] - 1 < d["tau"] <= d["tau_planned"]  # the last step may be cut short
+        assert d["tok_s"] > 0 and d["roofline_tok_s"] > 0
+    assert report["checks"]["dflash_identical"]
+
+
+KERNEL_CHECK = r"""
+import dataclasses, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from flashdraft.quant import QUANT_FORMATS, dequantize
+from flashdraft.quant import triton_kernels as tk
+from test_gguf_quant import random_blocks
+
+assert tk._interpreting()
+failures = []
+for qtype in ["Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]:
+    fmt = QUANT_FORMATS[qtype]
+    n, k = 40, 2 * 256  # 40 rows: a partial N-tile
+    blocks = torch.from_numpy(random_blocks(qtype, rows=n, blocks_per_row=k // fmt.block_elems, seed=3))
+    w = dequantize(blocks, qtype)
+    x = torch.randn(17, k, generator=torch.Generator().manual_seed(0))  # 17 rows: two M-tiles
+    base = tk.QuantConfig(64, 128, 1, 4, 3, True)
+    configs = [base, dataclasses.replace(base, decode_2d=False)]
+    if qtype in ("Q4_K", "Q8_0"):  # the K split and the 64 x 256 3-D tiles
+        configs += [dataclasses.replace(base, split_k=2), tk.QuantConfig(64, 256, 2, 4, 1, False)]
+    ref = x.double() @ w.double().T
+    xb = x.bfloat16()
+    ref_b = xb.double() @ w.bfloat16().double().T
+    outs = []
+    for cfg in configs:
+        y = tk.launch(x, blocks, n, qtype, cfg)
+        if not ((y.double() - ref).norm() / ref.norm()).item() < 1e-5:
+            failures.append((qtype, cfg.name, "fp32 error"))
+        yb = tk.launch(xb, blocks, n, qtype, cfg)
+        if yb.dtype != torch.bfloat16 or not ((yb.double() - ref_b).norm() / ref_b.norm()).item() < 4e-3:
+            failures.append((qtype, cfg.name, "bf16 error"))
+        for m in (1,):
+            if not torch.equal(tk.launch(xb[:m], blocks, n, qtype, cfg), yb[:m]):
+                failures.append((qtype, cfg.name, f"M={m} not bitwise"))
+        if not torch.equal(tk.launch(xb[16:], blocks, n, qtype, cfg), yb[16:]):
+            failures.append((qtype, cfg.name, "second M-tile alone not bitwise"))
+        outs.append(yb)
+    if not torch.equal(outs[0], outs[1]):
+        failures.append((qtype, "2-D vs 3-D decode differ"))
+    if tuple(tk.KERNELS[qtype](xb[:3], blocks, n).shape) != (3, n):
+        failures.append((qtype, "KERNELS shape"))
+print("FAILURES", failures)
+sys.exit(1 if failures else 0)
+"""
+
+
+@pytest.mark.skipif(not _has_triton(), reason="needs Triton (its interpreter on the CPU)")
+def test_every_kernel_matches_dequantize_and_is_batch_invariant():
+    """Every quant type, both decode formulations, with and without a K split, a ragged N edge, two M-tiles, under
+    the interpreter (in a fresh process: TRITON_INTERPRET must be set before Triton is first imported): fp32
+    activations give the product with the dequantized weights to fp32 accuracy; bf16 ones agree with a bf16
+    reference and are bitwise the same row by row for M = 1..17."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK, str(ROOT / "tests")], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -5,16 +5,19 @@ dtype; quantized tensors stay in their GGUF blocks (flashdraft.quant.QuantLinear
 Q4_K file takes about as much memory as it does on disk. Metadata gives the config, the tokenizer (with its
 chat template and EOS ids) and, for DFlash drafters, the block/tap settings in both the legacy
 "dflash-draft" and the upstream "dflash" layouts. The drafter's embedding and LM head come from the target.
+Llama and Qwen3 are mapped here; Gemma 4 (targets, and drafters for Gemma 4 targets) in gguf_gemma4.py.
 """
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
 from flashdraft.config import ConfigError, DrafterConfig, ModelConfig, is_gguf_path
+from flashdraft.config_gemma4 import GEMMA4_MODEL_TYPES
 from flashdraft.loading.checkpoint import CheckpointError, check_drafter_fits
 from flashdraft.loading.tokenizer import Tokenizer
 from flashdraft.layers.rope import RotaryEmbedding
@@ -25,6 +28,8 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 # general.architecture -> our model_type. llama.cpp stores Llama's q/k rows permuted for its interleaved RoPE.
 TARGET_ARCHS = {"llama": "llama", "qwen3": "qwen3"}
 PERMUTED_QK_ARCHS = ("llama",)
+GEMMA4_ARCH = "gemma4"  # loaded by gguf_gemma4.py into flashdraft.models.gemma4.Gemma4LM
+SUPPORTED_TARGET_ARCHS = (*TARGET_ARCHS, GEMMA4_ARCH)
 DRAFTER_ARCHS = ("dflash-draft", "dflash")
 
 # Per-layer GGUF tensor -> our parameter (shared by targets and drafters; Qwen3 q/k norms when present).
@@ -60,6 +65,10 @@ PRE_TOKENIZER_REGEX = {
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
 CONTROL_TOKEN, USER_DEFINED_TOKEN = 3, 4
+# tokenizer.ggml.model values we build: byte-level BPE, and Gemma 4's SentencePiece-style BPE (llama.cpp's
+# "gemma4": spaces written as U+2581, raw UTF-8 symbols, <0xXX> byte fallback, text split at newline runs).
+TOKENIZER_MODELS = {"gpt2": "byte-level BPE", "gemma4": "SentencePiece-style BPE with byte fallback"}
+GEMMA4_SPLIT = r"[^\n]+|[\n]+"
 
 
 class GGUFFile:
@@ -119,6 +128,12 @@ class GGUFFile:
         return data
 
 
+def f32(value) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it (1e-06, not 9.99999997e-07), i.e. the
+    value the converter was given, so that arithmetic with it matches the original config's."""
+    return float(str(np.float32(value)))
+
+
 def _single(value, key: str, source: Path):
     """A per-layer metadata array must be uniform here (we have no per-layer head counts)."""
     if isinstance(value, list):
@@ -156,8 +171,8 @@ def _layer_stack_config(g: GGUFFile, model_type: str, vocab_size: int, **extra) 
         "num_attention_heads": heads,
         "num_key_value_heads": int(kv_heads),
         "head_dim": int(g.arch_get("attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(g.arch_get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(g.arch_get("rope.freq_base", 10000.0)),
+        "rms_norm_eps": f32(g.arch_get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": f32(g.arch_get("rope.freq_base", 10000.0)),
         "rope_scaling": _rope_scaling(g),
         "attention_bias": "blk.0.attn_q.bias" in g.tensors,
         **extra,
@@ -167,11 +182,15 @@ def _layer_stack_config(g: GGUFFile, model_type: str, vocab_size: int, **extra) 
     return cfg
 
 
-def gguf_target_config(g: GGUFFile) -> ModelConfig:
+def gguf_target_config(g: GGUFFile):
+    """The target's config: a ModelConfig (llama, qwen3) or a Gemma4Config (gemma4)."""
+    if g.arch == GEMMA4_ARCH:
+        from flashdraft.loading.gguf_gemma4 import gemma4_gguf_config  # imported here: it builds on this module
+        return gemma4_gguf_config(g)
     if g.arch not in TARGET_ARCHS:
         hint = " (a DFlash drafter: pass it as the drafter)" if g.arch in DRAFTER_ARCHS else ""
         raise ConfigError(f"{g.path}: unsupported GGUF architecture {g.arch!r}{hint}; "
-                          f"supported: {', '.join(TARGET_ARCHS)}")
+                          f"supported: {', '.join(SUPPORTED_TARGET_ARCHS)}")
     if "token_embd.weight" not in g.tensors:
         raise CheckpointError(f"{g.path}: missing tensor 'token_embd.weight'")
     bos = g.get("tokenizer.ggml.bos_token_id")
@@ -315,6 +334,9 @@ def _rope(g: GGUFFile, cfg: ModelConfig, max_positions: int, device) -> RotaryEm
 
 
 def load_gguf_target(g: GGUFFile, max_positions: int, device: torch.device, dtype: torch.dtype) -> DecoderLM:
+    if g.arch == GEMMA4_ARCH:
+        from flashdraft.loading.gguf_gemma4 import load_gemma4_gguf_target  # imported here: it builds on this module
+        return load_gemma4_gguf_target(g, device, dtype)
     cfg = gguf_target_config(g)
     with torch.device("meta"):
         model = DecoderLM(cfg, max_positions)
@@ -341,14 +363,23 @@ def load_gguf_target(g: GGUFFile, max_positions: int, device: torch.device, dtyp
 def load_gguf_drafter(path: str | Path, target: DecoderLM, max_positions: int) -> DFlashDrafter:
     g = GGUFFile(path, "drafter")
     target_type = getattr(target.config, "model_type", None)
+    if target_type in GEMMA4_MODEL_TYPES:
+        from flashdraft.loading.gguf_gemma4 import load_gemma4_gguf_drafter  # imported here: it builds on this module
+        return load_gemma4_gguf_drafter(g, target, max_positions)
     if target_type not in TARGET_ARCHS.values():
-        raise ConfigError(f"{g.path}: GGUF drafters are supported for {', '.join(TARGET_ARCHS.values())} targets, "
-                          f"not {target_type!r}")
+        raise ConfigError(f"{g.path}: GGUF drafters are supported for "
+                          f"{', '.join((*TARGET_ARCHS.values(), GEMMA4_ARCH))} targets, not {target_type!r}")
     cfg = gguf_drafter_config(g, target.config)
     check_drafter_fits(cfg, target.config, g.path)
-    ref = target.model.norm.weight  # a float parameter: the target's device and compute dtype
     with torch.device("meta"):
         drafter = DFlashDrafter(cfg, max_positions)
+    return install_drafter(g, drafter, target, max_positions)
+
+
+def install_drafter(g: GGUFFile, drafter: DFlashDrafter, target, max_positions: int) -> DFlashDrafter:
+    """Load a drafter built on the meta device from g (either layout), on the target's device and dtype."""
+    cfg = drafter.config
+    ref = target.model.norm.weight  # a float parameter: the target's device and compute dtype
     inst = _Installer(g, drafter, ref.device, ref.dtype)
     for gguf_base, ours in DRAFTER_TENSORS.items():
         if f"{gguf_base}.weight" in g.tensors:
@@ -368,38 +399,31 @@ class GGUFTokenizer(Tokenizer):
 
 
 def build_hf_tokenizer(g: GGUFFile):
-    """A transformers fast tokenizer equivalent to llama.cpp's for byte-level BPE ("gpt2") vocabularies."""
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
-    from tokenizers import Tokenizer as RawTokenizer
+    """A transformers fast tokenizer equivalent to llama.cpp's, for byte-level BPE ("gpt2") and Gemma 4's
+    SentencePiece-style BPE ("gemma4") vocabularies."""
+    from tokenizers import AddedToken, processors
     from transformers import PreTrainedTokenizerFast
 
     kind = g.get("tokenizer.ggml.model")
     if kind is None:
         raise ConfigError(f"{g.path}: no tokenizer in the GGUF metadata (tokenizer.ggml.model)")
-    if kind != "gpt2":
-        raise ConfigError(f"{g.path}: unsupported tokenizer model {kind!r} (supported: gpt2, byte-level BPE)")
-    pre = g.get("tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZER_REGEX:
-        raise ConfigError(f"{g.path}: unsupported pre-tokenizer {pre!r} (supported: {', '.join(PRE_TOKENIZER_REGEX)})")
+    if kind not in TOKENIZER_MODELS:
+        hint = (" ('llama' is a SentencePiece vocabulary tokenized by tokenizer.ggml.scores, as in Llama 2 and "
+                "Gemma 1-3 files)") if kind == "llama" else ""
+        raise ConfigError(f"{g.path}: unsupported tokenizer model {kind!r}{hint}; supported: "
+                          + ", ".join(f"{k} ({v})" for k, v in TOKENIZER_MODELS.items()))
     tokens = g.get("tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ", 1)) for m in g.get("tokenizer.ggml.merges", [])]
     types = g.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    tok = RawTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                                  ignore_merges=pre == "llama-bpe"))
-    regex = PRE_TOKENIZER_REGEX[pre]
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=regex is None)
-    tok.pre_tokenizer = byte_level if regex is None else pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(regex), behavior="isolated"), byte_level])
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, k in zip(tokens, types) if k == CONTROL_TOKEN])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, k in zip(tokens, types) if k == USER_DEFINED_TOKEN])
 
     def token(key):
         i = g.get(f"tokenizer.ggml.{key}_token_id")
         return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
 
+    tok = _byte_level_bpe(g, tokens) if kind == "gpt2" else _gemma4_bpe(g, tokens, token("unknown"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, k in zip(tokens, types) if k == CONTROL_TOKEN])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, k in zip(tokens, types) if k == USER_DEFINED_TOKEN])
     bos = token("bos")
     if g.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
         tok.post_processor = processors.TemplateProcessing(
@@ -408,6 +432,49 @@ def build_hf_tokenizer(g: GGUFFile):
                                  unk_token=token("unknown"), pad_token=token("padding"))
     hf.chat_template = g.get("tokenizer.chat_template")
     return hf
+
+
+def _merges(g: GGUFFile) -> list[tuple[str, str]]:
+    return [tuple(m.split(" ", 1)) for m in g.get("tokenizer.ggml.merges", [])]
+
+
+def _byte_level_bpe(g: GGUFFile, tokens: list[str]):
+    """GPT-2 style: the pre-tokenizer's split regex, then bytes mapped to printable characters."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as RawTokenizer
+
+    pre = g.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZER_REGEX:
+        raise ConfigError(f"{g.path}: unsupported pre-tokenizer {pre!r} (supported: {', '.join(PRE_TOKENIZER_REGEX)})")
+    tok = RawTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=_merges(g),
+                                  ignore_merges=pre == "llama-bpe"))
+    regex = PRE_TOKENIZER_REGEX[pre]
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=regex is None)
+    tok.pre_tokenizer = byte_level if regex is None else pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(regex), behavior="isolated"), byte_level])
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _gemma4_bpe(g: GGUFFile, tokens: list[str], unk: str | None):
+    """llama.cpp's "gemma4" vocabulary (llama-vocab.cpp): spaces become U+2581, merges run over raw UTF-8
+    characters within runs of newlines / non-newlines (its pre-tokenizer, whatever tokenizer.ggml.pre says),
+    and a piece without a token falls back to <0xXX> byte tokens. Equal to transformers' GemmaTokenizer whenever
+    no merge joins a newline to another character."""
+    from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer as RawTokenizer
+
+    merges = _merges(g)
+    if not merges:
+        raise ConfigError(f"{g.path}: a gemma4 tokenizer needs tokenizer.ggml.merges (none in the file)")
+    if g.get("tokenizer.ggml.add_space_prefix", False):
+        raise ConfigError(f"{g.path}: tokenizer.ggml.add_space_prefix = true is not supported for a gemma4 tokenizer")
+    tok = RawTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, byte_fallback=True,
+                                  unk_token=unk, fuse_unk=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(GEMMA4_SPLIT), behavior="isolated")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tok
 
 
 def gguf_name(g: GGUFFile) -> str:

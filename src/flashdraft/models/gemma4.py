@@ -286,8 +286,16 @@ class Gemma4LM(nn.Module):
 
     @property
     def embed_scale(self) -> torch.Tensor:
-        w = self.model.embed_tokens.weight
-        return embedding_scale(self.config.hidden_size, w.dtype, w.device)
+        """sqrt(hidden) in the embedding's dtype, made once per (dtype, device) and cached. Never reads the
+        embedding's values: `.weight` of a QuantEmbedding would dequantize the whole table on every call."""
+        emb = self.model.embed_tokens
+        store = getattr(emb, "blocks", None)  # a QuantEmbedding: blocks hold the data, .dtype the compute dtype
+        dtype, device = (emb.dtype, store.device) if store is not None else (emb.weight.dtype, emb.weight.device)
+        cached = self.__dict__.get("_embed_scale")
+        if cached is None or cached.dtype != dtype or cached.device != device:
+            cached = embedding_scale(self.config.hidden_size, dtype, device)
+            self.__dict__["_embed_scale"] = cached
+        return cached
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(tokens) * self.embed_scale

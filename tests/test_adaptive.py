@@ -145,6 +145,139 @@ def test_marginal_drafting_never_loses_and_does_not_flap(a, cost):
         assert throughput(lengths, a, cost) >= max(0.995 * plain, 0.95 * best)
 
 
+# --- short requests: the controller's own overheads ---------------------------------------------------------------
+# bench's default is 128 tokens per prompt, and an engine, a bench run and a server slot keep one controller for
+# all their requests. The engine shortens the last steps of a request (max_useful), for any policy alike.
+
+class Pattern:
+    """Acceptance as greedy drafting sees it: each step has a run length m of correct guesses (up to the block),
+    the same whatever length is drafted, and a step drafting n commits min(n, m) of them. With probability
+    `full` the whole block is right (repetitive text); otherwise each guess is right with probability a once
+    the ones before it were."""
+
+    def __init__(self, a: float, full: float = 0.0):
+        self.a, self.full = a, full
+
+    def draw(self, rng: random.Random, n: int) -> int:
+        if rng.random() < self.full:
+            return n
+        m = 0
+        while m < n and rng.random() < self.a:
+            m += 1
+        return m
+
+    def expected(self, n: int) -> float:
+        return self.full * (1 + n) + (1 - self.full) * expected_tokens(n, self.a)
+
+
+def serve_requests(policy, requests: int, tokens: int, pattern: Pattern, cost, noise=0.05, seed=0,
+                   load=lambda step: 1.0) -> list[int]:
+    """Run `requests` generations of `tokens` tokens through one policy; load(step) multiplies every step time
+    (another process on the machine). Returns the draft length of every step."""
+    rng = random.Random(seed)
+    lengths = []
+    for _ in range(requests):
+        produced = 1  # the prefill's token
+        while produced < tokens:
+            n = policy.next_length(min(tokens - produced - 1, BASE))
+            accepted = pattern.draw(rng, n)
+            seconds = cost(n) * load(len(lengths)) * max(0.3, 1.0 + noise * rng.gauss(0.0, 1.0))
+            policy.record(n, accepted, seconds)
+            lengths.append(n)
+            produced += accepted + 1
+    return lengths
+
+
+def delivered(lengths: list[int], pattern: Pattern, cost) -> float:
+    """Expected tokens per unit time of the steps run (realised acceptance averaged out)."""
+    return sum(pattern.expected(n) for n in lengths) / sum(cost(n) for n in lengths)
+
+
+def best_fixed_delivered(requests: int, tokens: int, pattern: Pattern, cost, seed: int) -> tuple[int, float]:
+    """The best fixed length (0 = plain decoding) on the same workload, end-of-request steps included."""
+    runs = {n: delivered(serve_requests(FixedDraft(n), requests, tokens, pattern, cost, seed=seed), pattern, cost)
+            for n in range(BASE + 1)}
+    best = max(runs, key=runs.get)
+    return best, runs[best]
+
+
+CPU_COST = cost_model(10.0, 8.0, 0.1)  # DFlash on a CPU: the drafter pass dominates, nearly flat in the length
+GPU_COST = cost_model(10.0, 1.0, 0.3)
+HIGH_ACCEPTANCE = [Pattern(0.85), Pattern(0.6, full=0.3)]  # tau about 6.2 and 6.6 at the full block
+
+
+@pytest.mark.parametrize("pattern", HIGH_ACCEPTANCE, ids=["geometric", "bursty"])
+@pytest.mark.parametrize("cost", [CPU_COST, GPU_COST], ids=["cpu", "gpu"])
+def test_short_requests_keep_97_percent_of_the_best_fixed_length(pattern, cost):
+    """10 requests of 128 tokens through one fresh controller (warm-up, baseline and exploration all paid)."""
+    for seed in range(3):
+        best, reference = best_fixed_delivered(10, 128, pattern, cost, seed)
+        assert best > 0
+        lengths = serve_requests(AdaptiveDraft(BASE), 10, 128, pattern, cost, seed=seed)
+        assert delivered(lengths, pattern, cost) >= 0.97 * reference, (seed, best)
+
+
+@pytest.mark.parametrize("a,cost", [(0.1, CPU_COST), (0.3, CPU_COST), (0.1, cost_model(10.0, 5.0, 0.3))])
+def test_short_requests_keep_97_percent_of_plain_decoding_when_drafting_loses(a, cost):
+    pattern = Pattern(a)
+    for seed in range(3):
+        best, reference = best_fixed_delivered(10, 128, pattern, cost, seed)
+        assert best == 0
+        lengths = serve_requests(AdaptiveDraft(BASE), 10, 128, pattern, cost, seed=seed)
+        assert delivered(lengths, pattern, cost) >= 0.97 * reference, seed
+
+
+def test_first_request_starts_at_the_full_block_and_measures_the_baseline_once():
+    policy = AdaptiveDraft(BASE)
+    lengths = serve_requests(policy, 1, 128, HIGH_ACCEPTANCE[0], CPU_COST)
+    assert lengths[:policy.config.warmup] == [BASE] * policy.config.warmup
+    plain = sum(n == 0 for n in lengths[:-2])  # the engine may clamp the last steps of a request to 0
+    assert plain <= 2  # drafting wins clearly: one plain step, then one more within the request at most
+    assert policy.mode == "active" and policy.length == BASE
+
+
+def test_a_busy_machine_does_not_move_the_length_or_switch_drafting_off():
+    """Another process slows every step 3x for 400 steps (longer than any EWMA window), from step 150 on."""
+    pattern, cost = HIGH_ACCEPTANCE[0], CPU_COST
+
+    def busy(step):
+        return 3.0 if 150 <= step < 550 else 1.0
+
+    for seed in range(3):
+        policy = AdaptiveDraft(BASE)
+        lengths = serve_requests(policy, 40, 128, pattern, cost, seed=seed, load=busy)
+        _, reference = best_fixed_delivered(40, 128, pattern, cost, seed)
+        assert delivered(lengths, pattern, cost) >= 0.97 * reference, seed
+        assert sum(n == 0 for n in lengths[150:550]) <= 12  # no switching off: end-of-request clamps only
+        assert policy.state()["load"] == pytest.approx(1.0)
+
+
+def test_a_slow_process_start_is_forgotten():
+    """A fresh process's first steps are slow (first calls, allocations): 50x for 6 steps, 5x for 4 more. Means
+    timed then would price the full block, and plain decoding, far too high for good."""
+    pattern, cost = HIGH_ACCEPTANCE[0], CPU_COST
+
+    def slow_start(step):
+        return 50.0 if step < 6 else 5.0 if step < 10 else 1.0
+
+    for seed in range(3):
+        policy = AdaptiveDraft(BASE)
+        lengths = serve_requests(policy, 10, 128, pattern, cost, seed=seed, load=slow_start)
+        _, reference = best_fixed_delivered(10, 128, pattern, cost, seed)
+        assert delivered(lengths, pattern, cost) >= 0.97 * reference, seed
+        assert policy.mode == "active" and policy.length == BASE
+
+
+def test_one_stalled_step_at_the_start_does_not_mislead_it():
+    """A 10x stall on the first warm-up step, or on the first baseline step."""
+    pattern, cost = HIGH_ACCEPTANCE[0], CPU_COST
+    for stalled in (0, 3):
+        policy = AdaptiveDraft(BASE)
+        serve_requests(policy, 3, 128, pattern, cost,
+                       load=lambda step, stalled=stalled: 10.0 if step == stalled else 1.0)
+        assert policy.mode == "active" and policy.length == BASE and policy.switches == 0, stalled
+
+
 def test_same_inputs_same_decisions():
     runs = []
     for _ in range(2):
@@ -170,13 +303,18 @@ def test_unmeasured_lengths_use_a_linear_cost_fit():
         assert scores[n][0] == pytest.approx((1 + n) / line(n))
 
 
-def test_one_measured_length_interpolates_from_the_baseline():
-    policy = AdaptiveDraft(BASE)
+def test_one_measured_length_prices_the_others_flat_while_it_wins():
+    """One drafting length timed: flat at its time while it beats plain decoding (DFlash drafts the whole block in
+    one pass, so the long drafts are the prior); while it loses, the line from the baseline, optimistic for the
+    shorter lengths, so that the controller goes and measures one of them."""
+    winning, losing = AdaptiveDraft(BASE), AdaptiveDraft(BASE)
     for _ in range(3):
-        policy.record(0, 0, 10.0)
-        policy.record(BASE, BASE, 25.0)
-    # Line (0, 10) -> (15, 25): t(n) = 10 + n.
-    assert policy.scores()[5] == pytest.approx(((1 + 5) / 15.0, True))
+        for policy, accepted in ((winning, BASE), (losing, 0)):
+            policy.record(0, 0, 10.0)
+            policy.record(BASE, accepted, 25.0)
+    assert winning.scores()[5] == pytest.approx(((1 + 5) / 25.0, True))
+    # Line (0, 10) -> (15, 25): t(n) = 10 + n; nothing accepted, so E(5) = 1.
+    assert losing.scores()[5] == pytest.approx((1 / 15.0, True))
 
 
 def test_one_log_line_per_switch(caplog):
@@ -193,7 +331,8 @@ def test_one_log_line_per_switch(caplog):
 
 def test_state_is_json_and_tracks_the_controller():
     policy = AdaptiveDraft(BASE)
-    assert policy.state()["mode"] == "baseline" and policy.state()["baseline_tok_s"] is None
+    assert policy.state()["mode"] == "warmup" and policy.state()["baseline_tok_s"] is None
+    assert policy.next_length(BASE) == BASE  # a fresh controller starts at the full block
     simulate(policy, 300, constant(0.8), constant(cost_model(0.010, 0.002, 0.0005)), seed=8)
     state = json.loads(json.dumps(policy.state()))
     assert state["mode"] == "active" and state["length"] == policy.length > 0
@@ -255,8 +394,23 @@ def test_engine_default_policy(engine):
     try:
         policy = engine.make_policy()
         assert isinstance(policy, FixedDraft) and policy.length == engine.max_draft
+        assert isinstance(engine.default_policy(), FixedDraft)
     finally:
         engine.adaptive = True
+
+
+def test_engine_keeps_its_default_controller_across_requests(engine):
+    """Requests that pass no draft share one controller, so only the first pays the warm-up and baseline."""
+    policy = engine.default_policy()
+    assert isinstance(policy, AdaptiveDraft) and engine.default_policy() is policy
+    params = SamplingParams(max_tokens=12, ignore_eos=True, seed=3)
+    prompt = engine.encode_prompt("def add(a, b):")
+    before = policy.steps
+    first = engine.generate(prompt, params)
+    second = engine.generate(prompt, params)
+    assert engine.default_policy() is policy
+    assert policy.steps - before == first.stats.steps + second.stats.steps
+    assert first.tokens == second.tokens == engine.generate(prompt, params, draft=0).tokens
 
 
 def test_engine_output_with_the_controller_is_lossless(engine):

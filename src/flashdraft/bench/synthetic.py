@@ -177,10 +177,11 @@ def run(shape: str, device: str | None = None, tokens: int = 256, variants: tupl
     engine = None
     B = drafter.block_size
     for variant in variants:
-        # "compiled" = fused q/k/v and gate/up projections plus torch.compile'd layers (the CUDA default).
+        # "compiled" = fused q/k/v and gate/up projections plus torch.compile'd layers (the CUDA default);
+        # "triton" = linear layers through the batch-invariant skinny GEMM (layers.skinny_gemm) instead of cuBLAS.
         graphs = "graphs" in variant
         engine = Engine(target, None, drafter, context_size=context, cuda_graphs=graphs,
-                        compile="compiled" in variant)
+                        compile="compiled" in variant, gemm="triton" if "triton" in variant else "cublas")
         engine.generate(prompt, params, 0)  # warm-up: captures graphs, compiles kernels
         if graphs:
             warm = PlantedOracle(prompt + engine.generate(prompt, params, 0).tokens, lambda s: s % B,

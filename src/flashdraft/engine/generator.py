@@ -127,9 +127,9 @@ class Engine:
 
     def __init__(self, target, tokenizer: Tokenizer | None, drafter=None, context_size: int | None = None,
                  name: str = "model", adaptive: bool = True, cuda_graphs: bool | None = None,
-                 compile: bool | None = None):
+                 compile: bool | None = None, gemm: str | None = None):
         ctx = context_size or target.config.max_position_embeddings
-        self.decoder = SpeculativeDecoder(target, drafter, ctx, cuda_graphs, compile)
+        self.decoder = SpeculativeDecoder(target, drafter, ctx, cuda_graphs, compile, gemm)
         self.tokenizer = tokenizer
         self.name = name
         self.eos_ids = set(target.config.eos_token_ids)
@@ -137,15 +137,17 @@ class Engine:
             self.eos_ids.add(int(tokenizer.eos_token_id))
         self._sequence: Sequence | None = None
         self.adaptive = adaptive  # default policy: the adaptive controller (True) or the full block (False)
+        self._default_policy: tuple[bool, DraftPolicy] | None = None  # (adaptive when made, the policy)
 
     @classmethod
     def load(cls, model: str | Path, drafter: str | Path | None = None, device=None, dtype=None,
-             context_size: int | None = None, adaptive: bool = True) -> "Engine":
-        """Load a target (and optional drafter) from model folders; the context defaults to min(8192, the model's)."""
+             context_size: int | None = None, adaptive: bool = True, gemm: str | None = None) -> "Engine":
+        """Load a target (and optional drafter) from model folders; the context defaults to min(8192, the model's).
+        gemm: "cublas" (default) or "triton" (batch-invariant skinny GEMM for decode/verify/draft, CUDA only)."""
         loaded = load_model(model, drafter, device=device, dtype=dtype, context_size=context_size,
                             overhang=MAX_BLOCK_SIZE)
         return cls(loaded.target, loaded.tokenizer, loaded.drafter, loaded.context_size, name=loaded.name,
-                   adaptive=adaptive)
+                   adaptive=adaptive, gemm=gemm)
 
     @property
     def context_size(self) -> int:
@@ -191,24 +193,34 @@ class Engine:
         return result
 
     def make_policy(self) -> DraftPolicy:
-        """The default draft-length policy for a new sequence (one per slot: it learns across requests)."""
+        """A new default draft-length policy, for a new slot (keep it for the slot's requests: it learns across
+        them)."""
         if self.has_drafter and self.adaptive:
             return AdaptiveDraft(self.max_draft)
         return FixedDraft(self.max_draft)
+
+    def default_policy(self) -> DraftPolicy:
+        """The policy of requests that pass no draft: made once and kept, so that the adaptive controller's
+        start-up (warm-up, baseline) is paid by the first request only and what it learnt carries over. One
+        policy for all such requests: concurrent generations (a server's slots) should each pass their own."""
+        if self._default_policy is None or self._default_policy[0] != self.adaptive:
+            self._default_policy = (self.adaptive, self.make_policy())
+        return self._default_policy[1]
 
     def stream(self, prompt_ids: list[int], params: SamplingParams, draft: int | DraftPolicy | None = None,
                sequence: Sequence | None = None, n_min: int = 0, n_max: int | None = None,
                ) -> Iterator[Delta | GenerationResult]:
         """Yield Delta events as tokens are committed, then one GenerationResult.
 
-        draft: None = the engine's default policy, an int = that fixed length (0 = plain decoding), or a
-        DraftPolicy. n_max caps the draft length of this request; a length below n_min drafts nothing (as
-        llama-server's speculative.n_max / n_min). Closing the iterator stops the generation at once.
+        draft: None = the engine's default policy (kept across requests: default_policy), an int = that fixed
+        length (0 = plain decoding), or a DraftPolicy. n_max caps the draft length of this request; a length
+        below n_min drafts nothing (as llama-server's speculative.n_max / n_min). Closing the iterator stops
+        the generation at once.
         """
         params.validate()
         self.check_prompt(prompt_ids)
         if draft is None:
-            draft = self.make_policy()
+            draft = self.default_policy()
         policy = draft if hasattr(draft, "next_length") else FixedDraft(int(draft))
         cap = self.max_draft if n_max is None else max(0, min(int(n_max), self.max_draft))
         if sequence is None:

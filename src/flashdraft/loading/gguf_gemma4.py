@@ -26,10 +26,10 @@ from flashdraft.config import ConfigError
 from flashdraft.config_gemma4 import FULL, SLIDING, STOP_TOKENS, Gemma4Config, Gemma4DrafterConfig, RopeSpec
 from flashdraft.loading.checkpoint import CheckpointError, check_drafter_fits
 from flashdraft.loading.gguf_loader import (FLOAT_TYPES, GEMMA4_ARCH, GGUFFile, _eos_ids, _Installer, _single,
-                                            f32, gguf_drafter_config, install_drafter)
+                                            f32, gguf_drafter_config, install_drafter, tie_lm_head)
 from flashdraft.models.gemma4 import Gemma4Experts, Gemma4LM, rope_inverse_frequencies
 from flashdraft.models.gemma4_drafter import Gemma4DFlashDrafter
-from flashdraft.quant import QuantEmbedding, QuantLinear, UnsupportedQuantType, block_format, dequantize
+from flashdraft.quant import UnsupportedQuantType, block_format, dequantize
 
 __all__ = ["GEMMA4_ARCH", "QuantGemma4Experts", "gemma4_gguf_config", "gemma4_gguf_drafter_config",
            "load_gemma4_gguf_drafter", "load_gemma4_gguf_target"]
@@ -323,11 +323,7 @@ def load_gemma4_gguf_target(g: GGUFFile, device: torch.device, dtype: torch.dtyp
     _put(g, inst, "token_embd.weight", "model.embed_tokens", "weight")
     _put(g, inst, "output_norm.weight", "model.norm", "weight")
     if cfg.tie_word_embeddings:
-        emb = model.model.embed_tokens
-        if isinstance(emb, QuantEmbedding):
-            model.lm_head = QuantLinear(emb.blocks, emb.qtype, cfg.hidden_size, dtype)
-        else:
-            model.lm_head.weight = emb.weight
+        tie_lm_head(model, cfg.hidden_size, dtype)
     else:
         _put(g, inst, "output.weight", "lm_head", "weight")
     for i in range(cfg.num_hidden_layers):

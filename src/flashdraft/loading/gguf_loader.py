@@ -333,6 +333,15 @@ def _rope(g: GGUFFile, cfg: ModelConfig, max_positions: int, device) -> RotaryEm
     return rope.to(device)
 
 
+def tie_lm_head(model: nn.Module, hidden_size: int, dtype: torch.dtype) -> None:
+    """The LM head reads the embedding's weights: the same blocks when they are quantized."""
+    emb = model.model.embed_tokens
+    if isinstance(emb, QuantEmbedding):
+        model.lm_head = QuantLinear(emb.blocks, emb.qtype, hidden_size, dtype)
+    else:
+        model.lm_head.weight = emb.weight
+
+
 def load_gguf_target(g: GGUFFile, max_positions: int, device: torch.device, dtype: torch.dtype) -> DecoderLM:
     if g.arch == GEMMA4_ARCH:
         from flashdraft.loading.gguf_gemma4 import load_gemma4_gguf_target  # imported here: it builds on this module
@@ -348,11 +357,7 @@ def load_gguf_target(g: GGUFFile, max_positions: int, device: torch.device, dtyp
         elif gguf_base != "output":
             raise CheckpointError(f"{g.path}: missing tensor {name!r}")
     if cfg.tie_word_embeddings:
-        emb = model.model.embed_tokens
-        if isinstance(emb, QuantEmbedding):
-            model.lm_head = QuantLinear(emb.blocks, emb.qtype, cfg.hidden_size, dtype)
-        else:
-            model.lm_head.weight = emb.weight
+        tie_lm_head(model, cfg.hidden_size, dtype)
     for i in range(cfg.num_hidden_layers):
         inst.layer("model.", i, cfg, g.arch in PERMUTED_QK_ARCHS, {})
     model.rope = _rope(g, cfg, max_positions, device)

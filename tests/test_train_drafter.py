@@ -117,6 +117,48 @@ def test_time_budgets_end_generation_and_training(qwen3_dir, prompt_file, tmp_pa
     assert Engine.load(qwen3_dir, tmp_path / "d", device="cpu", context_size=128).max_draft == 3
 
 
+def test_distillation_trains_a_lossless_drafter_from_cached_responses(qwen3_dir, prompt_file, data_dir, tmp_path):
+    """--loss kd learns from the target's distributions: the loss falls and the drafter decodes losslessly.
+    --generate-only fills the response cache and stops; --gen-max-minutes 0 trains on the cached responses only
+    (none are generated), and says so when there are none."""
+    warm = train_drafter(small(qwen3_dir, prompt_file, data_dir, tmp_path / "warm", generate_only=True,
+                               eval_prompts=0))
+    assert warm["responses"] == len(PROMPTS) and not (tmp_path / "warm" / "model.safetensors").exists()
+    before = (data_dir / "responses.jsonl").read_text()
+    report = train_drafter(small(qwen3_dir, prompt_file, data_dir, tmp_path / "kd", loss="kd", gen_max_minutes=0,
+                                 eval_prompts=0))
+    assert (data_dir / "responses.jsonl").read_text() == before  # nothing generated
+    assert report["responses"] == len(PROMPTS) and report["train_config"]["loss"] == "kd"
+    log = [json.loads(line) for line in (tmp_path / "kd" / "train_log.jsonl").read_text().splitlines()]
+    # KD's loss is the teacher's entropy (near log V = 6.2 nats for this random target) plus the KL the drafter
+    # can remove: it falls by the KL part only.
+    assert log[-1]["loss"] < log[0]["loss"] - 0.1 and log[-1]["loss"] < min(r["loss"] for r in log[:3])
+    engine = Engine.load(qwen3_dir, tmp_path / "kd", device="cpu", context_size=128)
+    ids = engine.encode_prompt("def add(a, b):")
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    assert engine.generate(ids, params).tokens == engine.generate(ids, params, draft=0).tokens
+
+    with pytest.raises(ValueError, match="no responses in .*--gen-max-minutes 0"):
+        train_drafter(small(qwen3_dir, prompt_file, tmp_path / "empty", tmp_path / "none", gen_max_minutes=0))
+
+
+def test_distillation_loss_is_cross_entropy_against_the_teacher():
+    """A teacher that is sure of the label gives plain cross-entropy; a teacher that spreads its mass asks the
+    drafter to spread it too (and the loss is lowest when the drafter matches the teacher)."""
+    from flashdraft.train.blocks import block_loss, slot_weights
+    g = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(6, 11, generator=g), torch.randint(0, 11, (6,), generator=g)
+    slots, w = torch.tensor([0, 1, 2, 0, 1, 2]), slot_weights(4, 7.0)
+    sure = torch.full((6, 11), -1e4).scatter(1, labels[:, None], 0.0)
+    ce, hits = block_loss(logits, labels, slots, w)
+    kd, kd_hits = block_loss(logits, labels, slots, w, teacher_logits=sure)
+    assert kd.item() == pytest.approx(ce.item(), rel=1e-5) and torch.equal(hits, kd_hits)
+    teacher = torch.randn(6, 11, generator=g)
+    matched, _ = block_loss(teacher.clone(), labels, slots, w, teacher_logits=teacher)
+    other, _ = block_loss(logits, labels, slots, w, teacher_logits=teacher)
+    assert matched.item() < other.item()
+
+
 def test_lr_schedule_follows_progress():
     assert trainer.lr_factor(0.0, 0.1, 100) == pytest.approx(0.1)  # first step: 1 / warmup steps
     assert trainer.lr_factor(0.05, 0.1, 100) == pytest.approx(0.5)

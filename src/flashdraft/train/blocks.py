@@ -77,11 +77,19 @@ def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
     return torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / gamma)
 
 
-def block_loss(logits: torch.Tensor, labels: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor):
+def block_loss(logits: torch.Tensor, labels: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
+               teacher_logits: torch.Tensor | None = None):
     """Weighted cross-entropy over the counted slots, normalised by the weight sum.
 
-    logits [N, V] float32, labels [N], slots [N] (0-based slot index k-1). Returns (loss, correct [N])."""
-    ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    logits [N, V] float32, labels [N], slots [N] (0-based slot index k-1). With teacher_logits [N, V] (the
+    target's own logits for each label's position), the cross-entropy is against the target's distribution
+    instead of its greedy token (knowledge distillation: every slot also learns what the target found nearly as
+    likely). Returns (loss, correct [N]); correct always compares with the labels."""
+    if teacher_logits is None:
+        ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    else:
+        teacher = torch.softmax(teacher_logits.float(), dim=-1)
+        ce = -(teacher * torch.log_softmax(logits, dim=-1)).sum(-1)
     w = weights.to(logits.device)[slots]
     loss = (w * ce).sum() / w.sum().clamp(min=math.ulp(1.0))
     return loss, logits.argmax(dim=-1) == labels

@@ -48,8 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"prompts generated at once (default {d.gen_batch_size})")
     g.add_argument("--gen-max-minutes", type=float, default=None,
                    help="response generation budget: no new batch starts after it, and training uses the "
-                        "responses made by then (default: no limit)")
+                        "responses made by then; 0 uses only responses already in --data-dir (default: no limit)")
     g.add_argument("--data-dir", default=None, help="response cache folder, shareable between runs (default OUT/data)")
+    g.add_argument("--generate-only", action="store_true",
+                   help="only write the responses to the data folder (for several trainings to share)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
     g.add_argument("--max-minutes", type=float, default=None,
@@ -62,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--anchors", type=int, default=d.anchors,
                    help=f"random anchors (blocks) per sequence per step (default {d.anchors})")
     g.add_argument("--gamma", type=float, default=None, help="slot-weight decay exp(-(k-1)/gamma) (default 7 for B=16)")
+    g.add_argument("--loss", default=d.loss, choices=["ce", "kd"],
+                   help="ce: cross-entropy on the target's greedy tokens (the recipe); kd: against the target's "
+                        "whole distribution at each label (knowledge distillation) (default ce)")
     g.add_argument("--seed", type=int, default=d.seed,
                    help=f"seed for init, data order, anchors, split (default {d.seed})")
     g.add_argument("--save-every", type=int, default=d.save_every,
@@ -86,8 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         target=args.target, prompts=args.prompts, out=args.out, block_size=args.block_size, layers=args.layers,
         tap_ids=args.tap_ids, mask_token_id=args.mask_token_id, steps=args.steps, max_minutes=args.max_minutes, lr=args.lr, warmup=args.warmup,
         weight_decay=args.weight_decay, batch_size=args.batch_size, anchors=args.anchors, gamma=args.gamma,
+        loss=args.loss,
         max_new_tokens=args.max_new_tokens, max_seq_len=args.max_seq_len, temperature=args.temperature,
-        chat=args.chat, gen_batch_size=args.gen_batch_size, gen_max_minutes=args.gen_max_minutes, data_dir=args.data_dir, eval_prompts=args.eval_prompts,
+        chat=args.chat, gen_batch_size=args.gen_batch_size, gen_max_minutes=args.gen_max_minutes, data_dir=args.data_dir,
+        generate_only=args.generate_only, eval_prompts=args.eval_prompts,
         eval_file=args.eval_file, eval_max_tokens=args.eval_max_tokens, seed=args.seed, resume=args.resume,
         device=args.device, save_every=args.save_every, save_dtype=args.save_dtype, progress=not args.quiet)
     try:

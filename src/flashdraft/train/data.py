@@ -131,7 +131,7 @@ def generate_responses(target: DecoderLM, prompt_ids: list[list[int]], indices: 
 
     Prompt i is sampled with seed + i, so a response does not depend on batching or on resuming. Prompts are
     batched by length to keep padding small; the batches run in a seeded random order, so a time budget
-    (max_seconds: no batch after the first starts past it) keeps a sample of all prompt lengths. Each batch's speed is
+    (max_seconds: no batch after the first starts past it; 0: none starts) keeps a sample of all prompt lengths. Each batch's speed is
     appended to generation.jsonl in the cache folder. Returns the responses there are, for the indices that
     have one.
     """
@@ -141,6 +141,8 @@ def generate_responses(target: DecoderLM, prompt_ids: list[list[int]], indices: 
     if too_long:
         raise ValueError(f"{len(too_long)} prompt(s) (e.g. #{too_long[0]}, {len(prompt_ids[too_long[0]])} tokens) "
                          f"leave no room for a response within the target's {max_positions} positions")
+    if max_seconds is not None and max_seconds <= 0:
+        todo = []  # no budget: only what the cache holds
     batches = [todo[k:k + batch_size] for k in range(0, len(todo), batch_size)]
     order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed)).tolist()
     bar = tqdm(total=len(indices), initial=len(indices) - len(todo), desc="responses", unit="seq",

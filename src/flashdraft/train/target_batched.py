@@ -28,11 +28,12 @@ def _layer(layer, h, cos, sin, mask, cached=None):
 
 
 @torch.no_grad()
-def target_taps(target: DecoderLM, tokens: torch.Tensor, tap_ids: list[int]) -> torch.Tensor:
+def target_taps(target: DecoderLM, tokens: torch.Tensor, tap_ids: list[int], final: bool = False):
     """Outputs of decoder layers tap_ids, concatenated in list order: tokens [b, S] -> [b, S, n_tap * hidden].
+    With final=True, also the final-normed last hidden states [b, S, hidden] (the LM head's input), as a pair.
 
     Sequences sit at positions 0..len-1 and are right-padded, so a causal mask keeps pad rows out of
-    every real row. Layers above the highest tap are skipped.
+    every real row. Without final, layers above the highest tap are skipped.
     """
     S = tokens.shape[1]
     positions = torch.arange(S, device=tokens.device)
@@ -40,10 +41,12 @@ def target_taps(target: DecoderLM, tokens: torch.Tensor, tap_ids: list[int]) -> 
     mask = torch.ones(S, S, dtype=torch.bool, device=tokens.device).tril()
     h = target.embed(tokens)
     taps = {}
-    for i, layer in enumerate(target.model.layers[:max(tap_ids) + 1]):
+    layers = target.model.layers if final else target.model.layers[:max(tap_ids) + 1]
+    for i, layer in enumerate(layers):
         h = _layer(layer, h, cos, sin, mask)
         taps[i] = h
-    return torch.cat([taps[i] for i in tap_ids], dim=-1)
+    tapped = torch.cat([taps[i] for i in tap_ids], dim=-1)
+    return (tapped, target.model.norm(h)) if final else tapped
 
 
 @torch.no_grad()

@@ -51,13 +51,16 @@ class TrainConfig:
     batch_size: int = 8               # sequences per step
     anchors: int = 128                # blocks per sequence per step (at most)
     gamma: float | None = None        # slot-weight decay; default 7 for B=16 (default_gamma)
+    loss: str = "ce"                  # "ce": the target's greedy tokens; "kd": the target's distributions
     max_new_tokens: int = 512         # response length the target may write
     max_seq_len: int | None = None    # prompt + response tokens trained on (default: all)
     temperature: float = 0.0          # the target's sampling temperature for responses (0 = greedy)
     chat: bool = False                # wrap "prompt" strings as a user message in the chat template
     gen_batch_size: int = 64
     gen_max_minutes: float | None = None  # response generation budget: train on the responses made by then
+                                          # (0: only the responses already in the data folder)
     data_dir: str | None = None       # response cache folder (default OUT/data)
+    generate_only: bool = False       # write the responses to the data folder and stop (no drafter)
     eval_prompts: int | None = None   # held-out prompts (default: 10% of the prompts, at most 16)
     eval_file: str | None = None      # held-out prompts from another file instead of a split
     eval_max_tokens: int | None = None
@@ -79,7 +82,8 @@ class TrainConfig:
                   ("max_seq_len", self.max_seq_len is None or self.max_seq_len >= 3),
                   ("eval_prompts", self.eval_prompts is None or self.eval_prompts >= 0),
                   ("max_minutes", self.max_minutes is None or self.max_minutes > 0),
-                  ("gen_max_minutes", self.gen_max_minutes is None or self.gen_max_minutes > 0),
+                  ("gen_max_minutes", self.gen_max_minutes is None or self.gen_max_minutes >= 0),
+                  ("loss", self.loss in ("ce", "kd")),
                   ("eval_max_tokens", self.eval_max_tokens is None or self.eval_max_tokens >= 2),
                   ("save_dtype", self.save_dtype in ("bfloat16", "float16", "float32"))]
         bad = [name for name, ok in checks if not ok]
@@ -214,8 +218,15 @@ def train_drafter(cfg: TrainConfig) -> dict:
     t0 = time.time()
     responses = generate_responses(target, prompt_ids, train_idx, cache, cfg.max_new_tokens, eos_ids, gen_params,
                                    cfg.seed, cfg.gen_batch_size, tcfg.max_position_embeddings, cfg.progress,
-                                   cfg.gen_max_minutes * 60 if cfg.gen_max_minutes else None)
+                                   cfg.gen_max_minutes * 60 if cfg.gen_max_minutes is not None else None)
     gen_seconds = time.time() - t0
+    if cfg.generate_only:
+        say(f"{len(responses)} responses for {len(train_idx)} prompts in {data_dir} ({gen_seconds:.0f} s)")
+        return {"target": str(target_dir), "data_dir": str(data_dir), "training_prompts": len(train_idx),
+                "responses": len(responses), "generation_seconds": round(gen_seconds, 1)}
+    if not responses:
+        raise ValueError(f"no responses in {data_dir} and no generation budget (--gen-max-minutes 0 trains on the "
+                         f"responses a run with the same prompts and settings already wrote there)")
     if len(responses) < len(train_idx):
         say(f"responses for {len(responses)} of {len(train_idx)} training prompts within the generation budget")
     max_seq_len = min(cfg.max_seq_len or tcfg.max_position_embeddings, tcfg.max_position_embeddings)
@@ -267,7 +278,7 @@ def train_drafter(cfg: TrainConfig) -> dict:
                 group["lr"] = lr
             batch = [seqs[i] for i in sampler.batch(cfg.batch_size)]
             loss, correct, label_mask = train_step(target, drafter, batch, sampler.generator, cfg.anchors,
-                                                   dcfg, weights, pad_id, device)
+                                                   dcfg, weights, pad_id, device, distill=cfg.loss == "kd")
             if not math.isfinite(loss.item()):
                 raise FloatingPointError(f"loss became {loss.item()} at step {step}; lower --lr")
             loss.backward()
@@ -320,21 +331,30 @@ def train_drafter(cfg: TrainConfig) -> dict:
 
 
 def train_step(target, drafter, batch: list[TrainSequence], generator: torch.Generator, n_anchors: int, dcfg,
-               weights: torch.Tensor, pad_id: int, device: torch.device):
-    """Loss of one batch (not yet backpropagated), plus per-slot correctness and counted-label mask [b, A, B-1]."""
+               weights: torch.Tensor, pad_id: int, device: torch.device, distill: bool = False):
+    """Loss of one batch (not yet backpropagated), plus per-slot correctness and counted-label mask [b, A, B-1].
+    distill: the loss is against the target's distribution at each label (its logits one position before)."""
     B = dcfg.block_size
     tokens, loss_mask, lengths = collate(batch, pad_id)
     anchors, valid = sample_anchors(loss_mask, lengths, n_anchors, generator)
     tokens, loss_mask, anchors, valid = (t.to(device) for t in (tokens, loss_mask, anchors, valid))
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        taps = target_taps(target, tokens, dcfg.target_layer_ids)
+        if distill:
+            taps, final = target_taps(target, tokens, dcfg.target_layer_ids, final=True)
+        else:
+            taps = target_taps(target, tokens, dcfg.target_layer_ids)
         blocks = make_blocks(tokens, loss_mask, anchors, valid, B, dcfg.mask_token_id)
         hidden = drafter.forward_train(target.embed(blocks.tokens), blocks.positions, taps, blocks.mask)
         b, A = anchors.shape
         hidden = hidden.view(b, A, B, -1)[:, :, 1:]
         counted = blocks.label_mask
         slots = torch.arange(B - 1, device=device).expand_as(counted)[counted]
-        loss, hits = block_loss(target.logits(hidden[counted]), blocks.labels[counted], slots, weights)
+        teacher = None
+        if distill:  # label k of anchor a is token a+k, which the target predicted at position a+k-1
+            before = (anchors[:, :, None] + torch.arange(B - 1, device=device)).clamp(max=tokens.shape[1] - 1)
+            rows = final.gather(1, before.flatten(1)[:, :, None].expand(-1, -1, final.shape[-1]))
+            teacher = target.logits(rows.view(b, A, B - 1, -1)[counted])
+        loss, hits = block_loss(target.logits(hidden[counted]), blocks.labels[counted], slots, weights, teacher)
     correct = torch.zeros_like(counted)
     correct[counted] = hits
     return loss, correct, counted

@@ -1,16 +1,23 @@
 """Stage 4, prompts: the prompt files for the drafter's training data and for measuring tau.
 
-- train.jsonl: held-in prompts (from the train split) that the target answers to make the drafter's data;
+- train.jsonl: prompts that the target answers to make the drafter's data;
 - heldout_code.jsonl: Python prompts from held-out modules, for tau at temperature 0;
 - prose.jsonl: English requests, for the tau reported beside it (the model was trained on code only).
 Each is a mix of chat requests ({"messages": [user]}, built from a function's docstring) and raw code prefixes
 ({"prompt": some lines of a file}), the two formats `flashdraft train-drafter --prompts` reads.
+
+The drafter's prompts come from held-out modules too (--drafter-prompts heldout, the default), from a part of
+them disjoint from the tau prompts' modules. Prompted with text it trained on (about 3 epochs), the target
+recites it: a drafter trained on recitations learns them by rote and not how the target continues new text
+(measured on the H200: in-training tau 3.5-10.9, held-out tau 1.7-2.1; docs/demo-model-card.md). Users prompt
+with new text, so the drafter's data must be the target's answers to new text as well.
 
     python -m flashdraft.demo.pipeline.prompts --corpus runs/demo/corpus --out runs/demo/prompts
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import sys
@@ -34,6 +41,12 @@ PROSE_REQUESTS = [
 ]
 MIN_PREFIX_CHARS = 40
 PREFIXES_PER_FILE = 3
+TAU_PARTS = 4  # with held-out drafter prompts, one module in TAU_PARTS gives tau prompts, the others the drafter's
+
+
+def measures_tau(module: str) -> bool:
+    """Whether a held-out module's prompts measure tau (else they may feed the drafter): a stable hash split."""
+    return int(hashlib.sha1(module.encode()).hexdigest()[:8], 16) % TAU_PARTS == 0
 
 
 def chat_prompt(request: str) -> dict:
@@ -77,13 +90,25 @@ def mixed_prompts(functions: list[dict], files: list[dict], count: int, chat_sha
 
 
 def build_prompts(corpus: Path, out: Path, train_count: int, heldout_count: int, chat_share: float = 0.6,
-                  max_chars: int = 600, seed: int = 0) -> dict:
+                  max_chars: int = 600, seed: int = 0, drafter_source: str = "heldout") -> dict:
+    """drafter_source "heldout": the drafter's prompts from the held-out modules that do not measure tau;
+    "train": from the target's own training split."""
+    if drafter_source not in ("heldout", "train"):
+        raise ValueError(f"drafter prompts come from 'heldout' or 'train', not {drafter_source!r}")
     rng = random.Random(seed)
-    train = mixed_prompts(read_jsonl(corpus / "functions_train.jsonl"), read_jsonl(corpus / "train.jsonl"),
-                          train_count, chat_share, max_chars, rng)
+    functions, files = read_jsonl(corpus / "functions_heldout.jsonl"), read_jsonl(corpus / "heldout.jsonl")
+    if drafter_source == "heldout":
+        tau_functions = [f for f in functions if measures_tau(f["module"])]
+        tau_files = [f for f in files if measures_tau(f["module"])]
+        train = mixed_prompts([f for f in functions if not measures_tau(f["module"])],
+                              [f for f in files if not measures_tau(f["module"])], train_count, chat_share,
+                              max_chars, rng)
+    else:
+        tau_functions, tau_files = functions, files
+        train = mixed_prompts(read_jsonl(corpus / "functions_train.jsonl"), read_jsonl(corpus / "train.jsonl"),
+                              train_count, chat_share, max_chars, rng)
     # Held-out tau is reported per kind, so its set is half chat requests, half raw code.
-    held_out = mixed_prompts(read_jsonl(corpus / "functions_heldout.jsonl"), read_jsonl(corpus / "heldout.jsonl"),
-                             heldout_count, 0.5, max_chars, rng)
+    held_out = mixed_prompts(tau_functions, tau_files, heldout_count, 0.5, max_chars, rng)
     if not train or not held_out:
         raise ValueError(f"{corpus}: no usable prompts ({len(train)} train, {len(held_out)} held-out)")
     out.mkdir(parents=True, exist_ok=True)
@@ -91,14 +116,18 @@ def build_prompts(corpus: Path, out: Path, train_count: int, heldout_count: int,
     write_jsonl(out / "heldout_code.jsonl", held_out)
     write_jsonl(out / "prose.jsonl", [chat_prompt(r) for r in PROSE_REQUESTS])
     kinds = lambda rs: {k: sum(r["kind"] == k for r in rs) for k in ("chat", "code")}  # noqa: E731
-    return {"train": kinds(train), "heldout_code": kinds(held_out), "prose": len(PROSE_REQUESTS)}
+    return {"train": kinds(train), "drafter_prompts_from": drafter_source, "heldout_code": kinds(held_out),
+            "prose": len(PROSE_REQUESTS)}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m flashdraft.demo.pipeline.prompts", description=__doc__.split("\n")[0])
     p.add_argument("--corpus", type=Path, required=True, help="folder written by the corpus stage")
     p.add_argument("--out", type=Path, required=True, help="output folder for the prompt files")
-    p.add_argument("--train", type=int, default=12000, help="held-in prompts for the drafter's data (default 12000)")
+    p.add_argument("--train", type=int, default=12000, help="prompts for the drafter's data (default 12000)")
+    p.add_argument("--drafter-prompts", choices=["heldout", "train"], default="heldout",
+                   help="split the drafter's prompts come from: held-out modules not used for tau (default), or "
+                        "the target's training split (which the target recites)")
     p.add_argument("--heldout", type=int, default=48, help="held-out Python prompts for tau (default 48)")
     p.add_argument("--chat-share", type=float, default=0.6, help="share of chat requests among train prompts")
     p.add_argument("--max-chars", type=int, default=600,
@@ -109,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--train and --heldout must be >= 1, --chat-share in [0, 1], --max-chars >= {MIN_PREFIX_CHARS}")
     try:
         stats = build_prompts(args.corpus, args.out, args.train, args.heldout, args.chat_share, args.max_chars,
-                              args.seed)
+                              args.seed, args.drafter_prompts)
     except (ValueError, OSError) as e:
         print(f"prompts: error: {e}", file=sys.stderr)
         return 1

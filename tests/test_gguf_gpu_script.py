@@ -98,6 +98,17 @@ for qtype in ["Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]:
     configs = [base, dataclasses.replace(base, decode_2d=False)]
     if qtype in ("Q4_K", "Q8_0"):  # the K split and the 64 x 256 3-D tiles
         configs += [dataclasses.replace(base, split_k=2), tk.QuantConfig(64, 256, 2, 4, 1, False)]
+    if qtype in tk.K_QUANTS:  # the packed-word decode: a K split with a ragged N-tile; two super-blocks a K step
+        configs += [tk.QuantConfig(32, 256, 2, 4, 3, packed=True)]
+        if qtype == "Q4_K":
+            configs += [tk.QuantConfig(64, 512, 1, 4, 1, packed=True)]
+        # each packed weight bitwise the dequantized one: one-hot fp32 rows pick single weights out of the first
+        # super-block, at K positions covering every (byte, nibble, group) field
+        idx = torch.arange(16) * 17 % 256
+        one = tk.launch(torch.eye(256)[idx], blocks[:, :fmt.block_bytes], n, qtype,
+                        tk.QuantConfig(32, 256, packed=True))
+        if not torch.equal(one, w[:, idx].T):
+            failures.append((qtype, "packed weights not bitwise the dequantized ones"))
     ref = x.double() @ w.double().T
     xb = x.bfloat16()
     ref_b = xb.double() @ w.bfloat16().double().T
@@ -119,6 +130,26 @@ for qtype in ["Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]:
         failures.append((qtype, "2-D vs 3-D decode differ"))
     if tuple(tk.KERNELS[qtype](xb[:3], blocks, n).shape) != (3, n):
         failures.append((qtype, "KERNELS shape"))
+packed = tk.heuristic_config("Q6_K", 40, 512, packed=True)
+if not (packed.packed and packed.block_k == 256 and packed.name.endswith("q")):
+    failures.append(("heuristic packed config", packed))
+if tk.heuristic_config("Q8_0", 40, 512, packed=True).packed or tk.heuristic_config("Q4_K", 40, 512).packed:
+    failures.append(("packed where it does not apply, or by default",))
+try:
+    tk.launch(torch.zeros(1, 64), torch.zeros(8, 68, dtype=torch.uint8), 8, "Q8_0", tk.QuantConfig(packed=True))
+    failures.append(("packed Q8_0 accepted",))
+except ValueError:
+    pass
+for (qtype, n, k), cfg in tk.CONFIGS.items():  # the measured table: tilings the kernel can run for its shape
+    steps = k // cfg.block_k
+    if k % cfg.block_k or steps % cfg.split_k or (qtype in tk.K_QUANTS and cfg.block_k % 256) \
+            or tk.config_for(qtype, n, k) is not cfg:
+        failures.append(("measured tiling unusable", qtype, n, k, cfg.name))
+dflt = tk.config_for("Q4_K", 40, 512)
+if (dflt.block_k, dflt.decode_2d, dflt.num_stages, dflt.packed) != (256, False, 1, False):
+    failures.append(("K-quant default is not the 3-D 256-wide tiling", dflt.name))
+if tk.config_for("Q8_0", 40, 512) != tk.heuristic_config("Q8_0", 40, 512):
+    failures.append(("legacy default changed",))
 print("FAILURES", failures)
 sys.exit(1 if failures else 0)
 """
@@ -126,10 +157,11 @@ sys.exit(1 if failures else 0)
 
 @pytest.mark.skipif(not _has_triton(), reason="needs Triton (its interpreter on the CPU)")
 def test_every_kernel_matches_dequantize_and_is_batch_invariant():
-    """Every quant type, both decode formulations, with and without a K split, a ragged N edge, two M-tiles, under
-    the interpreter (in a fresh process: TRITON_INTERPRET must be set before Triton is first imported): fp32
-    activations give the product with the dequantized weights to fp32 accuracy; bf16 ones agree with a bf16
-    reference and are bitwise the same row by row for M = 1..17."""
+    """Every quant type, both decode formulations (and the packed one for the K-quants), with and without a K split,
+    a ragged N edge, two M-tiles, under the interpreter (in a fresh process: TRITON_INTERPRET must be set before
+    Triton is first imported): fp32 activations give the product with the dequantized weights to fp32 accuracy;
+    bf16 ones agree with a bf16 reference and are bitwise the same row by row for M = 1..17. The packed decode's
+    weights are bitwise the dequantized ones."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
                CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK, str(ROOT / "tests")], env=env, capture_output=True,

@@ -37,6 +37,7 @@ when Triton is installed), wall-clock timings, the model on the dequantize path.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -95,7 +96,7 @@ CASES = ([("Q4_K", s) for s in ("gate_up", "down", "q_sliding", "kv_sliding", "o
 # --tiny: one case per quant type, plus a split-K shape (interpreted kernels are slow)
 CASES_TINY = [("Q4_K", "gate_up"), ("Q4_K", "down"), ("Q5_K", "kv_sliding"), ("Q6_K", "lm_head"), ("Q8_0", "d_fc")]
 M_VALUES = (1, 2, 4, 8, 16)
-VARIANT_CASES = 6  # the first cases also time tk_variants' tilings
+VARIANT_CASES = 7  # the first cases also time tk_variants' tilings (the fastest correct one is adopted)
 
 # Random blocks: (byte offset of an fp16 scale, its size relative to the block's `scale` argument). The other
 # bytes (quants, packed sub-block scales) are uniformly random. dmin ~ 7.5 d (Q4_K) / 15.5 d (Q5_K) centres the
@@ -241,6 +242,11 @@ def tk_variants(tk, cfg, qtype: str, n: int, k: int, sms: int) -> list:
            dataclasses.replace(cfg, num_stages=3 if cfg.num_stages == 1 else 1)]
     if k >= 256:
         out.append(tk.heuristic_config(qtype, n, k, sms, num_stages=1, decode_2d=False, block_k=256))
+    if qtype in tk.K_QUANTS:  # packed-word decode, one super-block per K step
+        out += [tk.heuristic_config(qtype, n, k, sms, packed=True),
+                tk.heuristic_config(qtype, n, k, sms, packed=True, num_stages=1),
+                tk.heuristic_config(qtype, n, k, sms, packed=True, block_n=128, num_warps=8, num_stages=1),
+                tk.heuristic_config(qtype, n, k, sms, packed=True, block_n=32, num_warps=2, num_stages=1)]
     uniq = []
     for v in out:
         if v != cfg and v not in uniq:
@@ -294,15 +300,25 @@ def kernel_case(run: Run, qtype: str, shape: str, n: int, k: int, bw: float, dev
     rec["ms"] = ms
     if variants:  # other tilings of the same shape, M = 1 and 16 (compare decode formulations and pipelining)
         rec["variants"] = {}
+        ref16 = x16.float() @ wb.float().T
+        best, best_ms = cfg, ms["16"]
         for var in tk_variants(tk, cfg, qtype, n, k, tk._sm_count(dev.index if dev.type == "cuda" else None)):
             try:
-                rec["variants"][var.name] = {str(m): bench_ms(
+                v = rec["variants"][var.name] = {str(m): bench_ms(
                     [lambda c=c, xm=x16[:m].contiguous(), var=var: tk.launch(xm, c, n, qtype, var) for c in copies],
                     run.tiny) for m in (1, 16)}
-                rec["variants"][var.name]["invariant"] = bool(torch.equal(tk.launch(x16[:1], blocks, n, qtype, var),
-                                                                          tk.launch(x16, blocks, n, qtype, var)[:1]))
+                y = tk.launch(x16, blocks, n, qtype, var)
+                v["rel_err"] = rel_err(y, ref16)
+                v["invariant"] = all(bool(torch.equal(tk.launch(x16[:m], blocks, n, qtype, var), y[:m]))
+                                     for m in (1, 2, 4, 8))
+                if v["invariant"] and v["rel_err"] < 1e-2 and v["16"] < best_ms:
+                    best, best_ms = var, v["16"]
             except Exception as e:  # noqa: BLE001
                 rec["variants"][var.name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        del ref16
+        rec["adopted"] = best.name  # the fastest correct, batch-invariant tiling: the model stage uses it
+        rec["adopted_config"] = dataclasses.asdict(best)
+        tk.CONFIGS[(qtype, n, k)] = best
     nan = float("nan")
     try:  # the comparisons: one failing must not lose the kernel's numbers
         rec["dequant_cublas_ms"] = {str(m): bench_ms(
@@ -364,8 +380,10 @@ def stage_kernels(run: Run, bw: float, dev, gen, stage_deadline: float) -> None:
                 f"  deq+cuBLAS {1000 * rec['dequant_cublas_ms']['1']:.0f}  bf16 {1000 * rec['bf16_cublas_ms']['1']:.0f}"
                 f"  [{rec['stage_s']:.1f} s]"
                 + "".join(f"\n      variant {name}: " + (v["error"][:120] if "error" in v else
-                                                          f"{1000 * v['1']:.0f} / {1000 * v['16']:.0f} us (M=1 / 16)")
-                          for name, v in rec.get("variants", {}).items()))
+                                                          f"{1000 * v['1']:.0f} / {1000 * v['16']:.0f} us (M=1 / 16)"
+                                                          f" err {v['rel_err']:.1e} inv {v['invariant']}")
+                          for name, v in rec.get("variants", {}).items())
+                + (f"\n      adopted: {rec['adopted']}" if "adopted" in rec else ""))
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         run.save()
@@ -505,24 +523,57 @@ def build_models(run: Run, dev, dtype, gen, capacity: int, drafter_bf16: bool):
     return target, drafter, info
 
 
+def adopt_tilings(run: Run, dev, *models) -> dict:
+    """Shapes the kernel stage did not time take the tiling family (all but the K split, which is re-derived)
+    of the tiling adopted for a timed shape of the same quant type. Returns {qtype N x K: tiling name}."""
+    from flashdraft.quant import QuantLinear
+    try:
+        from flashdraft.quant import triton_kernels as tk
+    except ImportError:
+        return {}
+    families = {}
+    for rec in run.result.get("kernels", []):
+        if "adopted_config" in rec:
+            families.setdefault(rec["qtype"], rec["adopted_config"])
+    sms = tk._sm_count(dev.index if dev.type == "cuda" else None)
+    used = {}
+    for model in models:
+        for m in model.modules():
+            if not isinstance(m, QuantLinear):
+                continue
+            key = (m.qtype, m.out_features, m.in_features)
+            f = families.get(m.qtype)
+            if key not in tk.CONFIGS and f is not None:
+                tk.CONFIGS[key] = tk.heuristic_config(
+                    m.qtype, m.out_features, m.in_features, sms, block_n=f["block_n"], num_warps=f["num_warps"],
+                    num_stages=f["num_stages"], decode_2d=f["decode_2d"], block_k=f["block_k"],
+                    packed=f.get("packed", False))
+            used[f"{m.qtype} {m.out_features}x{m.in_features}"] = tk.config_for(*key, sms).name
+    log("(c) tilings: " + ", ".join(f"{k} {v}" for k, v in sorted(used.items())))
+    return used
+
+
 def decode_tok_s(result) -> float:
     s = result.stats
     return (s.predicted_n - 1) / (s.predicted_ms / 1000)
 
 
 def median_s(fn, dev, reps: int) -> float:
+    """Median wall time of fn, run under inference mode as the engine runs its passes (the caches it writes are
+    inference tensors, which may not be updated in place outside it)."""
     import torch
 
-    fn()
     times = []
-    for _ in range(reps):
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
+    with torch.inference_mode():
         fn()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
+        for _ in range(reps):
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
     return statistics.median(times)
 
 
@@ -537,6 +588,13 @@ def stage_model(run: Run, bw: float, dev, gen, args) -> None:
     run.result["model"] = model
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     context = 512 if run.tiny else args.context
+    memory = model["memory"] = {}  # bytes allocated (live tensors) after each phase, and each phase's peak
+
+    def note_memory(phase: str) -> None:
+        if dev.type == "cuda":
+            memory[phase] = {"allocated": torch.cuda.memory_allocated(), "peak": torch.cuda.max_memory_allocated()}
+            torch.cuda.reset_peak_memory_stats()
+
     if dev.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -544,6 +602,11 @@ def stage_model(run: Run, bw: float, dev, gen, args) -> None:
     target, drafter, info = build_models(run, dev, dtype, gen, context + 64, args.drafter_bf16)
     model.update(info)
     model["build_s"] = round(time.time() - t, 1)
+    model["tilings"] = adopt_tilings(run, dev, target, drafter)
+    # Making random blocks takes temporaries that loading a file does not: the run's peak is measured from here.
+    note_memory("build (random blocks)")
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
     extra = {"gemm": args.gemm} if args.gemm else {}  # for a bf16 drafter's float layers (newer engines)
     engine = Engine(target, None, drafter, context_size=context, cuda_graphs=dev.type == "cuda",
                     compile=args.compile, **extra)
@@ -552,6 +615,7 @@ def stage_model(run: Run, bw: float, dev, gen, args) -> None:
     model["context"] = context
     model["kv_cache_bytes"] = seq.target_cache.nbytes() + sum(
         x.numel() * x.element_size() for x in seq.draft_cache.k + seq.draft_cache.v)
+    note_memory("engine and caches")
     if dev.type == "cuda":
         model["memory_after_alloc_bytes"] = torch.cuda.memory_allocated()
     step_bytes = model["target_step_bytes"]
@@ -575,6 +639,7 @@ def stage_model(run: Run, bw: float, dev, gen, args) -> None:
     log(f"(c) baseline {tok_s:.1f} tok/s = {tok_s * step_bytes / GB:.0f} GB/s, "
         f"{100 * model['baseline_frac_roofline']:.0f}% of roofline [{time.time() - t:.1f} s]")
     run.save()
+    note_memory("baseline decoding (graph capture included)")
 
     decoder = engine.decoder
     reference = prompt + base.tokens
@@ -643,11 +708,16 @@ def stage_model(run: Run, bw: float, dev, gen, args) -> None:
             run.error("model long-context steps", e)
     else:
         run.skip("long-context step times")
+    note_memory("DFlash decoding and long-context steps")
     if dev.type == "cuda":
-        peak = torch.cuda.max_memory_allocated()
+        # The run's peak: the largest phase peak after the random blocks were made (weights, caches, graphs and
+        # activations; what loading a GGUF file and decoding need).
+        peak = max(v["peak"] for phase, v in memory.items() if not phase.startswith("build"))
         model["max_memory_allocated_bytes"] = peak
         model["max_memory_reserved_bytes"] = torch.cuda.max_memory_reserved()
         model["memory_under_24gb"] = peak < LIMIT_BYTES
+        log("(c) memory by phase (GB allocated after / peak during): " + "; ".join(
+            f"{phase} {v['allocated'] / GB:.2f} / {v['peak'] / GB:.2f}" for phase, v in memory.items()))
         log(f"(c) peak memory: allocated {peak / GB:.2f} GB ({peak / 2**30:.2f} GiB), reserved "
             f"{model['max_memory_reserved_bytes'] / GB:.2f} GB; under 24 GB: {model['memory_under_24gb']}")
     run.save()

@@ -9,6 +9,17 @@ weights: per element on a 2-D tile (the default: each element finds its own quan
 loads served by L1) or per sub-block on 3-D tiles ([BLOCK_N, sub-blocks, 1] scales, [BLOCK_N, sub-blocks, elems]
 quants, then a reshape); QuantConfig.decode_2d picks one.
 
+A third formulation for the K-quants, QuantConfig.packed (`_quant_matmul_packed_kernel`), works a super-block
+(256 weights) at a time and reads the quant bytes as packed words: per super-block and row, the header once
+(Q4_K/Q5_K: 4 int32 words holding d, dmin and the 12 scale bytes; Q6_K: d and 16 int8 scales), then the quants as
+contiguous words ([BLOCK_N, 4, 8] int32 words for Q4_K/Q5_K, uint16 half-words for Q6_K, whose 210-byte
+super-blocks are only 2-byte aligned). The weights are not put back in K order: each dot takes the weights that
+one bit field (byte p of a word, nibble h) of the loaded words holds, [BLOCK_N, 32] in word order, and loads x
+at the matching K indices (x is a few KB, cached), so the decode is shifts and masks on the loaded words, with
+the sub-block scales decoded once per super-block ([BLOCK_N, 4, 1]) and broadcast. Eight dots of K = 32 per
+super-block; the order (super-blocks low to high, then the fixed field order) never depends on M. Same weights
+and the same fp32 formulas as the other two, but another summation order, so not bitwise equal to them.
+
 Cost nearly flat in M: a 16-row tile holds a whole DFlash verify block, so the weight bytes are read once for
 any M <= 16; rows past M are masked loads (zeros) that cost no memory traffic.
 
@@ -50,24 +61,45 @@ class QuantConfig:
     num_warps: int = 4
     num_stages: int = 3    # software pipelining (3-D tiles of 64 x 256 measured fastest at 1 on an H200)
     decode_2d: bool = True   # per-element index math on a 2-D tile (else 3-D sub-block tiles and a reshape)
+    packed: bool = False     # K-quants only: packed-word decode per super-block (block_k a multiple of 256;
+                             # decode_2d is then ignored)
 
     @property
     def name(self) -> str:
         return (f"n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}p{self.num_stages}"
-                + ("" if self.decode_2d else "t"))
+                + ("q" if self.packed else "" if self.decode_2d else "t"))
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-# (qtype, N, K) -> a measured tiling (scripts/gpu/gguf_sweep.py); other shapes get heuristic_config.
-CONFIGS: dict[tuple[str, int, int], QuantConfig] = {}
+# (qtype, N, K) -> the tiling measured fastest at 16 rows among the correct, batch-invariant ones, for the
+# Gemma-4-31B Q4_K_S shapes (scripts/gpu/gguf_run.py on an H200, 2026-11-29; docs/performance.md); other shapes
+# get default_config.
+CONFIGS: dict[tuple[str, int, int], QuantConfig] = {
+    ("Q4_K", 21504, 5376): QuantConfig(128, 256, 3, 8, 1, True, True),   # gate/up: 62 / 87 us at M = 1 / 16
+    ("Q4_K", 5376, 21504): QuantConfig(64, 256, 4, 4, 1, False),         # down: 116 / 118 us
+    ("Q4_K", 8192, 5376): QuantConfig(64, 256, 3, 4, 1, False),          # sliding q: 38 / 39 us
+    ("Q4_K", 4096, 5376): QuantConfig(128, 256, 7, 8, 1, True, True),    # sliding k/v: 17 / 23 us
+    ("Q4_K", 5376, 8192): QuantConfig(128, 256, 8, 8, 1, True, True),    # sliding o: 33 / 45 us
+    ("Q5_K", 5376, 21504): QuantConfig(64, 256, 4, 4, 1, True, True),    # down, first layers: 87 / 138 us
+    ("Q6_K", 262144, 5376): QuantConfig(64, 256, 1, 4, 1, False),        # tied LM head: 1337 / 1344 us
+}
+
+
+def default_config(qtype: str, n: int, k: int, sms: int = 132) -> QuantConfig:
+    """K-quants: 3-D sub-block tiles of 64 x 256 without pipelining, the only tiling measured flat in M and within
+    1.4x of the fastest on every Gemma-4-31B shape (the 64 x 64 per-element tiling was 2.5-4x slower); the
+    other types: heuristic_config's default."""
+    if qtype in K_QUANTS and k % 256 == 0:
+        return heuristic_config(qtype, n, k, sms, block_k=256, num_stages=1, decode_2d=False)
+    return heuristic_config(qtype, n, k, sms)
 
 
 def config_for(qtype: str, n: int, k: int, sms: int = 132) -> QuantConfig:
-    """The tiling for a [n, k] weight of `qtype`: the measured table, else the heuristic. Never depends on M."""
-    return CONFIGS.get((qtype, n, k)) or heuristic_config(qtype, n, k, sms)
+    """The tiling for a [n, k] weight of `qtype`: the measured table, else the default. Never depends on M."""
+    return CONFIGS.get((qtype, n, k)) or default_config(qtype, n, k, sms)
 
 
 def split_for(n: int, k: int, block_n: int, block_k: int, sms: int = 132) -> int:
@@ -86,13 +118,21 @@ def split_for(n: int, k: int, block_n: int, block_k: int, sms: int = 132) -> int
 
 
 def heuristic_config(qtype: str, n: int, k: int, sms: int = 132, block_n: int = 64, num_warps: int = 4,
-                     num_stages: int = 3, decode_2d: bool = True, block_k: int = 64) -> QuantConfig:
-    """A 64 x 64 weight tile per K step (the tiling of the first version, measured at ~70 us for the 31B gate/up
-    shape on an H200, against ~105 us for 3-D tiles of 64 x 256, whose fp32 tile crowds the registers), 4 warps,
-    and split_for's K split (the first version had none: 84 programs for down_proj's 5376 rows)."""
-    if k < block_k:
+                     num_stages: int = 3, decode_2d: bool = True, block_k: int = 64,
+                     packed: bool = False) -> QuantConfig:
+    """A 64 x 64 weight tile per K step, 4 warps, and split_for's K split (the first version had none: 84
+    programs for down_proj's 5376 rows); the other arguments select the alternatives that gguf_run.py times.
+    packed=True (K-quants; ignored for the others) takes the packed-word decode, block_k rounded up to a
+    multiple of 256 (one super-block per K step by default)."""
+    packed = packed and qtype in K_QUANTS
+    if packed:
+        block_k = max(256, -(-block_k // 256) * 256)
+        if k % block_k:
+            block_k = 256
+    elif k < block_k:
         block_k = max(32, 1 << (k - 1).bit_length())
-    return QuantConfig(block_n, block_k, split_for(n, k, block_n, block_k, sms), num_warps, num_stages, decode_2d)
+    return QuantConfig(block_n, block_k, split_for(n, k, block_n, block_k, sms), num_warps, num_stages, decode_2d,
+                       packed)
 
 
 @triton.jit
@@ -332,6 +372,194 @@ def _quant_matmul_kernel(x_ptr, w_ptr, y_ptr, p_ptr, M, N, row_bytes, stride_xm,
         tl.store(base + rm[:, None].to(tl.int64) * N + rn[None, :], acc, mask=mask)
 
 
+@triton.jit
+def _dot_acc(acc, x, w, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + x @ w^T for a float32 weight tile w, as _quant_matmul_kernel does it (fp32 x: IEEE products; else w
+    cast to x's dtype and a tensor-core product; under the interpreter the bf16/fp16 rounding done by hand)."""
+    if IEEE:
+        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+    elif UPCAST:
+        acc = tl.dot(x.to(tl.float32), tl.trans(_round_like(w, x.dtype)), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+    return acc
+
+
+@triton.jit
+def _field_to_f32(bits, offset: tl.constexpr, B: tl.constexpr):
+    """float32((q - offset) * 2**B) from `bits` = 0x4B000000 | (q * 2**B), 0 <= q * 2**B < 2**23 (an unsigned bit
+    field left where it lies in its word, other bits cleared, OR the float bits of 2**23), exactly and without an
+    int-to-float conversion (a quarter-rate instruction on NVIDIA GPUs): the float 2**23 + q * 2**B minus
+    2**23 + offset * 2**B (both exact, so is the difference). The caller multiplies by a scale times 2**-B (exact: a
+    power of two on a normal float32), which gives the same product, rounded the same way, as scale * (q - offset).
+    The callers OR in 0x4B000000 as `magic`, a kernel argument rather than a literal: the compiler then keeps it in
+    a register and fuses mask and OR into one 3-input logic instruction (with two literals it emits two)."""
+    return bits.to(tl.float32, bitcast=True) - (8388608.0 + offset * (1 << B))
+
+
+@triton.jit
+def _q45_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, FIVE_BIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                  IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """acc += x[:, super-block sb] @ W[:, super-block sb]^T for Q4_K/Q5_K; row: [BLOCK_N, 1, 1] uint8 row pointers.
+
+    Super-blocks are 144/176 bytes, so with 16-byte aligned rows (row_bytes is a multiple of 144/176, a multiple of
+    16) every field is 16-byte aligned and read as int32 words: the header (d | dmin << 16, then the scale bytes
+    4-7, 8-11, 12-15) and the 128 nibble bytes as [BLOCK_N, 4 (g), 8 (word)] words. Byte p of word 8g + w is byte
+    32g + 4w + p, whose low nibble is weight 64g + 4w + p (sub-block 2g) and high nibble weight 64g + 32 + 4w + p
+    (sub-block 2g + 1). Q5_K: 32 bytes of 5th bits (8 words, the same for every g): byte 4w + p, bit j -> weight
+    32j + 4w + p. One dot per (nibble h, byte p): a [BLOCK_N, 32] tile in word order (column 8g + w) against x at
+    K = 256 sb + 64g + 32h + 4w + p. Bytes 2 and 3 are taken from the words shifted down by 16, so every nibble is
+    masked where it lies (bit B = 8 (p % 2) + 4h, <= 12) and converted by _field_to_f32, its scale times 2**-B."""
+    if FIVE_BIT:
+        base = row + sb * 176
+        qs = (base + 48).to(tl.pointer_type(tl.int32))
+    else:
+        base = row + sb * 144
+        qs = (base + 16).to(tl.pointer_type(tl.int32))
+    hdr = base.to(tl.pointer_type(tl.int32))
+    w0 = tl.load(hdr, mask=w_mask, other=0)
+    sc_w = tl.load(hdr + 1, mask=w_mask, other=0)   # scale bytes 0-3 (scales 0-3, top bits of 4-7)
+    mn_w = tl.load(hdr + 2, mask=w_mask, other=0)   # min bytes 0-3
+    hi_w = tl.load(hdr + 3, mask=w_mask, other=0)   # low nibbles: scales 4-7, high nibbles: mins 4-7
+    d = (w0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = ((w0 >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    g = tl.arange(0, 4)[None, :, None]
+    wd = tl.arange(0, 8)[None, None, :]
+    words = tl.load(qs + 8 * g + wd, mask=w_mask, other=0)                      # [BLOCK_N, 4, 8]
+    words_hi = words >> 16                                                      # bytes 2, 3 (top bits: junk)
+    if FIVE_BIT:
+        qh = tl.load((base + 16).to(tl.pointer_type(tl.int32)) + wd, mask=w_mask, other=0)  # [BLOCK_N, 1, 8]
+        qh = qh >> (2 * g)           # [BLOCK_N, 4, 8]: the bit of (byte p, nibble h) at 8p + h
+        qh_hi = qh >> 16
+    c = tl.arange(0, 32)
+    kx = sb * 256 + 64 * (c // 8) + 4 * (c % 8)                                   # [32], + 32h + p
+    for h in tl.static_range(2):
+        j = 2 * g + h                                                             # [1, 4, 1] sub-blocks
+        sh = 8 * (j % 4)
+        a = (sc_w >> sh) & 0xFF
+        b = (mn_w >> sh) & 0xFF
+        e = (hi_w >> sh) & 0xFF
+        sc = tl.where(j < 4, a & 0x3F, (e & 0x0F) | ((a >> 6) << 4))
+        mn = tl.where(j < 4, b & 0x3F, (e >> 4) | ((b >> 6) << 4))
+        dl = d * sc.to(tl.float32)                                                # [BLOCK_N, 4, 1]
+        ml = dmin * mn.to(tl.float32)
+        if FIVE_BIT:  # 5th bits moved to bit B + 4 (B = 8 (p % 2) + 4h)
+            t_lo = qh << (3 * h + 4)
+            t_hi = qh_hi << (3 * h + 4)
+        for p in tl.static_range(4):
+            B = 8 * (p % 2) + 4 * h
+            if p < 2:
+                src = words
+            else:
+                src = words_hi
+            if FIVE_BIT:
+                if p < 2:
+                    bits = (src & (0x0F << B)) | ((t_lo & (0x10 << B)) | magic)
+                else:
+                    bits = (src & (0x0F << B)) | ((t_hi & (0x10 << B)) | magic)
+            else:
+                bits = (src & (0x0F << B)) | magic
+            w = (dl * (1.0 / (1 << B))) * _field_to_f32(bits, 0, B) - ml
+            x = tl.load(x_rows + (kx + (32 * h + p))[None, :], mask=x_mask, other=0.0)
+            acc = _dot_acc(acc, x, tl.reshape(w, (BLOCK_N, 32)), IEEE, UPCAST)
+    return acc
+
+
+@triton.jit
+def _q6_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    """acc += x[:, super-block sb] @ W[:, super-block sb]^T for Q6_K; row: [BLOCK_N, 1, 1] uint8 row pointers.
+
+    210-byte super-blocks are only 2-byte aligned, so the quants are read as uint16 half-words, on a
+    [BLOCK_N, 4 (s), 8 (half-word)] grid with s = 2hh + b (hh: the 128-weight half, b: which 16 bytes of a 32):
+    ql half-words 32hh + 16(u % 2) + 8b + w, qh half-words 64 + 8s + w. Byte r of those holds weight
+    e = 128hh + 32u + 16b + 2w + r: low nibbles (u < 2) or high nibbles of ql, bits 2u, 2u + 1 of qh; its scale is
+    int8 byte 192 + e // 16 = 192 + 8hh + 2u + b ([BLOCK_N, 4, 1] per u). One dot per (u, r): a [BLOCK_N, 32] tile,
+    column 8s + w, against x at K = 256 sb + 128hh + 32u + 16b + 2w + r. The 6-bit value is assembled where its
+    low nibble lies (bit B = 8r + 4 (u // 2)), the qh bits shifted up to B + 4 (by 4 or 2), and converted by
+    _field_to_f32, its scale times 2**-B."""
+    base = row + sb * 210
+    hw = base.to(tl.pointer_type(tl.uint16))
+    s = tl.arange(0, 4)[None, :, None]
+    wd = tl.arange(0, 8)[None, None, :]
+    d = tl.load(hw + 104, mask=w_mask, other=0).to(tl.float16, bitcast=True).to(tl.float32)   # [BLOCK_N, 1, 1]
+    ql_off = 32 * (s // 2) + 8 * (s % 2) + wd
+    ql0 = tl.load(hw + ql_off, mask=w_mask, other=0).to(tl.int32)                # ql bytes 64hh + 0..31
+    ql1 = tl.load(hw + ql_off + 16, mask=w_mask, other=0).to(tl.int32)           # ql bytes 64hh + 32..63
+    qh = tl.load(hw + 64 + 8 * s + wd, mask=w_mask, other=0).to(tl.int32)
+    qh4 = qh << 4    # bits 2u, 2u + 1 of byte r moved to B + 4, B + 5: u even
+    qh2 = qh << 2    # u odd
+    c = tl.arange(0, 32)
+    kx = sb * 256 + 128 * (c // 16) + 16 * ((c // 8) % 2) + 2 * (c % 8)          # [32], + 32u + r
+    for u in tl.static_range(4):
+        sc = tl.load(base + 192 + 8 * (s // 2) + 2 * u + s % 2, mask=w_mask, other=0)
+        dl = d * sc.to(tl.int8, bitcast=True).to(tl.float32)                      # [BLOCK_N, 4, 1]
+        if u % 2 == 0:
+            ql = ql0
+            qhs = qh4
+        else:
+            ql = ql1
+            qhs = qh2
+        for r in tl.static_range(2):
+            B = 8 * r + 4 * (u // 2)
+            bits = (ql & (0x0F << B)) | ((qhs & (0x30 << B)) | magic)
+            w = (dl * (1.0 / (1 << B))) * _field_to_f32(bits, 32, B)
+            x = tl.load(x_rows + (kx + (32 * u + r))[None, :], mask=x_mask, other=0.0)
+            acc = _dot_acc(acc, x, tl.reshape(w, (BLOCK_N, 32)), IEEE, UPCAST)
+    return acc
+
+
+@triton.jit
+def _store_tile(acc, y_ptr, p_ptr, rm, rn, m_ok, M, N, stride_ym, pid_k, SPLIT_K: tl.constexpr,
+                UPCAST: tl.constexpr):
+    """The output tile: y directly without a K split, else this split's fp32 partials (p[pid_k])."""
+    mask = m_ok & (rn[None, :] < N)
+    if SPLIT_K == 1:
+        if UPCAST:
+            acc = _round_like(acc, y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=mask)
+    else:
+        base = p_ptr + pid_k.to(tl.int64) * M * N
+        tl.store(base + rm[:, None].to(tl.int64) * N + rn[None, :], acc, mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _quant_matmul_packed_kernel(x_ptr, w_ptr, y_ptr, p_ptr, M, N, row_bytes, stride_xm, stride_ym, magic,
+                                K: tl.constexpr, QTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                SPLIT_K: tl.constexpr, STEPS: tl.constexpr, EVEN_N: tl.constexpr,
+                                EVEN_K: tl.constexpr):
+    """_quant_matmul_kernel for the K-quants with the packed-word decode: K steps of BLOCK_K // 256 super-blocks,
+    each added by _q45_k_packed / _q6_k_packed; the same grid, split and output as _quant_matmul_kernel."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = w_ptr + (rn.to(tl.int64) * row_bytes)[:, None, None]
+    n_ok = (rn < N)[:, None, None]
+    m_ok = rm[:, None] < M
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t in range(STEPS):  # this split's K steps, low to high K: a fixed order
+        for i in tl.static_range(BLOCK_K // 256):
+            sb = (pid_k * STEPS + t) * (BLOCK_K // 256) + i
+            if EVEN_N:
+                w_mask = n_ok | True
+            else:
+                w_mask = n_ok
+            x_mask = m_ok
+            if not EVEN_K:  # super-blocks past K (the last step only): no loads, zero weights
+                w_mask = w_mask & (sb < K // 256)
+                x_mask = x_mask & (sb < K // 256)
+            if QTYPE == 5:
+                acc = _q6_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, BLOCK_N, IEEE, UPCAST)
+            else:
+                acc = _q45_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, QTYPE == 4, BLOCK_N, IEEE, UPCAST)
+    _store_tile(acc, y_ptr, p_ptr, rm, rn, m_ok, M, N, stride_ym, pid_k, SPLIT_K, UPCAST)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _split_reduce_kernel(p_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
                          UPCAST: tl.constexpr):
@@ -388,13 +616,25 @@ def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str,
     steps = -(-k // bk)
     if steps % split:
         raise ValueError(f"split {split} does not divide the {steps} K steps of {k} weights")
+    if config.packed:
+        if qtype not in K_QUANTS or bk % 256:
+            raise ValueError(f"packed decode is for K-quants with block_k a multiple of 256, not {qtype} / {bk}")
+        if blocks.data_ptr() % (2 if qtype == "Q6_K" else 4):  # words are read whole: an aligned copy
+            blocks = blocks.clone()
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, BLOCK_M))
-    _quant_matmul_kernel[grid](
-        x2, blocks, y, part, m, n, blocks.shape[1], x2.stride(0), y.stride(0),
-        K=k, QTYPE=code, IEEE=x.dtype == torch.float32, UPCAST=_interpreting(), BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=bk,
-        SPLIT_K=split, STEPS=steps // split, EVEN_N=n % config.block_n == 0, EVEN_K=k % bk == 0,
-        DECODE_2D=config.decode_2d, num_warps=config.num_warps, num_stages=config.num_stages)
+    if config.packed:
+        _quant_matmul_packed_kernel[grid](
+            x2, blocks, y, part, m, n, blocks.shape[1], x2.stride(0), y.stride(0), 0x4B000000,
+            K=k, QTYPE=code, IEEE=x.dtype == torch.float32, UPCAST=_interpreting(), BLOCK_M=BLOCK_M,
+            BLOCK_N=config.block_n, BLOCK_K=bk, SPLIT_K=split, STEPS=steps // split, EVEN_N=n % config.block_n == 0,
+            EVEN_K=k % bk == 0, num_warps=config.num_warps, num_stages=config.num_stages)
+    else:
+        _quant_matmul_kernel[grid](
+            x2, blocks, y, part, m, n, blocks.shape[1], x2.stride(0), y.stride(0),
+            K=k, QTYPE=code, IEEE=x.dtype == torch.float32, UPCAST=_interpreting(), BLOCK_M=BLOCK_M,
+            BLOCK_N=config.block_n, BLOCK_K=bk, SPLIT_K=split, STEPS=steps // split, EVEN_N=n % config.block_n == 0,
+            EVEN_K=k % bk == 0, DECODE_2D=config.decode_2d, num_warps=config.num_warps, num_stages=config.num_stages)
     if split > 1:
         block = 1024
         _split_reduce_kernel[(triton.cdiv(n, block), m)](part, y, m, n, y.stride(0), SPLIT_K=split, BLOCK=block,

@@ -65,7 +65,7 @@ def test_model_decodes_plain_and_with_dflash(report):
     # Q4_K_S: Q5_K for attn_v of layers 0-3 (the tiny model's first 4 v_proj are in layers 0, 1, 3, 4: layer 2 is
     # full, with k_eq_v) and for ffn_down of the first n_layer / 8 layers (none of 6)
     assert m["q5_k_tensors"] == [f"model.layers.{i}.self_attn.v_proj" for i in (0, 1, 3, 4)]
-    assert m["drafter_weights"] == "Q8_0" and m["drafter_bytes"] > 0
+    assert m["drafter_weights"] == "Q5_K" and m["drafter_bytes"] > 0  # the walkthrough drafter's type
     assert m["target_step_bytes"] == m["target_bytes"] > m["lm_head_bytes"] > 0
     assert m["baseline_tok_s"] > 0 and m["roofline_tok_s"] > 0
     assert m["decode_step_ms"] > 0 and m["verify_step_ms"] > 0 and m["draft_step_ms"] > 0

@@ -19,7 +19,8 @@ Stages (each one's exceptions are caught and recorded under "errors", and the ru
     roofline = quantized bytes / bandwidth.
 (c) model: a Gemma-4-31B-shaped dense target (flashdraft.models.gemma4) whose projections are QuantLinear with
     random Q4_K_S blocks and whose tied embedding/LM head is one Q6_K table, plus a random Gemma-4-31B DFlash
-    drafter (Q8_0 blocks, or bf16 with --drafter-bf16), in the engine with CUDA graphs and an 8K-token context
+    drafter (Q5_K blocks, the main type of the walkthrough's Q5_K_M drafter file; --drafter-qtype Q8_0 for
+    Q8_0 blocks, --drafter-bf16 for bf16), in the engine with CUDA graphs and an 8K-token context
     allocated. Baseline decode tok/s against its roofline (quantized bytes read per step / bandwidth), then DFlash
     in synthetic oracle mode (engine/oracle.py: the drafter runs, its guesses are replaced by the target's own
     continuation with a planted miss) at tau = 2, 4, 6, 8; step times at a short and at an ~8K-token context; peak
@@ -462,7 +463,7 @@ def unique_bytes(module) -> int:
     return total
 
 
-def build_models(run: Run, dev, dtype, gen, capacity: int, drafter_bf16: bool):
+def build_models(run: Run, dev, dtype, gen, capacity: int, drafter_bf16: bool, drafter_qtype: str = "Q5_K"):
     import torch
 
     from flashdraft.config_gemma4 import Gemma4Config, Gemma4DrafterConfig
@@ -504,7 +505,7 @@ def build_models(run: Run, dev, dtype, gen, capacity: int, drafter_bf16: bool):
     with torch.device("meta"):
         drafter = Gemma4DFlashDrafter(dcfg, capacity, float(target._embed_scale))
     if not drafter_bf16:
-        quantize_linears(drafter, lambda name: "Q8_0", dev, dtype, gen)
+        quantize_linears(drafter, lambda name: drafter_qtype, dev, dtype, gen)
     materialize(drafter, dev, dtype, gen, {"norm.weight": 1.0})
     drafter.rope = drafter.rope.__class__(dcfg.layers, capacity).to(dev)
     drafter.eval().requires_grad_(False)
@@ -515,7 +516,7 @@ def build_models(run: Run, dev, dtype, gen, capacity: int, drafter_bf16: bool):
     # itself is read one row at a time), the norms: the whole target once. KV-cache reads come on top (small at a
     # short context; the long-context step times show their cost).
     info = {"target_bytes": target_bytes, "lm_head_bytes": lm_head, "target_step_bytes": target_bytes,
-            "drafter_bytes": unique_bytes(drafter), "drafter_weights": "bf16" if drafter_bf16 else "Q8_0",
+            "drafter_bytes": unique_bytes(drafter), "drafter_weights": "bf16" if drafter_bf16 else drafter_qtype,
             "qtypes": sorted({m.qtype for m in target.modules() if isinstance(m, QuantLinear)}),
             "q5_k_tensors": sorted(n for n, m in target.named_modules()
                                    if isinstance(m, QuantLinear) and m.qtype == "Q5_K"),
@@ -599,7 +600,7 @@ def stage_model(run: Run, bw: float, dev, gen, args) -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     t = time.time()
-    target, drafter, info = build_models(run, dev, dtype, gen, context + 64, args.drafter_bf16)
+    target, drafter, info = build_models(run, dev, dtype, gen, context + 64, args.drafter_bf16, args.drafter_qtype)
     model.update(info)
     model["build_s"] = round(time.time() - t, 1)
     model["tilings"] = adopt_tilings(run, dev, target, drafter)
@@ -795,7 +796,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=210.0, help="stop adding work after this many seconds")
     ap.add_argument("--tokens", type=int, default=128, help="generated tokens per decoding run")
     ap.add_argument("--context", type=int, default=8192, help="context allocated for the model stage")
-    ap.add_argument("--drafter-bf16", action="store_true", help="bf16 drafter weights instead of Q8_0 blocks")
+    ap.add_argument("--drafter-bf16", action="store_true", help="bf16 drafter weights instead of quant blocks")
+    ap.add_argument("--drafter-qtype", default="Q5_K", choices=["Q5_K", "Q8_0", "Q4_K", "Q6_K"],
+                    help="quant type of the drafter's blocks (default Q5_K, as the walkthrough's Q5_K_M file)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the drafter layers (the CUDA default "
                                                            "of Engine; off here to save compile time)")
     ap.add_argument("--configs", type=Path, default=None,

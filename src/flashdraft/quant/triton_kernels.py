@@ -309,6 +309,36 @@ def _round_like(v, dtype: tl.constexpr):
         return v
 
 
+@triton.jit
+def _dot_acc(acc, x, w, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + x @ w^T for a float32 weight tile w: IEEE products for fp32 x, else w cast to x's dtype and a
+    tensor-core product. The interpreter (UPCAST) multiplies bf16 tiles as raw integers and truncates casts, so
+    it gets the values the GPU multiplies, rounded by hand, in float32."""
+    if IEEE:
+        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+    elif UPCAST:
+        acc = tl.dot(x.to(tl.float32), tl.trans(_round_like(w, x.dtype)), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+    return acc
+
+
+@triton.jit
+def _store_tile(acc, y_ptr, p_ptr, rm, rn, m_ok, M, N, stride_ym, pid_k, SPLIT_K: tl.constexpr,
+                UPCAST: tl.constexpr):
+    """The output tile: y directly without a K split, else this split's fp32 partials (p[pid_k]), which
+    _split_reduce_kernel adds in split order."""
+    mask = m_ok & (rn[None, :] < N)
+    if SPLIT_K == 1:
+        if UPCAST:
+            acc = _round_like(acc, y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=mask)
+    else:
+        base = p_ptr + pid_k.to(tl.int64) * M * N
+        tl.store(base + rm[:, None].to(tl.int64) * N + rn[None, :], acc, mask=mask)
+
+
 # M is never specialized (Triton would otherwise compile separate variants for M == 1 and M % 16 == 0): one
 # binary serves every M, which batch invariance relies on.
 @triton.jit(do_not_specialize=["M"])
@@ -352,37 +382,8 @@ def _quant_matmul_kernel(x_ptr, w_ptr, y_ptr, p_ptr, M, N, row_bytes, stride_xm,
             w = _decode_tile_2d(row, k0, w_mask, QTYPE, BLOCK_K)
         else:
             w = _decode_tile(row, k0, w_mask, QTYPE, BLOCK_N, BLOCK_K)
-        if IEEE:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-        elif UPCAST:
-            # the interpreter multiplies bf16 tiles as raw integers (and truncates casts unless told to round):
-            # give it the values the GPU multiplies, in float32
-            acc = tl.dot(x.to(tl.float32), tl.trans(_round_like(w, x.dtype)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-    mask = m_ok & (rn[None, :] < N)
-    if SPLIT_K == 1:
-        if UPCAST:
-            acc = _round_like(acc, y_ptr.dtype.element_ty)
-        tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=mask)
-    else:
-        # fp32 partials [SPLIT_K, M, N]; _split_reduce_kernel adds them in split order.
-        base = p_ptr + pid_k.to(tl.int64) * M * N
-        tl.store(base + rm[:, None].to(tl.int64) * N + rn[None, :], acc, mask=mask)
-
-
-@triton.jit
-def _dot_acc(acc, x, w, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """acc + x @ w^T for a float32 weight tile w, as _quant_matmul_kernel does it (fp32 x: IEEE products; else w
-    cast to x's dtype and a tensor-core product; under the interpreter the bf16/fp16 rounding done by hand)."""
-    if IEEE:
-        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-    elif UPCAST:
-        acc = tl.dot(x.to(tl.float32), tl.trans(_round_like(w, x.dtype)), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-    return acc
+        acc = _dot_acc(acc, x, w, IEEE, UPCAST)
+    _store_tile(acc, y_ptr, p_ptr, rm, rn, m_ok, M, N, stride_ym, pid_k, SPLIT_K, UPCAST)
 
 
 @triton.jit
@@ -507,21 +508,6 @@ def _q6_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, BLOCK_N: tl.conste
             x = tl.load(x_rows + (kx + (32 * u + r))[None, :], mask=x_mask, other=0.0)
             acc = _dot_acc(acc, x, tl.reshape(w, (BLOCK_N, 32)), IEEE, UPCAST)
     return acc
-
-
-@triton.jit
-def _store_tile(acc, y_ptr, p_ptr, rm, rn, m_ok, M, N, stride_ym, pid_k, SPLIT_K: tl.constexpr,
-                UPCAST: tl.constexpr):
-    """The output tile: y directly without a K split, else this split's fp32 partials (p[pid_k])."""
-    mask = m_ok & (rn[None, :] < N)
-    if SPLIT_K == 1:
-        if UPCAST:
-            acc = _round_like(acc, y_ptr.dtype.element_ty)
-        tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=mask)
-    else:
-        base = p_ptr + pid_k.to(tl.int64) * M * N
-        tl.store(base + rm[:, None].to(tl.int64) * N + rn[None, :], acc, mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])

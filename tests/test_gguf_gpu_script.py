@@ -109,6 +109,12 @@ for qtype in ["Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]:
                         tk.QuantConfig(32, 256, packed=True))
         if not torch.equal(one, w[:, idx].T):
             failures.append((qtype, "packed weights not bitwise the dequantized ones"))
+        # the x permutation the packed kernel reads: a permutation of range(K), the same one within every
+        # super-block, cached (the one-hot check above shows it matches the kernel's field order)
+        perm = tk._packed_perm(qtype, k, x.device)
+        if perm.dtype != torch.int64 or not torch.equal(perm.sort().values, torch.arange(k)) \
+                or not torch.equal(perm[256:] - 256, perm[:256]) or tk._packed_perm(qtype, k, x.device) is not perm:
+            failures.append((qtype, "packed x permutation"))
     ref = x.double() @ w.double().T
     xb = x.bfloat16()
     ref_b = xb.double() @ w.bfloat16().double().T
@@ -125,6 +131,10 @@ for qtype in ["Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]:
                 failures.append((qtype, cfg.name, f"M={m} not bitwise"))
         if not torch.equal(tk.launch(xb[16:], blocks, n, qtype, cfg), yb[16:]):
             failures.append((qtype, cfg.name, "second M-tile alone not bitwise"))
+        if cfg.packed:  # a row stride past K (x not copied before the permutation): the same rows, bitwise
+            xs = torch.cat([xb[:3], xb[:3]], 1)[:, :k]
+            if not torch.equal(tk.launch(xs, blocks, n, qtype, cfg), yb[:3]):
+                failures.append((qtype, cfg.name, "strided x not bitwise"))
         outs.append(yb)
     if not torch.equal(outs[0], outs[1]):
         failures.append((qtype, "2-D vs 3-D decode differ"))
@@ -161,7 +171,8 @@ def test_every_kernel_matches_dequantize_and_is_batch_invariant():
     a ragged N edge, two M-tiles, under the interpreter (in a fresh process: TRITON_INTERPRET must be set before
     Triton is first imported): fp32 activations give the product with the dequantized weights to fp32 accuracy;
     bf16 ones agree with a bf16 reference and are bitwise the same row by row for M = 1..17. The packed decode's
-    weights are bitwise the dequantized ones."""
+    weights are bitwise the dequantized ones, its x permutation is a permutation of range(K), and a strided x gives
+    the same rows."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
                CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK, str(ROOT / "tests")], env=env, capture_output=True,

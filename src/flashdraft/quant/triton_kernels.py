@@ -14,9 +14,11 @@ A third formulation for the K-quants, QuantConfig.packed (`_quant_matmul_packed_
 (Q4_K/Q5_K: 4 int32 words holding d, dmin and the 12 scale bytes; Q6_K: d and 16 int8 scales), then the quants as
 contiguous words ([BLOCK_N, 4, 8] int32 words for Q4_K/Q5_K, uint16 half-words for Q6_K, whose 210-byte
 super-blocks are only 2-byte aligned). The weights are not put back in K order: each dot takes the weights that
-one bit field (byte p of a word, nibble h) of the loaded words holds, [BLOCK_N, 32] in word order, and loads x
-at the matching K indices (x is a few KB, cached), so the decode is shifts and masks on the loaded words, with
-the sub-block scales decoded once per super-block ([BLOCK_N, 4, 1]) and broadcast. Eight dots of K = 32 per
+one bit field (byte p of a word, nibble h) of the loaded words holds, [BLOCK_N, 32] in word order, against x at
+the matching K indices, so the decode is shifts and masks on the loaded words, with the sub-block scales decoded
+once per super-block ([BLOCK_N, 4, 1]) and broadcast. Those K indices are strided, so `launch` permutes x once per
+call (`_packed_perm`, the same permutation within every super-block): the 32 x values of dot d of super-block sb
+lie at 256 sb + 32 d + 0..31, and the kernel loads them as contiguous vectors. Eight dots of K = 32 per
 super-block; the order (super-blocks low to high, then the fixed field order) never depends on M. Same weights
 and the same fp32 formulas as the other two, but another summation order, so not bitwise equal to them.
 
@@ -408,9 +410,11 @@ def _q45_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, FIVE_BIT: tl.cons
     4-7, 8-11, 12-15) and the 128 nibble bytes as [BLOCK_N, 4 (g), 8 (word)] words. Byte p of word 8g + w is byte
     32g + 4w + p, whose low nibble is weight 64g + 4w + p (sub-block 2g) and high nibble weight 64g + 32 + 4w + p
     (sub-block 2g + 1). Q5_K: 32 bytes of 5th bits (8 words, the same for every g): byte 4w + p, bit j -> weight
-    32j + 4w + p. One dot per (nibble h, byte p): a [BLOCK_N, 32] tile in word order (column 8g + w) against x at
-    K = 256 sb + 64g + 32h + 4w + p. Bytes 2 and 3 are taken from the words shifted down by 16, so every nibble is
-    masked where it lies (bit B = 8 (p % 2) + 4h, <= 12) and converted by _field_to_f32, its scale times 2**-B."""
+    32j + 4w + p. One dot per (nibble h, byte p), dot d = 4h + p: a [BLOCK_N, 32] tile in word order (column
+    8g + w) against x at K = 256 sb + 64g + 32h + 4w + p, which the permuted x (`_packed_perm`) holds at
+    256 sb + 32d + 8g + w, so x_rows points into the permuted x. Bytes 2 and 3 are taken from the words shifted
+    down by 16, so every nibble is masked where it lies (bit B = 8 (p % 2) + 4h, <= 12) and converted by
+    _field_to_f32, its scale times 2**-B."""
     if FIVE_BIT:
         base = row + sb * 176
         qs = (base + 48).to(tl.pointer_type(tl.int32))
@@ -433,7 +437,6 @@ def _q45_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, FIVE_BIT: tl.cons
         qh = qh >> (2 * g)           # [BLOCK_N, 4, 8]: the bit of (byte p, nibble h) at 8p + h
         qh_hi = qh >> 16
     c = tl.arange(0, 32)
-    kx = sb * 256 + 64 * (c // 8) + 4 * (c % 8)                                   # [32], + 32h + p
     for h in tl.static_range(2):
         j = 2 * g + h                                                             # [1, 4, 1] sub-blocks
         sh = 8 * (j % 4)
@@ -461,7 +464,7 @@ def _q45_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, FIVE_BIT: tl.cons
             else:
                 bits = (src & (0x0F << B)) | magic
             w = (dl * (1.0 / (1 << B))) * _field_to_f32(bits, 0, B) - ml
-            x = tl.load(x_rows + (kx + (32 * h + p))[None, :], mask=x_mask, other=0.0)
+            x = tl.load(x_rows + (sb * 256 + 32 * (4 * h + p) + c)[None, :], mask=x_mask, other=0.0)  # dot 4h + p
             acc = _dot_acc(acc, x, tl.reshape(w, (BLOCK_N, 32)), IEEE, UPCAST)
     return acc
 
@@ -475,10 +478,11 @@ def _q6_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, BLOCK_N: tl.conste
     [BLOCK_N, 4 (s), 8 (half-word)] grid with s = 2hh + b (hh: the 128-weight half, b: which 16 bytes of a 32):
     ql half-words 32hh + 16(u % 2) + 8b + w, qh half-words 64 + 8s + w. Byte r of those holds weight
     e = 128hh + 32u + 16b + 2w + r: low nibbles (u < 2) or high nibbles of ql, bits 2u, 2u + 1 of qh; its scale is
-    int8 byte 192 + e // 16 = 192 + 8hh + 2u + b ([BLOCK_N, 4, 1] per u). One dot per (u, r): a [BLOCK_N, 32] tile,
-    column 8s + w, against x at K = 256 sb + 128hh + 32u + 16b + 2w + r. The 6-bit value is assembled where its
-    low nibble lies (bit B = 8r + 4 (u // 2)), the qh bits shifted up to B + 4 (by 4 or 2), and converted by
-    _field_to_f32, its scale times 2**-B."""
+    int8 byte 192 + e // 16 = 192 + 8hh + 2u + b ([BLOCK_N, 4, 1] per u). One dot per (u, r), dot d = 2u + r: a
+    [BLOCK_N, 32] tile, column 8s + w, against x at K = 256 sb + 128hh + 32u + 16b + 2w + r, which the permuted x
+    (`_packed_perm`) holds at 256 sb + 32d + 8s + w, so x_rows points into the permuted x. The 6-bit value is
+    assembled where its low nibble lies (bit B = 8r + 4 (u // 2)), the qh bits shifted up to B + 4 (by 4 or 2),
+    and converted by _field_to_f32, its scale times 2**-B."""
     base = row + sb * 210
     hw = base.to(tl.pointer_type(tl.uint16))
     s = tl.arange(0, 4)[None, :, None]
@@ -491,7 +495,6 @@ def _q6_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, BLOCK_N: tl.conste
     qh4 = qh << 4    # bits 2u, 2u + 1 of byte r moved to B + 4, B + 5: u even
     qh2 = qh << 2    # u odd
     c = tl.arange(0, 32)
-    kx = sb * 256 + 128 * (c // 16) + 16 * ((c // 8) % 2) + 2 * (c % 8)          # [32], + 32u + r
     for u in tl.static_range(4):
         sc = tl.load(base + 192 + 8 * (s // 2) + 2 * u + s % 2, mask=w_mask, other=0)
         dl = d * sc.to(tl.int8, bitcast=True).to(tl.float32)                      # [BLOCK_N, 4, 1]
@@ -505,7 +508,7 @@ def _q6_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, BLOCK_N: tl.conste
             B = 8 * r + 4 * (u // 2)
             bits = (ql & (0x0F << B)) | ((qhs & (0x30 << B)) | magic)
             w = (dl * (1.0 / (1 << B))) * _field_to_f32(bits, 32, B)
-            x = tl.load(x_rows + (kx + (32 * u + r))[None, :], mask=x_mask, other=0.0)
+            x = tl.load(x_rows + (sb * 256 + 32 * (2 * u + r) + c)[None, :], mask=x_mask, other=0.0)  # dot 2u + r
             acc = _dot_acc(acc, x, tl.reshape(w, (BLOCK_N, 32)), IEEE, UPCAST)
     return acc
 
@@ -517,7 +520,8 @@ def _quant_matmul_packed_kernel(x_ptr, w_ptr, y_ptr, p_ptr, M, N, row_bytes, str
                                 SPLIT_K: tl.constexpr, STEPS: tl.constexpr, EVEN_N: tl.constexpr,
                                 EVEN_K: tl.constexpr):
     """_quant_matmul_kernel for the K-quants with the packed-word decode: K steps of BLOCK_K // 256 super-blocks,
-    each added by _q45_k_packed / _q6_k_packed; the same grid, split and output as _quant_matmul_kernel."""
+    each added by _q45_k_packed / _q6_k_packed; the same grid, split and output as _quant_matmul_kernel. x_ptr is
+    the permuted x (`_packed_perm`), not x."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -574,11 +578,40 @@ def _sm_count(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+_PACKED_PERMS: dict[tuple[str, int, torch.device], torch.Tensor] = {}
+
+
+def _packed_perm(qtype: str, k: int, device: torch.device) -> torch.Tensor:
+    """int64 [k]: x[:, perm] is x in the order the packed kernel consumes it. Within every super-block, position
+    32 d + c (dot d, column c) takes K index 64g + 32h + 4w + p (Q4_K/Q5_K: d = 4h + p, c = 8g + w) or
+    128hh + 32u + 16b + 2w + r (Q6_K: d = 2u + r, c = 8s + w, s = 2hh + b), as _q45_k_packed / _q6_k_packed
+    describe. Built with arange ops on the device (no host-to-device copy) and cached per (qtype, k, device);
+    one built during CUDA-graph capture is not cached (its values exist only in that graph's replays)."""
+    key = (qtype, k, device)
+    perm = _PACKED_PERMS.get(key)
+    if perm is not None:
+        return perm
+    c = torch.arange(32, device=device)
+    dot = torch.arange(8, device=device)
+    if qtype == "Q6_K":
+        col = 128 * (c // 16) + 16 * ((c // 8) % 2) + 2 * (c % 8)
+        off = 32 * (dot // 2) + dot % 2
+    else:
+        col = 64 * (c // 8) + 4 * (c % 8)
+        off = 32 * (dot // 4) + dot % 4
+    sb = torch.arange(k // 256, device=device)
+    perm = (256 * sb[:, None] + (off[:, None] + col[None, :]).reshape(1, 256)).reshape(k)
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _PACKED_PERMS[key] = perm
+    return perm
+
+
 def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str,
            config: QuantConfig | None = None) -> torch.Tensor:
     """y = x @ W^T for W [out_features, K] held as `qtype` blocks (uint8 [out_features, row_bytes]); y in x's
     dtype (bf16/fp16: tensor-core products of the weights rounded to that dtype; fp32: IEEE products).
-    No host sync and no allocation besides the output (and the split-K workspace): safe in CUDA graphs."""
+    No host sync and no allocation besides the output (and the split-K workspace, and for the packed decode the
+    permuted x): safe in CUDA graphs."""
     code = QTYPE_CODES[qtype]
     lead, k = x.shape[:-1], x.shape[-1]
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[0] != out_features:
@@ -607,6 +640,9 @@ def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str,
             raise ValueError(f"packed decode is for K-quants with block_k a multiple of 256, not {qtype} / {bk}")
         if blocks.data_ptr() % (2 if qtype == "Q6_K" else 4):  # words are read whole: an aligned copy
             blocks = blocks.clone()
+        # x in the kernel's order: each dot's 32 values contiguous (one gather here instead of strided loads in
+        # every program); per row, so independent of M; contiguous, row stride k
+        x2 = x2.index_select(1, _packed_perm(qtype, k, x2.device))
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, BLOCK_M))
     if config.packed:

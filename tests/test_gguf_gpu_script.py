@@ -76,6 +76,10 @@ def test_model_decodes_plain_and_with_dflash(report):
         assert d["tau_planned"] - 1 < d["tau"] <= d["tau_planned"]  # the last step may be cut short
         assert d["tok_s"] > 0 and d["roofline_tok_s"] > 0
     assert report["checks"]["dflash_identical"]
+    # the memory census: after decoding, the tensors besides the weights include the KV caches
+    after = m["memory"]["DFlash decoding and long-context steps"]["other_tensors"]
+    assert after["bytes"] >= m["kv_cache_bytes"] > 0 and after["largest"][0]["bytes"] > 0
+    assert m["memory"]["build (random blocks)"]["other_tensors"]["bytes"] < after["bytes"]
 
 
 KERNEL_CHECK = r"""

@@ -554,6 +554,30 @@ def adopt_tilings(run: Run, dev, *models) -> dict:
     return used
 
 
+def other_tensors(dev, *models, top: int = 8) -> dict:
+    """Live tensors on dev that are not the models' parameters or buffers (KV caches, graph outputs, anything
+    left over), by storage: their total bytes and the largest ones. Finds memory the weights do not explain."""
+    import gc
+
+    import torch
+
+    owned = {t.untyped_storage().data_ptr() for m in models for t in list(m.parameters()) + list(m.buffers())}
+    seen: dict[int, tuple[int, list[int], str]] = {}
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.Tensor) or obj.device != dev or obj.is_meta:
+                continue
+            storage = obj.untyped_storage()
+        except Exception:  # noqa: BLE001 - objects that only look like tensors
+            continue
+        ptr = storage.data_ptr()
+        if ptr not in owned and storage.nbytes() > seen.get(ptr, (0,))[0]:
+            seen[ptr] = (storage.nbytes(), list(obj.shape), str(obj.dtype).replace("torch.", ""))
+    largest = sorted(seen.values(), reverse=True)[:top]
+    return {"bytes": sum(v[0] for v in seen.values()), "count": len(seen),
+            "largest": [{"bytes": b, "shape": shape, "dtype": dtype} for b, shape, dtype in largest]}
+
+
 def decode_tok_s(result) -> float:
     s = result.stats
     return (s.predicted_n - 1) / (s.predicted_ms / 1000)
@@ -591,10 +615,13 @@ def stage_model(run: Run, bw: float, dev, gen, args) -> None:
     context = 512 if run.tiny else args.context
     memory = model["memory"] = {}  # bytes allocated (live tensors) after each phase, and each phase's peak
 
-    def note_memory(phase: str) -> None:
+    def note_memory(phase: str, *models) -> None:
+        """models given: also the live tensors that are not their weights (other_tensors)."""
         if dev.type == "cuda":
             memory[phase] = {"allocated": torch.cuda.memory_allocated(), "peak": torch.cuda.max_memory_allocated()}
             torch.cuda.reset_peak_memory_stats()
+        if models:
+            memory.setdefault(phase, {})["other_tensors"] = other_tensors(dev, *models)
 
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -605,7 +632,7 @@ def stage_model(run: Run, bw: float, dev, gen, args) -> None:
     model["build_s"] = round(time.time() - t, 1)
     model["tilings"] = adopt_tilings(run, dev, target, drafter)
     # Making random blocks takes temporaries that loading a file does not: the run's peak is measured from here.
-    note_memory("build (random blocks)")
+    note_memory("build (random blocks)", target, drafter)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     extra = {"gemm": args.gemm} if args.gemm else {}  # for a bf16 drafter's float layers (newer engines)
@@ -709,7 +736,7 @@ def stage_model(run: Run, bw: float, dev, gen, args) -> None:
             run.error("model long-context steps", e)
     else:
         run.skip("long-context step times")
-    note_memory("DFlash decoding and long-context steps")
+    note_memory("DFlash decoding and long-context steps", target, drafter)
     if dev.type == "cuda":
         # The run's peak: the largest phase peak after the random blocks were made (weights, caches, graphs and
         # activations; what loading a GGUF file and decoding need).
@@ -719,6 +746,11 @@ def stage_model(run: Run, bw: float, dev, gen, args) -> None:
         model["memory_under_24gb"] = peak < LIMIT_BYTES
         log("(c) memory by phase (GB allocated after / peak during): " + "; ".join(
             f"{phase} {v['allocated'] / GB:.2f} / {v['peak'] / GB:.2f}" for phase, v in memory.items()))
+        for phase, v in memory.items():
+            if "other_tensors" in v:
+                o = v["other_tensors"]
+                log(f"(c) after {phase}: {o['bytes'] / GB:.2f} GB in {o['count']} tensors besides the weights; "
+                    "largest: " + ", ".join(f"{t['bytes'] / GB:.3f} GB {t['dtype']}{t['shape']}" for t in o["largest"]))
         log(f"(c) peak memory: allocated {peak / GB:.2f} GB ({peak / 2**30:.2f} GiB), reserved "
             f"{model['max_memory_reserved_bytes'] / GB:.2f} GB; under 24 GB: {model['memory_under_24gb']}")
     run.save()

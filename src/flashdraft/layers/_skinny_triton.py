@@ -1,4 +1,5 @@
-"""The Triton kernels behind flashdraft.layers.skinny_gemm (imported lazily, on first use, by that module).
+"""The Triton kernels behind flashdraft.layers.skinny_gemm (imported lazily, on first use, by that module); the
+split-K reduce and the interpreter's rounding also serve flashdraft.quant.triton_kernels.
 
 Kept apart so that importing flashdraft never needs Triton, and so that TRITON_INTERPRET (read by triton.jit
 when these functions are decorated, i.e. when this module is first imported) can still be set by a CPU test.
@@ -81,15 +82,31 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, M, N, stride_xm, strid
         tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], out.to(y_ptr.dtype.element_ty),
                  mask=mask)
     else:
-        # fp32 partials [SPLIT_K, M, N]; skinny_reduce_kernel adds them in split order.
+        # fp32 partials [SPLIT_K, M, N]; split_reduce_kernel adds them in split order.
         base = p_ptr + pid_k.to(tl.int64) * M * N
         tl.store(base + rm[:, None].to(tl.int64) * N + rn[None, :], out, mask=mask)
 
 
+@triton.jit
+def round_like(v, dtype: tl.constexpr):
+    """float32 v rounded to `dtype` (nearest, ties to even) and returned as float32 (interpreter use only:
+    its own bf16 casts truncate)."""
+    if dtype == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    elif dtype == tl.float16:
+        return v.to(tl.float16).to(tl.float32)
+    else:
+        return v
+
+
+# Also the second kernel of flashdraft.quant.triton_kernels' split-K matmuls.
 @triton.jit(do_not_specialize=["M"])
-def skinny_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, stride_ym,
-                         HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    """y[m, n] = ((p[0, m, n] + p[1, m, n]) + p[2, m, n]) + ... (+ bias[n]): always the same order."""
+def split_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+                        SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """y[m, n] = ((p[0, m, n] + p[1, m, n]) + p[2, m, n]) + ... (+ bias[n]): always the same order. UPCAST: round
+    to y's dtype by hand (round_like) before the store, for the interpreter."""
     m = tl.program_id(1)
     rn = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rn < N
@@ -99,4 +116,6 @@ def skinny_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, stride_ym,
         acc += tl.load(row + s * M.to(tl.int64) * N, mask=ok, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=ok, other=0.0).to(tl.float32)
+    if UPCAST:
+        acc = round_like(acc, y_ptr.dtype.element_ty)
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + rn, acc.to(y_ptr.dtype.element_ty), mask=ok)

@@ -201,9 +201,9 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         EVEN_N=n % config.block_n == 0, EVEN_K=even_k, num_warps=config.num_warps, num_stages=config.num_stages, **pdl)
     if split > 1:
         block = 1024
-        kern.skinny_reduce_kernel[(-(-n // block), m)](
+        kern.split_reduce_kernel[(-(-n // block), m)](
             part, bias if bias is not None else y, y, m, n, y.stride(0),
-            HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK=block, num_warps=4)
+            HAS_BIAS=bias is not None, UPCAST=False, SPLIT_K=split, BLOCK=block, num_warps=4)
     return y.reshape(*lead, n)
 
 

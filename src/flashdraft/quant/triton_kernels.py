@@ -45,6 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashdraft.layers._skinny_triton import round_like, split_reduce_kernel
+
 QTYPE_CODES = {"Q4_0": 0, "Q5_0": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5, "Q4_1": 6, "Q5_1": 7}
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # 256-weight super-blocks; the others have 32-weight blocks
 BLOCK_BYTES = {"Q4_0": 18, "Q5_0": 22, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q4_1": 20, "Q5_1": 24}
@@ -298,20 +300,6 @@ def _decode_tile_2d(row, k0, mask, QTYPE: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _round_like(v, dtype: tl.constexpr):
-    """float32 v rounded to `dtype` (nearest, ties to even) and returned as float32 (interpreter use only:
-    its own bf16 casts truncate)."""
-    if dtype == tl.bfloat16:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    elif dtype == tl.float16:
-        return v.to(tl.float16).to(tl.float32)
-    else:
-        return v
-
-
-@triton.jit
 def _dot_acc(acc, x, w, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """acc + x @ w^T for a float32 weight tile w: IEEE products for fp32 x, else w cast to x's dtype and a
     tensor-core product. The interpreter (UPCAST) multiplies bf16 tiles as raw integers and truncates casts, so
@@ -319,7 +307,7 @@ def _dot_acc(acc, x, w, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     if IEEE:
         acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
     elif UPCAST:
-        acc = tl.dot(x.to(tl.float32), tl.trans(_round_like(w, x.dtype)), acc, input_precision="ieee")
+        acc = tl.dot(x.to(tl.float32), tl.trans(round_like(w, x.dtype)), acc, input_precision="ieee")
     else:
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
     return acc
@@ -329,11 +317,11 @@ def _dot_acc(acc, x, w, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 def _store_tile(acc, y_ptr, p_ptr, rm, rn, m_ok, M, N, stride_ym, pid_k, SPLIT_K: tl.constexpr,
                 UPCAST: tl.constexpr):
     """The output tile: y directly without a K split, else this split's fp32 partials (p[pid_k]), which
-    _split_reduce_kernel adds in split order."""
+    split_reduce_kernel adds in split order."""
     mask = m_ok & (rn[None, :] < N)
     if SPLIT_K == 1:
         if UPCAST:
-            acc = _round_like(acc, y_ptr.dtype.element_ty)
+            acc = round_like(acc, y_ptr.dtype.element_ty)
         tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=mask)
     else:
@@ -550,22 +538,6 @@ def _quant_matmul_packed_kernel(x_ptr, w_ptr, y_ptr, p_ptr, M, N, row_bytes, str
     _store_tile(acc, y_ptr, p_ptr, rm, rn, m_ok, M, N, stride_ym, pid_k, SPLIT_K, UPCAST)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _split_reduce_kernel(p_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
-                         UPCAST: tl.constexpr):
-    """y[m, n] = ((p[0, m, n] + p[1, m, n]) + p[2, m, n]) + ...: always the same order."""
-    m = tl.program_id(1)
-    rn = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = rn < N
-    row = p_ptr + m.to(tl.int64) * N + rn
-    acc = tl.load(row, mask=ok, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(row + s * M.to(tl.int64) * N, mask=ok, other=0.0)
-    if UPCAST:
-        acc = _round_like(acc, y_ptr.dtype.element_ty)
-    tl.store(y_ptr + m.to(tl.int64) * stride_ym + rn, acc.to(y_ptr.dtype.element_ty), mask=ok)
-
-
 def _interpreting() -> bool:
     """Whether these kernels run under Triton's interpreter (decided when this module was imported)."""
     return type(_quant_matmul_kernel).__name__ == "InterpretedFunction"
@@ -659,8 +631,8 @@ def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str,
             EVEN_K=k % bk == 0, DECODE_2D=config.decode_2d, num_warps=config.num_warps, num_stages=config.num_stages)
     if split > 1:
         block = 1024
-        _split_reduce_kernel[(triton.cdiv(n, block), m)](part, y, m, n, y.stride(0), SPLIT_K=split, BLOCK=block,
-                                                         UPCAST=_interpreting(), num_warps=4)
+        split_reduce_kernel[(triton.cdiv(n, block), m)](part, y, y, m, n, y.stride(0), HAS_BIAS=False,
+                                                        UPCAST=_interpreting(), SPLIT_K=split, BLOCK=block, num_warps=4)
     return y.reshape(*lead, n)
 
 

@@ -467,23 +467,15 @@ def build_models(run: Run, dev, dtype, gen, capacity: int, drafter_bf16: bool, d
     import torch
 
     from flashdraft.config_gemma4 import Gemma4Config, Gemma4DrafterConfig
-    from flashdraft.models.gemma4 import Gemma4LM, embedding_scale
+    from flashdraft.models.gemma4 import Gemma4LM
     from flashdraft.models.gemma4_drafter import Gemma4DFlashDrafter
     from flashdraft.quant import QuantEmbedding, QuantLinear, dequantize
-
-    class QuantGemma4LM(Gemma4LM):
-        """Gemma4LM whose embed_scale is computed once. Gemma4LM.embed_scale reads embed_tokens.weight, which on
-        a QuantEmbedding dequantizes the whole 262144 x 5376 table on every call."""
-
-        @property
-        def embed_scale(self):
-            return self._embed_scale
 
     raw = GEMMA4_TINY if run.tiny else GEMMA4_31B
     cfg = Gemma4Config.from_dict(raw, "gemma-4-31b (synthetic)")
     H = cfg.hidden_size
     with torch.device("meta"):
-        target = QuantGemma4LM(cfg)
+        target = Gemma4LM(cfg)
     plan = q4_k_s_plan(cfg.num_hidden_layers)
     quantize_linears(target.model, lambda name: plan("model." + name), dev, dtype, gen)
     emb = random_blocks("Q6_K", cfg.vocab_size, H, gen, dev, weight_std=1.0)
@@ -498,12 +490,11 @@ def build_models(run: Run, dev, dtype, gen, capacity: int, drafter_bf16: bool, d
     for kind in sorted(set(cfg.layer_types)):
         name = f"{kind}_inv_freq"
         setattr(target, name, getattr(target, name).to(dev))
-    target._embed_scale = embedding_scale(H, dtype, dev)
     target.eval().requires_grad_(False)
 
     dcfg = Gemma4DrafterConfig.from_dict(DRAFTER_TINY if run.tiny else DRAFTER_31B, "gemma-4-31b drafter")
     with torch.device("meta"):
-        drafter = Gemma4DFlashDrafter(dcfg, capacity, float(target._embed_scale))
+        drafter = Gemma4DFlashDrafter(dcfg, capacity, float(target.embed_scale))
     if not drafter_bf16:
         quantize_linears(drafter, lambda name: drafter_qtype, dev, dtype, gen)
     materialize(drafter, dev, dtype, gen, {"norm.weight": 1.0})

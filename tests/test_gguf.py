@@ -211,14 +211,24 @@ def target_to_gguf(folder, path, qtype_of=lambda name: "F32", tied=False, skip=(
 def drafter_to_gguf(folder, path, layout, qtype_of=lambda name: "F32"):
     cfg = rope_fields(json.loads((folder / "config.json").read_text()))
     st = {k: v.float().numpy() for k, v in load_file(str(folder / "model.safetensors")).items()}
-    taps, mask = cfg["dflash_config"]["target_layer_ids"], cfg["dflash_config"]["mask_token_id"]
     w = gguf.GGUFWriter(str(path), "dflash-draft" if layout == "legacy" else "dflash")
     add_layer_stack(w, cfg, cfg["num_hidden_layers"])
+    n_features = cfg["hidden_size"] * len(cfg["dflash_config"]["target_layer_ids"])
+    add_dflash_keys_and_tensors(w, cfg, st, layout, qtype_of, n_target_features=n_features)
+    write_gguf(w)
+    return path
+
+
+def add_dflash_keys_and_tensors(w, cfg, st, layout, qtype_of, n_target_features=None):
+    """A drafter's DFlash keys and its tensors (st: our names -> arrays), in BeeLlama's legacy "dflash-draft" or
+    the upstream "dflash" layout; the legacy n_target_features key only when given."""
+    taps, mask = cfg["dflash_config"]["target_layer_ids"], cfg["dflash_config"]["mask_token_id"]
     if layout == "legacy":
         w.add_uint32("dflash-draft.dflash.block_size", cfg["block_size"])
         w.add_uint32("dflash-draft.dflash.mask_token_id", mask)
         w.add_array("dflash-draft.dflash.target_layer_ids", taps)
-        w.add_uint32("dflash-draft.dflash.n_target_features", cfg["hidden_size"] * len(taps))
+        if n_target_features is not None:
+            w.add_uint32("dflash-draft.dflash.n_target_features", n_target_features)
         top = {"dflash_fc.weight": "fc.weight", "dflash_hidden_norm.weight": "hidden_norm.weight"}
         post_norm = "post_attention_norm"
     else:
@@ -234,8 +244,6 @@ def drafter_to_gguf(folder, path, layout, qtype_of=lambda name: "F32"):
         for ours, theirs in names.items():
             out[f"blk.{i}.{theirs}.weight"] = st[f"layers.{i}.{ours}.weight"]
     add_tensors(w, out, qtype_of)
-    write_gguf(w)
-    return path
 
 
 def dequantized_folder(gguf_path, like_folder, dest):

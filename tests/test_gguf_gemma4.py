@@ -14,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from safetensors.torch import load_file, save_file
 from test_gemma4_tiny import CHAT_TEMPLATE, SPECIALS, build_gemma4_target, build_gemma_drafter
-from test_gguf import LAYER_NAMES, add_layer_stack, quantize, write_gguf
+from test_gguf import add_dflash_keys_and_tensors, add_layer_stack, quantize, write_gguf
 from tiny_models import CORPUS
 
 from flashdraft.config import ConfigError, SamplingParams
@@ -180,37 +180,13 @@ def gemma_drafter_to_gguf(folder, path, layout, qtype_of=lambda name: "F32"):
     sliding-window keys BeeLlama's converter writes (use_sliding_window: window + per-layer pattern)."""
     cfg = json.loads((folder / "config.json").read_text())
     st = {k: v.float().numpy() for k, v in load_file(str(folder / "model.safetensors")).items()}
-    taps, mask = cfg["dflash_config"]["target_layer_ids"], cfg["dflash_config"]["mask_token_id"]
     arch = "dflash-draft" if layout == "legacy" else "dflash"
     w = gguf.GGUFWriter(str(path), arch)
     add_layer_stack(w, cfg, cfg["num_hidden_layers"])
     w.add_uint32(f"{arch}.attention.sliding_window", cfg["sliding_window"])
     w.add_array(f"{arch}.attention.sliding_window_pattern", [t == SLIDING for t in cfg["layer_types"]])
     w.add_float32(f"{arch}.final_logit_softcapping", cfg["final_logit_softcapping"])
-    if layout == "legacy":
-        w.add_uint32("dflash-draft.dflash.block_size", cfg["block_size"])
-        w.add_uint32("dflash-draft.dflash.mask_token_id", mask)
-        w.add_array("dflash-draft.dflash.target_layer_ids", taps)
-        top = {"dflash_fc.weight": "fc.weight", "dflash_hidden_norm.weight": "hidden_norm.weight"}
-        post_norm = "post_attention_norm"
-    else:
-        w.add_uint32("dflash.block_size", cfg["block_size"])
-        w.add_array("dflash.target_layers", [i + 1 for i in taps])
-        w.add_mask_token_id(mask)
-        top = {"fc.weight": "fc.weight", "enc.output_norm.weight": "hidden_norm.weight"}
-        post_norm = "ffn_norm"
-    out = {g: st[ours] for g, ours in top.items()}
-    out["output_norm.weight"] = st["norm.weight"]
-    names = {**LAYER_NAMES, "post_attention_layernorm": post_norm}
-    for i in range(cfg["num_hidden_layers"]):
-        for ours, theirs in names.items():
-            out[f"blk.{i}.{theirs}.weight"] = st[f"layers.{i}.{ours}.weight"]
-    for name, t in out.items():
-        qtype = qtype_of(name) if t.ndim == 2 else "F32"
-        if qtype == "F32":
-            w.add_tensor(name, t)
-        else:
-            w.add_tensor(name, quantize(t, qtype), raw_dtype=QT[qtype])
+    add_dflash_keys_and_tensors(w, cfg, st, layout, qtype_of)
     write_gguf(w)
     return path
 

@@ -1,8 +1,11 @@
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from flashdraft.config import ModelConfig
+from flashdraft.layers.decode_attention import decode_attention
 from flashdraft.layers.norm import RMSNorm
 from flashdraft.layers.rope import apply_rope
 from flashdraft.layers.skinny_gemm import linear
@@ -29,6 +32,16 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     return folded.reshape(b, heads, Tq, hd)  # fused kernels may return [b, Tq, heads, hd] strides
 
 
+def _rows_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A mask shared by the heads (broadcastable to [1, 1, T, kv_len]) as decode_attention takes it:
+    [T or 1, kv_len]."""
+    if mask is None or mask.dim() == 2:
+        return mask
+    if math.prod(mask.shape[:-2]) != 1:
+        raise ValueError(f"decode_attention takes one mask shared by the heads, got shape {list(mask.shape)}")
+    return mask.reshape(mask.shape[-2:])
+
+
 class Attention(nn.Module):
     """GQA attention whose keys and values live in a preallocated cache ([kv_heads, capacity, head_dim] per layer).
 
@@ -38,6 +51,7 @@ class Attention(nn.Module):
     """
 
     skinny_max_m = 0  # > 0: the fused q/k/v product of up to this many rows runs skinny_gemm (route_linears)
+    decode_attention_max_t = 0  # > 0: cached passes of up to this many tokens run decode_attention (route_attention)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -95,6 +109,8 @@ class Attention(nn.Module):
         k, v = self._rotated(k, self.n_kv, self.k_norm, cos, sin), self._value_heads(v)
         cache_k.index_copy_(1, positions, k)
         cache_v.index_copy_(1, positions, v)
+        if T <= self.decode_attention_max_t:
+            return self.o_proj(decode_attention(q, cache_k[:, :kv_len], cache_v[:, :kv_len], _rows_mask(mask)))
         out = grouped_attention(q[None], cache_k[None, :, :kv_len], cache_v[None, :, :kv_len], mask)
         return self.o_proj(out[0].transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
 

@@ -1,0 +1,115 @@
+"""The Triton kernels behind flashdraft.layers.decode_attention (imported on first use, so that importing
+flashdraft never needs Triton and a CPU test can still set TRITON_INTERPRET first).
+
+Split-KV attention of a few query rows over a static cache, in two passes:
+1. `attention_partial_kernel`, one program per (kv head, 16-row query tile, SPLIT-row key range): scores by
+   tl.dot, the position mask, an online softmax over the range in BLOCK_N steps, and its fp32 partial output,
+   row maximum and row sum.
+2. `attention_combine_kernel`, one program per (kv head, query tile): rescales and adds the partials in split
+   order 0, 1, ... and writes the rows straight into the [T, heads * head_dim] layout o_proj reads.
+
+Query rows of one kv head are the T tokens times its group's heads, token-major (row r = t * group + g, so a
+token's rows sit in the same tile places whatever T is). Every tile has 16 rows
+and every key range SPLIT keys whatever T is, and a row's arithmetic reads only its own q row and mask row, so a
+token's output is bitwise the same whether 1 or 16 tokens go through (batch invariance, as the skinny GEMM).
+Keys hidden from a row add exact zeros; a key range hidden from a row altogether gives it the partial
+(m = -inf, l = 0, acc = 0), which the combine weighs by exactly 0.
+"""
+import triton
+import triton.language as tl
+
+# Only Triton builtins (see _skinny_triton: triton.language's own jit helpers, tl.max and tl.sum among them, break
+# under an interpreter switched on after Triton's import), so the row reductions take these combine functions.
+
+
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit(do_not_specialize=["T", "KV_LEN", "N_SPLITS"])
+def attention_partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, T, KV_LEN, N_SPLITS,
+                             stride_qh, stride_qt, stride_kh, stride_kn, stride_vh, stride_vn, stride_mt,
+                             qk_scale, GROUP: tl.constexpr, D: tl.constexpr, HAS_MASK: tl.constexpr,
+                             IEEE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+                             SPLIT: tl.constexpr):
+    kv = tl.program_id(0)
+    tile = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    row_ok = rows < T * GROUP
+    t = rows // GROUP
+    head = kv * GROUP + rows % GROUP
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + head[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :], mask=row_ok[:, None],
+                other=0.0)
+    m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_Q], 0.0, tl.float32)
+    acc = tl.full([BLOCK_Q, D], 0.0, tl.float32)
+    for chunk in tl.static_range(SPLIT // BLOCK_N):
+        n = split * SPLIT + chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < KV_LEN
+        visible = row_ok[:, None] & n_ok[None, :]
+        if HAS_MASK:
+            visible = visible & (tl.load(mask_ptr + t[:, None] * stride_mt + n[None, :], mask=visible, other=0) != 0)
+        k = tl.load(k_ptr + kv * stride_kh + n[:, None] * stride_kn + d[None, :], mask=n_ok[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(visible, s * qk_scale, float("-inf"))  # log2 units: exp2 below
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _max))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at zero
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.reduce(p, 1, _add)
+        v = tl.load(v_ptr + kv * stride_vh + n[:, None] * stride_vn + d[None, :], mask=n_ok[:, None], other=0.0)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    slot = (kv * tl.num_programs(1) + tile) * N_SPLITS + split
+    r = tl.arange(0, BLOCK_Q)
+    tl.store(m_ptr + slot * BLOCK_Q + r, m_i, mask=row_ok)
+    tl.store(l_ptr + slot * BLOCK_Q + r, l_i, mask=row_ok)
+    tl.store(acc_ptr + (slot * BLOCK_Q + r)[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["T", "N_SPLITS"])
+def attention_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, T, N_SPLITS, stride_ot, GROUP: tl.constexpr,
+                             D: tl.constexpr, BLOCK_Q: tl.constexpr):
+    kv = tl.program_id(0)
+    tile = tl.program_id(1)
+    r = tl.arange(0, BLOCK_Q)
+    d = tl.arange(0, D)
+    base = (kv * tl.num_programs(1) + tile) * N_SPLITS
+    rows = tile * BLOCK_Q + r
+    row_ok = rows < T * GROUP  # padding rows of the tile: nothing stored, nothing read
+    # while loops: Triton's interpreter (the CPU tests) cannot range() over a runtime bound
+    m_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+    s = 0
+    while s < N_SPLITS:
+        m_max = tl.maximum(m_max, tl.load(m_ptr + (base + s) * BLOCK_Q + r, mask=row_ok, other=float("-inf")))
+        s += 1
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # padding rows: no NaN from -inf - -inf
+    total = tl.full([BLOCK_Q], 0.0, tl.float32)
+    acc = tl.full([BLOCK_Q, D], 0.0, tl.float32)
+    s = 0
+    while s < N_SPLITS:
+        w = tl.math.exp2(tl.load(m_ptr + (base + s) * BLOCK_Q + r, mask=row_ok, other=float("-inf")) - m_max)
+        total += w * tl.load(l_ptr + (base + s) * BLOCK_Q + r, mask=row_ok, other=0.0)
+        acc += w[:, None] * tl.load(acc_ptr + ((base + s) * BLOCK_Q + r)[:, None] * D + d[None, :],
+                                    mask=row_ok[:, None], other=0.0)
+        s += 1
+    t = rows // GROUP
+    head = kv * GROUP + rows % GROUP
+    out = acc / tl.where(row_ok, total, 1.0)[:, None]
+    tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * D + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])

@@ -1,0 +1,128 @@
+"""Batch-invariant split-KV attention for the few query rows of a decode, verify or draft step.
+
+`decode_attention(q, k, v, mask)` attends q [heads, T, head_dim] over the first kv_len rows of one layer's cache,
+k / v [kv_heads, kv_len, head_dim] (views of the static cache), under a boolean mask [T or 1, kv_len] (True = may
+attend; None = every row visible), and returns [T, heads * head_dim], the layout o_proj reads. The Triton
+kernels (flashdraft.layers._attention_triton) split the keys into fixed ranges, one program per (kv head, tile of
+query rows, key range), and add the ranges' partial softmaxes in a fixed order; `CONFIG` holds the tiling.
+
+Why not SDPA: at T = 1..16 over a cache of a few hundred rows, cuDNN's flash kernel costs 11-20 us per layer
+on an H200 (docs/performance.md), for about 1-2 MB of keys and values, plus the kernels that turn the boolean
+mask into its own layout. And a row of a 16-query SDPA call need not round as the same query alone does. Here a
+row's arithmetic does not depend on T at all (see the kernel module), so with the skinny GEMM the whole target
+pass gives a token the same bits in a decode and in a verify step.
+
+Routing: `route_attention(*models, on=True, max_t=16)` makes the models' Attention modules send passes of at most
+max_t tokens here (CUDA, or Triton's interpreter for the CPU tests); SpeculativeDecoder(attention="triton") calls
+it. The kernels are registered as the custom op `flashdraft::decode_attention`, opaque to torch.compile and safe
+inside CUDA graph capture (no host sync; they allocate only the output and the fp32 partials).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two (tl.arange), at least tl.dot's 16
+ATTENTION_BACKENDS = ("sdpa", "triton")
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """One tiling of the kernels. Fixed for the process, never chosen by T or kv_len (batch invariance)."""
+
+    block_q: int = 16    # query rows per program (tokens x group heads, token-major), at least tl.dot's 16
+    block_n: int = 64    # keys per inner step
+    split: int = 128     # keys per program (a multiple of block_n)
+    num_warps: int = 4
+    num_stages: int = 2
+
+    @property
+    def name(self) -> str:
+        return f"q{self.block_q}n{self.block_n}s{self.split}w{self.num_warps}p{self.num_stages}"
+
+
+CONFIG = AttentionConfig()
+
+
+@functools.cache
+def _kernels():
+    from flashdraft.layers import _attention_triton
+    return _attention_triton
+
+
+def supports(head_dim: int) -> bool:
+    return head_dim in HEAD_DIMS
+
+
+def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           config: AttentionConfig | None = None) -> torch.Tensor:
+    """Run the two kernels (no custom-op wrapper). q [heads, T, hd]; k, v [kv_heads, kv_len, hd] with unit stride
+    along hd; mask None or bool [T or 1, kv_len]. Returns [T, heads * hd] in q's dtype. config None = CONFIG."""
+    c = config or CONFIG
+    heads, T, hd = q.shape
+    kv_heads, kv_len = k.shape[0], k.shape[1]
+    if heads % kv_heads or v.shape != k.shape or k.shape[2] != hd or not supports(hd):
+        raise ValueError(f"decode_attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} "
+                         f"(head_dim must be one of {HEAD_DIMS}, heads a multiple of kv_heads)")
+    if mask is not None and (mask.dim() != 2 or mask.shape[0] not in (1, T) or mask.shape[1] != kv_len):
+        raise ValueError(f"decode_attention: mask {list(mask.shape)} is not [{T} or 1, {kv_len}]")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("decode_attention: keys and values need unit stride along head_dim")
+    group = heads // kv_heads
+    tiles = -(-(T * group) // c.block_q)
+    splits = max(1, -(-kv_len // c.split))
+    out = torch.empty((T, heads * hd), dtype=q.dtype, device=q.device)
+    m = torch.empty((kv_heads * tiles * splits * c.block_q,), dtype=torch.float32, device=q.device)
+    l_sum = torch.empty_like(m)
+    acc = torch.empty((m.shape[0], hd), dtype=torch.float32, device=q.device)
+    if mask is not None:
+        mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+        if mask.stride(-1) != 1:
+            mask = mask.contiguous()
+    stride_mt = 0 if mask is None or mask.shape[0] == 1 else mask.stride(0)
+    kern = _kernels()
+    kern.attention_partial_kernel[(kv_heads, tiles, splits)](
+        q, k, v, mask if mask is not None else q, m, l_sum, acc, T, kv_len, splits,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), stride_mt,
+        math.log2(math.e) / math.sqrt(hd), GROUP=group, D=hd, HAS_MASK=mask is not None,
+        IEEE=q.dtype == torch.float32, BLOCK_Q=c.block_q, BLOCK_N=c.block_n, SPLIT=c.split, num_warps=c.num_warps,
+        num_stages=c.num_stages)
+    kern.attention_combine_kernel[(kv_heads, tiles)](
+        m, l_sum, acc, out, T, splits, out.stride(0), GROUP=group, D=hd, BLOCK_Q=c.block_q, num_warps=4)
+    return out
+
+
+@torch.library.custom_op("flashdraft::decode_attention", mutates_args=())
+def _decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         mask: torch.Tensor | None) -> torch.Tensor:
+    return launch(q, k, v, mask)
+
+
+@_decode_attention_op.register_fake
+def _(q, k, v, mask):
+    return q.new_empty((q.shape[1], q.shape[0] * q.shape[2]))
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of q [heads, T, hd] over k, v [kv_heads, kv_len, hd] under mask [T or 1, kv_len] (True = may
+    attend; None = all), -> [T, heads * hd]; each token's row is bitwise independent of T (module docstring)."""
+    return _decode_attention_op(q, k, v, mask)
+
+
+def route_attention(*models: torch.nn.Module, on: bool = True, max_t: int = 16) -> int:
+    """Send the models' cached attention passes of at most max_t tokens to decode_attention (on=True) or back to
+    SDPA (on=False). Applies to Attention modules whose head_dim the kernel takes; returns how many were routed.
+    Call it before torch.compile or CUDA graph capture."""
+    from flashdraft.layers.attention import Attention
+    routed = 0
+    for model in models:
+        for mod in model.modules():
+            if isinstance(mod, Attention) and supports(mod.head_dim):
+                mod.decode_attention_max_t = max_t if on else 0
+                routed += on
+    return routed

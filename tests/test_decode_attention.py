@@ -1,0 +1,167 @@
+"""The batch-invariant split-KV attention (flashdraft.layers.decode_attention): its Triton kernels under Triton's
+interpreter on the CPU (compiled on a CUDA machine), against SDPA; its invariance; the custom op; the engine's
+attention option. scripts/gpu/perf_run.py checks the GPU kernels at the real shapes."""
+import os
+import sys
+
+import pytest
+import torch
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+
+pytest.importorskip("triton")
+
+from flashdraft.layers import decode_attention as da  # noqa: E402
+from flashdraft.layers.attention import grouped_attention  # noqa: E402
+
+# As in test_skinny_gemm: the interpreter must be on before the kernel module is first imported.
+if not ON_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.modules.pop("flashdraft.layers._attention_triton", None)
+    da._kernels.cache_clear()
+
+
+def _cache(kv_heads, rows, hd, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(kv_heads, rows, hd, generator=g).to(DEVICE),
+            torch.randn(kv_heads, rows, hd, generator=g).to(DEVICE))
+
+
+def _queries(heads, T, hd, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(T, heads, hd, generator=g).to(DEVICE).transpose(0, 1)  # [heads, T, hd], as Attention has it
+
+
+def _reference(q, k, v, mask):
+    """SDPA in float64 over the same rows, in decode_attention's output layout [T, heads * hd]."""
+    m = None if mask is None else mask[None, None]
+    out = grouped_attention(q.double()[None], k.double()[None], v.double()[None], m)
+    return out[0].transpose(0, 1).reshape(q.shape[1], -1)
+
+
+def _causal(start, T, kv_len, window=None):
+    pos = torch.arange(start, start + T, device=DEVICE)[:, None]
+    keys = torch.arange(kv_len, device=DEVICE)[None, :]
+    mask = keys <= pos
+    return mask & (pos - keys < window) if window else mask
+
+
+# (heads, kv_heads, head_dim, T, kv_len, mask): decode and verify over more than one key range (SPLIT = 128), a
+# kv_len that is not a multiple of the range, grouped and plain multi-head, a sliding window, a mask shared by
+# the rows (the drafter's block), no mask.
+CASES = [
+    (8, 2, 64, 1, 300, "causal"),
+    (8, 2, 64, 16, 300, "causal"),
+    (4, 4, 128, 5, 129, "causal"),
+    (8, 2, 64, 6, 260, "window"),
+    (8, 2, 64, 4, 200, "shared"),
+    (8, 1, 64, 3, 70, None),
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads,hd,T,kv_len,mask_kind", CASES)
+def test_matches_sdpa(heads, kv_heads, hd, T, kv_len, mask_kind):
+    k, v = _cache(kv_heads, kv_len + 20, hd, seed=heads * kv_len)  # rows past kv_len must not be read
+    q = _queries(heads, T, hd, seed=T)
+    start = kv_len - T - 3
+    mask = {"causal": _causal(start, T, kv_len), "window": _causal(start, T, kv_len, window=50),
+            "shared": _causal(start + T - 1, 1, kv_len), None: None}[mask_kind]
+    out = da.launch(q, k[:, :kv_len], v[:, :kv_len], mask)
+    assert out.shape == (T, heads * hd) and out.dtype == q.dtype
+    ref = _reference(q, k[:, :kv_len], v[:, :kv_len], None if mask is None else mask.expand(T, kv_len))
+    assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+def test_rows_are_bitwise_independent_of_the_other_tokens():
+    """A token's rows are the same bits whether it goes alone (as the first token) or with up to 15 more, and
+    whatever the other tokens hold. (A token in another row of the block lands in other places of the query
+    tile; tensor cores make that irrelevant on the GPU, where perf_run.py checks it; the interpreter's BLAS
+    does not promise it, so here the token keeps its place.)"""
+    k, v = _cache(2, 300, 64, seed=7)
+    q = _queries(8, 16, 64, seed=8)
+    mask = _causal(250, 16, 300)
+    full = da.launch(q, k, v, mask)
+    for T in (1, 3, 7):
+        assert torch.equal(da.launch(q[:, :T].contiguous(), k, v, mask[:T]), full[:T])
+    other = q.clone()
+    other[:, 1:] = _queries(8, 15, 64, seed=9)
+    assert torch.equal(da.launch(other, k, v, mask)[0], full[0])
+
+
+def test_a_t_dependent_split_is_caught(monkeypatch):
+    """The invariance check can fail: key ranges that depend on T change a token's bits."""
+    k, v = _cache(2, 300, 64, seed=3)
+    q = _queries(8, 16, 64, seed=4)
+    mask = _causal(250, 16, 300)
+    full = da.launch(q, k, v, mask)
+    alone = da.launch(q[:, :1].contiguous(), k, v, mask[:1], da.AttentionConfig(split=64, block_n=32))
+    assert not torch.equal(alone, full[:1])
+    assert (alone - full[:1]).abs().max().item() < 1e-5  # same attention, other rounding
+
+
+def test_bad_shapes_are_named():
+    k, v = _cache(2, 64, 64, seed=1)
+    with pytest.raises(ValueError, match="head_dim"):
+        da.launch(_queries(8, 1, 64, 1)[..., :48], k[..., :48], v[..., :48], None)
+    with pytest.raises(ValueError, match="mask"):
+        da.launch(_queries(8, 2, 64, 1), k, v, torch.ones(3, 64, dtype=torch.bool, device=DEVICE))
+    with pytest.raises(ValueError, match="heads"):
+        da.launch(_queries(6, 1, 64, 1), _cache(4, 64, 64, 1)[0], _cache(4, 64, 64, 1)[1], None)
+
+
+def test_custom_op_and_compile():
+    k, v = _cache(2, 140, 64, seed=5)
+    q = _queries(8, 4, 64, seed=6)
+    mask = _causal(130, 4, 140)
+    torch.library.opcheck(torch.ops.flashdraft.decode_attention.default, (q, k, v, mask),
+                          test_utils=("test_schema", "test_faketensor"))
+
+    def f(q, mask):
+        return da.decode_attention(q, k, v, mask) * 2
+
+    compiled = torch.compile(f, backend="aot_eager", dynamic=True, fullgraph=True)
+    for T in (1, 4):
+        assert torch.equal(compiled(q[:, :T], mask[:T]), f(q[:, :T], mask[:T]))
+
+
+def test_engine_attention_option(qwen3_dir, drafter_dir):
+    """attention="triton" sends the target's and the drafter's decode, verify and draft passes through the
+    kernels, and greedy output (plain and DFlash) equals the SDPA engine's on this tiny float32 model."""
+    from flashdraft.config import SamplingParams
+    from flashdraft.engine.generator import Engine
+
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompt = list(range(3, 40))
+    plain = Engine.load(qwen3_dir, drafter_dir, device=DEVICE, context_size=96)
+    assert plain.decoder.attention == "sdpa"
+    ref = plain.generate(prompt, params, 0).tokens
+    eng = Engine.load(qwen3_dir, drafter_dir, device=DEVICE, context_size=96, attention="triton")
+    assert eng.decoder.attention == "triton"
+    calls = []
+    real = da._decode_attention_op
+    try:
+        da._decode_attention_op = lambda *a: calls.append(tuple(a[0].shape[1:2])) or real(*a)
+        assert eng.generate(prompt, params, 0).tokens == ref
+        assert eng.generate(prompt, params, 7).tokens == ref
+    finally:
+        da._decode_attention_op = real
+    block = eng.decoder.block_size
+    assert (1,) in calls and (8,) in calls and (block,) in calls  # decode, verify of 7 guesses, drafter block
+    assert all(t[0] <= max(16, block) for t in calls)  # the 37-token prefill stayed on SDPA
+
+
+def test_resolve_attention(monkeypatch):
+    from flashdraft.engine import speculative
+    from flashdraft.engine.speculative import resolve_attention, resolve_gemm
+    assert resolve_attention(None, torch.device("cpu")) == "sdpa"  # the interpreter is opt-in only
+    assert resolve_attention(None, torch.device("cuda")) == resolve_gemm(None, torch.device("cuda")) == "triton"
+    monkeypatch.setattr(speculative, "triton_available", lambda: False)
+    assert (resolve_attention(None, torch.device("cuda")), resolve_gemm(None, torch.device("cuda"))) == \
+        ("sdpa", "cublas")
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        resolve_attention("flash", torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="needs Triton and a CUDA device"):
+        resolve_attention("triton", torch.device("cpu"))

@@ -131,3 +131,62 @@ def test_stats_are_consistent(engine):
     assert t["draft_n"] == s.draft_n and t["draft_n_accepted"] == s.draft_n_accepted
     base = engine.generate([1, 2, 3], params, draft=0)
     assert "draft_n" not in base.stats.timings() and base.stats.tau == 1.0
+
+
+class InlineGraphs:
+    """A stand-in for engine.cuda_graphs.GraphCache that calls each pass directly (no CUDA here) but keeps the
+    graph cache's contract: inputs copied into per-key static buffers, the same output tensors returned
+    (overwritten) at every replay of a key, and every earlier output garbage once any graph replays (the graphs
+    share one memory pool, so a replay may write over another graph's outputs), so the graphed code paths of
+    the loop run on the CPU and a loop that keeps an output too long fails."""
+
+    def __init__(self):
+        self.keys, self.static = [], {}
+
+    def run(self, key, fn, **inputs):
+        self.keys.append(key[0])
+        with torch.inference_mode():
+            for _, outs in self.static.values():
+                for o in (outs if isinstance(outs, tuple) else (outs,)) if outs is not None else ():
+                    if o is not None:
+                        o.fill_(float("nan") if o.is_floating_point() else -(2 ** 40))
+        if key not in self.static:
+            self.static[key] = ({k: v.clone() for k, v in inputs.items()}, None)
+        static, outs = self.static[key]
+        for k, v in inputs.items():
+            static[k].copy_(v)
+        fresh = fn(**static)
+        if outs is None:
+            outs = fresh
+        else:
+            for o, f in zip(outs if isinstance(outs, tuple) else (outs,), fresh if isinstance(fresh, tuple) else (fresh,)):
+                if o is not None:
+                    o.copy_(f)
+        self.static[key] = (static, outs)
+        return outs
+
+
+def test_graphed_paths_equal_the_eager_loop(tmp_path, qwen3_dir):
+    """The loop's graphed paths (draft pass with its context rows, verify with greedy acceptance inside the
+    graph, the last token kept on the device) give the eager loop's tokens, greedy and sampled."""
+    drafter = build_drafter(tmp_path / "d", qwen3_dir, block_size=8, seed=3)
+    eager = Engine.load(qwen3_dir, drafter, device="cpu", context_size=256)
+    graphed = Engine.load(qwen3_dir, drafter, device="cpu", context_size=256)
+    graphed.decoder.graphs = InlineGraphs()
+    greedy = SamplingParams(max_tokens=40, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=30, temperature=0.9, seed=5, ignore_eos=True)
+    for prompt in _prompts(eager.decoder.target.config.vocab_size, 3, seed=11):
+        base = eager.generate(prompt, greedy, draft=0).tokens
+        assert graphed.generate(prompt, greedy, draft=0).tokens == base
+        vocab = eager.decoder.target.config.vocab_size
+        graphed.decoder.oracle = PlantedOracle(prompt + base, lambda s: s % 5, vocab, "cpu")
+        eager.decoder.oracle = PlantedOracle(prompt + base, lambda s: s % 5, vocab, "cpu")
+        try:
+            out, ref = graphed.generate(prompt, greedy, draft=7), eager.generate(prompt, greedy, draft=7)
+        finally:
+            graphed.decoder.oracle = eager.decoder.oracle = None
+        assert out.tokens == base
+        assert out.stats.draft_n_accepted == ref.stats.draft_n_accepted > 0  # the same guesses were accepted
+        assert graphed.generate(prompt, greedy, draft=7).tokens == base  # the random drafter's own guesses
+        assert graphed.generate(prompt, sampled, draft=7).tokens == eager.generate(prompt, sampled, draft=0).tokens
+    assert {"target-greedy", "target", "draft"} <= set(graphed.decoder.graphs.keys)

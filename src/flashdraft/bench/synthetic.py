@@ -157,7 +157,7 @@ def run(shape: str, device: str | None = None, tokens: int = 256, variants: tupl
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if variants is None:
-        variants = (("eager", "graphs", "graphs+compiled") if dev.type == "cuda"
+        variants = (("graphs+compiled", "graphs+compiled+triton+attn") if dev.type == "cuda"
                     else ("eager",))
     prompt_len = 32
     context = prompt_len + tokens + 64
@@ -177,11 +177,14 @@ def run(shape: str, device: str | None = None, tokens: int = 256, variants: tupl
     engine = None
     B = drafter.block_size
     for variant in variants:
-        # "compiled" = fused q/k/v and gate/up projections plus torch.compile'd layers (the CUDA default);
-        # "triton" = linear layers through the batch-invariant skinny GEMM (layers.skinny_gemm) instead of cuBLAS.
+        # "compiled" = fused q/k/v and gate/up projections plus torch.compile'd layers;
+        # "triton" = linear layers through the batch-invariant skinny GEMM (layers.skinny_gemm) instead of cuBLAS;
+        # "attn" = attention of decode/verify/draft passes through layers.decode_attention instead of SDPA.
+        # The engine's CUDA default is "graphs+compiled+triton+attn" (the last variant, whose DFlash table is run).
         graphs = "graphs" in variant
         engine = Engine(target, None, drafter, context_size=context, cuda_graphs=graphs,
-                        compile="compiled" in variant, gemm="triton" if "triton" in variant else "cublas")
+                        compile="compiled" in variant, gemm="triton" if "triton" in variant else "cublas",
+                        attention="triton" if "attn" in variant else "sdpa")
         engine.generate(prompt, params, 0)  # warm-up: captures graphs, compiles kernels
         if graphs:
             warm = PlantedOracle(prompt + engine.generate(prompt, params, 0).tokens, lambda s: s % B,

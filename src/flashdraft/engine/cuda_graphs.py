@@ -4,7 +4,8 @@ A batch-1 step launches hundreds of small kernels; replaying them as one graph r
 graph is keyed by its shapes (and the cache it writes, since a graph bakes in its tensors' addresses):
 tokens per pass, and the attention length rounded up to a bucket, with rows past a query's position hidden
 by the position mask. Captures happen on first use; inputs are copied into the graph's static buffers and the
-outputs are the graph's static tensors, valid until that graph's next replay.
+outputs are the graph's static tensors, valid until the next replay of any graph of the cache: the graphs share
+one memory pool, so a graph captured later may keep its outputs where an earlier one keeps its intermediates.
 """
 from __future__ import annotations
 

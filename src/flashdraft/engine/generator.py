@@ -127,9 +127,9 @@ class Engine:
 
     def __init__(self, target, tokenizer: Tokenizer | None, drafter=None, context_size: int | None = None,
                  name: str = "model", adaptive: bool = True, cuda_graphs: bool | None = None,
-                 compile: bool | None = None, gemm: str | None = None):
+                 compile: bool | None = None, gemm: str | None = None, attention: str | None = None):
         ctx = context_size or target.config.max_position_embeddings
-        self.decoder = SpeculativeDecoder(target, drafter, ctx, cuda_graphs, compile, gemm)
+        self.decoder = SpeculativeDecoder(target, drafter, ctx, cuda_graphs, compile, gemm, attention)
         self.tokenizer = tokenizer
         self.name = name
         self.eos_ids = set(target.config.eos_token_ids)
@@ -141,13 +141,16 @@ class Engine:
 
     @classmethod
     def load(cls, model: str | Path, drafter: str | Path | None = None, device=None, dtype=None,
-             context_size: int | None = None, adaptive: bool = True, gemm: str | None = None) -> "Engine":
+             context_size: int | None = None, adaptive: bool = True, gemm: str | None = None,
+             attention: str | None = None) -> "Engine":
         """Load a target (and optional drafter) from model folders; the context defaults to min(8192, the model's).
-        gemm: "cublas" (default) or "triton" (batch-invariant skinny GEMM for decode/verify/draft, CUDA only)."""
+        gemm: "cublas" or "triton" (batch-invariant skinny GEMM for decode/verify/draft, CUDA only);
+        attention: "sdpa" or "triton" (batch-invariant split-KV attention for the same passes). None (default):
+        "triton" for both on CUDA when Triton is installed, else "cublas" and "sdpa"."""
         loaded = load_model(model, drafter, device=device, dtype=dtype, context_size=context_size,
                             overhang=MAX_BLOCK_SIZE)
         return cls(loaded.target, loaded.tokenizer, loaded.drafter, loaded.context_size, name=loaded.name,
-                   adaptive=adaptive, gemm=gemm)
+                   adaptive=adaptive, gemm=gemm, attention=attention)
 
     @property
     def context_size(self) -> int:

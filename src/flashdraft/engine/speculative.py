@@ -19,6 +19,7 @@ from flashdraft.config import SamplingParams
 from flashdraft.engine.cuda_graphs import GraphCache, bucket, compile_layers, fuse_projections
 from flashdraft.engine.kv_cache import KVCache
 from flashdraft.engine.sampling import sample_tokens
+from flashdraft.layers.decode_attention import ATTENTION_BACKENDS, route_attention
 from flashdraft.layers.skinny_gemm import BLOCK_M, GEMM_BACKENDS, can_run, route_linears, triton_available
 from flashdraft.models import DecoderLM, DFlashDrafter
 
@@ -27,16 +28,34 @@ from flashdraft.models import DecoderLM, DFlashDrafter
 MAX_PENDING_ROWS = 256
 
 
+def _fast_path_default(device: torch.device, fallback: str) -> str:
+    return "triton" if device.type == "cuda" and triton_available() else fallback
+
+
 def resolve_gemm(gemm: str | None, device: torch.device) -> str:
-    """The GEMM backend for the linear layers: "cublas" (the default) or "triton", which needs Triton and a CUDA
-    device (or Triton's interpreter, TRITON_INTERPRET=1, as the CPU tests use)."""
-    gemm = gemm or "cublas"
+    """The GEMM backend for the linear layers: "cublas" or "triton", which needs Triton and a CUDA device (or
+    Triton's interpreter, TRITON_INTERPRET=1, as the CPU tests use). None: "triton" on CUDA where Triton is
+    installed (faster at batch 1-16 and batch-invariant, docs/performance.md), else "cublas"."""
+    gemm = gemm or _fast_path_default(device, "cublas")
     if gemm not in GEMM_BACKENDS:
         raise ValueError(f"unknown gemm backend {gemm!r}; choose from {', '.join(GEMM_BACKENDS)}")
     if gemm == "triton" and not can_run(device):
         raise ValueError(f"gemm='triton' needs Triton and a CUDA device (got {device.type}"
                          f"{'' if triton_available() else ', and Triton is not installed'})")
     return gemm
+
+
+def resolve_attention(attention: str | None, device: torch.device) -> str:
+    """The attention backend of passes of up to 16 tokens over the cache: "sdpa" or "triton"
+    (flashdraft.layers.decode_attention: split-KV and batch-invariant), which needs what gemm="triton" needs.
+    None: "triton" on CUDA where Triton is installed (2-3x faster than SDPA there), else "sdpa"."""
+    attention = attention or _fast_path_default(device, "sdpa")
+    if attention not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {attention!r}; choose from {', '.join(ATTENTION_BACKENDS)}")
+    if attention == "triton" and not can_run(device):
+        raise ValueError(f"attention='triton' needs Triton and a CUDA device (got {device.type}"
+                         f"{'' if triton_available() else ', and Triton is not installed'})")
+    return attention
 
 
 @dataclass
@@ -50,6 +69,9 @@ class Sequence:
     pending: list[torch.Tensor] = field(default_factory=list)
     seed: int = 0
     params: SamplingParams = field(default_factory=SamplingParams)
+    # The last committed token on the device, with the token count it belongs to: the next step reads it from
+    # there instead of copying it up from the host (a synchronous copy before every step's first launch).
+    last: tuple[int, torch.Tensor] | None = None
 
 
 @dataclass
@@ -63,7 +85,8 @@ class SpeculativeDecoder:
     """Target plus optional drafter over static caches of `capacity` rows (context limit = capacity)."""
 
     def __init__(self, target: DecoderLM, drafter: DFlashDrafter | None, context_size: int,
-                 cuda_graphs: bool | None = None, compile: bool | None = None, gemm: str | None = None):
+                 cuda_graphs: bool | None = None, compile: bool | None = None, gemm: str | None = None,
+                 attention: str | None = None):
         self.target, self.drafter = target, drafter
         self.context_size = context_size
         self.block_size = drafter.block_size if drafter is not None else 1
@@ -79,14 +102,19 @@ class SpeculativeDecoder:
         on_cuda = self.device.type == "cuda"
         self.graphs = GraphCache() if (on_cuda if cuda_graphs is None else cuda_graphs) else None
         self._ctx_taps = None
+        self._mask_tail = None  # the drafter block's B - 1 mask tokens, on the device
         # gemm: "cublas" (F.linear) or "triton" (flashdraft.layers.skinny_gemm: batch-invariant GEMMs, so the
         # linear layers give a verify step's rows bitwise what plain decoding gets; inputs of more than
-        # max(16, block) rows, such as prefill, stay on F.linear). None = "cublas".
+        # max(16, block) rows, such as prefill, stay on F.linear). None: resolve_gemm's default.
         self.gemm = resolve_gemm(gemm, self.device)
         models = [m for m in (target, drafter) if m is not None]
         if on_cuda if compile is None else compile:
             fuse_projections(*models)
         route_linears(*models, gemm=self.gemm, max_m=max(BLOCK_M, self.block_size))
+        # attention: "sdpa" or "triton" (decode_attention for passes of up to one block: decode, verify, draft;
+        # prefill stays on SDPA). None: resolve_attention's default.
+        self.attention = resolve_attention(attention, self.device)
+        route_attention(*models, on=self.attention == "triton", max_t=max(BLOCK_M, self.block_size))
         if on_cuda if compile is None else compile:
             compile_layers(*models)
 
@@ -109,11 +137,19 @@ class SpeculativeDecoder:
         P = len(prompt)
         tokens = torch.tensor(prompt, device=self.device)
         logits, taps = self.target(tokens, self._positions(0, P), seq.target_cache, P, self.tap_ids, last_only=True)
-        first = int(sample_tokens(logits, params, seed, self._positions(P, 1))[0])
+        sampled = sample_tokens(logits, params, seed, self._positions(P, 1))
+        first = int(sampled[0])
         if taps is not None:
             seq.pending.append(taps)
         seq.tokens.append(first)
+        seq.last = (len(seq.tokens), sampled[:1])
         return first
+
+    def _last_token(self, seq: Sequence) -> torch.Tensor:
+        """[1] on the device: the last committed token."""
+        if seq.last is not None and seq.last[0] == len(seq.tokens):
+            return seq.last[1]
+        return torch.tensor([seq.tokens[-1]], device=self.device)
 
     def _flush_context(self, seq: Sequence) -> None:
         if not seq.pending:
@@ -126,7 +162,9 @@ class SpeculativeDecoder:
     def _draft(self, seq: Sequence, n: int) -> torch.Tensor:
         """The drafter's greedy guesses for the n tokens after the last committed one ([n] on the device)."""
         start, B = len(seq.tokens) - 1, self.block_size
-        block = torch.tensor([seq.tokens[-1]] + [self.drafter.config.mask_token_id] * (B - 1), device=self.device)
+        if self._mask_tail is None:
+            self._mask_tail = torch.full((B - 1,), self.drafter.config.mask_token_id, device=self.device)
+        block = torch.cat([self._last_token(seq), self._mask_tail])
         if self.graphs is None:
             self._flush_context(seq)
             hidden = self.drafter(self.target.embed(block), self._positions(start, B), seq.draft_cache, start + B)
@@ -178,22 +216,51 @@ class SpeculativeDecoder:
         return self.graphs.run(("target", id(cache), T, kv_len), target_pass, tokens=tokens,
                                positions=self._positions(start, T))
 
+    def _verify_greedy_graphed(self, seq: Sequence, tokens: torch.Tensor, start: int, n: int):
+        """The target pass plus greedy acceptance of the n guesses tokens[1..n] in one graph: logits, taps and
+        [accepted, samples 0..n], so that nothing but the one device-to-host copy of that vector follows the
+        graph (rows past n + 1 are padding)."""
+        T = tokens.shape[0]
+        kv_len = bucket(start + T, self.capacity)
+        cache = seq.target_cache
+
+        def target_pass(tokens, positions):
+            logits, taps = self.target(tokens, positions, cache, kv_len, self.tap_ids)
+            samples = logits[:n + 1].argmax(dim=-1)  # sample_tokens' greedy rule
+            accepted = torch.cumprod((tokens[1:n + 1] == samples[:n]).long(), 0).sum().view(1)
+            return logits, taps, torch.cat([accepted, samples])
+
+        return self.graphs.run(("target-greedy", id(cache), T, kv_len, n), target_pass, tokens=tokens,
+                               positions=self._positions(start, T))
+
     @torch.inference_mode()
     def step(self, seq: Sequence, n: int) -> StepResult:
         """One decoding step with up to n drafted tokens (0 = plain decoding)."""
         n = max(0, min(n, self.max_draft)) if self.drafter is not None else 0
         start = len(seq.tokens) - 1
-        last = torch.tensor([seq.tokens[-1]], device=self.device)
-        guesses = self._draft(seq, n) if n > 0 else last[:0]
-        verify = torch.cat([last, guesses])
-        logits, taps = self._verify(seq, verify, start)
-        samples = sample_tokens(logits, seq.params, seq.seed, self._positions(start + 1, n + 1))
-        accepted = torch.cumprod((guesses == samples[:n]).long(), 0).sum().view(1)
+        last = self._last_token(seq)
+        verify = torch.cat([last, self._draft(seq, n)]) if n > 0 else last
+        if self.graphs is not None and n == 0:
+            # On the GPU path a plain step runs as two rows, the second a throwaway at the next position (its cache
+            # row is the next step's to overwrite). torch.compile gives a one-row pass kernels of its own, which
+            # need not round as the multi-row pass does; padded, a plain step gives its token the bits a verify
+            # step gives it, so greedy DFlash stays equal to plain decoding. At batch 1 a row costs nothing.
+            verify = torch.cat([last, last])
+        if self.graphs is not None and seq.params.greedy:
+            logits, taps, result = self._verify_greedy_graphed(seq, verify, start, n)
+        else:
+            logits, taps = self._verify(seq, verify, start)
+            logits = logits[:n + 1]
+            samples = sample_tokens(logits, seq.params, seq.seed, self._positions(start + 1, n + 1))
+            accepted = torch.cumprod((verify[1:] == samples[:n]).long(), 0).sum().view(1)
+            result = torch.cat([accepted, samples])
         # The one host sync of the step: acceptance count and the target's samples together.
-        host = torch.cat([accepted, samples]).tolist()
+        host = result.tolist()
         acc = host[0]
         committed = host[1:acc + 2]  # samples 0..acc-1 equal the accepted guesses; sample acc is the target's own
         seq.tokens.extend(committed)
+        # A copy: the graphs share one memory pool, so the next replay of any graph may write over `result`.
+        seq.last = (len(seq.tokens), result[acc + 1:acc + 2].clone())
         if taps is not None:
             seq.pending.append(taps[:acc + 1].clone() if self.graphs is not None else taps[:acc + 1])
             if n == 0 and sum(t.shape[0] for t in seq.pending) >= MAX_PENDING_ROWS:

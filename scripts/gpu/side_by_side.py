@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--identity-prompts", type=int, default=40)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--gemm", default=None, help="our engine's GEMM backend: cublas (default) or triton")
+    ap.add_argument("--attention", default=None, help="our engine's attention backend: sdpa (default) or triton")
     args = ap.parse_args()
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -58,7 +60,9 @@ def main() -> None:
     results: dict = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "tokens": args.tokens,
                      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
-    engine = Engine.load(args.target, args.drafter, device=dev, dtype=dtype, context_size=2048)
+    engine = Engine.load(args.target, args.drafter, device=dev, dtype=dtype, context_size=2048, gemm=args.gemm,
+                         attention=args.attention)
+    results["ours_backends"] = {"gemm": engine.decoder.gemm, "attention": engine.decoder.attention}
     prompts = [engine.encode_prompt(messages=p.messages) if p.messages else engine.encode_prompt(p.prompt)
                for p in load_prompt_set("code")][:args.prompts]
     # Generation stops at the target's end of turn in every system: past it the target writes text no drafter

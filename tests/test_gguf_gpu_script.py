@@ -148,7 +148,7 @@ packed = tk.heuristic_config("Q6_K", 40, 512, packed=True)
 if not (packed.packed and packed.block_k == 256 and packed.name.endswith("q")):
     failures.append(("heuristic packed config", packed))
 if tk.heuristic_config("Q8_0", 40, 512, packed=True).packed or tk.heuristic_config("Q4_K", 40, 512).packed:
-    failures.append(("packed where it does not apply, or by default",))
+    failures.append(("packed where it does not apply, or heuristic_config's own default",))
 try:
     tk.launch(torch.zeros(1, 64), torch.zeros(8, 68, dtype=torch.uint8), 8, "Q8_0", tk.QuantConfig(packed=True))
     failures.append(("packed Q8_0 accepted",))
@@ -160,8 +160,8 @@ for (qtype, n, k), cfg in tk.CONFIGS.items():  # the measured table: tilings the
             or tk.config_for(qtype, n, k) is not cfg:
         failures.append(("measured tiling unusable", qtype, n, k, cfg.name))
 dflt = tk.config_for("Q4_K", 40, 512)
-if (dflt.block_k, dflt.decode_2d, dflt.num_stages, dflt.packed) != (256, False, 1, False):
-    failures.append(("K-quant default is not the 3-D 256-wide tiling", dflt.name))
+if (dflt.block_k, dflt.num_stages, dflt.packed) != (256, 3, True):
+    failures.append(("K-quant default is not the packed 256-wide tiling, 3 stages", dflt.name))
 if tk.config_for("Q8_0", 40, 512) != tk.heuristic_config("Q8_0", 40, 512):
     failures.append(("legacy default changed",))
 print("FAILURES", failures)

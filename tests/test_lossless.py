@@ -133,6 +133,20 @@ def test_stats_are_consistent(engine):
     assert "draft_n" not in base.stats.timings() and base.stats.tau == 1.0
 
 
+class EveryOtherStep:
+    """A draft policy: plain steps and drafts of `length` in turn."""
+
+    def __init__(self, length: int):
+        self.length, self.steps = length, 0
+
+    def next_length(self, cap: int) -> int:
+        self.steps += 1
+        return min(cap, self.length) if self.steps % 2 == 0 else 0
+
+    def record(self, drafted: int, accepted: int, seconds: float) -> None:
+        pass
+
+
 class InlineGraphs:
     """A stand-in for engine.cuda_graphs.GraphCache that calls each pass directly (no CUDA here) but keeps the
     graph cache's contract: inputs copied into per-key static buffers, the same output tensors returned
@@ -187,6 +201,16 @@ def test_graphed_paths_equal_the_eager_loop(tmp_path, qwen3_dir):
             graphed.decoder.oracle = eager.decoder.oracle = None
         assert out.tokens == base
         assert out.stats.draft_n_accepted == ref.stats.draft_n_accepted > 0  # the same guesses were accepted
-        assert graphed.generate(prompt, greedy, draft=7).tokens == base  # the random drafter's own guesses
+        # the random drafter's own guesses, drafting every other step: the same as the eager loop's, so its
+        # context (the taps that graphed verify and plain steps hand over) is the same too
+        seen = {"graphed": [], "eager": []}
+        for name, engine in (("graphed", graphed), ("eager", eager)):
+            engine.decoder.oracle = lambda start, guesses, log=seen[name]: log.append((start, guesses.tolist())) \
+                or guesses
+            try:
+                assert engine.generate(prompt, greedy, draft=EveryOtherStep(7)).tokens == base
+            finally:
+                engine.decoder.oracle = None
+        assert seen["graphed"] == seen["eager"] and len(seen["eager"]) > 3
         assert graphed.generate(prompt, sampled, draft=7).tokens == eager.generate(prompt, sampled, draft=0).tokens
     assert {"target-greedy", "target", "draft"} <= set(graphed.decoder.graphs.keys)

@@ -26,7 +26,8 @@ def check_graphed_path_is_lossless(tmp: Path, gemm: str = "cublas", attention: s
     from tiny_models import build_drafter, build_target
     target = build_target(tmp / "t", layers=4, init_std=0.3)
     drafter = build_drafter(tmp / "d", target, block_size=16, init_std=0.3)
-    eager = Engine.load(target, drafter, device="cuda", dtype=torch.float32, context_size=512)
+    eager = Engine.load(target, drafter, device="cuda", dtype=torch.float32, context_size=512, gemm=gemm,
+                        attention=attention)
     eager.decoder.graphs = None
     graphed = Engine.load(target, drafter, device="cuda", dtype=torch.float32, context_size=512, gemm=gemm,
                           attention=attention)

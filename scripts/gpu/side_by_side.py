@@ -50,8 +50,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--identity-prompts", type=int, default=40)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--gemm", default=None, help="our engine's GEMM backend: cublas (default) or triton")
-    ap.add_argument("--attention", default=None, help="our engine's attention backend: sdpa (default) or triton")
+    ap.add_argument("--gemm", default=None, help="our engine's GEMM backend: cublas or triton (default on CUDA)")
+    ap.add_argument("--attention", default=None, help="our engine's attention backend: sdpa or triton (default on CUDA)")
     args = ap.parse_args()
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

@@ -29,7 +29,13 @@ MAX_PENDING_ROWS = 256
 
 
 def _fast_path_default(device: torch.device, fallback: str) -> str:
-    return "triton" if device.type == "cuda" and triton_available() else fallback
+    """"triton" on a CUDA device that Triton's bf16 tensor-core products run on (compute capability 8.0 and up,
+    where the kernels were measured) when Triton is installed, else the fallback."""
+    if device.type != "cuda" or not triton_available():
+        return fallback
+    if torch.cuda.is_available() and torch.cuda.get_device_capability(device) < (8, 0):
+        return fallback
+    return "triton"
 
 
 def resolve_gemm(gemm: str | None, device: torch.device) -> str:
@@ -111,11 +117,12 @@ class SpeculativeDecoder:
         if on_cuda if compile is None else compile:
             fuse_projections(*models)
         route_linears(*models, gemm=self.gemm, max_m=max(BLOCK_M, self.block_size))
-        # attention: "sdpa" or "triton" (decode_attention for passes of up to one block: decode, verify, draft;
-        # prefill stays on SDPA). None: resolve_attention's default.
+        # attention: "sdpa" or "triton" (decode_attention for passes of up to max(16, block) tokens: decode,
+        # verify, draft, and prefills that short; longer prefills stay on SDPA). None: resolve_attention's default.
         self.attention = resolve_attention(attention, self.device)
         route_attention(*models, on=self.attention == "triton", max_t=max(BLOCK_M, self.block_size))
-        if on_cuda if compile is None else compile:
+        self.compiled = on_cuda if compile is None else compile
+        if self.compiled:
             compile_layers(*models)
 
     @property
@@ -203,7 +210,7 @@ class SpeculativeDecoder:
                                block_positions=self._positions(start, B))
 
     def _verify(self, seq: Sequence, tokens: torch.Tensor, start: int):
-        """Target pass over tokens at positions start.. (T = 1 is a plain decode step): logits and taps."""
+        """Target pass over tokens at positions start..: logits and taps."""
         T = tokens.shape[0]
         if self.graphs is None:
             return self.target(tokens, self._positions(start, T), seq.target_cache, start + T, self.tap_ids)
@@ -217,7 +224,7 @@ class SpeculativeDecoder:
                                positions=self._positions(start, T))
 
     def _verify_greedy_graphed(self, seq: Sequence, tokens: torch.Tensor, start: int, n: int):
-        """The target pass plus greedy acceptance of the n guesses tokens[1..n] in one graph: logits, taps and
+        """The target pass plus greedy acceptance of the n guesses tokens[1..n] in one graph: taps and
         [accepted, samples 0..n], so that nothing but the one device-to-host copy of that vector follows the
         graph (rows past n + 1 are padding)."""
         T = tokens.shape[0]
@@ -228,7 +235,7 @@ class SpeculativeDecoder:
             logits, taps = self.target(tokens, positions, cache, kv_len, self.tap_ids)
             samples = logits[:n + 1].argmax(dim=-1)  # sample_tokens' greedy rule
             accepted = torch.cumprod((tokens[1:n + 1] == samples[:n]).long(), 0).sum().view(1)
-            return logits, taps, torch.cat([accepted, samples])
+            return taps, torch.cat([accepted, samples])
 
         return self.graphs.run(("target-greedy", id(cache), T, kv_len, n), target_pass, tokens=tokens,
                                positions=self._positions(start, T))
@@ -240,19 +247,19 @@ class SpeculativeDecoder:
         start = len(seq.tokens) - 1
         last = self._last_token(seq)
         verify = torch.cat([last, self._draft(seq, n)]) if n > 0 else last
-        if self.graphs is not None and n == 0:
+        if n == 0 and (self.compiled or self.graphs is not None):
             # On the GPU path a plain step runs as two rows, the second a throwaway at the next position (its cache
             # row is the next step's to overwrite). torch.compile gives a one-row pass kernels of its own, which
             # need not round as the multi-row pass does; padded, a plain step gives its token the bits a verify
             # step gives it, so greedy DFlash stays equal to plain decoding. At batch 1 a row costs nothing.
             verify = torch.cat([last, last])
         if self.graphs is not None and seq.params.greedy:
-            logits, taps, result = self._verify_greedy_graphed(seq, verify, start, n)
+            taps, result = self._verify_greedy_graphed(seq, verify, start, n)
         else:
             logits, taps = self._verify(seq, verify, start)
             logits = logits[:n + 1]
             samples = sample_tokens(logits, seq.params, seq.seed, self._positions(start + 1, n + 1))
-            accepted = torch.cumprod((verify[1:] == samples[:n]).long(), 0).sum().view(1)
+            accepted = torch.cumprod((verify[1:n + 1] == samples[:n]).long(), 0).sum().view(1)
             result = torch.cat([accepted, samples])
         # The one host sync of the step: acceptance count and the target's samples together.
         host = result.tolist()

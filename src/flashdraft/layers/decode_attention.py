@@ -69,6 +69,8 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
                          f"(head_dim must be one of {HEAD_DIMS}, heads a multiple of kv_heads)")
     if mask is not None and (mask.dim() != 2 or mask.shape[0] not in (1, T) or mask.shape[1] != kv_len):
         raise ValueError(f"decode_attention: mask {list(mask.shape)} is not [{T} or 1, {kv_len}]")
+    if mask is not None and mask.dtype != torch.bool:
+        raise ValueError(f"decode_attention: the mask must be boolean (True = may attend), got {mask.dtype}")
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -81,7 +83,7 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     l_sum = torch.empty_like(m)
     acc = torch.empty((m.shape[0], hd), dtype=torch.float32, device=q.device)
     if mask is not None:
-        mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+        mask = mask.view(torch.uint8)
         if mask.stride(-1) != 1:
             mask = mask.contiguous()
     stride_mt = 0 if mask is None or mask.shape[0] == 1 else mask.stride(0)

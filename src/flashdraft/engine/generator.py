@@ -8,6 +8,7 @@ from typing import Iterator, Protocol
 
 from flashdraft.config import SamplingParams
 from flashdraft.engine.adaptive import AdaptiveDraft
+from flashdraft.engine.detokenize import IncrementalText
 from flashdraft.engine.sampling import resolve_seed
 from flashdraft.engine.speculative import Sequence, SpeculativeDecoder
 from flashdraft.loading import Tokenizer, load_model
@@ -267,6 +268,7 @@ class _OutputTracker:
 
     def __init__(self, engine: Engine, params: SamplingParams):
         self.tokenizer = engine.tokenizer
+        self.detok = IncrementalText(engine.tokenizer.decode) if engine.tokenizer is not None else None
         self.eos_ids = set() if params.ignore_eos else engine.eos_ids
         self.max_tokens = params.max_tokens
         self.stops = [s for s in params.stop if s]
@@ -292,7 +294,7 @@ class _OutputTracker:
                 self.finish("length", "limit")
                 break
         if self.tokenizer is not None:
-            self.text = self.tokenizer.decode(self.tokens)
+            self.text = self.detok.text(self.tokens)
             self._apply_stop_strings()
         final = self.finished is not None
         release = len(self.text) if final else len(self.text) - self.holdback
@@ -303,7 +305,7 @@ class _OutputTracker:
         # Token ids are released with their text, so a stop string can never take back a released token.
         k = len(self.tokens)
         if release < len(self.text):
-            while k > self.tokens_emitted and len(self.tokenizer.decode(self.tokens[:k])) > release:
+            while k > self.tokens_emitted and self.detok.length_at(self.tokens, k) > release:
                 k -= 1
         text, new_tokens = self.text[self.emitted:release], self.tokens[self.tokens_emitted:k]
         self.emitted, self.tokens_emitted = release, k
@@ -322,7 +324,7 @@ class _OutputTracker:
         cut, word = min(hits)
         self.text = self.text[:cut]
         # Keep only the tokens whose text lies wholly before the stop string.
-        while self.tokens and len(self.tokenizer.decode(self.tokens)) > cut:
+        while self.tokens and self.detok.length_at(self.tokens, len(self.tokens)) > cut:
             self.tokens.pop()
         self.stopping_word = word
         self.finished = ("stop", "word")

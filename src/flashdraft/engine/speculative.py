@@ -38,30 +38,29 @@ def _fast_path_default(device: torch.device, fallback: str) -> str:
     return "triton"
 
 
+def _resolve_backend(option: str, value: str | None, choices: tuple[str, ...], fallback: str,
+                     device: torch.device) -> str:
+    value = value or _fast_path_default(device, fallback)
+    if value not in choices:
+        raise ValueError(f"unknown {option} backend {value!r}; choose from {', '.join(choices)}")
+    if value == "triton" and not can_run(device):
+        raise ValueError(f"{option}='triton' needs Triton and a CUDA device (got {device.type}"
+                         f"{'' if triton_available() else ', and Triton is not installed'})")
+    return value
+
+
 def resolve_gemm(gemm: str | None, device: torch.device) -> str:
     """The GEMM backend for the linear layers: "cublas" or "triton", which needs Triton and a CUDA device (or
     Triton's interpreter, TRITON_INTERPRET=1, as the CPU tests use). None: "triton" on CUDA where Triton is
     installed (faster at batch 1-16 and batch-invariant, docs/performance.md), else "cublas"."""
-    gemm = gemm or _fast_path_default(device, "cublas")
-    if gemm not in GEMM_BACKENDS:
-        raise ValueError(f"unknown gemm backend {gemm!r}; choose from {', '.join(GEMM_BACKENDS)}")
-    if gemm == "triton" and not can_run(device):
-        raise ValueError(f"gemm='triton' needs Triton and a CUDA device (got {device.type}"
-                         f"{'' if triton_available() else ', and Triton is not installed'})")
-    return gemm
+    return _resolve_backend("gemm", gemm, GEMM_BACKENDS, "cublas", device)
 
 
 def resolve_attention(attention: str | None, device: torch.device) -> str:
     """The attention backend of passes of up to 16 tokens over the cache: "sdpa" or "triton"
     (flashdraft.layers.decode_attention: split-KV and batch-invariant), which needs what gemm="triton" needs.
     None: "triton" on CUDA where Triton is installed (2-3x faster than SDPA there), else "sdpa"."""
-    attention = attention or _fast_path_default(device, "sdpa")
-    if attention not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {attention!r}; choose from {', '.join(ATTENTION_BACKENDS)}")
-    if attention == "triton" and not can_run(device):
-        raise ValueError(f"attention='triton' needs Triton and a CUDA device (got {device.type}"
-                         f"{'' if triton_available() else ', and Triton is not installed'})")
-    return attention
+    return _resolve_backend("attention", attention, ATTENTION_BACKENDS, "sdpa", device)
 
 
 @dataclass

@@ -246,11 +246,12 @@ class SpeculativeDecoder:
         start = len(seq.tokens) - 1
         last = self._last_token(seq)
         verify = torch.cat([last, self._draft(seq, n)]) if n > 0 else last
-        if n == 0 and (self.compiled or self.graphs is not None):
+        if n == 0 and self.drafter is not None and (self.compiled or self.graphs is not None):
             # On the GPU path a plain step runs as two rows, the second a throwaway at the next position (its cache
             # row is the next step's to overwrite). torch.compile gives a one-row pass kernels of its own, which
             # need not round as the multi-row pass does; padded, a plain step gives its token the bits a verify
             # step gives it, so greedy DFlash stays equal to plain decoding. At batch 1 a row costs nothing.
+            # Without a drafter there is no verify step to match.
             verify = torch.cat([last, last])
         if self.graphs is not None and seq.params.greedy:
             taps, result = self._verify_greedy_graphed(seq, verify, start, n)

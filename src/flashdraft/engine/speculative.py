@@ -63,6 +63,13 @@ def resolve_attention(attention: str | None, device: torch.device) -> str:
     return _resolve_backend("attention", attention, ATTENTION_BACKENDS, "sdpa", device)
 
 
+def accept(verify: torch.Tensor, samples: torch.Tensor, n: int) -> torch.Tensor:
+    """[accepted, samples...]: how many of the n guesses verify[1..n] equal the target's samples before them (the
+    longest matching prefix), then the n + 1 samples. Graph-safe: the step's one host copy reads this vector."""
+    accepted = torch.cumprod((verify[1:n + 1] == samples[:n]).long(), 0).sum().view(1)
+    return torch.cat([accepted, samples])
+
+
 @dataclass
 class Sequence:
     """One generation's state: its tokens and caches. Reused across requests by re-prefilling."""
@@ -113,14 +120,14 @@ class SpeculativeDecoder:
         # max(16, block) rows, such as prefill, stay on F.linear). None: resolve_gemm's default.
         self.gemm = resolve_gemm(gemm, self.device)
         models = [m for m in (target, drafter) if m is not None]
-        if on_cuda if compile is None else compile:
+        self.compiled = on_cuda if compile is None else compile
+        if self.compiled:
             fuse_projections(*models)
         route_linears(*models, gemm=self.gemm, max_m=max(BLOCK_M, self.block_size))
         # attention: "sdpa" or "triton" (decode_attention for passes of up to max(16, block) tokens: decode,
         # verify, draft, and prefills that short; longer prefills stay on SDPA). None: resolve_attention's default.
         self.attention = resolve_attention(attention, self.device)
         route_attention(*models, on=self.attention == "triton", max_t=max(BLOCK_M, self.block_size))
-        self.compiled = on_cuda if compile is None else compile
         if self.compiled:
             compile_layers(*models)
 
@@ -232,9 +239,7 @@ class SpeculativeDecoder:
 
         def target_pass(tokens, positions):
             logits, taps = self.target(tokens, positions, cache, kv_len, self.tap_ids)
-            samples = logits[:n + 1].argmax(dim=-1)  # sample_tokens' greedy rule
-            accepted = torch.cumprod((tokens[1:n + 1] == samples[:n]).long(), 0).sum().view(1)
-            return taps, torch.cat([accepted, samples])
+            return taps, accept(tokens, logits[:n + 1].argmax(dim=-1), n)  # sample_tokens' greedy rule
 
         return self.graphs.run(("target-greedy", id(cache), T, kv_len, n), target_pass, tokens=tokens,
                                positions=self._positions(start, T))
@@ -258,9 +263,7 @@ class SpeculativeDecoder:
         else:
             logits, taps = self._verify(seq, verify, start)
             logits = logits[:n + 1]
-            samples = sample_tokens(logits, seq.params, seq.seed, self._positions(start + 1, n + 1))
-            accepted = torch.cumprod((verify[1:n + 1] == samples[:n]).long(), 0).sum().view(1)
-            result = torch.cat([accepted, samples])
+            result = accept(verify, sample_tokens(logits, seq.params, seq.seed, self._positions(start + 1, n + 1)), n)
         # The one host sync of the step: acceptance count and the target's samples together.
         host = result.tolist()
         acc = host[0]

@@ -17,8 +17,12 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.layers.attention import grouped_attention
-from flashdraft.layers.decode_attention import AttentionConfig, launch
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gemm_run import graphed_per_call_ms  # noqa: E402
+
+from flashdraft.layers.attention import grouped_attention  # noqa: E402
+from flashdraft.layers.decode_attention import AttentionConfig, launch  # noqa: E402
 
 HEADS, KV_HEADS, HD, LAYERS = 32, 8, 128, 36
 
@@ -29,28 +33,8 @@ def sdpa(q, k, v, mask):
 
 
 def graph_us(fn, calls: int) -> float:
-    """Microseconds per call of fn(i) for i in 0..calls-1, captured once as a CUDA graph and replayed."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(calls):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(i)
-    for _ in range(3):
-        g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return sorted(times)[len(times) // 2]
+    """Microseconds per call of fn(i) for i in 0..calls-1 inside a CUDA graph (gemm_run's timing)."""
+    return 1000 * graphed_per_call_ms([lambda i=i: fn(i) for i in range(calls)])
 
 
 CONFIGS = [AttentionConfig(), AttentionConfig(split=64), AttentionConfig(block_q=64), AttentionConfig(block_q=64, split=64),

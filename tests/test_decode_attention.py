@@ -1,8 +1,6 @@
 """The batch-invariant split-KV attention (flashdraft.layers.decode_attention): its Triton kernels under Triton's
 interpreter on the CPU (compiled on a CUDA machine), against SDPA; its invariance; the custom op; the engine's
 attention option. scripts/gpu/perf_run.py checks the GPU kernels at the real shapes."""
-import os
-import sys
 
 import pytest
 import torch
@@ -12,14 +10,12 @@ DEVICE = "cuda" if ON_CUDA else "cpu"
 
 pytest.importorskip("triton")
 
+from triton_interpreter import interpret_without_gpu  # noqa: E402
+
 from flashdraft.layers import decode_attention as da  # noqa: E402
 from flashdraft.layers.attention import grouped_attention  # noqa: E402
 
-# As in test_skinny_gemm: the interpreter must be on before the kernel module is first imported.
-if not ON_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-    sys.modules.pop("flashdraft.layers._attention_triton", None)
-    da._kernels.cache_clear()
+interpret_without_gpu("flashdraft.layers._attention_triton", da._kernels)
 
 
 def _cache(kv_heads, rows, hd, seed):

@@ -4,8 +4,6 @@ on the CPU (skipped without Triton), the config choice, the custom op, and the e
 On a CUDA machine the kernel tests run the compiled kernel instead (the interpreter is only switched on here
 when no GPU is present); scripts/gpu/gemm_run.py checks the GPU kernel at the real shapes.
 """
-import os
-import sys
 
 import pytest
 import torch
@@ -16,16 +14,11 @@ DEVICE = "cuda" if ON_CUDA else "cpu"
 
 pytest.importorskip("triton")
 
+from triton_interpreter import interpret_without_gpu  # noqa: E402
+
 from flashdraft.layers import skinny_gemm as sg  # noqa: E402
 
-# Without a GPU, Triton's interpreter. triton.jit reads TRITON_INTERPRET when a kernel is decorated, which for
-# ours is when flashdraft.layers._skinny_triton is first imported (first launch), so it is set here, before any
-# launch, and that module is dropped in case something imported it earlier. It stays set for the session
-# (nothing else runs Triton in-process on the CPU).
-if not ON_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-    sys.modules.pop("flashdraft.layers._skinny_triton", None)
-    sg._kernels.cache_clear()
+interpret_without_gpu("flashdraft.layers._skinny_triton", sg._kernels)
 
 
 # (n, k, config): the heuristic's pick, uneven N and K (masked edges), split-K (the deterministic reduce

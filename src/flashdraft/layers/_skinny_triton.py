@@ -10,6 +10,12 @@ BLOCK_K steps from low to high K, feeding the tensor cores with tl.dot. Nothing 
 depends on M (only which padding rows are zero), and a tensor-core product's output row depends only on its own
 input row, so row m of y is bitwise the same for every M: batch invariance. With SPLIT_K > 1 the K ranges are
 fixed by (K, SPLIT_K, BLOCK_K) alone and a second kernel adds the fp32 partials in split order 0, 1, ...
+
+Optional fusions (constexpr switches), so that a decoder layer's norms, SwiGLU and residual adds need no kernels
+of their own: HAS_NORM (RMSNorm of x: the loop also sums each row's x * x and feeds x * norm_weight to tl.dot;
+the epilogue scales each row by its 1 / rms), GATED (W = [gate; up]: a second accumulator for the up rows of the
+same features, and silu(gate) * up in the epilogue) and HAS_RESIDUAL (+ r[m, n] in the epilogue, or in the
+split-K reduce). All stay per row and fixed by (N, K), so batch invariance holds for them too.
 """
 import triton
 import triton.language as tl
@@ -22,10 +28,14 @@ import triton.language as tl
 # M is never specialized (Triton would otherwise compile separate variants for M == 1 and M % 16 == 0): one
 # compiled kernel serves every M, which batch invariance relies on.
 @triton.jit(do_not_specialize=["M"])
-def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, M, N, stride_xm, stride_wn, stride_ym, K: tl.constexpr, STEPS: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, nw_ptr, r_ptr, M, N, stride_xm, stride_wn, stride_ym,
+                       stride_rm, eps, K: tl.constexpr, STEPS: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
+                       IEEE: tl.constexpr, SWAP: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    """N is the number of output features: with GATED, W has 2N rows (gate rows [0, N) over up rows [N, 2N)).
+    HAS_NORM and GATED need SPLIT_K == 1 (the row norm needs all of K; silu needs the whole gate product)."""
     if PDL:  # launched as a programmatic dependent: wait here for the previous kernel's writes (our input)
         tl.extra.cuda.gdc_wait()
     pid_n = tl.program_id(0)
@@ -39,50 +49,108 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, M, N, stride_xm, strid
     k_lo = pid_k * STEPS * BLOCK_K
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k_lo + rk)[None, :]
     w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]
+    nw_ptrs = nw_ptr + k_lo + rk
     m_ok = rm[:, None] < M
     n_ok = rn[:, None] < N
     if SWAP:
         acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
     else:
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    if GATED:  # the up rows of the same output features, N weight rows further on
+        wu_ptrs = w_ptrs + N * stride_wn
+        acc_up = acc
+    if HAS_NORM:  # x * x summed element-wise over the K steps, reduced per row once after the loop
+        sq = tl.full((BLOCK_M, BLOCK_K), 0.0, tl.float32)
     for step in range(0, STEPS):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=m_ok, other=0.0)
             if EVEN_N:
                 w = tl.load(w_ptrs, eviction_policy="evict_first")
+                if GATED:
+                    wu = tl.load(wu_ptrs, eviction_policy="evict_first")
             else:
                 w = tl.load(w_ptrs, mask=n_ok, other=0.0, eviction_policy="evict_first")
+                if GATED:
+                    wu = tl.load(wu_ptrs, mask=n_ok, other=0.0, eviction_policy="evict_first")
+            if HAS_NORM:
+                nw = tl.load(nw_ptrs)
         else:
             k_ok = (k_lo + step * BLOCK_K + rk)[None, :] < K
             x = tl.load(x_ptrs, mask=m_ok & k_ok, other=0.0)
             w = tl.load(w_ptrs, mask=n_ok & k_ok, other=0.0, eviction_policy="evict_first")
+            if GATED:
+                wu = tl.load(wu_ptrs, mask=n_ok & k_ok, other=0.0, eviction_policy="evict_first")
+            if HAS_NORM:
+                nw = tl.load(nw_ptrs, mask=(k_lo + step * BLOCK_K + rk) < K, other=0.0)
+        if HAS_NORM:
+            # The product takes x * norm_weight in x's dtype (rounded once); the row's 1 / rms scales the fp32
+            # accumulator after the loop, so x is read only once.
+            xf = x.to(tl.float32)
+            sq += xf * xf
+            xf = xf * nw.to(tl.float32)[None, :]
+            if UPCAST:
+                x = round_like(xf, x_ptr.dtype.element_ty)
+            else:
+                x = xf.to(x_ptr.dtype.element_ty)
         if UPCAST:  # Triton's interpreter only: its tl.dot multiplies bf16 operands' raw bits (3.6)
             x = x.to(tl.float32)
             w = w.to(tl.float32)
+            if GATED:
+                wu = wu.to(tl.float32)
         if SWAP:
             if IEEE:
                 acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+                if GATED:
+                    acc_up = tl.dot(wu, tl.trans(x), acc_up, input_precision="ieee")
             else:
                 acc = tl.dot(w, tl.trans(x), acc)
+                if GATED:
+                    acc_up = tl.dot(wu, tl.trans(x), acc_up)
         else:
             if IEEE:
                 acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+                if GATED:
+                    acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision="ieee")
             else:
                 acc = tl.dot(x, tl.trans(w), acc)
+                if GATED:
+                    acc_up = tl.dot(x, tl.trans(wu), acc_up)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+        if GATED:
+            wu_ptrs += BLOCK_K
+        if HAS_NORM:
+            nw_ptrs += BLOCK_K
+    # The epilogue works on [BLOCK_M, BLOCK_N] tiles (a swapped accumulator is transposed first), all in fp32,
+    # and rounds once on the store.
     if SWAP:
         out = tl.trans(acc)
+        if GATED:
+            up = tl.trans(acc_up)
     else:
         out = acc
+        if GATED:
+            up = acc_up
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if SPLIT_K == 1:
+        if HAS_NORM:  # padding rows have sq = 0: rsqrt(eps) stays finite, and they are not stored
+            inv_rms = tl.rsqrt(tl.reduce(sq, 1, _add) / K + eps)[:, None]
+            out = out * inv_rms
+            if GATED:
+                up = up * inv_rms
         if HAS_BIAS:
             out = out + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                up = up + tl.load(b_ptr + N + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        if GATED:  # silu(gate) * up
+            out = out / (1.0 + tl.exp(-out)) * up
+        if HAS_RESIDUAL:
+            out = out + tl.load(r_ptr + rm[:, None].to(tl.int64) * stride_rm + rn[None, :], mask=mask,
+                                other=0.0).to(tl.float32)
         tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], out.to(y_ptr.dtype.element_ty),
                  mask=mask)
     else:
-        # fp32 partials [SPLIT_K, M, N]; split_reduce_kernel adds them in split order.
+        # fp32 partials [SPLIT_K, M, N]; split_reduce_kernel adds them in split order (then bias and residual).
         base = p_ptr + pid_k.to(tl.int64) * M * N
         tl.store(base + rm[:, None].to(tl.int64) * N + rn[None, :], out, mask=mask)
 
@@ -101,12 +169,19 @@ def round_like(v, dtype: tl.constexpr):
         return v
 
 
-# Also the second kernel of flashdraft.quant.triton_kernels' split-K matmuls.
+@triton.jit
+def _add(a, b):
+    """tl.reduce's combine function for a sum (tl.sum itself is one of triton.language's @triton.jit helpers)."""
+    return a + b
+
+
+# Also the second kernel of flashdraft.quant.triton_kernels' split-K matmuls (without a residual).
 @triton.jit(do_not_specialize=["M"])
 def split_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
-                        SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    """y[m, n] = ((p[0, m, n] + p[1, m, n]) + p[2, m, n]) + ... (+ bias[n]): always the same order. UPCAST: round
-    to y's dtype by hand (round_like) before the store, for the interpreter."""
+                        SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, r_ptr=None, stride_rm=0,
+                        HAS_RESIDUAL: tl.constexpr = False):
+    """y[m, n] = ((p[0, m, n] + p[1, m, n]) + p[2, m, n]) + ... (+ bias[n]) (+ r[m, n]): always the same order.
+    UPCAST: round to y's dtype by hand (round_like) before the store, for the interpreter."""
     m = tl.program_id(1)
     rn = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rn < N
@@ -116,6 +191,8 @@ def split_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: tl.const
         acc += tl.load(row + s * M.to(tl.int64) * N, mask=ok, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=ok, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        acc += tl.load(r_ptr + m.to(tl.int64) * stride_rm + rn, mask=ok, other=0.0).to(tl.float32)
     if UPCAST:
         acc = round_like(acc, y_ptr.dtype.element_ty)
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + rn, acc.to(y_ptr.dtype.element_ty), mask=ok)

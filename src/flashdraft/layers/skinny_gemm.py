@@ -25,6 +25,14 @@ SpeculativeDecoder(gemm=...) / Engine(..., gemm=...) call it. The kernel is regi
 and it neither syncs with the host nor allocates anything but its output (and, for split-K shapes, one fp32
 workspace) from the current allocator, so it is safe inside CUDA graph capture.
 
+**Fusions.** Besides its GEMMs, a decoder layer's decode step runs small elementwise kernels (two RMSNorms,
+SwiGLU's silu * up, two residual adds); on an H200 they and the gaps between launches took about 0.8 ms of a
+5.2 ms step. The kernel can fold them in (each optional, each batch-invariant too): `norm_weight` applies an
+RMSNorm to x in the prologue (q/k/v after the input norm, the LM head after the final norm), `gated=True` takes
+the fused [gate; up] weight and returns silu(gate) * up (gate/up, after the post-attention norm), and `residual`
+adds the residual stream to the product (o and down projections). The fused results are computed in fp32 and
+rounded once, so they are close to, not bitwise equal to, the unfused ops that `linear` runs for larger inputs.
+
 Triton is imported on first use only. On CUDA the kernel runs compiled; elsewhere only under Triton's
 interpreter (TRITON_INTERPRET=1 set before the first call), which the CPU tests use.
 """
@@ -39,6 +47,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from flashdraft.layers import kernels
 
 BLOCK_M = 16  # rows per tile: tl.dot's minimum, and a whole DFlash verify block (B = 16) in one tile
 GEMM_BACKENDS = ("cublas", "triton")
@@ -168,13 +178,30 @@ def can_run(device: torch.device | str) -> bool:
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           config: SkinnyConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Run the kernel: x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype (no custom-op wrapper;
-    config None = config_for(N, K)). Benchmarks pass a config; the model path goes through skinny_linear."""
+           config: SkinnyConfig | None = None, out: torch.Tensor | None = None, *,
+           norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6, residual: torch.Tensor | None = None,
+           gated: bool = False) -> torch.Tensor:
+    """Run the kernel: x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype, with skinny_linear's optional
+    fusions (no custom-op wrapper). config None = config_for(weight's shape); norm and gated run any config with
+    split_k = 1 (both need the whole K range in one program). Gated: a program covers config.block_n gate rows
+    and the same features' up rows, so the [2 * I, K] shape's tiling runs with half its programs, each streaming
+    twice the weight rows, and (config None) half its pipeline stages. Benchmarks pass a config; the model path
+    goes through skinny_linear."""
     lead, k = x.shape[:-1], x.shape[-1]
-    n = weight.shape[0]
+    rows = weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"skinny_linear: x has {k} features, weight is {list(weight.shape)}")
+    if gated and rows % 2:
+        raise ValueError(f"skinny_linear: gated needs the gate rows stacked over the up rows, [2 * I, K]; "
+                         f"weight is {list(weight.shape)} (odd row count)")
+    n = rows // 2 if gated else rows
+    if bias is not None and bias.shape != (rows,):
+        raise ValueError(f"skinny_linear: bias is {list(bias.shape)}, weight is {list(weight.shape)}")
+    if norm_weight is not None and norm_weight.shape != (k,):
+        raise ValueError(f"skinny_linear: norm_weight is {list(norm_weight.shape)}, x has {k} features")
+    if residual is not None and (residual.shape != (*lead, n) or residual.dtype != x.dtype):
+        raise ValueError(f"skinny_linear: residual is {list(residual.shape)} {residual.dtype}, the output is "
+                         f"{[*lead, n]} {x.dtype}")
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < k):
         x2 = x2.contiguous()
@@ -185,7 +212,16 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if m == 0:
         return y.reshape(*lead, n)
     if config is None:
-        config = config_for(n, k, _sm_count(x.device.index if x.device.type == "cuda" else None))
+        config = config_for(rows, k, _sm_count(x.device.index if x.device.type == "cuda" else None))
+        if gated:  # two weight tiles a stage: half the stages keep the bytes in flight (and fp32 in shared memory)
+            config = dataclasses.replace(config, num_stages=max(2, (config.num_stages + 1) // 2))
+    if norm_weight is not None or gated:
+        config = dataclasses.replace(config, split_k=1)
+    res2 = None
+    if residual is not None:
+        res2 = residual.reshape(m, n)
+        if res2.stride(-1) != 1:
+            res2 = res2.contiguous()
     kern = _kernels()
     split = config.split_k
     m_tiles = -(-m // BLOCK_M)
@@ -193,9 +229,12 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     even_k = k % (split * config.block_k) == 0
     pdl = {"launch_pdl": True} if config.pdl and x.device.type == "cuda" else {}
     kern.skinny_gemm_kernel[(-(-n // config.block_n), split, m_tiles)](
-        x2, weight, bias if bias is not None else y, y, part, m, n, x2.stride(0), weight.stride(0), y.stride(0), K=k,
+        x2, weight, bias if bias is not None else y, y, part, norm_weight if norm_weight is not None else y,
+        res2 if res2 is not None else y, m, n, x2.stride(0), weight.stride(0), y.stride(0),
+        res2.stride(0) if res2 is not None else 0, float(norm_eps), K=k,
         STEPS=-(-(-(-k // config.block_k)) // split),
-        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, SWAP=config.swap,
+        HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, HAS_RESIDUAL=res2 is not None, GATED=gated,
+        IEEE=x.dtype == torch.float32, SWAP=config.swap,
         UPCAST=x.device.type != "cuda" and x.dtype != torch.float32, PDL=bool(pdl),
         BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split,
         EVEN_N=n % config.block_n == 0, EVEN_K=even_k, num_warps=config.num_warps, num_stages=config.num_stages, **pdl)
@@ -203,33 +242,56 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         block = 1024
         kern.split_reduce_kernel[(-(-n // block), m)](
             part, bias if bias is not None else y, y, m, n, y.stride(0),
-            HAS_BIAS=bias is not None, UPCAST=False, SPLIT_K=split, BLOCK=block, num_warps=4)
+            HAS_BIAS=bias is not None, UPCAST=False, SPLIT_K=split, BLOCK=block,
+            r_ptr=res2 if res2 is not None else y, stride_rm=res2.stride(0) if res2 is not None else 0,
+            HAS_RESIDUAL=res2 is not None, num_warps=4)
     return y.reshape(*lead, n)
 
 
 # The custom op: torch.compile sees one opaque call with a known output shape (no tracing into Triton).
 @torch.library.custom_op("flashdraft::skinny_linear", mutates_args=())
-def _skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return launch(x, weight, bias)
+def _skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,
+                      residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+    return launch(x, weight, bias, norm_weight=norm_weight, norm_eps=norm_eps, residual=residual, gated=gated)
 
 
 @_skinny_linear_op.register_fake
-def _(x, weight, bias):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+def _(x, weight, bias, norm_weight=None, norm_eps=1e-6, residual=None, gated=False):
+    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2 if gated else weight.shape[0]))
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,
+                  residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias) with the batch-invariant Triton kernel (see the module docstring):
     each output row is bitwise independent of how many rows go through together. Meant for few rows (<= 16
-    reads the weights once; more rows re-read them per 16-row tile)."""
-    return _skinny_linear_op(x, weight, bias)
+    reads the weights once; more rows re-read them per 16-row tile). Fusions, all in fp32 with one rounding:
+
+    - norm_weight [K]: x is RMS-normalized first, rms_norm(x) = x * rsqrt(mean(x * x) + norm_eps) * norm_weight;
+    - gated: weight is [gate; up], [2 * I, K] (bias [2 * I]), and the result [..., I] is silu(gate) * up;
+    - residual [..., N] (x's dtype): added to the result.
+    """
+    return _skinny_linear_op(x, weight, bias, norm_weight, norm_eps, residual, gated)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, max_m: int = 0) -> torch.Tensor:
-    """F.linear, except that inputs of 1..max_m rows go to skinny_linear (max_m = 0: always F.linear)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, max_m: int = 0, *,
+           norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6, residual: torch.Tensor | None = None,
+           gated: bool = False) -> torch.Tensor:
+    """F.linear with skinny_linear's optional parts: [residual +] [silu(gate) * up of] F.linear([rms_norm](x),
+    weight, bias). Inputs of 1..max_m rows go to skinny_linear with the parts fused; others (max_m = 0: all) run
+    the model's unfused torch ops (kernels.rms_norm, F.linear, kernels.silu_mul, +), so their results do not
+    depend on whether the parts are passed here or applied around a plain F.linear."""
     if max_m and math.prod(x.shape[:-1]) <= max_m:
-        return skinny_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+        return skinny_linear(x, weight, bias, norm_weight=norm_weight, norm_eps=norm_eps, residual=residual,
+                             gated=gated)
+    if norm_weight is not None:
+        x = kernels.rms_norm(x, norm_weight, norm_eps)
+    y = F.linear(x, weight, bias)
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = kernels.silu_mul(gate, up)
+    return y if residual is None else residual + y
 
 
 class SkinnyLinear(nn.Linear):

@@ -1,0 +1,86 @@
+"""The Triton kernel behind flashdraft.layers.qkv_prep (imported on first use, so that importing flashdraft never
+needs Triton and a CPU test can still set TRITON_INTERPRET first).
+
+One program per (token, head slot): slots 0..N_HEADS-1 are the query heads, slot N_HEADS + j is key head j together
+with value head j. Query head h and key head j start at columns h * D and (N_HEADS + j) * D of the token's row of
+the fused q/k/v product (the key heads follow the query heads), so slot s starts at s * D either way. A program
+loads its head twice, in order and with its halves swapped (rotate_half(x) is the swapped copy with its first half
+negated: no shuffle of registers, and the second load hits the cache), RMS-normalizes both copies (HAS_NORM),
+applies RoPE and stores a query head into q, or a key head and the raw value head into the caches at row
+positions[t]. Nothing depends on T, so a token's outputs are the same bits whatever else goes through.
+
+Arithmetic is float32 with a rounding to the tensor dtype wherever the eager torch path (kernels.rms_norm,
+kernels.rope) rounds: after the float32 normalization, after the weight product, after cos/sin are cast, after
+each RoPE product and after the RoPE sum. A product of two bf16/fp16 values is exact in float32, so each step
+rounds exactly as torch's bf16/fp16 op does. The launcher switches off FMA contraction, which would fuse a product
+and a sum into one rounding that the eager path does not make (the float32 case's RoPE, the mean of squares).
+Only the mean of squares can differ in its last bits: its summation order is this kernel's own (and on the GPU
+its rsqrt is the hardware approximation, as torch's is).
+"""
+import triton
+import triton.language as tl
+
+# Only Triton builtins (see _skinny_triton: triton.language's own jit helpers, tl.sum among them, break under an
+# interpreter switched on after Triton's import), so the mean of squares takes this combine function; and the
+# rounding helper is defined here rather than imported, so that it is decorated with this module's kernel.
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _round(v, dtype: tl.constexpr, EMULATE: tl.constexpr):
+    """float32 v rounded to `dtype` (nearest, ties to even), kept in float32. EMULATE: round bf16 on the bits, for
+    Triton's interpreter, whose casts to bf16 truncate."""
+    if dtype == tl.float32:
+        return v
+    elif EMULATE and dtype == tl.bfloat16:
+        # in 64 bits: the interpreter checks every narrower integer sum for overflow, which is slow
+        bits = v.to(tl.uint32, bitcast=True).to(tl.int64)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.uint32).to(tl.float32, bitcast=True)
+    else:
+        return v.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def qkv_prep_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_norm_ptr, k_norm_ptr, q_ptr, cache_k_ptr, cache_v_ptr,
+                    stride_qkv, stride_cos, stride_sin, stride_kh, stride_kn, stride_vh, stride_vn, capacity, eps,
+                    N_HEADS: tl.constexpr, N_KV: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr,
+                    EMULATE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.program_id(1)
+    dtype = q_ptr.dtype.element_ty
+    d = tl.arange(0, D)
+    half = D // 2
+    swapped = (d + half) % D  # rotate_half(x)[d] = -x[d + half] for d < half, x[d - half] after
+    head = qkv_ptr + t * stride_qkv + slot * D
+    x = tl.load(head + d).to(tl.float32)
+    x_swapped = tl.load(head + swapped).to(tl.float32)
+    if HAS_NORM:
+        # weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(dtype), rounded to dtype (the mean as torch's:
+        # the sum times 1 / D, exact for a power of two); the swapped copy takes the same per-element steps
+        inv_rms = tl.math.rsqrt(tl.reduce(x * x, 0, _add) * (1.0 / D) + eps)
+        if slot < N_HEADS:
+            norm_ptr = q_norm_ptr
+        else:
+            norm_ptr = k_norm_ptr
+        x = _round(tl.load(norm_ptr + d).to(tl.float32) * _round(x * inv_rms, dtype, EMULATE), dtype, EMULATE)
+        x_swapped = _round(tl.load(norm_ptr + swapped).to(tl.float32) * _round(x_swapped * inv_rms, dtype, EMULATE),
+                           dtype, EMULATE)
+    rotated = tl.where(d < half, -x_swapped, x_swapped)
+    # x * cos + rotate_half(x) * sin with cos and sin cast to dtype, each product and the sum rounded to dtype
+    cos = _round(tl.load(cos_ptr + t * stride_cos + d).to(tl.float32), dtype, EMULATE)
+    sin = _round(tl.load(sin_ptr + t * stride_sin + d).to(tl.float32), dtype, EMULATE)
+    out = _round(_round(x * cos, dtype, EMULATE) + _round(rotated * sin, dtype, EMULATE), dtype, EMULATE).to(dtype)
+    if slot < N_HEADS:
+        tl.store(q_ptr + (t * N_HEADS + slot) * D + d, out)
+    else:
+        kv = (slot - N_HEADS).to(tl.int64)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        if (pos >= 0) & (pos < capacity):  # an out-of-range position writes nothing rather than past the cache
+            tl.store(cache_k_ptr + kv * stride_kh + pos * stride_kn + d, out)
+            value = tl.load(head + N_KV * D + d)  # value head j sits N_KV heads after key head j
+            tl.store(cache_v_ptr + kv * stride_vh + pos * stride_vn + d, value)

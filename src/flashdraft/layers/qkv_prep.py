@@ -1,0 +1,151 @@
+"""Everything between the fused q/k/v GEMM and attention, as one Triton kernel.
+
+`qkv_prep(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight, eps)` takes a
+cached pass's fused projection qkv [T, (n_heads + 2 * n_kv) * head_dim] and
+- splits it into query, key and value heads,
+- RMS-normalizes each query and key head (Qwen3's q_norm / k_norm; both weights None: no norm),
+- applies rotate-half RoPE to them with the pass's cos / sin rows [T, head_dim] (float32, gathered by position),
+- writes the keys and the unchanged values into the layer's static cache, cache_k / cache_v [n_kv, capacity,
+  head_dim], at rows positions[t], and
+- returns the queries as [T, n_heads, head_dim] (Attention hands q.transpose(0, 1) to decode_attention).
+
+Why: torch.compile turns these steps into about four kernels per layer, which with their launch gaps cost about
+0.3 ms per token for a 36-layer model on an H200. Here they are one launch of T * (n_heads + n_kv) small programs,
+one per (token, query head) and per (token, key/value head pair).
+
+Numerics: `qkv_prep_reference` is what Attention.forward does in eager torch: rms_norm = weight * (x.float() *
+rsqrt(mean(x.float()^2) + eps)).to(dtype), rope = x * cos.to(dtype) + rotate_half(x) * sin.to(dtype) in the
+tensor dtype. The kernel computes in float32 and rounds to the tensor dtype at every step where that path rounds
+(and without FMA contraction), so RoPE is bitwise the eager result, and so are the values (copied). The one
+step it cannot reproduce is the float32 mean of squares, whose summation order differs from torch's reduction
+(and, on the GPU, whose rsqrt approximation may differ in the last place): the normalized float32 value can
+differ by an ulp or so, which in bf16 / fp16 almost never survives the rounding that follows (the CPU tests find
+the bf16 and fp16 results bitwise equal) and in float32 leaves differences of a few ulps. A torch.compile'd
+Attention is not the eager path either: Inductor by default keeps bf16 intermediates in float32 rather than
+rounding each one, so the kernel's bits are the eager path's, not the compiled layer's of today.
+
+Batch invariance: a token's query and cache rows are computed by its own programs from its own qkv, cos, sin and
+position, with nothing that depends on T, so they are bitwise the same whether it goes alone or with 15 others.
+
+The kernel is the custom op `flashdraft::qkv_prep` (it mutates cache_k and cache_v), opaque to torch.compile and
+safe inside CUDA graph capture: no host sync, and it allocates only q. It runs on CUDA with Triton, or under
+Triton's interpreter (TRITON_INTERPRET=1, the CPU tests), where skinny_gemm.can_run says so. Elsewhere Attention
+keeps its module-by-module path, which `qkv_prep_reference` reproduces for the tests. A position outside [0, capacity) writes no cache row (index_copy_ would raise instead; the
+kernel cannot check without a host sync).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from flashdraft.layers import kernels
+
+HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two (one tl.arange spans a head)
+
+
+@functools.cache
+def _kernels():
+    from flashdraft.layers import _qkv_prep_triton
+    return _qkv_prep_triton
+
+
+def _head_dim(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+              cache_k: torch.Tensor, cache_v: torch.Tensor, n_heads: int, n_kv: int,
+              q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None) -> int:
+    """Check the arguments' shapes, dtypes and devices (shapes only: no host sync); return head_dim."""
+    if qkv.dim() != 2 or n_heads < 1 or n_kv < 1 or qkv.shape[1] % (n_heads + 2 * n_kv):
+        raise ValueError(f"qkv_prep: qkv width: qkv {list(qkv.shape)} is not [T, (n_heads + 2 * n_kv) * head_dim] "
+                         f"with n_heads = {n_heads}, n_kv = {n_kv}")
+    T, hd = qkv.shape[0], qkv.shape[1] // (n_heads + 2 * n_kv)
+    if hd not in HEAD_DIMS:
+        raise ValueError(f"qkv_prep: head_dim {hd} is not one of {HEAD_DIMS}")
+    if cache_k.dim() != 3 or cache_k.shape != cache_v.shape or cache_k.shape[0] != n_kv or cache_k.shape[2] != hd:
+        raise ValueError(f"qkv_prep: cache shapes: cache_k {list(cache_k.shape)} and cache_v {list(cache_v.shape)} "
+                         f"must both be [{n_kv}, capacity, {hd}]")
+    if cache_k.dtype != qkv.dtype or cache_v.dtype != qkv.dtype:
+        raise ValueError(f"qkv_prep: cache dtypes {cache_k.dtype} / {cache_v.dtype} differ from qkv's {qkv.dtype}")
+    if cache_k.stride(2) != 1 or cache_v.stride(2) != 1:
+        raise ValueError("qkv_prep: the caches need unit stride along head_dim")
+    if cos.shape != (T, hd) or sin.shape != (T, hd) or cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise ValueError(f"qkv_prep: cos ({cos.dtype} {list(cos.shape)}) and sin ({sin.dtype} {list(sin.shape)}) "
+                         f"must both be float32 [{T}, {hd}]")
+    if positions.shape != (T,) or positions.dtype != torch.int64:
+        raise ValueError(f"qkv_prep: positions must be int64 [{T}], got {positions.dtype} {list(positions.shape)}")
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("qkv_prep: give both q_norm_weight and k_norm_weight, or neither")
+    for name, weight in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if weight is not None and (weight.shape != (hd,) or weight.dtype != qkv.dtype):
+            raise ValueError(f"qkv_prep: {name} is {weight.dtype} {list(weight.shape)}, not {qkv.dtype} [{hd}]")
+    tensors = (cos, sin, positions, cache_k, cache_v, q_norm_weight, k_norm_weight)
+    if any(x is not None and x.device != qkv.device for x in tensors):
+        raise ValueError(f"qkv_prep: every tensor must be on qkv's device, {qkv.device}")
+    return hd
+
+
+def launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+           cache_k: torch.Tensor, cache_v: torch.Tensor, n_heads: int, n_kv: int,
+           q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
+           eps: float = 1e-6) -> torch.Tensor:
+    """Run the kernel (no custom-op wrapper); arguments and result as qkv_prep."""
+    hd = _head_dim(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight)
+    T = qkv.shape[0]
+    q = torch.empty((T, n_heads, hd), dtype=qkv.dtype, device=qkv.device)
+    if T == 0:
+        return q
+    # read-only inputs are only made contiguous where a row is not (a row stride larger than the width is fine)
+    qkv, cos, sin = (x if x.stride(-1) == 1 else x.contiguous() for x in (qkv, cos, sin))
+    has_norm = q_norm_weight is not None
+    if has_norm:
+        q_norm_weight, k_norm_weight = q_norm_weight.contiguous(), k_norm_weight.contiguous()
+    _kernels().qkv_prep_kernel[(T, n_heads + n_kv)](
+        qkv, cos, sin, positions, q_norm_weight if has_norm else qkv, k_norm_weight if has_norm else qkv, q,
+        cache_k, cache_v, qkv.stride(0), cos.stride(0), sin.stride(0), cache_k.stride(0), cache_k.stride(1),
+        cache_v.stride(0), cache_v.stride(1), cache_k.shape[1], eps, N_HEADS=n_heads, N_KV=n_kv, D=hd,
+        HAS_NORM=has_norm, EMULATE=qkv.device.type != "cuda", num_warps=1,
+        enable_fp_fusion=False)  # no FMA: the eager path rounds the RoPE products before adding them
+    return q
+
+
+@torch.library.custom_op("flashdraft::qkv_prep", mutates_args=("cache_k", "cache_v"))
+def _qkv_prep_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                 cache_k: torch.Tensor, cache_v: torch.Tensor, n_heads: int, n_kv: int,
+                 q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return launch(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight, eps)
+
+
+@_qkv_prep_op.register_fake
+def _(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight, eps):
+    hd = _head_dim(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight)
+    return qkv.new_empty((qkv.shape[0], n_heads, hd))
+
+
+def qkv_prep(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+             cache_k: torch.Tensor, cache_v: torch.Tensor, n_heads: int, n_kv: int,
+             q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
+             eps: float = 1e-6) -> torch.Tensor:
+    """Split qkv [T, (n_heads + 2 * n_kv) * hd] (unit stride along a row), RMS-normalize (both weights [hd] given)
+    and rotate the query and key heads with cos / sin [T, hd], write the keys and the raw values into cache_k /
+    cache_v [n_kv, capacity, hd] at rows positions [T] (int64), and return the queries [T, n_heads, hd], one
+    kernel launch (module docstring: numerics, batch invariance)."""
+    return _qkv_prep_op(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight,
+                        eps)
+
+
+def qkv_prep_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                       cache_k: torch.Tensor, cache_v: torch.Tensor, n_heads: int, n_kv: int,
+                       q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
+                       eps: float = 1e-6) -> torch.Tensor:
+    """qkv_prep in plain torch, the steps of Attention.forward's module path (the tests' reference): split, per-head kernels.rms_norm, kernels.rope, index_copy_ into the caches."""
+    hd = _head_dim(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight)
+    q, k, v = qkv.split([n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
+
+    def rotated(x: torch.Tensor, heads: int, weight: torch.Tensor | None) -> torch.Tensor:
+        x = x.unflatten(-1, (heads, hd))
+        if weight is not None:
+            x = kernels.rms_norm(x, weight, eps)
+        return kernels.rope(x, cos.unsqueeze(-2), sin.unsqueeze(-2))  # [T, heads, hd]
+
+    cache_k.index_copy_(1, positions, rotated(k, n_kv, k_norm_weight).transpose(0, 1))
+    cache_v.index_copy_(1, positions, v.unflatten(-1, (n_kv, hd)).transpose(0, 1))
+    return rotated(q, n_heads, q_norm_weight)

@@ -1,0 +1,201 @@
+"""The fused q/k/v preparation (flashdraft.layers.qkv_prep): its Triton kernel under Triton's interpreter on the CPU
+(compiled on a CUDA machine) against qkv_prep_reference, the torch steps of Attention.forward; strided inputs and
+cache views; batch invariance; the argument checks; the custom op under torch.compile."""
+
+import pytest
+import torch
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+
+pytest.importorskip("triton")
+
+from triton_interpreter import interpret_without_gpu  # noqa: E402
+
+from flashdraft.layers import qkv_prep as qp  # noqa: E402
+
+interpret_without_gpu("flashdraft.layers._qkv_prep_triton", qp._kernels)
+
+UNWRITTEN = float("-inf")  # what the caches hold before a call: any row still holding it was not written
+CAPACITY = 40
+
+
+def _inputs(T, heads, kv_heads, hd, dtype, norm, seed):
+    """Arguments of qkv_prep except the caches. cos/sin come from arbitrary angles, not a RoPE table whose two halves
+    repeat, so mixing up the halves cannot go unnoticed; positions are distinct rows in no particular order; eps is
+    large enough to change the normalized values."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * hd, generator=g) * 3
+    angles = torch.rand(T, hd, generator=g) * 100
+    weights = 1 + 0.3 * torch.randn(2, hd, generator=g)
+    return {"qkv": qkv.to(DEVICE, dtype), "cos": angles.cos().to(DEVICE), "sin": angles.sin().to(DEVICE),
+            "positions": torch.randperm(CAPACITY, generator=g)[:T].to(DEVICE), "n_heads": heads, "n_kv": kv_heads,
+            "q_norm_weight": weights[0].to(DEVICE, dtype) if norm else None,
+            "k_norm_weight": weights[1].to(DEVICE, dtype) if norm else None, "eps": 0.5}
+
+
+def _caches(kv_heads, hd, dtype):
+    return tuple(torch.full((kv_heads, CAPACITY, hd), UNWRITTEN, dtype=dtype, device=DEVICE) for _ in range(2))
+
+
+def _assert_same(out, ref, exact):
+    """Bitwise equal, or (not exact: a normalization whose float32 mean of squares sums in another order than
+    torch's, see qkv_prep's docstring) a few float32 ulps apart, which bf16 / fp16 rounding hides but rarely."""
+    if exact:
+        assert torch.equal(out, ref)
+    elif out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    else:
+        torch.testing.assert_close(out, ref)  # about one rounding step of the dtype
+
+
+NORM_EXACT = not ON_CUDA  # bf16 / fp16 with a norm: bitwise on the CPU; on the GPU torch's mean has its own order
+
+
+# (dtype, q/k norm, T, head_dim): decode (T = 1) and verify-sized passes, Qwen3 (norm) and Llama (no norm).
+CASES = [
+    (torch.bfloat16, True, 5, 64),
+    (torch.bfloat16, False, 1, 32),
+    (torch.float16, True, 2, 32),
+    (torch.float32, True, 3, 32),
+    (torch.float32, False, 5, 64),
+]
+
+
+@pytest.mark.parametrize("dtype,norm,T,hd", CASES)
+def test_matches_the_reference(dtype, norm, T, hd):
+    """q and the written cache rows are the eager path's bits (up to a few ulps for float32 with a norm, whose
+    mean of squares sums in another order than torch's); no other cache row is touched."""
+    args = _inputs(T, 4, 2, hd, dtype, norm, seed=T * hd + norm)
+    cache_k, cache_v = _caches(2, hd, dtype)
+    ref_k, ref_v = _caches(2, hd, dtype)
+    q = qp.qkv_prep(**args, cache_k=cache_k, cache_v=cache_v)
+    ref_q = qp.qkv_prep_reference(**args, cache_k=ref_k, cache_v=ref_v)
+    assert q.shape == (T, 4, hd) and q.dtype == dtype and q.is_contiguous()
+    exact = not norm or (dtype != torch.float32 and NORM_EXACT)
+    _assert_same(q, ref_q, exact)
+    _assert_same(cache_k, ref_k, exact)
+    assert torch.equal(cache_v, ref_v)  # values are copied
+    unwritten = torch.ones(CAPACITY, dtype=torch.bool, device=DEVICE)
+    unwritten[args["positions"]] = False
+    assert (cache_k[:, unwritten] == UNWRITTEN).all() and (cache_v[:, unwritten] == UNWRITTEN).all()
+    assert not (cache_k[:, ~unwritten] == UNWRITTEN).any() and not (cache_v[:, ~unwritten] == UNWRITTEN).any()
+
+
+def test_exact_match_needs_the_eager_roundings():
+    """The bitwise comparisons above are not met by just any correct RoPE: rounding once at the end (as a fused
+    kernel keeping bf16 intermediates in float32 does) gives other bf16 bits."""
+    args = _inputs(5, 4, 2, 64, torch.bfloat16, False, seed=1)
+    ref_q = qp.qkv_prep_reference(**args, cache_k=_caches(2, 64, torch.bfloat16)[0],
+                                  cache_v=_caches(2, 64, torch.bfloat16)[1])
+    x = args["qkv"][:, :4 * 64].unflatten(-1, (4, 64)).float()
+    cos, sin = args["cos"].bfloat16().float()[:, None], args["sin"].bfloat16().float()[:, None]
+    once = (x * cos + torch.cat([-x[..., 32:], x[..., :32]], dim=-1) * sin).bfloat16()
+    assert not torch.equal(once, ref_q)
+
+
+def test_strided_qkv_and_cache_views():
+    """qkv a column slice of a wider product, cos/sin slices of wider tables, the caches views of one layer of a
+    bigger cache with rows before and after them: only the views' rows at `positions` change."""
+    T, hd, dtype = 5, 32, torch.bfloat16
+    args = _inputs(T, 4, 2, hd, dtype, True, seed=11)
+    width = args["qkv"].shape[1]
+    wide = torch.randn(T, width + 24, device=DEVICE).to(dtype)
+    wide[:, 8:8 + width] = args["qkv"]
+    args["qkv"] = wide[:, 8:8 + width]
+    for name in ("cos", "sin"):
+        table = torch.randn(T, 3 * hd, device=DEVICE)
+        table[:, hd:2 * hd] = args[name]
+        args[name] = table[:, hd:2 * hd]
+    big = torch.full((2, 2, 2, CAPACITY + 8, hd), UNWRITTEN, dtype=dtype, device=DEVICE)  # [k/v, layer, kv, rows, hd]
+    ref_big = big.clone()
+    q = qp.qkv_prep(**args, cache_k=big[0, 1, :, 3:3 + CAPACITY], cache_v=big[1, 1, :, 3:3 + CAPACITY])
+    ref_q = qp.qkv_prep_reference(**args, cache_k=ref_big[0, 1, :, 3:3 + CAPACITY],
+                                  cache_v=ref_big[1, 1, :, 3:3 + CAPACITY])
+    _assert_same(q, ref_q, NORM_EXACT)
+    _assert_same(big[0], ref_big[0], NORM_EXACT)
+    assert torch.equal(big[1], ref_big[1])
+    assert (big[:, 0] == UNWRITTEN).all()  # the other layer
+    assert (big[:, 1, :, :3] == UNWRITTEN).all() and (big[:, 1, :, 3 + CAPACITY:] == UNWRITTEN).all()
+
+
+def test_tokens_are_bitwise_independent_of_the_batch():
+    """A token's query and cache rows are the same bits whether it goes alone or as one of 16 tokens."""
+    T, hd, dtype = 16, 32, torch.bfloat16
+    args = _inputs(T, 2, 1, hd, dtype, True, seed=5)
+    cache_k, cache_v = _caches(1, hd, dtype)
+    q = qp.qkv_prep(**args, cache_k=cache_k, cache_v=cache_v)
+    for t in (0, 9, 15):
+        alone = {**args, **{name: args[name][t:t + 1] for name in ("qkv", "cos", "sin", "positions")}}
+        alone_k, alone_v = _caches(1, hd, dtype)
+        q_alone = qp.qkv_prep(**alone, cache_k=alone_k, cache_v=alone_v)
+        row = args["positions"][t]
+        assert torch.equal(q_alone[0], q[t])
+        assert torch.equal(alone_k[:, row], cache_k[:, row]) and torch.equal(alone_v[:, row], cache_v[:, row])
+
+
+def test_edge_cases():
+    """No tokens: an empty q and untouched caches. A position past the cache: q as usual, no cache row written
+    (index_copy_ would raise; the kernel cannot check without a host sync)."""
+    args = _inputs(2, 4, 2, 32, torch.bfloat16, True, seed=3)
+    cache_k, cache_v = _caches(2, 32, torch.bfloat16)
+    empty = {**args, **{name: args[name][:0] for name in ("qkv", "cos", "sin", "positions")}}
+    assert qp.qkv_prep(**empty, cache_k=cache_k, cache_v=cache_v).shape == (0, 4, 32)
+    args["positions"] = torch.tensor([CAPACITY + 3, -1], device=DEVICE)
+    q = qp.qkv_prep(**args, cache_k=cache_k, cache_v=cache_v)
+    ref_q = qp.qkv_prep_reference(**{**args, "positions": torch.tensor([0, 1], device=DEVICE)},
+                                  cache_k=_caches(2, 32, torch.bfloat16)[0], cache_v=_caches(2, 32, torch.bfloat16)[1])
+    _assert_same(q, ref_q, NORM_EXACT)
+    assert (cache_k == UNWRITTEN).all() and (cache_v == UNWRITTEN).all()
+
+
+def test_bad_arguments_are_named():
+    args = _inputs(2, 4, 2, 32, torch.bfloat16, True, seed=2)
+    cache_k, cache_v = _caches(2, 32, torch.bfloat16)
+
+    def check(match, **changes):
+        for fn in (qp.qkv_prep, qp.qkv_prep_reference):
+            with pytest.raises(ValueError, match=match):
+                fn(**{**args, "cache_k": cache_k, "cache_v": cache_v, **changes})
+
+    check("qkv width", qkv=args["qkv"][:, :-1])
+    check("qkv width", n_kv=3)
+    check("head_dim 24", qkv=torch.zeros(2, 8 * 24, dtype=torch.bfloat16, device=DEVICE),
+          cache_k=cache_k[..., :24], cache_v=cache_v[..., :24], cos=args["cos"][:, :24], sin=args["sin"][:, :24],
+          q_norm_weight=None, k_norm_weight=None)
+    check("cache shapes", cache_v=cache_v[:, :-1])
+    check("cache shapes", cache_k=_caches(1, 32, torch.bfloat16)[0])
+    check("cache dtypes", cache_k=cache_k.float(), cache_v=cache_v.float())
+    check("unit stride", cache_k=cache_k.transpose(1, 2).contiguous().transpose(1, 2))
+    check("cos", cos=args["cos"][:1])
+    check("float32", sin=args["sin"].bfloat16())
+    check("positions", positions=args["positions"].int())
+    check("both q_norm_weight and k_norm_weight", k_norm_weight=None)
+    check("q_norm_weight is", q_norm_weight=args["q_norm_weight"].float())
+    assert (cache_k == UNWRITTEN).all() and (cache_v == UNWRITTEN).all()
+
+
+def test_custom_op_and_compile():
+    """The op's schema declares the cache writes and its fake implementation has q's shape; under torch.compile it
+    is one opaque call whose cache writes still land in the caller's tensors."""
+    args = _inputs(3, 4, 2, 32, torch.bfloat16, True, seed=8)
+    cache_k, cache_v = _caches(2, 32, torch.bfloat16)
+    op_args = (args["qkv"], args["cos"], args["sin"], args["positions"], cache_k, cache_v, 4, 2,
+               args["q_norm_weight"], args["k_norm_weight"], args["eps"])
+    torch.library.opcheck(torch.ops.flashdraft.qkv_prep.default, op_args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+    def step(qkv, cos, sin, positions, cache_k, cache_v):
+        q = qp.qkv_prep(qkv, cos, sin, positions, cache_k, cache_v, 4, 2, args["q_norm_weight"],
+                        args["k_norm_weight"], args["eps"])
+        return q.transpose(0, 1) * 2
+
+    # the caches as the decoder holds them, views of one tensor for all layers ([k/v, layer, kv, rows, hd])
+    big, ref_big = (torch.full((2, 2, 2, CAPACITY, 32), UNWRITTEN, dtype=torch.bfloat16, device=DEVICE)
+                    for _ in range(2))
+    compiled = torch.compile(step, backend="aot_eager", dynamic=True, fullgraph=True)
+    for T in (2, 3):  # one graph with a symbolic T (dynamic shapes specialize T = 1)
+        tensors = [args[name][:T] for name in ("qkv", "cos", "sin", "positions")]
+        assert torch.equal(compiled(*tensors, big[0, 1], big[1, 1]), step(*tensors, ref_big[0, 1], ref_big[1, 1]))
+    assert torch.equal(big, ref_big)
+    assert not (big[:, 1, :, args["positions"]] == UNWRITTEN).any() and (big[:, 0] == UNWRITTEN).all()

@@ -1,12 +1,15 @@
 """The Triton kernels behind flashdraft.layers.decode_attention (imported on first use, so that importing
 flashdraft never needs Triton and a CPU test can still set TRITON_INTERPRET first).
 
-Split-KV attention of a few query rows over a static cache, in two passes:
-1. `attention_partial_kernel`, one program per (kv head, 16-row query tile, SPLIT-row key range): scores by
-   tl.dot, the position mask, an online softmax over the range in BLOCK_N steps, and its fp32 partial output,
-   row maximum and row sum.
-2. `attention_combine_kernel`, one program per (kv head, query tile): rescales and adds the partials in split
-   order 0, 1, ... and writes the rows straight into the [T, heads * head_dim] layout o_proj reads.
+Split-KV attention of a few query rows over a static cache, in one launch of `attention_kernel`, one program per
+(kv head, 16-row query tile, SPLIT-row key range):
+1. scores by tl.dot, the position mask, an online softmax over the range in BLOCK_N steps, and the range's fp32
+   partial output, row maximum and row sum, stored;
+2. a ticket from a per-(kv head, tile) counter: the program that arrives last rescales and adds the partials in
+   split order 0, 1, ... and writes the rows straight into the [T, heads * head_dim] layout o_proj reads, then
+   sets the counter back to zero for the next launch. The order of the additions never depends on which
+   program does them. (A second kernel for this step cost about 3 us per layer, launch gap included, at batch 1
+   on the H200.)
 
 Query rows of one kv head are the T tokens times its group's heads, token-major (row r = t * group + g, so a
 token's rows sit in the same tile places whatever T is). Every tile has 16 rows
@@ -33,11 +36,10 @@ def _add(a, b):
 
 
 @triton.jit(do_not_specialize=["T", "KV_LEN", "N_SPLITS"])
-def attention_partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, T, KV_LEN, N_SPLITS,
-                             stride_qh, stride_qt, stride_kh, stride_kn, stride_vh, stride_vn, stride_mt,
-                             qk_scale, GROUP: tl.constexpr, D: tl.constexpr, HAS_MASK: tl.constexpr,
-                             IEEE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-                             SPLIT: tl.constexpr):
+def attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, counter_ptr, out_ptr, T, KV_LEN, N_SPLITS,
+                     stride_qh, stride_qt, stride_kh, stride_kn, stride_vh, stride_vn, stride_mt, stride_ot,
+                     qk_scale, GROUP: tl.constexpr, D: tl.constexpr, HAS_MASK: tl.constexpr,
+                     IEEE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
     kv = tl.program_id(0)
     tile = tl.program_id(1)
     split = tl.program_id(2)
@@ -80,13 +82,18 @@ def attention_partial_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_pt
     tl.store(m_ptr + slot * BLOCK_Q + r, m_i, mask=row_ok)
     tl.store(l_ptr + slot * BLOCK_Q + r, l_i, mask=row_ok)
     tl.store(acc_ptr + (slot * BLOCK_Q + r)[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
+    # acq_rel: this program's partial is visible before its ticket; the last one's loads see every partial
+    counter = counter_ptr + kv * tl.num_programs(1) + tile
+    if tl.atomic_add(counter, 1, sem="acq_rel") == N_SPLITS - 1:
+        _combine(m_ptr, l_ptr, acc_ptr, out_ptr, kv, tile, T, N_SPLITS, stride_ot, GROUP, D, BLOCK_Q)
+        tl.atomic_xchg(counter, 0)
 
 
-@triton.jit(do_not_specialize=["T", "N_SPLITS"])
-def attention_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, T, N_SPLITS, stride_ot, GROUP: tl.constexpr,
-                             D: tl.constexpr, BLOCK_Q: tl.constexpr):
-    kv = tl.program_id(0)
-    tile = tl.program_id(1)
+@triton.jit
+def _combine(m_ptr, l_ptr, acc_ptr, out_ptr, kv, tile, T, N_SPLITS, stride_ot, GROUP: tl.constexpr,
+             D: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """Add the N_SPLITS partials of (kv, tile) in split order and store the tile's rows of the output. Loads
+    bypass L1 (.cg): the partials were written by other programs."""
     r = tl.arange(0, BLOCK_Q)
     d = tl.arange(0, D)
     base = (kv * tl.num_programs(1) + tile) * N_SPLITS
@@ -96,17 +103,19 @@ def attention_combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, T, N_SPLITS, stride
     m_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     s = 0
     while s < N_SPLITS:
-        m_max = tl.maximum(m_max, tl.load(m_ptr + (base + s) * BLOCK_Q + r, mask=row_ok, other=float("-inf")))
+        m_max = tl.maximum(m_max, tl.load(m_ptr + (base + s) * BLOCK_Q + r, mask=row_ok, other=float("-inf"),
+                                          cache_modifier=".cg"))
         s += 1
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # padding rows: no NaN from -inf - -inf
     total = tl.full([BLOCK_Q], 0.0, tl.float32)
     acc = tl.full([BLOCK_Q, D], 0.0, tl.float32)
     s = 0
     while s < N_SPLITS:
-        w = tl.math.exp2(tl.load(m_ptr + (base + s) * BLOCK_Q + r, mask=row_ok, other=float("-inf")) - m_max)
-        total += w * tl.load(l_ptr + (base + s) * BLOCK_Q + r, mask=row_ok, other=0.0)
+        w = tl.math.exp2(tl.load(m_ptr + (base + s) * BLOCK_Q + r, mask=row_ok, other=float("-inf"),
+                                 cache_modifier=".cg") - m_max)
+        total += w * tl.load(l_ptr + (base + s) * BLOCK_Q + r, mask=row_ok, other=0.0, cache_modifier=".cg")
         acc += w[:, None] * tl.load(acc_ptr + ((base + s) * BLOCK_Q + r)[:, None] * D + d[None, :],
-                                    mask=row_ok[:, None], other=0.0)
+                                    mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
         s += 1
     t = rows // GROUP
     head = kv * GROUP + rows % GROUP

@@ -3,8 +3,9 @@
 `decode_attention(q, k, v, mask)` attends q [heads, T, head_dim] over the first kv_len rows of one layer's cache,
 k / v [kv_heads, kv_len, head_dim] (views of the static cache), under a boolean mask [T or 1, kv_len] (True = may
 attend; None = every row visible), and returns [T, heads * head_dim], the layout o_proj reads. The Triton
-kernels (flashdraft.layers._attention_triton) split the keys into fixed ranges, one program per (kv head, tile of
-query rows, key range), and add the ranges' partial softmaxes in a fixed order; `CONFIG` holds the tiling.
+kernel (flashdraft.layers._attention_triton) splits the keys into fixed ranges, one program per (kv head, tile of
+query rows, key range), and the last program of each (kv head, tile) adds the ranges' partial softmaxes in a
+fixed order; `CONFIG` holds the tiling.
 
 Why not SDPA: at T = 1..16 over a cache of a few hundred rows, cuDNN's flash kernel costs 11-20 us per layer
 on an H200 (docs/performance.md), for about 1-2 MB of keys and values, plus the kernels that turn the boolean
@@ -14,7 +15,7 @@ pass gives a token the same bits in a decode and in a verify step.
 
 Routing: `route_attention(*models, on=True, max_t=16)` makes the models' Attention modules send passes of at most
 max_t tokens here (CUDA, or Triton's interpreter for the CPU tests); SpeculativeDecoder(attention="triton") calls
-it. The kernels are registered as the custom op `flashdraft::decode_attention`, opaque to torch.compile and safe
+it. The kernel is registered as the custom op `flashdraft::decode_attention`, opaque to torch.compile and safe
 inside CUDA graph capture (no host sync; they allocate only the output and the fp32 partials).
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ ATTENTION_BACKENDS = ("sdpa", "triton")
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """One tiling of the kernels. Fixed for the process, never chosen by T or kv_len (batch invariance)."""
+    """One tiling of the kernel. Fixed for the process, never chosen by T or kv_len (batch invariance)."""
 
     block_q: int = 16    # query rows per program (tokens x group heads, token-major), at least tl.dot's 16
     block_n: int = 64    # keys per inner step
@@ -59,7 +60,7 @@ def supports(head_dim: int) -> bool:
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
            config: AttentionConfig | None = None) -> torch.Tensor:
-    """Run the two kernels (no custom-op wrapper). q [heads, T, hd]; k, v [kv_heads, kv_len, hd] with unit stride
+    """Run the kernel (no custom-op wrapper). q [heads, T, hd]; k, v [kv_heads, kv_len, hd] with unit stride
     along hd; mask None or bool [T or 1, kv_len]. Returns [T, heads * hd] in q's dtype. config None = CONFIG."""
     c = config or CONFIG
     heads, T, hd = q.shape
@@ -87,16 +88,30 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         if mask.stride(-1) != 1:
             mask = mask.contiguous()
     stride_mt = 0 if mask is None or mask.shape[0] == 1 else mask.stride(0)
-    kern = _kernels()
-    kern.attention_partial_kernel[(kv_heads, tiles, splits)](
-        q, k, v, mask if mask is not None else q, m, l_sum, acc, T, kv_len, splits,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), stride_mt,
-        math.log2(math.e) / math.sqrt(hd), GROUP=group, D=hd, HAS_MASK=mask is not None,
+    _kernels().attention_kernel[(kv_heads, tiles, splits)](
+        q, k, v, mask if mask is not None else q, m, l_sum, acc, _tickets(q.device, kv_heads * tiles), out, T,
+        kv_len, splits, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), stride_mt,
+        out.stride(0), math.log2(math.e) / math.sqrt(hd), GROUP=group, D=hd, HAS_MASK=mask is not None,
         IEEE=q.dtype == torch.float32, BLOCK_Q=c.block_q, BLOCK_N=c.block_n, SPLIT=c.split, num_warps=c.num_warps,
         num_stages=c.num_stages)
-    kern.attention_combine_kernel[(kv_heads, tiles)](
-        m, l_sum, acc, out, T, splits, out.stride(0), GROUP=group, D=hd, BLOCK_Q=c.block_q, num_warps=4)
     return out
+
+
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, count: int) -> torch.Tensor:
+    """The kernel's per-(kv head, tile) arrival counters: zeros between launches (the last program of each pair
+    sets its counter back), one buffer per device shared by every layer and call, kept out of CUDA graph pools so
+    that graphs can keep its address. Made (or grown) outside graph capture only: every pass runs eagerly once,
+    as a warm-up or a prefill, before its capture."""
+    tickets = _TICKETS.get(device)
+    if tickets is None or tickets.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"decode_attention: {count} counters needed during CUDA graph capture; run the pass "
+                               "once outside capture first")
+        tickets = _TICKETS[device] = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+    return tickets
 
 
 @torch.library.custom_op("flashdraft::decode_attention", mutates_args=())

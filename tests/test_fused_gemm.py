@@ -1,7 +1,6 @@
-"""The skinny GEMM's fusions (flashdraft.layers.skinny_gemm: norm_weight, gated, residual) under Triton's
-interpreter on the CPU (compiled on CUDA): against a float64 reference of the same math, batch invariance,
-linear()'s routing between the fused kernel and the unfused torch ops, the custom op's fake implementation and
-the argument checks."""
+"""The skinny GEMM's fusions (flashdraft.layers.skinny_gemm: rms_norm_eps with the norm's weight folded into W,
+gated, residual) under Triton's interpreter on the CPU (compiled on CUDA): against a float64 reference of the
+same math, batch invariance, the weight folding, the custom op's fake implementation and the argument checks."""
 
 import pytest
 import torch
@@ -37,7 +36,7 @@ CASES = [
 
 
 def _tol(dtype):
-    # bf16: output rounding (the interpreter truncates fp32 -> bf16: up to 2 ** -7) and x * norm_weight in bf16
+    # bf16: output rounding (the interpreter truncates fp32 -> bf16: up to 2 ** -7) and the folded weights' rounding
     return 1e-5 if dtype == torch.float32 else 1e-2
 
 
@@ -74,7 +73,11 @@ def _reference(x, w, b, norm_weight=None, residual=None, gate_act=None):
 
 
 def _launch(x, w, b, nw, r, gated, config):
-    return sg.launch(x, w, b, config, norm_weight=nw, norm_eps=EPS, residual=r, gated=gated)
+    """The kernel computing _reference's math: with a norm weight, its weight folded into (a copy of) w."""
+    if nw is not None:
+        w = w.clone()
+        sg.fold_norm_weight(w, nw)
+    return sg.launch(x, w, b, config, rms_norm_eps=None if nw is None else EPS, residual=r, gated=gated)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -113,43 +116,24 @@ def test_fused_rows_are_batch_invariant(fusion, n, k, config):
         assert torch.equal(_launch(x[:m], w, b, nw, None if r is None else r[:m], gated, config), y[:m])
 
 
-def _composition(x, w, b, nw, r, gated):
-    """The model's unfused ops, as written out before the fusions existed."""
-    h = kernels.rms_norm(x, nw, EPS) if nw is not None else x
-    y = F.linear(h, w, b)
-    if gated:
-        gate, up = y.chunk(2, dim=-1)
-        y = kernels.silu_mul(gate, up)
-    return y if r is None else r + y
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fusion", ["norm", "norm+gated", "residual"])
-def test_linear_routes_by_rows(fusion, dtype, monkeypatch):
-    """More than max_m rows: exactly the unfused torch ops; up to max_m: the fused kernel, close to them."""
-    gated = FUSIONS[fusion][1]
-    x, w, b, nw, r = _inputs(48, 128, dtype, fusion, seed=7, rows=10)
-    x, r = x.reshape(2, 5, -1), None if r is None else r.reshape(2, 5, -1)
-
-    calls = []
-    kernel_op = sg._skinny_linear_op
-    monkeypatch.setattr(sg, "_skinny_linear_op", lambda *args: calls.append(args[0].shape) or kernel_op(*args))
-    big = sg.linear(x, w, b, 4, norm_weight=nw, norm_eps=EPS, residual=r, gated=gated)
-    assert not calls and torch.equal(big, _composition(x, w, b, nw, r, gated))
-    small_x, small_r = x[:, :2], None if r is None else r[:, :2]
-    small = sg.linear(small_x, w, b, 4, norm_weight=nw, norm_eps=EPS, residual=small_r, gated=gated)
-    assert calls == [small_x.shape] and small.shape == (2, 2, 48)
-    unfused = _composition(small_x, w, b, nw, small_r, gated)
-    assert _rel_err(small, unfused.double()) < (1e-5 if dtype == torch.float32 else 2e-2)
+def test_fold_norm_weight():
+    """F.linear(rms_norm(x, g), W) == F.linear(rms_norm(x, 1), W with g folded into its columns)."""
+    g = torch.Generator().manual_seed(3)
+    x, w, nw = torch.randn(4, 64, generator=g), torch.randn(24, 64, generator=g), 1 + torch.rand(64, generator=g)
+    folded = w.clone()
+    sg.fold_norm_weight(folded, nw)
+    torch.testing.assert_close(F.linear(kernels.rms_norm(x, torch.ones(64), EPS), folded),
+                               F.linear(kernels.rms_norm(x, nw, EPS), w), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(folded, w)
 
 
 def test_custom_op_fake_shapes():
     """The op's schema takes the fusion arguments and its fake implementation gives the gated output shape."""
     x = torch.randn(3, 32).to(DEVICE)
     w = torch.randn(32, 32).to(DEVICE)
-    nw, r = torch.rand(32).to(DEVICE), torch.randn(3, 16).to(DEVICE)
+    r = torch.randn(3, 16).to(DEVICE)
     op = torch.ops.flashdraft.skinny_linear.default
-    for args in [(x, w, None, nw, EPS, None, True), (x, w[:16], None, None, EPS, r, False)]:
+    for args in [(x, w, None, EPS, None, True), (x, w[:16], None, None, r, False)]:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
     assert sg.skinny_linear(x, w, gated=True).shape == (3, 16)
 
@@ -165,7 +149,5 @@ def test_bad_arguments_are_named():
         sg.launch(x, w, gated=True, residual=torch.randn(2, 48).to(DEVICE))  # gated: the output has 24 features
     with pytest.raises(ValueError, match="residual is"):
         sg.launch(x, w, residual=torch.randn(2, 48, dtype=torch.float64).to(DEVICE))
-    with pytest.raises(ValueError, match="norm_weight is"):
-        sg.launch(x, w, norm_weight=torch.ones(31).to(DEVICE))
     with pytest.raises(ValueError, match="bias is"):
         sg.launch(x, w, torch.randn(24).to(DEVICE), gated=True)

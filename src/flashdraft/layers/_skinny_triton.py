@@ -12,8 +12,10 @@ input row, so row m of y is bitwise the same for every M: batch invariance. With
 fixed by (K, SPLIT_K, BLOCK_K) alone and a second kernel adds the fp32 partials in split order 0, 1, ...
 
 Optional fusions (constexpr switches), so that a decoder layer's norms, SwiGLU and residual adds need no kernels
-of their own: HAS_NORM (RMSNorm of x: the loop also sums each row's x * x and feeds x * norm_weight to tl.dot;
-the epilogue scales each row by its 1 / rms), GATED (W = [gate; up]: a second accumulator for the up rows of the
+of their own: HAS_NORM (RMSNorm of x without its weight, which the caller folds into W: the loop also forms x x^T
+with the tensor cores, whose diagonal is each row's sum of squares, and the epilogue scales each row by its
+1 / rms; x itself goes to tl.dot untouched, so the loads stay pipelined, where an elementwise product on x before
+the dot made every K step wait for its load), GATED (W = [gate; up]: a second accumulator for the up rows of the
 same features, and silu(gate) * up in the epilogue) and HAS_RESIDUAL (+ r[m, n] in the epilogue, or in the
 split-K reduce). All stay per row and fixed by (N, K), so batch invariance holds for them too.
 """
@@ -28,7 +30,7 @@ import triton.language as tl
 # M is never specialized (Triton would otherwise compile separate variants for M == 1 and M % 16 == 0): one
 # compiled kernel serves every M, which batch invariance relies on.
 @triton.jit(do_not_specialize=["M"])
-def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, nw_ptr, r_ptr, M, N, stride_xm, stride_wn, stride_ym,
+def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, r_ptr, M, N, stride_xm, stride_wn, stride_ym,
                        stride_rm, eps, K: tl.constexpr, STEPS: tl.constexpr,
                        HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
                        IEEE: tl.constexpr, SWAP: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
@@ -49,7 +51,6 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, nw_ptr, r_ptr, M, N, s
     k_lo = pid_k * STEPS * BLOCK_K
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k_lo + rk)[None, :]
     w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]
-    nw_ptrs = nw_ptr + k_lo + rk
     m_ok = rm[:, None] < M
     n_ok = rn[:, None] < N
     if SWAP:
@@ -59,8 +60,8 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, nw_ptr, r_ptr, M, N, s
     if GATED:  # the up rows of the same output features, N weight rows further on
         wu_ptrs = w_ptrs + N * stride_wn
         acc_up = acc
-    if HAS_NORM:  # x * x summed element-wise over the K steps, reduced per row once after the loop
-        sq = tl.full((BLOCK_M, BLOCK_K), 0.0, tl.float32)
+    if HAS_NORM:  # x x^T over the K steps: its diagonal is each row's sum of squares
+        gram = tl.full((BLOCK_M, BLOCK_M), 0.0, tl.float32)
     for step in range(0, STEPS):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=m_ok, other=0.0)
@@ -72,31 +73,22 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, nw_ptr, r_ptr, M, N, s
                 w = tl.load(w_ptrs, mask=n_ok, other=0.0, eviction_policy="evict_first")
                 if GATED:
                     wu = tl.load(wu_ptrs, mask=n_ok, other=0.0, eviction_policy="evict_first")
-            if HAS_NORM:
-                nw = tl.load(nw_ptrs)
         else:
             k_ok = (k_lo + step * BLOCK_K + rk)[None, :] < K
             x = tl.load(x_ptrs, mask=m_ok & k_ok, other=0.0)
             w = tl.load(w_ptrs, mask=n_ok & k_ok, other=0.0, eviction_policy="evict_first")
             if GATED:
                 wu = tl.load(wu_ptrs, mask=n_ok & k_ok, other=0.0, eviction_policy="evict_first")
-            if HAS_NORM:
-                nw = tl.load(nw_ptrs, mask=(k_lo + step * BLOCK_K + rk) < K, other=0.0)
-        if HAS_NORM:
-            # The product takes x * norm_weight in x's dtype (rounded once); the row's 1 / rms scales the fp32
-            # accumulator after the loop, so x is read only once.
-            xf = x.to(tl.float32)
-            sq += xf * xf
-            xf = xf * nw.to(tl.float32)[None, :]
-            if UPCAST:
-                x = round_like(xf, x_ptr.dtype.element_ty)
-            else:
-                x = xf.to(x_ptr.dtype.element_ty)
         if UPCAST:  # Triton's interpreter only: its tl.dot multiplies bf16 operands' raw bits (3.6)
             x = x.to(tl.float32)
             w = w.to(tl.float32)
             if GATED:
                 wu = wu.to(tl.float32)
+        if HAS_NORM:
+            if IEEE:
+                gram = tl.dot(x, tl.trans(x), gram, input_precision="ieee")
+            else:
+                gram = tl.dot(x, tl.trans(x), gram)
         if SWAP:
             if IEEE:
                 acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
@@ -119,8 +111,6 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, nw_ptr, r_ptr, M, N, s
         w_ptrs += BLOCK_K
         if GATED:
             wu_ptrs += BLOCK_K
-        if HAS_NORM:
-            nw_ptrs += BLOCK_K
     # The epilogue works on [BLOCK_M, BLOCK_N] tiles (a swapped accumulator is transposed first), all in fp32,
     # and rounds once on the store.
     if SWAP:
@@ -133,8 +123,9 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, nw_ptr, r_ptr, M, N, s
             up = acc_up
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if SPLIT_K == 1:
-        if HAS_NORM:  # padding rows have sq = 0: rsqrt(eps) stays finite, and they are not stored
-            inv_rms = tl.rsqrt(tl.reduce(sq, 1, _add) / K + eps)[:, None]
+        if HAS_NORM:  # padding rows have a zero sum: rsqrt(eps) stays finite, and they are not stored
+            diagonal = tl.arange(0, BLOCK_M)[:, None] == tl.arange(0, BLOCK_M)[None, :]
+            inv_rms = tl.rsqrt(tl.reduce(tl.where(diagonal, gram, 0.0), 1, _add) / K + eps)[:, None]
             out = out * inv_rms
             if GATED:
                 up = up * inv_rms

@@ -27,11 +27,13 @@ workspace) from the current allocator, so it is safe inside CUDA graph capture.
 
 **Fusions.** Besides its GEMMs, a decoder layer's decode step runs small elementwise kernels (two RMSNorms,
 SwiGLU's silu * up, two residual adds); on an H200 they and the gaps between launches took about 0.8 ms of a
-5.2 ms step. The kernel can fold them in (each optional, each batch-invariant too): `norm_weight` applies an
-RMSNorm to x in the prologue (q/k/v after the input norm, the LM head after the final norm), `gated=True` takes
-the fused [gate; up] weight and returns silu(gate) * up (gate/up, after the post-attention norm), and `residual`
-adds the residual stream to the product (o and down projections). The fused results are computed in fp32 and
-rounded once, so they are close to, not bitwise equal to, the unfused ops that `linear` runs for larger inputs.
+5.2 ms step. The kernel can take them in (each optional, each batch-invariant too):
+- `rms_norm_eps`: an RMSNorm of x, the row scale in the epilogue, the norm's weight folded into W's columns
+  beforehand (`fold_norm_weight`): the q/k/v and gate/up projections;
+- `gated=True`: W is the fused [gate; up] weight, and the result is silu(gate) * up (gate/up);
+- `residual`: the residual stream added to the product (o and down projections).
+The fused results are computed in fp32 and rounded once, so they are close to, not bitwise equal to, the unfused
+ops of the module-by-module path (DecoderLayer.fused_forward uses them).
 
 Triton is imported on first use only. On CUDA the kernel runs compiled; elsewhere only under Triton's
 interpreter (TRITON_INTERPRET=1 set before the first call), which the CPU tests use.
@@ -48,7 +50,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashdraft.layers import kernels
 
 BLOCK_M = 16  # rows per tile: tl.dot's minimum, and a whole DFlash verify block (B = 16) in one tile
 GEMM_BACKENDS = ("cublas", "triton")
@@ -85,6 +86,13 @@ CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
     (4096, 20480): SkinnyConfig(16, 128, 1, 2, 8),
     (1024, 4096): SkinnyConfig(32, 64, 4, 4, 8),
 }
+
+
+# The gated (SwiGLU) product's tiling, every shape: with the row norm, the fastest tiling that was bitwise
+# batch-invariant at Qwen3-8B's gate/up shape on the H200 (scripts/gpu/fused_gemm_run.py: 51.2 us at M = 1 against
+# 48.9 us for the plain [2I, K] product). The plain tiling with half its stages (n64k128 p3, weight tile on the
+# left) was 1.6 us faster but gave rows that differed with M there, so it is not used.
+GATED_CONFIG = SkinnyConfig(32, 64, 1, 4, 8)
 
 
 @functools.cache
@@ -179,14 +187,13 @@ def can_run(device: torch.device | str) -> bool:
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            config: SkinnyConfig | None = None, out: torch.Tensor | None = None, *,
-           norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6, residual: torch.Tensor | None = None,
+           rms_norm_eps: float | None = None, residual: torch.Tensor | None = None,
            gated: bool = False) -> torch.Tensor:
     """Run the kernel: x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype, with skinny_linear's optional
-    fusions (no custom-op wrapper). config None = config_for(weight's shape); norm and gated run any config with
-    split_k = 1 (both need the whole K range in one program). Gated: a program covers config.block_n gate rows
-    and the same features' up rows, so the [2 * I, K] shape's tiling runs with half its programs, each streaming
-    twice the weight rows, and (config None) half its pipeline stages. Benchmarks pass a config; the model path
-    goes through skinny_linear."""
+    fusions (no custom-op wrapper). config None = config_for(weight's shape), or GATED_CONFIG when gated; norm and
+    gated run any config with split_k = 1 (both need the whole K range in one program). Gated: a program covers
+    config.block_n gate rows and the same features' up rows. Benchmarks pass a config; the model path goes
+    through skinny_linear."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = weight.shape[0]
     if weight.shape[1] != k:
@@ -197,8 +204,6 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     n = rows // 2 if gated else rows
     if bias is not None and bias.shape != (rows,):
         raise ValueError(f"skinny_linear: bias is {list(bias.shape)}, weight is {list(weight.shape)}")
-    if norm_weight is not None and norm_weight.shape != (k,):
-        raise ValueError(f"skinny_linear: norm_weight is {list(norm_weight.shape)}, x has {k} features")
     if residual is not None and (residual.shape != (*lead, n) or residual.dtype != x.dtype):
         raise ValueError(f"skinny_linear: residual is {list(residual.shape)} {residual.dtype}, the output is "
                          f"{[*lead, n]} {x.dtype}")
@@ -212,10 +217,9 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if m == 0:
         return y.reshape(*lead, n)
     if config is None:
-        config = config_for(rows, k, _sm_count(x.device.index if x.device.type == "cuda" else None))
-        if gated:  # two weight tiles a stage: half the stages keep the bytes in flight (and fp32 in shared memory)
-            config = dataclasses.replace(config, num_stages=max(2, (config.num_stages + 1) // 2))
-    if norm_weight is not None or gated:
+        config = GATED_CONFIG if gated else config_for(rows, k, _sm_count(x.device.index if x.device.type == "cuda"
+                                                                         else None))
+    if rms_norm_eps is not None or gated:
         config = dataclasses.replace(config, split_k=1)
     res2 = None
     if residual is not None:
@@ -229,11 +233,11 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     even_k = k % (split * config.block_k) == 0
     pdl = {"launch_pdl": True} if config.pdl and x.device.type == "cuda" else {}
     kern.skinny_gemm_kernel[(-(-n // config.block_n), split, m_tiles)](
-        x2, weight, bias if bias is not None else y, y, part, norm_weight if norm_weight is not None else y,
+        x2, weight, bias if bias is not None else y, y, part,
         res2 if res2 is not None else y, m, n, x2.stride(0), weight.stride(0), y.stride(0),
-        res2.stride(0) if res2 is not None else 0, float(norm_eps), K=k,
+        res2.stride(0) if res2 is not None else 0, float(rms_norm_eps or 0.0), K=k,
         STEPS=-(-(-(-k // config.block_k)) // split),
-        HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, HAS_RESIDUAL=res2 is not None, GATED=gated,
+        HAS_BIAS=bias is not None, HAS_NORM=rms_norm_eps is not None, HAS_RESIDUAL=res2 is not None, GATED=gated,
         IEEE=x.dtype == torch.float32, SWAP=config.swap,
         UPCAST=x.device.type != "cuda" and x.dtype != torch.float32, PDL=bool(pdl),
         BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split,
@@ -251,47 +255,45 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 # The custom op: torch.compile sees one opaque call with a known output shape (no tracing into Triton).
 @torch.library.custom_op("flashdraft::skinny_linear", mutates_args=())
 def _skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,
-                      residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
-    return launch(x, weight, bias, norm_weight=norm_weight, norm_eps=norm_eps, residual=residual, gated=gated)
+                      rms_norm_eps: float | None = None, residual: torch.Tensor | None = None,
+                      gated: bool = False) -> torch.Tensor:
+    return launch(x, weight, bias, rms_norm_eps=rms_norm_eps, residual=residual, gated=gated)
 
 
 @_skinny_linear_op.register_fake
-def _(x, weight, bias, norm_weight=None, norm_eps=1e-6, residual=None, gated=False):
+def _(x, weight, bias, rms_norm_eps=None, residual=None, gated=False):
     return x.new_empty((*x.shape[:-1], weight.shape[0] // 2 if gated else weight.shape[0]))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,
-                  residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+                  rms_norm_eps: float | None = None, residual: torch.Tensor | None = None,
+                  gated: bool = False) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias) with the batch-invariant Triton kernel (see the module docstring):
     each output row is bitwise independent of how many rows go through together. Meant for few rows (<= 16
     reads the weights once; more rows re-read them per 16-row tile). Fusions, all in fp32 with one rounding:
 
-    - norm_weight [K]: x is RMS-normalized first, rms_norm(x) = x * rsqrt(mean(x * x) + norm_eps) * norm_weight;
+    - rms_norm_eps: x is RMS-normalized first, without a weight: x * rsqrt(mean(x * x) + rms_norm_eps) (an RMSNorm's
+      weight goes into W's columns beforehand: fold_norm_weight);
     - gated: weight is [gate; up], [2 * I, K] (bias [2 * I]), and the result [..., I] is silu(gate) * up;
     - residual [..., N] (x's dtype): added to the result.
     """
-    return _skinny_linear_op(x, weight, bias, norm_weight, norm_eps, residual, gated)
+    return _skinny_linear_op(x, weight, bias, rms_norm_eps, residual, gated)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, max_m: int = 0, *,
-           norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6, residual: torch.Tensor | None = None,
-           gated: bool = False) -> torch.Tensor:
-    """F.linear with skinny_linear's optional parts: [residual +] [silu(gate) * up of] F.linear([rms_norm](x),
-    weight, bias). Inputs of 1..max_m rows go to skinny_linear with the parts fused; others (max_m = 0: all) run
-    the model's unfused torch ops (kernels.rms_norm, F.linear, kernels.silu_mul, +), so their results do not
-    depend on whether the parts are passed here or applied around a plain F.linear."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, max_m: int = 0) -> torch.Tensor:
+    """F.linear, except that inputs of 1..max_m rows go to skinny_linear (max_m = 0: always F.linear)."""
     if max_m and math.prod(x.shape[:-1]) <= max_m:
-        return skinny_linear(x, weight, bias, norm_weight=norm_weight, norm_eps=norm_eps, residual=residual,
-                             gated=gated)
-    if norm_weight is not None:
-        x = kernels.rms_norm(x, norm_weight, norm_eps)
-    y = F.linear(x, weight, bias)
-    if gated:
-        gate, up = y.chunk(2, dim=-1)
-        y = kernels.silu_mul(gate, up)
-    return y if residual is None else residual + y
+        return skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+@torch.no_grad()
+def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> None:
+    """W[:, k] *= norm_weight[k] in place (computed in float32, rounded once to W's dtype): W @ (g * x) = (W g) @ x,
+    so a GEMM with rms_norm_eps and the folded W computes F.linear(rms_norm(x, g), W) with x going to the tensor
+    cores as loaded. The one rounding of each product is the size of the rounding of the normed activation that
+    the unfused path does instead."""
+    weight.copy_((weight.float() * norm_weight.float()[None, :]).to(weight.dtype))
 
 
 class SkinnyLinear(nn.Linear):

@@ -7,8 +7,9 @@ from torch import nn
 from flashdraft.config import ModelConfig
 from flashdraft.layers.decode_attention import decode_attention
 from flashdraft.layers.norm import RMSNorm
+from flashdraft.layers.qkv_prep import qkv_prep
 from flashdraft.layers.rope import apply_rope
-from flashdraft.layers.skinny_gemm import linear
+from flashdraft.layers.skinny_gemm import linear, skinny_linear
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -50,6 +51,7 @@ class Attention(nn.Module):
     which is what makes rollback free.
     """
 
+    context_projection = False  # True in a DFlash drafter: k/v_proj also project context rows (no input norm)
     skinny_max_m = 0  # > 0: the fused q/k/v product of up to this many rows runs skinny_gemm (route_linears)
     decode_attention_max_t = 0  # > 0: cached passes of up to this many tokens run decode_attention (route_attention)
 
@@ -113,6 +115,18 @@ class Attention(nn.Module):
             return self.o_proj(decode_attention(q, cache_k[:, :kv_len], cache_v[:, :kv_len], _rows_mask(mask)))
         out = grouped_attention(q[None], cache_k[None, :, :kv_len], cache_v[None, :, :kv_len], mask)
         return self.o_proj(out[0].transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
+
+    def fused_forward(self, h, norm_eps: float, cos, sin, cache_k, cache_v, positions, kv_len: int,
+                      mask: torch.Tensor | None) -> torch.Tensor:
+        """h + attention(rms_norm(h)) for a few-row cached pass in four kernels (DecoderLayer.fused_forward): the
+        q/k/v GEMM with the input norm (its weight folded into the q/k/v weight), qkv_prep, decode_attention,
+        o_proj with the residual add in its epilogue. Needs fused q/k/v weights."""
+        qkv = skinny_linear(h, self.qkv_weight, self.qkv_bias, rms_norm_eps=norm_eps)
+        q_norm, k_norm = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+        eps = self.q_norm.eps if self.q_norm is not None else 1e-6
+        q = qkv_prep(qkv, cos, sin, positions, cache_k, cache_v, self.n_heads, self.n_kv, q_norm, k_norm, eps)
+        out = decode_attention(q.transpose(0, 1), cache_k[:, :kv_len], cache_v[:, :kv_len], _rows_mask(mask))
+        return skinny_linear(out, self.o_proj.weight, self.o_proj.bias, residual=h)
 
     # Cache-free batched path (drafter training, batched data generation): x is [b, T, hidden] and cos/sin are
     # [b, T, head_dim] (or [T, head_dim] shared by the batch); keys and values come from project_kv.

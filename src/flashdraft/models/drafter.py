@@ -19,6 +19,8 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(cfg.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
+        for layer in self.layers:
+            layer.self_attn.context_projection = True  # add_context: k/v_proj of context rows, no input norm
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rope = RotaryEmbedding(c, max_positions)
 

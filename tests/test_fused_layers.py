@@ -1,0 +1,115 @@
+"""The fused decoder-layer path (DecoderLayer.fused_forward: norms in GEMM prologues, residual adds and SwiGLU in
+GEMM epilogues, layers.qkv_prep, decode_attention), which few-row passes take when both Triton backends are on:
+against the module-by-module path, and through the engine (greedy DFlash equal to plain decoding, pipelined and
+graphed through the CPU stand-in). Triton's interpreter runs the kernels on the CPU."""
+import pytest
+import torch
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+
+pytest.importorskip("triton")
+
+from triton_interpreter import interpret_without_gpu  # noqa: E402
+
+from flashdraft.config import SamplingParams  # noqa: E402
+from flashdraft.engine.cuda_graphs import fuse_projections  # noqa: E402
+from flashdraft.engine.generator import Engine  # noqa: E402
+from flashdraft.layers import decode_attention, qkv_prep, skinny_gemm  # noqa: E402
+from flashdraft.layers.decoder import DecoderLayer, route_fused_layers  # noqa: E402
+from flashdraft.loading import load_model  # noqa: E402
+from test_lossless import InlineGraphs  # noqa: E402
+from tiny_models import build_drafter, build_target  # noqa: E402
+
+interpret_without_gpu("flashdraft.layers._skinny_triton", skinny_gemm._kernels)
+interpret_without_gpu("flashdraft.layers._attention_triton", decode_attention._kernels)
+interpret_without_gpu("flashdraft.layers._qkv_prep_triton", qkv_prep._kernels)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])  # with and without per-head q/k norm
+def test_fused_forward_matches_the_module_path(tmp_path, family):
+    """One layer's fused path (norm weights folded into the projections) against the module path of the same
+    folded model and of the checkpoint as loaded: outputs and written cache rows."""
+    folder = build_target(tmp_path / family, family=family, seed=4)
+    original = load_model(folder, device=DEVICE, dtype=torch.float32, context_size=64).target
+    target = load_model(folder, device=DEVICE, dtype=torch.float32, context_size=64).target
+    fuse_projections(target)
+    skinny_gemm.route_linears(target, gemm="triton")
+    decode_attention.route_attention(target, on=True)
+    assert route_fused_layers(target, on=True) == len(target.model.layers)
+    layer = target.model.layers[1]
+    assert layer.norms_folded and torch.equal(layer.input_layernorm.weight, torch.ones_like(layer.input_layernorm.weight))
+    T, start = 5, 20
+    positions = torch.arange(start, start + T, device=DEVICE)
+    cos, sin = target.rope(positions)
+    kv_len = start + T
+    mask = torch.arange(kv_len, device=DEVICE)[None, :] <= positions[:, None]
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(T, target.config.hidden_size, generator=g).to(DEVICE)
+    history = [torch.randn(target.config.num_key_value_heads, 32, target.config.head_dim, generator=g).to(DEVICE)
+               for _ in range(2)]
+    outs, caches = [], []
+    for run, max_t in ((layer, 16), (layer, 0), (original.model.layers[1], 0)):
+        cache_k, cache_v = history[0].clone(), history[1].clone()
+        run.fused_max_t = max_t
+        with torch.inference_mode():
+            outs.append(run(h, cos, sin, cache_k, cache_v, positions, kv_len, mask))
+        caches.append((cache_k, cache_v))
+    for out, cache in zip(outs[1:], caches[1:]):
+        torch.testing.assert_close(outs[0], out, rtol=1e-4, atol=1e-4)
+        for fused_cache, module_cache in zip(caches[0], cache):
+            torch.testing.assert_close(fused_cache, module_cache, rtol=1e-5, atol=1e-5)
+            assert torch.equal(fused_cache[:, :start], module_cache[:, :start])  # rows before the pass untouched
+    assert not torch.allclose(outs[0], h, atol=1e-3)  # the layer really did something
+
+
+def test_route_fused_layers_needs_fused_plain_projections(tmp_path):
+    target = load_model(build_target(tmp_path / "t", family="qwen3"), device=DEVICE, dtype=torch.float32,
+                        context_size=64).target
+    assert route_fused_layers(target, on=True) == 0  # projections not fused yet
+    fuse_projections(target)
+    assert route_fused_layers(target, on=True, max_t=8) == len(target.model.layers)
+    assert all(layer.fused_max_t == 8 for layer in target.modules() if isinstance(layer, DecoderLayer))
+    assert route_fused_layers(target, on=False) == 0
+    assert all(layer.fused_max_t == 0 for layer in target.modules() if isinstance(layer, DecoderLayer))
+
+
+def _randomize_norms(folder):
+    """Norm weights other than ones (as trained checkpoints have), so that folding them into the projections shows."""
+    from safetensors.torch import load_file, save_file
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    g = torch.Generator().manual_seed(1)
+    for name, t in tensors.items():
+        if name.endswith("layernorm.weight"):
+            tensors[name] = (0.5 + torch.rand(t.shape, generator=g)).to(t.dtype)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_engine_fused_path_is_lossless(tmp_path):
+    """Both Triton backends: the layers take the fused path, are not compiled, and plain steps are not padded;
+    greedy DFlash equals plain decoding, eager and pipelined through the graph stand-in, and both equal the
+    cuBLAS / SDPA engine on this float32 model."""
+    target_dir = build_target(tmp_path / "t", family="qwen3", layers=2, seed=6)
+    drafter_dir = build_drafter(tmp_path / "d", target_dir, block_size=4, seed=6)
+    for folder in (target_dir, drafter_dir):
+        _randomize_norms(folder)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompt = list(range(5, 25))  # prefilled on the module path (more rows than the fused path takes)
+    unfused = Engine.load(target_dir, drafter_dir, device=DEVICE, context_size=64, gemm="cublas", attention="sdpa")
+    ref = unfused.generate(prompt, params, 0).tokens
+    guesses = {"unfused": [], "fused": []}  # the drafter's own guesses, step by step
+    unfused.decoder.oracle = lambda start, g, log=guesses["unfused"]: log.append(g.tolist()) or g
+    assert unfused.generate(prompt, params, 3).tokens == ref
+    engine = Engine.load(target_dir, drafter_dir, device=DEVICE, context_size=64, gemm="triton", attention="triton")
+    decoder = engine.decoder
+    assert decoder.fused_target and not decoder.compiled and decoder._plain_rows() == 1
+    assert all(layer.fused_max_t == 16 for layer in decoder.drafter.layers)
+    assert engine.generate(prompt, params, 0).tokens == ref
+    if not ON_CUDA:
+        decoder.graphs = InlineGraphs()
+    decoder.oracle = lambda start, g, log=guesses["fused"]: log.append(g.tolist()) or g
+    assert engine.generate(prompt, params, 3).tokens == ref
+    # the fused drafter guesses what the unfused one does: its context keys and values too (unfolded k/v weights)
+    assert guesses["fused"] == guesses["unfused"] and len(guesses["fused"]) >= 2
+    assert ON_CUDA or "step" in decoder.graphs.keys  # pipelined

@@ -157,7 +157,7 @@ class InlineGraphs:
     def __init__(self):
         self.keys, self.static = [], {}
 
-    def run(self, key, fn, **inputs):
+    def run(self, key, fn, mutable=(), **inputs):
         self.keys.append(key[0])
         with torch.inference_mode():
             for _, outs in self.static.values():
@@ -181,12 +181,17 @@ class InlineGraphs:
 
 
 def test_graphed_paths_equal_the_eager_loop(tmp_path, qwen3_dir):
-    """The loop's graphed paths (draft pass with its context rows, verify with greedy acceptance inside the
-    graph, the last token kept on the device) give the eager loop's tokens, greedy and sampled."""
+    """The loop's graphed paths give the eager loop's tokens, greedy and sampled: the pipelined greedy steps (draft,
+    verify and acceptance in one graph that advances the device state, the next step queued before the host
+    reads this one's result, a step past an EOS dropped) and the sampled path (draft graph, verify graph)."""
     drafter = build_drafter(tmp_path / "d", qwen3_dir, block_size=8, seed=3)
     eager = Engine.load(qwen3_dir, drafter, device="cpu", context_size=256)
     graphed = Engine.load(qwen3_dir, drafter, device="cpu", context_size=256)
     graphed.decoder.graphs = InlineGraphs()
+    queued_behind = []  # at each collect: did a later step already run on the device?
+    collect = graphed.decoder.collect
+    graphed.decoder.collect = lambda seq, launched: queued_behind.append(seq.ahead > launched.drafted + 1) \
+        or collect(seq, launched)
     greedy = SamplingParams(max_tokens=40, ignore_eos=True)
     sampled = SamplingParams(max_tokens=30, temperature=0.9, seed=5, ignore_eos=True)
     for prompt in _prompts(eager.decoder.target.config.vocab_size, 3, seed=11):
@@ -205,7 +210,7 @@ def test_graphed_paths_equal_the_eager_loop(tmp_path, qwen3_dir):
         # context (the taps that graphed verify and plain steps hand over) is the same too
         seen = {"graphed": [], "eager": []}
         for name, engine in (("graphed", graphed), ("eager", eager)):
-            engine.decoder.oracle = lambda start, guesses, log=seen[name]: log.append((start, guesses.tolist())) \
+            engine.decoder.oracle = lambda start, guesses, log=seen[name]: log.append((int(start), guesses.tolist())) \
                 or guesses
             try:
                 assert engine.generate(prompt, greedy, draft=EveryOtherStep(7)).tokens == base
@@ -213,4 +218,18 @@ def test_graphed_paths_equal_the_eager_loop(tmp_path, qwen3_dir):
                 engine.decoder.oracle = None
         assert seen["graphed"] == seen["eager"] and len(seen["eager"]) > 3
         assert graphed.generate(prompt, sampled, draft=7).tokens == eager.generate(prompt, sampled, draft=0).tokens
-    assert {"target-greedy", "target", "draft"} <= set(graphed.decoder.graphs.keys)
+        # an EOS in the middle: the step queued behind the one that found it is dropped, and the next request
+        # (the same sequence, prefilled again) starts clean
+        saved_eos = graphed.eos_ids, eager.eos_ids
+        for engine in (graphed, eager):
+            engine.eos_ids = {base[len(base) // 2]}
+        try:
+            stop = SamplingParams(max_tokens=40)
+            for draft in (0, 7):
+                out, ref = graphed.generate(prompt, stop, draft=draft), eager.generate(prompt, stop, draft=draft)
+                assert out.tokens == ref.tokens == base[:base.index(base[len(base) // 2])]
+                assert out.finish_reason == ref.finish_reason == "stop"
+        finally:
+            graphed.eos_ids, eager.eos_ids = saved_eos
+    assert {"step", "target", "draft"} <= set(graphed.decoder.graphs.keys)
+    assert any(queued_behind) and not all(queued_behind)  # pipelined while far from the end, not near it

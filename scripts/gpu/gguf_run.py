@@ -690,7 +690,7 @@ def stage_model(run: Run, bw: float, dev, gen, args) -> None:
             decoder.oracle = PlantedOracle(reference, lambda s, k=accept: k, target.config.vocab_size, dev)
             try:
                 engine.generate(prompt, params, B - 1)  # untimed: captures any verify length this pattern needs
-                decoder.oracle.calls = 0
+                decoder.oracle.reset()
                 out = engine.generate(prompt, params, B - 1)
             finally:
                 decoder.oracle = None

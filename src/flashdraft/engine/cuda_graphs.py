@@ -27,10 +27,14 @@ class GraphCache:
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], object]] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
-    def run(self, key: tuple, fn: Callable, **inputs: torch.Tensor):
+    def run(self, key: tuple, fn: Callable, mutable: list[torch.Tensor] = (), **inputs: torch.Tensor):
+        """Replay the graph of `key` (capturing fn on first use) on these inputs. mutable: tensors fn updates in
+        place from their own values (a step's device state), restored after the warm-up run so that the replay
+        starts from what the caller left there."""
         entry = self.graphs.get(key)
         if entry is None:
             static = {k: v.clone() for k, v in inputs.items()}
+            saved = [t.clone() for t in mutable]
             # Warm up on a side stream (lazy library init must not happen during capture). fn runs on the real
             # inputs here, so whatever it writes into caches is correct, and the replay below rewrites the same.
             side = torch.cuda.Stream()
@@ -38,6 +42,8 @@ class GraphCache:
             with torch.cuda.stream(side):
                 fn(**static)
             torch.cuda.current_stream().wait_stream(side)
+            for t, before in zip(mutable, saved):
+                t.copy_(before)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 out = fn(**static)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Protocol
@@ -240,6 +241,12 @@ class Engine:
         t1 = time.perf_counter()
         stats.prompt_ms = 1000 * (t1 - t0)
         delta = out.add([first])
+        # Steps launched and not yet collected. Pipelined decoding keeps one queued behind the one being collected,
+        # so the GPU works on the next step while the host handles this one's tokens; otherwise each step runs
+        # to the end at launch.
+        depth = 2 if self.decoder.pipelines(params) else 1
+        queued: deque = deque()
+        last_collect = t1
         while True:
             if delta is not None:
                 yield delta
@@ -247,13 +254,20 @@ class Engine:
                 out.finish("length", "limit")
             if out.finished is not None:
                 break
-            max_useful = min(params.max_tokens - len(out.tokens), self.context_size - len(sequence.tokens)) - 1
-            n = max(0, policy.next_length(min(max_useful, cap))) if self.has_drafter else 0
-            if n < n_min:
-                n = 0
-            ts = time.perf_counter()
-            step = self.decoder.step(sequence, n)
-            policy.record(step.drafted, step.accepted, time.perf_counter() - ts)
+            while len(queued) < depth:
+                # Room for this step's tokens after the most the queued steps can commit.
+                max_useful = min(params.max_tokens - len(out.tokens),
+                                 self.context_size - len(sequence.tokens)) - sequence.ahead - 1
+                if queued and max_useful < cap:  # near the end: wait, and draft as far as is really left
+                    break
+                n = max(0, policy.next_length(min(max_useful, cap))) if self.has_drafter else 0
+                queued.append(self.decoder.launch(sequence, 0 if n < n_min else n))
+            launched = queued.popleft()
+            step = self.decoder.collect(sequence, launched)
+            # A step's time: from its launch, or from the previous step's end when it was queued behind it.
+            now = time.perf_counter()
+            policy.record(step.drafted, step.accepted, now - max(launched.launched_at, last_collect))
+            last_collect = now
             stats.record_step(step.drafted, step.accepted)
             delta = out.add(step.committed)
         stats.predicted_n = len(out.tokens)

@@ -8,9 +8,18 @@ greedy guesses for the first n slots, verifies [tokens[L-1], guess_1..guess_n] i
 longest prefix of guesses that equal the target's own samples, plus the target's next sample. Cache rows past
 the new length are stale and masked by position, so rollback costs nothing. n = 0 is plain decoding on the
 same path.
+
+Pipelined steps (greedy decoding with CUDA graphs): `launch` replays a step's one graph (draft, verify, greedy
+acceptance) and queues the copy of its [accepted, samples] to the host; `collect` waits for it. The graph reads
+its start position, last token and drafter context from the sequence's DeviceState and advances them itself,
+so the next step can be launched before the host has seen this one's result: the GPU runs step i + 1 while the
+host handles step i's tokens (stop rules, text, streaming), and the host's share of a step leaves no gap. A
+step launched past the end of a generation only writes cache rows past its committed length (masked, like
+rolled-back rows) and is never collected.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +29,7 @@ from flashdraft.engine.cuda_graphs import GraphCache, bucket, compile_layers, fu
 from flashdraft.engine.kv_cache import KVCache
 from flashdraft.engine.sampling import sample_tokens
 from flashdraft.layers.decode_attention import ATTENTION_BACKENDS, route_attention
+from flashdraft.layers.decoder import route_fused_layers
 from flashdraft.layers.skinny_gemm import BLOCK_M, GEMM_BACKENDS, can_run, route_linears, triton_available
 from flashdraft.models import DecoderLM, DFlashDrafter
 
@@ -71,6 +81,31 @@ def accept(verify: torch.Tensor, samples: torch.Tensor, n: int) -> torch.Tensor:
 
 
 @dataclass
+class DeviceState:
+    """A sequence's loop state on the device, read and advanced by each pipelined step's graph. Allocated once per
+    sequence, outside the graphs' memory pool, so graphs can keep its addresses."""
+
+    start: torch.Tensor      # [1] int64: position of the last committed token (= len(tokens) - 1)
+    last: torch.Tensor       # [1] int64: the last committed token
+    ctx_taps: torch.Tensor | None  # [B, taps width]: target taps of rows not yet in the drafter cache (+ padding)
+    ctx_rows: torch.Tensor | None  # [1] int64: how many leading rows of ctx_taps are real
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.start, self.last, self.ctx_taps, self.ctx_rows) if t is not None]
+
+
+@dataclass
+class Launched:
+    """A step handed to the GPU (or, done, one run synchronously); collect() turns it into a StepResult."""
+
+    drafted: int
+    host: torch.Tensor | None = None        # receives [accepted, samples 0..n] (pinned memory on CUDA)
+    event: torch.cuda.Event | None = None   # recorded after that copy
+    done: StepResult | None = None
+    launched_at: float = 0.0
+
+
+@dataclass
 class Sequence:
     """One generation's state: its tokens and caches. Reused across requests by re-prefilling."""
 
@@ -84,6 +119,11 @@ class Sequence:
     # The last committed token on the device, with the token count it belongs to: the next step reads it from
     # there instead of copying it up from the host (a synchronous copy before every step's first launch).
     last: tuple[int, torch.Tensor] | None = None
+    # Pipelined steps: `state` is authoritative while on_device (from the first launch until the next prefill);
+    # `ahead` is the most tokens the launched, not yet collected steps can commit.
+    state: DeviceState | None = None
+    on_device: bool = False
+    ahead: int = 0
 
 
 @dataclass
@@ -115,21 +155,31 @@ class SpeculativeDecoder:
         self.graphs = GraphCache() if (on_cuda if cuda_graphs is None else cuda_graphs) else None
         self._ctx_taps = None
         self._mask_tail = None  # the drafter block's B - 1 mask tokens, on the device
+        self._host_buffers = None  # pinned landing places of pipelined steps' results, used in turn
+        self._next_host = 0
         # gemm: "cublas" (F.linear) or "triton" (flashdraft.layers.skinny_gemm: batch-invariant GEMMs, so the
         # linear layers give a verify step's rows bitwise what plain decoding gets; inputs of more than
         # max(16, block) rows, such as prefill, stay on F.linear). None: resolve_gemm's default.
         self.gemm = resolve_gemm(gemm, self.device)
-        models = [m for m in (target, drafter) if m is not None]
-        self.compiled = on_cuda if compile is None else compile
-        if self.compiled:
-            fuse_projections(*models)
-        route_linears(*models, gemm=self.gemm, max_m=max(BLOCK_M, self.block_size))
         # attention: "sdpa" or "triton" (decode_attention for passes of up to max(16, block) tokens: decode,
         # verify, draft, and prefills that short; longer prefills stay on SDPA). None: resolve_attention's default.
         self.attention = resolve_attention(attention, self.device)
-        route_attention(*models, on=self.attention == "triton", max_t=max(BLOCK_M, self.block_size))
+        models = [m for m in (target, drafter) if m is not None]
+        max_rows = max(BLOCK_M, self.block_size)
+        # With both Triton backends, few-row passes run each layer as fused kernels (DecoderLayer.fused_forward),
+        # which needs fused projections. Layers that can take that path are not compiled: nothing is left for
+        # torch.compile to fuse there, and uncompiled, a one-row pass rounds exactly as a multi-row one.
+        fused = self.gemm == "triton" and self.attention == "triton"
+        want_compile = on_cuda if compile is None else compile
+        if want_compile or fused:
+            fuse_projections(*models)
+        route_linears(*models, gemm=self.gemm, max_m=max_rows)
+        route_attention(*models, on=self.attention == "triton", max_t=max_rows)
+        to_compile = [m for m in models if not route_fused_layers(m, on=fused, max_t=max_rows)]
+        self.fused_target = target not in to_compile
+        self.compiled = want_compile and bool(to_compile)
         if self.compiled:
-            compile_layers(*models)
+            compile_layers(*to_compile)
 
     @property
     def max_draft(self) -> int:
@@ -147,6 +197,7 @@ class SpeculativeDecoder:
         """Run the prompt and sample the first new token; returns it (already appended to seq.tokens)."""
         seq.tokens, seq.draft_len, seq.pending = list(prompt), 0, []
         seq.params, seq.seed = params, seed
+        seq.on_device, seq.ahead = False, 0  # a step launched past the last generation's end is dropped
         P = len(prompt)
         tokens = torch.tensor(prompt, device=self.device)
         logits, taps = self.target(tokens, self._positions(0, P), seq.target_cache, P, self.tap_ids, last_only=True)
@@ -175,9 +226,7 @@ class SpeculativeDecoder:
     def _draft(self, seq: Sequence, n: int) -> torch.Tensor:
         """The drafter's greedy guesses for the n tokens after the last committed one ([n] on the device)."""
         start, B = len(seq.tokens) - 1, self.block_size
-        if self._mask_tail is None:
-            self._mask_tail = torch.full((B - 1,), self.drafter.config.mask_token_id, device=self.device)
-        block = torch.cat([self._last_token(seq), self._mask_tail])
+        block = torch.cat([self._last_token(seq), self._mask_tail_tokens()])
         if self.graphs is None:
             self._flush_context(seq)
             hidden = self.drafter(self.target.embed(block), self._positions(start, B), seq.draft_cache, start + B)
@@ -194,26 +243,38 @@ class SpeculativeDecoder:
         if sum(t.shape[0] for t in seq.pending) > B:
             self._flush_context(seq)
         if self._ctx_taps is None:  # one staging buffer for the graph's input; stale rows are padding
-            self._ctx_taps = torch.zeros(B, len(self.tap_ids) * self.target.config.hidden_size, device=self.device,
-                                         dtype=self.drafter.norm.weight.dtype)
+            self._ctx_taps = self._new_ctx_taps()
         taps = self._ctx_taps
+        rows = self._stage_pending(seq, taps)
+        kv_len = bucket(start + B, self.capacity)
+        cache = seq.draft_cache
+
+        def draft_pass(ctx_taps, ctx_positions, block, block_positions):
+            return self._draft_pass(cache, kv_len, ctx_taps, ctx_positions, block, block_positions)
+
+        return self.graphs.run(("draft", id(cache), kv_len), draft_pass, ctx_taps=taps,
+                               ctx_positions=self._positions(start - rows, B), block=block,
+                               block_positions=self._positions(start, B))
+
+    def _new_ctx_taps(self) -> torch.Tensor:
+        return torch.zeros(self.block_size, len(self.tap_ids) * self.target.config.hidden_size, device=self.device,
+                           dtype=self.drafter.norm.weight.dtype)
+
+    def _stage_pending(self, seq: Sequence, taps: torch.Tensor) -> int:
+        """Move the pending taps (at most B rows) into taps' leading rows; returns how many."""
         rows = 0
         for t in seq.pending:
             taps[rows:rows + t.shape[0]] = t
             rows += t.shape[0]
         seq.pending, seq.draft_len = [], seq.draft_len + rows
-        kv_len = bucket(start + B, self.capacity)
-        cache = seq.draft_cache
+        return rows
 
-        def draft_pass(ctx_taps, ctx_positions, block, block_positions):
-            self.drafter.add_context(ctx_taps, ctx_positions, cache)
-            mask = torch.arange(kv_len, device=block.device)[None, :] <= block_positions[-1:, None]
-            hidden = self.drafter(self.target.embed(block), block_positions, cache, kv_len, mask)
-            return self.target.logits(hidden[1:]).argmax(dim=-1)
-
-        return self.graphs.run(("draft", id(cache), kv_len), draft_pass, ctx_taps=taps,
-                               ctx_positions=self._positions(start - rows, B), block=block,
-                               block_positions=self._positions(start, B))
+    def _draft_pass(self, cache: KVCache, kv_len: int, ctx_taps, ctx_positions, block, block_positions):
+        """Project the context rows, run the block: the drafter's greedy guesses for block slots 1..B-1."""
+        self.drafter.add_context(ctx_taps, ctx_positions, cache)
+        mask = torch.arange(kv_len, device=block.device)[None, :] <= block_positions[-1:, None]
+        hidden = self.drafter(self.target.embed(block), block_positions, cache, kv_len, mask)
+        return self.target.logits(hidden[1:]).argmax(dim=-1)
 
     def _verify(self, seq: Sequence, tokens: torch.Tensor, start: int):
         """Target pass over tokens at positions start..: logits and taps."""
@@ -229,41 +290,141 @@ class SpeculativeDecoder:
         return self.graphs.run(("target", id(cache), T, kv_len), target_pass, tokens=tokens,
                                positions=self._positions(start, T))
 
-    def _verify_greedy_graphed(self, seq: Sequence, tokens: torch.Tensor, start: int, n: int):
-        """The target pass plus greedy acceptance of the n guesses tokens[1..n] in one graph: taps and
-        [accepted, samples 0..n], so that nothing but the one device-to-host copy of that vector follows the
-        graph (rows past n + 1 are padding)."""
-        T = tokens.shape[0]
-        kv_len = bucket(start + T, self.capacity)
-        cache = seq.target_cache
+    def _clamp(self, n: int) -> int:
+        return max(0, min(n, self.max_draft)) if self.drafter is not None else 0
 
-        def target_pass(tokens, positions):
-            logits, taps = self.target(tokens, positions, cache, kv_len, self.tap_ids)
-            return taps, accept(tokens, logits[:n + 1].argmax(dim=-1), n)  # sample_tokens' greedy rule
+    def _plain_rows(self) -> int:
+        """Rows of a plain step's target pass. On the GPU path with a drafter, two: the second a throwaway at the
+        next position (its cache row is the next step's to overwrite). torch.compile gives a one-row pass kernels
+        of its own, which need not round as the multi-row pass does; padded, a plain step gives its token the bits
+        a verify step gives it, so greedy DFlash stays equal to plain decoding. At batch 1 a row costs nothing.
+        Without a drafter there is no verify step to match, and the fused layer path needs no padding (it is not
+        compiled, and its kernels are batch-invariant)."""
+        if self.drafter is None or self.fused_target:
+            return 1
+        return 2 if self.compiled or self.graphs is not None else 1
 
-        return self.graphs.run(("target-greedy", id(cache), T, kv_len, n), target_pass, tokens=tokens,
-                               positions=self._positions(start, T))
+    def pipelines(self, params: SamplingParams) -> bool:
+        """Whether steps of this decoding run pipelined (launch before collect): greedy, with CUDA graphs."""
+        return self.graphs is not None and params.greedy
+
+    @torch.inference_mode()
+    def launch(self, seq: Sequence, n: int) -> Launched:
+        """Start one step with up to n drafted tokens. Pipelined (see the module docstring): the step's graph is
+        queued behind the steps already launched, and this returns at once; otherwise the step runs here."""
+        if not self.pipelines(seq.params):
+            began = time.perf_counter()
+            return Launched(drafted=self._clamp(n), done=self.step(seq, n), launched_at=began)
+        n = self._clamp(n)
+        if not seq.on_device:
+            self._to_device(seq)
+        T = n + 1 if n > 0 else self._plain_rows()
+        # The start position is known on the device only; graphs are chosen for the furthest it can be (reading
+        # more cache rows than needed is harmless: the position mask hides them).
+        start_max = len(seq.tokens) - 1 + seq.ahead
+        kv_len = bucket(start_max + T, self.capacity)
+        draft_kv_len = bucket(start_max + self.block_size, self.capacity) if n > 0 else 0
+        key = ("step", id(seq.target_cache), n, T, kv_len, draft_kv_len, id(self.oracle))
+        counters = [self.oracle.calls] if isinstance(getattr(self.oracle, "calls", None), torch.Tensor) else []
+        result = self.graphs.run(key, lambda: self._step_pass(seq, n, T, kv_len, draft_kv_len),
+                                 mutable=seq.state.tensors() + counters)
+        host = self._host_buffers[self._next_host]
+        self._next_host = (self._next_host + 1) % len(self._host_buffers)
+        host[:n + 2].copy_(result, non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        seq.ahead += n + 1
+        return Launched(drafted=n, host=host, event=event, launched_at=time.perf_counter())
+
+    def collect(self, seq: Sequence, launched: Launched) -> StepResult:
+        """Wait for a launched step (in launch order) and commit its tokens."""
+        if launched.done is not None:
+            return launched.done
+        if launched.event is not None:
+            launched.event.synchronize()
+        n = launched.drafted
+        host = launched.host[:n + 2].tolist()
+        acc = host[0]
+        committed = host[1:acc + 2]  # samples 0..acc-1 equal the accepted guesses; sample acc is the target's own
+        if self.drafter is not None:  # the graph projected the context up to this step's start
+            seq.draft_len = len(seq.tokens) - 1
+        seq.tokens.extend(committed)
+        seq.ahead -= n + 1
+        return StepResult(committed=committed, drafted=n, accepted=acc)
+
+    def _to_device(self, seq: Sequence) -> None:
+        """Hand the sequence's state to the device: its start, last token and unprojected context rows."""
+        if seq.state is None:
+            ctx = self.drafter is not None
+            seq.state = DeviceState(
+                start=torch.zeros(1, dtype=torch.long, device=self.device),
+                last=torch.zeros(1, dtype=torch.long, device=self.device),
+                ctx_taps=self._new_ctx_taps() if ctx else None,
+                ctx_rows=torch.zeros(1, dtype=torch.long, device=self.device) if ctx else None)
+        state = seq.state
+        state.start.fill_(len(seq.tokens) - 1)
+        state.last.copy_(self._last_token(seq))
+        if self.drafter is not None:
+            if sum(t.shape[0] for t in seq.pending) > self.block_size:
+                self._flush_context(seq)
+            state.ctx_rows.fill_(self._stage_pending(seq, state.ctx_taps))
+        if self._host_buffers is None:
+            pinned = self.device.type == "cuda"
+            self._host_buffers = [torch.zeros(self.block_size + 1, dtype=torch.long, pin_memory=pinned)
+                                  for _ in range(4)]
+        seq.on_device, seq.ahead = True, 0
+
+    def _step_pass(self, seq: Sequence, n: int, T: int, kv_len: int, draft_kv_len: int) -> torch.Tensor:
+        """One pipelined step as one graph: project the context rows, draft (n > 0), verify, accept greedily,
+        advance the device state. Returns [accepted, samples 0..n]."""
+        state = seq.state
+        B = self.block_size
+        if self.drafter is not None:
+            ctx_positions = state.start - state.ctx_rows + torch.arange(B, device=self.device)
+        if n > 0:
+            block = torch.cat([state.last, self._mask_tail_tokens()])
+            guesses = self._draft_pass(seq.draft_cache, draft_kv_len, state.ctx_taps, ctx_positions, block,
+                                       state.start + torch.arange(B, device=self.device))[:n]
+            if self.oracle is not None:
+                guesses = self.oracle(state.start[0], guesses)
+            tokens = torch.cat([state.last, guesses])
+        else:
+            if self.drafter is not None:  # padding rows land past the start, where later passes write first
+                self.drafter.add_context(state.ctx_taps, ctx_positions, seq.draft_cache)
+            tokens = state.last.expand(T)
+        positions = state.start + torch.arange(T, device=self.device)
+        logits, taps = self.target(tokens, positions, seq.target_cache, kv_len, self.tap_ids)
+        result = accept(tokens, logits[:n + 1].argmax(dim=-1), n)  # sample_tokens' greedy rule
+        accepted = result[:1]
+        state.last.copy_(result[1:].gather(0, accepted))
+        if self.drafter is not None:
+            state.ctx_taps[:T].copy_(taps)
+            state.ctx_rows.copy_(accepted + 1)
+        state.start.add_(accepted + 1)
+        return result
+
+    def _mask_tail_tokens(self) -> torch.Tensor:
+        if self._mask_tail is None:
+            self._mask_tail = torch.full((self.block_size - 1,), self.drafter.config.mask_token_id, device=self.device)
+        return self._mask_tail
 
     @torch.inference_mode()
     def step(self, seq: Sequence, n: int) -> StepResult:
-        """One decoding step with up to n drafted tokens (0 = plain decoding)."""
-        n = max(0, min(n, self.max_draft)) if self.drafter is not None else 0
+        """One decoding step with up to n drafted tokens (0 = plain decoding), run to the end: the eager loop,
+        and sampled decoding with graphs (greedy decoding with graphs runs pipelined: launch / collect)."""
+        if seq.on_device:
+            raise RuntimeError("this sequence runs pipelined steps (launch / collect) until its next prefill")
+        n = self._clamp(n)
         start = len(seq.tokens) - 1
         last = self._last_token(seq)
         verify = torch.cat([last, self._draft(seq, n)]) if n > 0 else last
-        if n == 0 and self.drafter is not None and (self.compiled or self.graphs is not None):
-            # On the GPU path a plain step runs as two rows, the second a throwaway at the next position (its cache
-            # row is the next step's to overwrite). torch.compile gives a one-row pass kernels of its own, which
-            # need not round as the multi-row pass does; padded, a plain step gives its token the bits a verify
-            # step gives it, so greedy DFlash stays equal to plain decoding. At batch 1 a row costs nothing.
-            # Without a drafter there is no verify step to match.
+        if n == 0 and self._plain_rows() == 2:
             verify = torch.cat([last, last])
-        if self.graphs is not None and seq.params.greedy:
-            taps, result = self._verify_greedy_graphed(seq, verify, start, n)
-        else:
-            logits, taps = self._verify(seq, verify, start)
-            logits = logits[:n + 1]
-            result = accept(verify, sample_tokens(logits, seq.params, seq.seed, self._positions(start + 1, n + 1)), n)
+        logits, taps = self._verify(seq, verify, start)
+        logits = logits[:n + 1]
+        result = accept(verify, sample_tokens(logits, seq.params, seq.seed, self._positions(start + 1, n + 1)), n)
         # The one host sync of the step: acceptance count and the target's samples together.
         host = result.tolist()
         acc = host[0]

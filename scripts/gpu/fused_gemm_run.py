@@ -2,7 +2,8 @@
 call (inside a CUDA graph, weights rotated past the L2) of each fusion with the plain kernel's tiling and with
 other tilings, at M = 1 and 16, and whether each fused tiling's rows are bitwise batch-invariant.
 
-Usage (GPU machine, repo root): PYTHONPATH=src python scripts/gpu/fused_gemm_run.py OUT_DIR
+Usage (GPU machine, repo root): PYTHONPATH=src python scripts/gpu/fused_gemm_run.py OUT_DIR [CASE ...]
+(CASE: names of CASES to run; all by default)
 Writes OUT_DIR/fused_gemm.json and prints one line per (shape, fusion, tiling).
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ CASES = {
     "gate_up+norm+gated": (24576, 4096, "norm+gated"),
     "gate_up+gated": (24576, 4096, "gated"),
     "down+residual": (4096, 12288, "residual"),
+    "llama gate_up+norm+gated": (28672, 4096, "norm+gated"),
 }
 SWAPPED = [SkinnyConfig(64, 128, 1, 4, s, swap=True) for s in (3, 4, 6)] + [
     SkinnyConfig(32, 128, 1, 4, s, swap=True) for s in (4, 6)] + [
@@ -73,7 +75,8 @@ def invariant(rows: int, k: int, fusion: str, config: SkinnyConfig) -> bool:
 def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     results = []
-    for name, (rows, k, fusion) in CASES.items():
+    chosen = sys.argv[2:] or list(CASES)
+    for name, (rows, k, fusion) in ((name, CASES[name]) for name in chosen):
         plain = sg.config_for(rows, k)
         floor_us = rows * k * 2 / 4.2e12 * 1e6
         base = {m: time_case(rows, k, None, plain, m) for m in (1, 16)}
@@ -81,8 +84,8 @@ def main(out: Path) -> None:
               f"(floor at 4.2 TB/s {floor_us:6.1f} us)", flush=True)
         results.append({"case": name, "fusion": None, "config": plain.name, "us": [base[1] * 1e3, base[16] * 1e3]})
         candidates = [plain] + [c for c in (SWAPPED + PLAIN) if c != plain]
-        if "gated" in fusion:  # the default halves the stages of the [2I, K] tiling
-            candidates.insert(1, dataclasses.replace(plain, num_stages=max(2, (plain.num_stages + 1) // 2)))
+        if "gated" in fusion:  # the gated default, and the [2I, K] tiling with half its stages
+            candidates[1:1] = [sg.GATED_CONFIGS.get((rows, k), sg.GATED_DEFAULT), dataclasses.replace(plain, num_stages=max(2, (plain.num_stages + 1) // 2))]
         for config in candidates:
             try:
                 us = [time_case(rows, k, fusion, config, m) * 1e3 for m in (1, 16)]

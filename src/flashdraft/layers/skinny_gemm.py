@@ -88,11 +88,17 @@ CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
 }
 
 
-# The gated (SwiGLU) product's tiling, every shape: with the row norm, the fastest tiling that was bitwise
-# batch-invariant at Qwen3-8B's gate/up shape on the H200 (scripts/gpu/fused_gemm_run.py: 51.2 us at M = 1 against
-# 48.9 us for the plain [2I, K] product). The plain tiling with half its stages (n64k128 p3, weight tile on the
-# left) was 1.6 us faster but gave rows that differed with M there, so it is not used.
-GATED_CONFIG = SkinnyConfig(32, 64, 1, 4, 8)
+# The gated (SwiGLU) product's tiling by [2I, K] weight shape, with the row norm, measured on the H200
+# (scripts/gpu/fused_gemm_run.py): the fastest tiling whose rows were bitwise batch-invariant, at Qwen3-8B's gate/up
+# (51.2 us at M = 1 against 49.4 us for the plain [2I, K] product) and Llama-3.1-8B's (59.8 us against 57.9 us).
+# Other shapes get GATED_DEFAULT, invariant at both and within 1.7 us of the best. The plain tiling with half its
+# stages (n64k128 p3, weight tile on the left) was about 1 us faster but gave rows that differed with M, so it is
+# not used.
+GATED_CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
+    (24576, 4096): SkinnyConfig(32, 64, 1, 4, 8),
+    (28672, 4096): SkinnyConfig(64, 128, 1, 4, 4, swap=True),
+}
+GATED_DEFAULT = SkinnyConfig(64, 128, 1, 4, 4, swap=True)
 
 
 @functools.cache
@@ -190,7 +196,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            rms_norm_eps: float | None = None, residual: torch.Tensor | None = None,
            gated: bool = False) -> torch.Tensor:
     """Run the kernel: x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype, with skinny_linear's optional
-    fusions (no custom-op wrapper). config None = config_for(weight's shape), or GATED_CONFIG when gated; norm and
+    fusions (no custom-op wrapper). config None = config_for(weight's shape), or GATED_CONFIGS' when gated; norm and
     gated run any config with split_k = 1 (both need the whole K range in one program). Gated: a program covers
     config.block_n gate rows and the same features' up rows. Benchmarks pass a config; the model path goes
     through skinny_linear."""
@@ -217,8 +223,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if m == 0:
         return y.reshape(*lead, n)
     if config is None:
-        config = GATED_CONFIG if gated else config_for(rows, k, _sm_count(x.device.index if x.device.type == "cuda"
-                                                                         else None))
+        config = (GATED_CONFIGS.get((rows, k), GATED_DEFAULT) if gated
+                  else config_for(rows, k, _sm_count(x.device.index if x.device.type == "cuda" else None)))
     if rms_norm_eps is not None or gated:
         config = dataclasses.replace(config, split_k=1)
     res2 = None

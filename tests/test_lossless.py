@@ -1,5 +1,7 @@
 """DFlash output equals the target's alone: greedy token ids, and sampled tokens under the same seed."""
+import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -155,7 +157,7 @@ class InlineGraphs:
     the loop run on the CPU and a loop that keeps an output too long fails."""
 
     def __init__(self):
-        self.keys, self.static = [], {}
+        self.keys, self.static = [], {}  # static: the full keys, as GraphCache keeps them
 
     def run(self, key, fn, mutable=(), **inputs):
         self.keys.append(key[0])
@@ -232,4 +234,12 @@ def test_graphed_paths_equal_the_eager_loop(tmp_path, qwen3_dir):
         finally:
             graphed.eos_ids, eager.eos_ids = saved_eos
     assert {"step", "target", "draft"} <= set(graphed.decoder.graphs.keys)
+    # a graph's key holds the oracle it captured (not its id(), which a new object can reuse once it is freed)
+    oracle = PlantedOracle(prompt + base, lambda s: 1, vocab, "cpu")
+    alive = weakref.ref(oracle)
+    graphed.decoder.oracle = oracle
+    graphed.generate(prompt, greedy, draft=7)
+    graphed.decoder.oracle = oracle = None
+    gc.collect()
+    assert alive() is not None
     assert any(queued_behind) and not all(queued_behind)  # pipelined while far from the end, not near it

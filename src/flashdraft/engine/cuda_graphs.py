@@ -1,7 +1,8 @@
 """CUDA graph capture of the fixed-shape passes of the loop (decode, verify, draft).
 
 A batch-1 step launches hundreds of small kernels; replaying them as one graph removes the launch gaps. Each
-graph is keyed by its shapes (and the cache it writes, since a graph bakes in its tensors' addresses):
+graph is keyed by its shapes (and the cache it writes, held in the key so that it outlives the graph, since a graph
+bakes in its tensors' addresses):
 tokens per pass, and the attention length rounded up to a bucket, with rows past a query's position hidden
 by the position mask. Captures happen on first use; inputs are copied into the graph's static buffers and the
 outputs are the graph's static tensors, valid until the next replay of any graph of the cache: the graphs share

@@ -252,7 +252,7 @@ class SpeculativeDecoder:
         def draft_pass(ctx_taps, ctx_positions, block, block_positions):
             return self._draft_pass(cache, kv_len, ctx_taps, ctx_positions, block, block_positions)
 
-        return self.graphs.run(("draft", id(cache), kv_len), draft_pass, ctx_taps=taps,
+        return self.graphs.run(("draft", cache, kv_len), draft_pass, ctx_taps=taps,
                                ctx_positions=self._positions(start - rows, B), block=block,
                                block_positions=self._positions(start, B))
 
@@ -287,7 +287,7 @@ class SpeculativeDecoder:
         def target_pass(tokens, positions):
             return self.target(tokens, positions, cache, kv_len, self.tap_ids)
 
-        return self.graphs.run(("target", id(cache), T, kv_len), target_pass, tokens=tokens,
+        return self.graphs.run(("target", cache, T, kv_len), target_pass, tokens=tokens,
                                positions=self._positions(start, T))
 
     def _clamp(self, n: int) -> int:
@@ -324,7 +324,9 @@ class SpeculativeDecoder:
         start_max = len(seq.tokens) - 1 + seq.ahead
         kv_len = bucket(start_max + T, self.capacity)
         draft_kv_len = bucket(start_max + self.block_size, self.capacity) if n > 0 else 0
-        key = ("step", id(seq.target_cache), n, T, kv_len, draft_kv_len, id(self.oracle))
+        # The key holds the cache and the oracle themselves, not their id()s: a graph replays their tensors'
+        # addresses, so they must stay alive as long as it does (a freed object's id can come back on a new one).
+        key = ("step", seq.target_cache, n, T, kv_len, draft_kv_len, self.oracle)
         counters = [self.oracle.calls] if isinstance(getattr(self.oracle, "calls", None), torch.Tensor) else []
         result = self.graphs.run(key, lambda: self._step_pass(seq, n, T, kv_len, draft_kv_len),
                                  mutable=seq.state.tensors() + counters)

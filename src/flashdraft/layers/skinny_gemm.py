@@ -98,7 +98,7 @@ GATED_CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
     (24576, 4096): SkinnyConfig(32, 64, 1, 4, 8),
     (28672, 4096): SkinnyConfig(64, 128, 1, 4, 4, swap=True),
 }
-GATED_DEFAULT = SkinnyConfig(64, 128, 1, 4, 4, swap=True)
+GATED_DEFAULT = SkinnyConfig(32, 64, 1, 4, 8)
 
 
 @functools.cache

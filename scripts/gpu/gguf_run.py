@@ -680,6 +680,7 @@ def stage_model(run: Run, bw: float, dev, gen, args) -> None:
     dflash: list = []
     model["dflash"] = dflash
     draft_bytes = model["drafter_bytes"] + model["lm_head_bytes"]  # the drafter's logits go through the LM head
+    oracle = None
     for tau in (2, 4, 6, 8):
         if run.left() < (25 if not run.tiny else 0):
             run.skip(f"dflash tau {tau}")
@@ -687,7 +688,10 @@ def stage_model(run: Run, bw: float, dev, gen, args) -> None:
         try:
             t = time.time()
             accept = min(tau - 1, B - 1)
-            decoder.oracle = PlantedOracle(reference, lambda s, k=accept: k, target.config.vocab_size, dev)
+            if oracle is None:
+                oracle = PlantedOracle(reference, lambda s, k=accept: k, target.config.vocab_size, dev)
+            oracle.replan(lambda s, k=accept: k)  # one oracle: the step graphs captured with it serve every tau
+            decoder.oracle = oracle
             try:
                 engine.generate(prompt, params, B - 1)  # untimed: captures any verify length this pattern needs
                 decoder.oracle.reset()

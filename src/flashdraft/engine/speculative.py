@@ -150,7 +150,8 @@ class SpeculativeDecoder:
         # as oracle(start, guesses) after the drafter has run, so the drafter's cost stays real.
         self.oracle = None
         # Decode, verify and draft passes replayed as CUDA graphs (default on CUDA); prefill stays eager.
-        # On CUDA by default, also fused projections and compiled layers (docs/performance.md measures each).
+        # On CUDA by default, also fused projections, and the fused layer path (both Triton backends) or compiled
+        # layers (docs/performance.md measures each).
         on_cuda = self.device.type == "cuda"
         self.graphs = GraphCache() if (on_cuda if cuda_graphs is None else cuda_graphs) else None
         self._ctx_taps = None

@@ -182,6 +182,26 @@ class InlineGraphs:
         return outs
 
 
+def test_interleaved_pipelined_sequences(tmp_path, qwen3_dir):
+    """Three sequences' pipelined generations advanced in turn, one event each, as the server's worker does: each
+    gets the tokens it gets alone (their queued steps' results land in buffers of their own)."""
+    drafter = build_drafter(tmp_path / "d", qwen3_dir, block_size=8, seed=3)
+    engine = Engine.load(qwen3_dir, drafter, device="cpu", context_size=256)
+    engine.decoder.graphs = InlineGraphs()
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts, drafts = _prompts(engine.decoder.target.config.vocab_size, 3, seed=5), (0, 7, 3)
+    alone = [engine.generate(p, params, draft=d).tokens for p, d in zip(prompts, drafts)]
+    streams = [engine.stream(p, params, draft=d, sequence=engine.new_sequence()) for p, d in zip(prompts, drafts)]
+    results = [None] * 3
+    while any(r is None for r in results):
+        for i, stream in enumerate(streams):
+            if results[i] is None:
+                event = next(stream)
+                if hasattr(event, "finish_reason"):
+                    results[i] = event.tokens
+    assert results == alone
+
+
 def test_graphed_paths_equal_the_eager_loop(tmp_path, qwen3_dir):
     """The loop's graphed paths give the eager loop's tokens, greedy and sampled: the pipelined greedy steps (draft,
     verify and acceptance in one graph that advances the device state, the next step queued before the host

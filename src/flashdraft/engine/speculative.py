@@ -124,6 +124,11 @@ class Sequence:
     state: DeviceState | None = None
     on_device: bool = False
     ahead: int = 0
+    # Pinned landing places of its launched steps' results, used in turn: a sequence has at most two steps in
+    # flight, so a buffer comes round again only after its step was collected. Per sequence, because a server
+    # interleaves the steps of several sequences.
+    host_buffers: list[torch.Tensor] = field(default_factory=list)
+    next_host: int = 0
 
 
 @dataclass
@@ -156,8 +161,6 @@ class SpeculativeDecoder:
         self.graphs = GraphCache() if (on_cuda if cuda_graphs is None else cuda_graphs) else None
         self._ctx_taps = None
         self._mask_tail = None  # the drafter block's B - 1 mask tokens, on the device
-        self._host_buffers = None  # pinned landing places of pipelined steps' results, used in turn
-        self._next_host = 0
         # gemm: "cublas" (F.linear) or "triton" (flashdraft.layers.skinny_gemm: batch-invariant GEMMs, so the
         # linear layers give a verify step's rows bitwise what plain decoding gets; inputs of more than
         # max(16, block) rows, such as prefill, stay on F.linear). None: resolve_gemm's default.
@@ -331,8 +334,8 @@ class SpeculativeDecoder:
         counters = [self.oracle.calls] if isinstance(getattr(self.oracle, "calls", None), torch.Tensor) else []
         result = self.graphs.run(key, lambda: self._step_pass(seq, n, T, kv_len, draft_kv_len),
                                  mutable=seq.state.tensors() + counters)
-        host = self._host_buffers[self._next_host]
-        self._next_host = (self._next_host + 1) % len(self._host_buffers)
+        host = seq.host_buffers[seq.next_host]
+        seq.next_host = (seq.next_host + 1) % len(seq.host_buffers)
         host[:n + 2].copy_(result, non_blocking=True)
         event = None
         if self.device.type == "cuda":
@@ -373,10 +376,10 @@ class SpeculativeDecoder:
             if sum(t.shape[0] for t in seq.pending) > self.block_size:
                 self._flush_context(seq)
             state.ctx_rows.fill_(self._stage_pending(seq, state.ctx_taps))
-        if self._host_buffers is None:
+        if not seq.host_buffers:
             pinned = self.device.type == "cuda"
-            self._host_buffers = [torch.zeros(self.block_size + 1, dtype=torch.long, pin_memory=pinned)
-                                  for _ in range(4)]
+            seq.host_buffers = [torch.zeros(self.block_size + 1, dtype=torch.long, pin_memory=pinned)
+                                for _ in range(4)]
         seq.on_device, seq.ahead = True, 0
 
     def _step_pass(self, seq: Sequence, n: int, T: int, kv_len: int, draft_kv_len: int) -> torch.Tensor:

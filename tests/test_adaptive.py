@@ -435,3 +435,19 @@ def test_engine_output_with_the_controller_is_lossless(engine):
     assert results[0].stats.draft_n_accepted > 0
     assert policy.state()["steps"] == sum(r.stats.steps for r in results)  # it saw every step
     assert json.dumps(policy.state())
+
+
+def test_lengths_handed_out_ahead_are_recorded_in_order():
+    """Pipelined steps: the next length is asked for before this step is recorded, and a request's last queued
+    step may be dropped unrecorded. Each record goes with the oldest length handed out; unplan forgets the
+    newest."""
+    policy = AdaptiveDraft(15)
+    first, second = policy.next_length(15), policy.next_length(15)
+    assert len(policy._planned) == 2
+    policy.record(first, 3, 0.01)
+    assert len(policy._planned) == 1 and policy._planned[0][1] == second
+    policy.next_length(15)
+    policy.unplan(1)
+    assert len(policy._planned) == 1 and policy._planned[0][1] == second
+    policy.record(second, 2, 0.01)
+    assert not policy._planned

@@ -108,6 +108,9 @@ def test_engine_fused_path_is_lossless(tmp_path):
     assert engine.generate(prompt, params, 0).tokens == ref
     if not ON_CUDA:
         decoder.graphs = InlineGraphs()
+    if ON_CUDA:  # the logging oracle syncs with the host, which a pipelined step's graph cannot: tokens only
+        assert engine.generate(prompt, params, 3).tokens == ref
+        return
     decoder.oracle = lambda start, g, log=guesses["fused"]: log.append(g.tolist()) or g
     assert engine.generate(prompt, params, 3).tokens == ref
     # the fused drafter guesses what the unfused one does: its context keys and values too (unfolded k/v weights)

@@ -1,13 +1,13 @@
 """DFlash output equals the target's alone: greedy token ids, and sampled tokens under the same seed."""
 import gc
 import random
-import weakref
 
 import pytest
 import torch
 import transformers
 
 from flashdraft.config import SamplingParams
+from flashdraft.engine.cuda_graphs import GraphCache
 from flashdraft.engine.generator import Engine
 from flashdraft.engine.oracle import PlantedOracle
 from tiny_models import build_drafter
@@ -149,26 +149,26 @@ class EveryOtherStep:
         pass
 
 
-class InlineGraphs:
+class InlineGraphs(GraphCache):
     """A stand-in for engine.cuda_graphs.GraphCache that calls each pass directly (no CUDA here) but keeps the
     graph cache's contract: inputs copied into per-key static buffers, the same output tensors returned
     (overwritten) at every replay of a key, and every earlier output garbage once any graph replays (the graphs
     share one memory pool, so a replay may write over another graph's outputs), so the graphed code paths of
-    the loop run on the CPU and a loop that keeps an output too long fails."""
+    the loop run on the CPU and a loop that keeps an output too long fails. Keys and `tie` are GraphCache's own."""
 
     def __init__(self):
-        self.keys, self.static = [], {}  # static: the full keys, as GraphCache keeps them
+        self.graphs, self._tied, self.keys = {}, {}, []
 
     def run(self, key, fn, mutable=(), **inputs):
         self.keys.append(key[0])
         with torch.inference_mode():
-            for _, outs in self.static.values():
+            for _, outs in self.graphs.values():
                 for o in (outs if isinstance(outs, tuple) else (outs,)) if outs is not None else ():
                     if o is not None:
                         o.fill_(float("nan") if o.is_floating_point() else -(2 ** 40))
-        if key not in self.static:
-            self.static[key] = ({k: v.clone() for k, v in inputs.items()}, None)
-        static, outs = self.static[key]
+        if key not in self.graphs:
+            self.graphs[key] = ({k: v.clone() for k, v in inputs.items()}, None)
+        static, outs = self.graphs[key]
         for k, v in inputs.items():
             static[k].copy_(v)
         fresh = fn(**static)
@@ -178,7 +178,7 @@ class InlineGraphs:
             for o, f in zip(outs if isinstance(outs, tuple) else (outs,), fresh if isinstance(fresh, tuple) else (fresh,)):
                 if o is not None:
                     o.copy_(f)
-        self.static[key] = (static, outs)
+        self.graphs[key] = (static, outs)
         return outs
 
 
@@ -254,12 +254,14 @@ def test_graphed_paths_equal_the_eager_loop(tmp_path, qwen3_dir):
         finally:
             graphed.eos_ids, eager.eos_ids = saved_eos
     assert {"step", "target", "draft"} <= set(graphed.decoder.graphs.keys)
-    # a graph's key holds the oracle it captured (not its id(), which a new object can reuse once it is freed)
+    # the graphs of a freed oracle go with it (a new object can get its id() back, and must not replay them)
+    graphs = graphed.decoder.graphs.graphs
     oracle = PlantedOracle(prompt + base, lambda s: 1, vocab, "cpu")
-    alive = weakref.ref(oracle)
+    token = graphed.decoder.graphs.tie(oracle)
     graphed.decoder.oracle = oracle
     graphed.generate(prompt, greedy, draft=7)
+    assert any(token in key for key in graphs)
     graphed.decoder.oracle = oracle = None
     gc.collect()
-    assert alive() is not None
+    assert graphs and not any(token in key for key in graphs)
     assert any(queued_behind) and not all(queued_behind)  # pipelined while far from the end, not near it

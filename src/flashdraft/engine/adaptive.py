@@ -176,14 +176,22 @@ class AdaptiveDraft:
         self.probe_length = 0        # length of the probe in progress (it keeps one length)
         self.load = 1.0              # machine load: step time / load-free step time (see _time)
         self._loads: deque[float] = deque(maxlen=LOAD_WINDOW)
-        self._planned: tuple[str, int, int] | None = None  # (kind, length, exploration kinds skipped)
+        # (kind, length, exploration kinds skipped) of each length handed out and not yet recorded, oldest first:
+        # with pipelined steps the next step's length is chosen before this one's result is recorded
+        self._planned: deque[tuple[str, int, int]] = deque()
         self._scores: dict[int, tuple[float, bool]] | None = None  # scores() until the next record()
 
     # --- DraftPolicy -------------------------------------------------------------------------------------------
 
     def next_length(self, max_useful: int) -> int:
-        self._planned = self._plan()
-        return max(0, min(self._planned[1], max_useful))
+        self._planned.append(self._plan())
+        return max(0, min(self._planned[-1][1], max_useful))
+
+    def unplan(self, count: int) -> None:
+        """Forget the last `count` lengths handed out: their steps were dropped unrecorded (queued past a
+        request's end)."""
+        for _ in range(min(count, len(self._planned))):
+            self._planned.pop()
 
     def record(self, drafted: int, accepted: int, seconds: float) -> None:
         if not isinstance(drafted, int) or not 0 <= drafted <= self.base:
@@ -193,7 +201,7 @@ class AdaptiveDraft:
         if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
             raise ValueError(f"step seconds must be a finite number > 0, got {seconds!r}")
         self.steps += 1
-        planned, self._planned = self._planned, None
+        planned = self._planned.popleft() if self._planned else None
         if planned is not None and planned[0] == "probe" and self.probe_done == 0 and drafted > 0:
             # What was learnt before switching off is stale by now (the text has moved on): acceptance becomes a
             # weak prior of min_samples samples' worth, so that this probe's few steps outweigh it.

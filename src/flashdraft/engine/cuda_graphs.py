@@ -1,8 +1,7 @@
 """CUDA graph capture of the fixed-shape passes of the loop (decode, verify, draft).
 
 A batch-1 step launches hundreds of small kernels; replaying them as one graph removes the launch gaps. Each
-graph is keyed by its shapes (and the cache it writes, held in the key so that it outlives the graph, since a graph
-bakes in its tensors' addresses):
+graph is keyed by its shapes (and the cache it writes, through `tie`, since a graph bakes in its tensors' addresses):
 tokens per pass, and the attention length rounded up to a bucket, with rows past a query's position hidden
 by the position mask. Captures happen on first use; inputs are copied into the graph's static buffers and the
 outputs are the graph's static tensors, valid until the next replay of any graph of the cache: the graphs share
@@ -10,6 +9,7 @@ one memory pool, so a graph captured later may keep its outputs where an earlier
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -27,6 +27,23 @@ class GraphCache:
     def __init__(self):
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], object]] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        self._tied: dict[int, weakref.finalize] = {}
+
+    def tie(self, obj) -> tuple | None:
+        """A key part standing for obj (a cache, an oracle) whose tensors a graph bakes in: ("tied", id(obj)), and
+        when obj is freed, every graph whose key holds it goes too, before its id can come back on a new object
+        (which must not replay a graph of the freed one's memory). None for None."""
+        if obj is None:
+            return None
+        token = ("tied", id(obj))
+        if id(obj) not in self._tied:
+            self._tied[id(obj)] = weakref.finalize(obj, self._forget, token)
+        return token
+
+    def _forget(self, token: tuple) -> None:
+        self._tied.pop(token[1], None)
+        for key in [k for k in self.graphs if token in k]:
+            del self.graphs[key]
 
     def run(self, key: tuple, fn: Callable, mutable: list[torch.Tensor] = (), **inputs: torch.Tensor):
         """Replay the graph of `key` (capturing fn on first use) on these inputs. mutable: tensors fn updates in

@@ -245,31 +245,41 @@ class Engine:
         # so the GPU works on the next step while the host handles this one's tokens; otherwise each step runs
         # to the end at launch.
         depth = 2 if self.decoder.pipelines(params) else 1
+        # Near the end the next step waits for the queued one, so that it drafts only as far as is really left.
+        longest = min(policy.length, cap) if isinstance(policy, FixedDraft) else cap
         queued: deque = deque()
         last_collect = t1
-        while True:
-            if delta is not None:
-                yield delta
-            if out.finished is None and len(sequence.tokens) >= self.context_size:
-                out.finish("length", "limit")
-            if out.finished is not None:
-                break
-            while len(queued) < depth:
-                # Room for this step's tokens after the most the queued steps can commit.
-                max_useful = min(params.max_tokens - len(out.tokens),
-                                 self.context_size - len(sequence.tokens)) - sequence.ahead - 1
-                if queued and max_useful < cap:  # near the end: wait, and draft as far as is really left
+        try:
+            while True:
+                if delta is not None:
+                    yield delta
+                if out.finished is None and len(sequence.tokens) >= self.context_size:
+                    out.finish("length", "limit")
+                if out.finished is not None:
                     break
-                n = max(0, policy.next_length(min(max_useful, cap))) if self.has_drafter else 0
-                queued.append(self.decoder.launch(sequence, 0 if n < n_min else n))
-            launched = queued.popleft()
-            step = self.decoder.collect(sequence, launched)
-            # A step's time: from its launch, or from the previous step's end when it was queued behind it.
-            now = time.perf_counter()
-            policy.record(step.drafted, step.accepted, now - max(launched.launched_at, last_collect))
-            last_collect = now
-            stats.record_step(step.drafted, step.accepted)
-            delta = out.add(step.committed)
+                while len(queued) < depth:
+                    # Room for this step's tokens after the most the queued steps can commit.
+                    max_useful = min(params.max_tokens - len(out.tokens),
+                                     self.context_size - len(sequence.tokens)) - sequence.ahead - 1
+                    if queued and max_useful < longest:
+                        break
+                    n = max(0, policy.next_length(min(max_useful, cap))) if self.has_drafter else 0
+                    queued.append(self.decoder.launch(sequence, 0 if n < n_min else n))
+                launched = queued.popleft()
+                step = self.decoder.collect(sequence, launched)
+                # A step's time: measured on the device when it ran pipelined (other slots' steps and the host's
+                # work do not count), else from its launch to its end.
+                now = time.perf_counter()
+                seconds = step.seconds if step.seconds is not None else now - max(launched.launched_at, last_collect)
+                policy.record(step.drafted, step.accepted, seconds)
+                last_collect = now
+                stats.record_step(step.drafted, step.accepted)
+                delta = out.add(step.committed)
+        finally:
+            # Steps still queued (past the end, or the stream was closed) are dropped, and so are their lengths.
+            unplan = getattr(policy, "unplan", None)
+            if queued and self.has_drafter and unplan is not None:
+                unplan(len(queued))
         stats.predicted_n = len(out.tokens)
         stats.predicted_ms = 1000 * (time.perf_counter() - t1)
         finish_reason, stop_type = out.finished

@@ -29,7 +29,7 @@ from flashdraft.engine.cuda_graphs import GraphCache, bucket, compile_layers, fu
 from flashdraft.engine.kv_cache import KVCache
 from flashdraft.engine.sampling import sample_tokens
 from flashdraft.layers.decode_attention import ATTENTION_BACKENDS, route_attention
-from flashdraft.layers.decoder import route_fused_layers
+from flashdraft.layers.decoder import DecoderLayer, route_fused_layers
 from flashdraft.layers.skinny_gemm import BLOCK_M, GEMM_BACKENDS, can_run, route_linears, triton_available
 from flashdraft.models import DecoderLM, DFlashDrafter
 
@@ -101,6 +101,7 @@ class Launched:
     drafted: int
     host: torch.Tensor | None = None        # receives [accepted, samples 0..n] (pinned memory on CUDA)
     event: torch.cuda.Event | None = None   # recorded after that copy
+    began: torch.cuda.Event | None = None   # recorded before the step's graph: the step's device time
     done: StepResult | None = None
     launched_at: float = 0.0
 
@@ -136,6 +137,7 @@ class StepResult:
     committed: list[int]  # accepted guesses then the target's own token
     drafted: int           # guesses proposed (n)
     accepted: int          # guesses accepted
+    seconds: float | None = None  # the step's time on the device, where measured (pipelined steps on CUDA)
 
 
 class SpeculativeDecoder:
@@ -152,7 +154,9 @@ class SpeculativeDecoder:
         self.tap_ids = drafter.config.target_layer_ids if drafter is not None else None
         self.device = target.model.norm.weight.device  # a float parameter even when weights are quantized
         # Optional replacement of the drafter's guesses (benchmarks with a chosen acceptance pattern): called
-        # as oracle(start, guesses) after the drafter has run, so the drafter's cost stays real.
+        # as oracle(start, guesses) after the drafter has run, so the drafter's cost stays real. In pipelined steps
+        # it runs inside the step's graph with start a device scalar, so it must be capturable (no host syncs):
+        # engine.oracle.PlantedOracle is.
         self.oracle = None
         # Decode, verify and draft passes replayed as CUDA graphs (default on CUDA); prefill stays eager.
         # On CUDA by default, also fused projections, and the fused layer path (both Triton backends) or compiled
@@ -179,8 +183,10 @@ class SpeculativeDecoder:
             fuse_projections(*models)
         route_linears(*models, gemm=self.gemm, max_m=max_rows)
         route_attention(*models, on=self.attention == "triton", max_t=max_rows)
-        to_compile = [m for m in models if not route_fused_layers(m, on=fused, max_t=max_rows)]
-        self.fused_target = target not in to_compile
+        routed = [route_fused_layers(m, on=fused, max_t=max_rows) for m in models]
+        to_compile = [m for m, count in zip(models, routed) if not count]
+        # every one of the target's layers on the fused path (then plain steps need no padding row)
+        self.fused_target = 0 < routed[0] == sum(isinstance(m, DecoderLayer) for m in target.modules())
         self.compiled = want_compile and bool(to_compile)
         if self.compiled:
             compile_layers(*to_compile)
@@ -256,7 +262,7 @@ class SpeculativeDecoder:
         def draft_pass(ctx_taps, ctx_positions, block, block_positions):
             return self._draft_pass(cache, kv_len, ctx_taps, ctx_positions, block, block_positions)
 
-        return self.graphs.run(("draft", cache, kv_len), draft_pass, ctx_taps=taps,
+        return self.graphs.run(("draft", self.graphs.tie(cache), kv_len), draft_pass, ctx_taps=taps,
                                ctx_positions=self._positions(start - rows, B), block=block,
                                block_positions=self._positions(start, B))
 
@@ -291,7 +297,7 @@ class SpeculativeDecoder:
         def target_pass(tokens, positions):
             return self.target(tokens, positions, cache, kv_len, self.tap_ids)
 
-        return self.graphs.run(("target", cache, T, kv_len), target_pass, tokens=tokens,
+        return self.graphs.run(("target", self.graphs.tie(cache), T, kv_len), target_pass, tokens=tokens,
                                positions=self._positions(start, T))
 
     def _clamp(self, n: int) -> int:
@@ -328,21 +334,25 @@ class SpeculativeDecoder:
         start_max = len(seq.tokens) - 1 + seq.ahead
         kv_len = bucket(start_max + T, self.capacity)
         draft_kv_len = bucket(start_max + self.block_size, self.capacity) if n > 0 else 0
-        # The key holds the cache and the oracle themselves, not their id()s: a graph replays their tensors'
-        # addresses, so they must stay alive as long as it does (a freed object's id can come back on a new one).
-        key = ("step", seq.target_cache, n, T, kv_len, draft_kv_len, self.oracle)
+        # GraphCache.tie: a graph replays the cache's and the oracle's tensors' addresses, so their graphs go
+        # when they do (an id() alone could come back on a new object while the old graph stays).
+        key = ("step", self.graphs.tie(seq.target_cache), n, T, kv_len, draft_kv_len, self.graphs.tie(self.oracle))
         counters = [self.oracle.calls] if isinstance(getattr(self.oracle, "calls", None), torch.Tensor) else []
+        timed = self.device.type == "cuda"
+        began = torch.cuda.Event(enable_timing=True) if timed else None
+        if timed:
+            began.record()
         result = self.graphs.run(key, lambda: self._step_pass(seq, n, T, kv_len, draft_kv_len),
                                  mutable=seq.state.tensors() + counters)
         host = seq.host_buffers[seq.next_host]
         seq.next_host = (seq.next_host + 1) % len(seq.host_buffers)
         host[:n + 2].copy_(result, non_blocking=True)
         event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
+        if timed:
+            event = torch.cuda.Event(enable_timing=True)
             event.record()
         seq.ahead += n + 1
-        return Launched(drafted=n, host=host, event=event, launched_at=time.perf_counter())
+        return Launched(drafted=n, host=host, event=event, began=began, launched_at=time.perf_counter())
 
     def collect(self, seq: Sequence, launched: Launched) -> StepResult:
         """Wait for a launched step (in launch order) and commit its tokens."""
@@ -358,7 +368,8 @@ class SpeculativeDecoder:
             seq.draft_len = len(seq.tokens) - 1
         seq.tokens.extend(committed)
         seq.ahead -= n + 1
-        return StepResult(committed=committed, drafted=n, accepted=acc)
+        seconds = launched.began.elapsed_time(launched.event) / 1000 if launched.began is not None else None
+        return StepResult(committed=committed, drafted=n, accepted=acc, seconds=seconds)
 
     def _to_device(self, seq: Sequence) -> None:
         """Hand the sequence's state to the device: its start, last token and unprojected context rows."""

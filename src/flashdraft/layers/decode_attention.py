@@ -98,6 +98,7 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 _TICKETS: dict[torch.device, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []
 
 
 def _tickets(device: torch.device, count: int) -> torch.Tensor:
@@ -110,6 +111,8 @@ def _tickets(device: torch.device, count: int) -> torch.Tensor:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"decode_attention: {count} counters needed during CUDA graph capture; run the pass "
                                "once outside capture first")
+        if tickets is not None:
+            _RETIRED.append(tickets)  # graphs captured with it still use it
         tickets = _TICKETS[device] = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
     return tickets
 

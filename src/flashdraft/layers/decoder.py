@@ -30,11 +30,11 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def fused_forward(self, h, cos, sin, cache_k, cache_v, positions, kv_len: int, mask: torch.Tensor | None):
-        """The same block in five kernel launches plus attention's two: each RMSNorm runs in the GEMM that reads
-        its output (its weight folded into that GEMM's weight: fold_norms), each residual add in the epilogue of
-        the GEMM that produces it, SwiGLU in the gate/up GEMM's epilogue, and q/k norm, RoPE and the cache writes
-        in one kernel (layers.qkv_prep). At batch 1 the elementwise kernels and the gaps between launches cost a
-        sixth of a step otherwise."""
+        """The same block in six kernel launches: four GEMMs, qkv_prep and attention. Each RMSNorm runs in the
+        GEMM that reads its output (its weight folded into that GEMM's weight: fold_norms), each residual add in
+        the epilogue of the GEMM that produces it, SwiGLU in the gate/up GEMM's epilogue, and q/k norm, RoPE and
+        the cache writes in one kernel (layers.qkv_prep). At batch 1 the elementwise kernels and the gaps between
+        launches cost a sixth of a step otherwise."""
         mlp = self.mlp
         h = self.self_attn.fused_forward(h, self.input_layernorm.eps, cos, sin, cache_k, cache_v, positions, kv_len,
                                          mask)

@@ -250,8 +250,6 @@ class SpeculativeDecoder:
         block, padded to B rows; the padding lands on the block's own positions, which the block pass then
         overwrites. More pending rows (after prefill or plain decoding) are projected eagerly first."""
         B = self.block_size
-        if sum(t.shape[0] for t in seq.pending) > B:
-            self._flush_context(seq)
         if self._ctx_taps is None:  # one staging buffer for the graph's input; stale rows are padding
             self._ctx_taps = self._new_ctx_taps()
         taps = self._ctx_taps
@@ -271,7 +269,10 @@ class SpeculativeDecoder:
                            dtype=self.drafter.norm.weight.dtype)
 
     def _stage_pending(self, seq: Sequence, taps: torch.Tensor) -> int:
-        """Move the pending taps (at most B rows) into taps' leading rows; returns how many."""
+        """Move the pending taps into taps' leading rows, for a graph to project; returns how many. More than B
+        rows (after prefill or plain decoding) are projected eagerly here instead, and 0 are staged."""
+        if sum(t.shape[0] for t in seq.pending) > self.block_size:
+            self._flush_context(seq)
         rows = 0
         for t in seq.pending:
             taps[rows:rows + t.shape[0]] = t
@@ -384,8 +385,6 @@ class SpeculativeDecoder:
         state.start.fill_(len(seq.tokens) - 1)
         state.last.copy_(self._last_token(seq))
         if self.drafter is not None:
-            if sum(t.shape[0] for t in seq.pending) > self.block_size:
-                self._flush_context(seq)
             state.ctx_rows.fill_(self._stage_pending(seq, state.ctx_taps))
         if not seq.host_buffers:
             pinned = self.device.type == "cuda"

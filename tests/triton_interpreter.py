@@ -1,4 +1,5 @@
-"""Triton's interpreter for the kernel tests on a machine without a GPU."""
+"""Triton's interpreter for the kernel tests on a machine without a GPU, and a record of what an engine test sends
+through a kernel."""
 import os
 import sys
 
@@ -16,3 +17,22 @@ def interpret_without_gpu(kernel_module: str, kernels_cache) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     sys.modules.pop(kernel_module, None)
     kernels_cache.cache_clear()
+
+
+def generate_through(module, op_name: str, engine, prompt, params, ref, arg_shape) -> list | None:
+    """Assert that engine's greedy output, plain and drafting 7, equals ref. On the CPU, also return
+    arg_shape(first argument) of every call of module.op_name (the kernel's custom op) meanwhile; on CUDA None,
+    since graph replays and compiled layers do not call back into Python."""
+    if torch.cuda.is_available():
+        assert engine.generate(prompt, params, 0).tokens == ref
+        assert engine.generate(prompt, params, 7).tokens == ref
+        return None
+    calls = []
+    real = getattr(module, op_name)
+    setattr(module, op_name, lambda *a: calls.append(arg_shape(a[0])) or real(*a))
+    try:
+        assert engine.generate(prompt, params, 0).tokens == ref
+        assert engine.generate(prompt, params, 7).tokens == ref
+    finally:
+        setattr(module, op_name, real)
+    return calls

@@ -87,14 +87,22 @@ def test_rows_are_bitwise_independent_of_the_other_tokens():
     assert torch.equal(da.launch(other, k, v, mask)[0], full[0])
 
 
-def test_rows_do_not_depend_on_the_graph_bucket():
+# key ranges of 32 keys: 8 and 13 ranges to combine
+MANY_RANGES = da.AttentionConfig(block_n=32, split=32)
+
+
+@pytest.mark.parametrize("config", [None, MANY_RANGES], ids=["default", "many-ranges"])
+def test_rows_do_not_depend_on_the_graph_bucket(config):
     """A verify step may attend over a longer kv_len (the next graph bucket) than the decode step of the same
-    token: the rows past its position are hidden, and its output bits stay the same."""
+    token: the rows past its position are hidden, and its output bits stay the same (also over many key
+    ranges)."""
     k, v = _cache(2, 400, 64, seed=12)
     q = _queries(8, 4, 64, seed=13)
-    short, longer = da.launch(q, k[:, :256], v[:, :256], _causal(250, 4, 256)), \
-        da.launch(q, k[:, :400], v[:, :400], _causal(250, 4, 400))
+    short, longer = da.launch(q, k[:, :256], v[:, :256], _causal(250, 4, 256), config), \
+        da.launch(q, k[:, :400], v[:, :400], _causal(250, 4, 400), config)
     assert torch.equal(short, longer)
+    ref = _reference(q, k[:, :256], v[:, :256], _causal(250, 4, 256))
+    torch.testing.assert_close(short.double(), ref, rtol=1e-4, atol=1e-5)
 
 
 def test_another_tiling_changes_the_bits():

@@ -37,9 +37,11 @@ def graph_us(fn, calls: int) -> float:
     return 1000 * graphed_per_call_ms([lambda i=i: fn(i) for i in range(calls)])
 
 
-CONFIGS = [AttentionConfig(), AttentionConfig(split=64), AttentionConfig(block_q=64), AttentionConfig(block_q=64, split=64),
-           AttentionConfig(block_n=32, split=64), AttentionConfig(block_q=64, split=256, num_warps=8),
-           AttentionConfig(split=256), AttentionConfig(block_q=64, num_warps=8)]
+# decode_attention.CONFIG first
+CONFIGS = [AttentionConfig(block_n=128, split=128, num_warps=8), AttentionConfig(), AttentionConfig(split=64),
+           AttentionConfig(split=256), AttentionConfig(block_n=128, split=256, num_warps=8),
+           AttentionConfig(block_n=128, split=128), AttentionConfig(block_n=128, split=128, num_warps=8, num_stages=1),
+           AttentionConfig(block_n=64, split=512)]
 # the configuration adopted is the fastest over these (kv_len, T) cases (bench and chat contexts), if invariant
 ADOPT_ON = {(512, 1), (512, 16), (2048, 1), (2048, 16)}
 

@@ -6,10 +6,10 @@ Split-KV attention of a few query rows over a static cache, in one launch of `at
 1. scores by tl.dot, the position mask, an online softmax over the range in BLOCK_N steps, and the range's fp32
    partial output, row maximum and row sum, stored;
 2. a ticket from a per-(kv head, tile) counter: the program that arrives last rescales and adds the partials in
-   split order 0, 1, ... and writes the rows straight into the [T, heads * head_dim] layout o_proj reads, then
-   sets the counter back to zero for the next launch. The order of the additions never depends on which
-   program does them. (A second kernel for this step cost about 3 us per layer, launch gap included, at batch 1
-   on the H200.)
+   split order 0, 1, ... (`_combine`, one pass, each split's loads issued before the previous one is added) and
+   writes the rows straight into the [T, heads * head_dim] layout o_proj reads, then sets the counter back to
+   zero for the next launch. The order of the additions never depends on which program does them. (A second
+   kernel for this step cost about 3 us per layer, launch gap included, at batch 1 on the H200.)
 
 Query rows of one kv head are the T tokens times its group's heads, token-major (row r = t * group + g, so a
 token's rows sit in the same tile places whatever T is). Every tile has 16 rows
@@ -59,7 +59,9 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, count
         visible = row_ok[:, None] & n_ok[None, :]
         if HAS_MASK:
             visible = visible & (tl.load(mask_ptr + t[:, None] * stride_mt + n[None, :], mask=visible, other=0) != 0)
+        # V's load goes out with K's (issued after the scores' softmax, it cost about 1 us more at 512 keys)
         k = tl.load(k_ptr + kv * stride_kh + n[:, None] * stride_kn + d[None, :], mask=n_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + kv * stride_vh + n[:, None] * stride_vn + d[None, :], mask=n_ok[:, None], other=0.0)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -70,7 +72,6 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, count
         alpha = tl.math.exp2(m_i - m_safe)
         p = tl.math.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.reduce(p, 1, _add)
-        v = tl.load(v_ptr + kv * stride_vh + n[:, None] * stride_vn + d[None, :], mask=n_ok[:, None], other=0.0)
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -92,30 +93,44 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, count
 @triton.jit
 def _combine(m_ptr, l_ptr, acc_ptr, out_ptr, kv, tile, T, N_SPLITS, stride_ot, GROUP: tl.constexpr,
              D: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """Add the N_SPLITS partials of (kv, tile) in split order and store the tile's rows of the output. Loads
-    bypass L1 (.cg): the partials were written by other programs."""
+    """Add the N_SPLITS partials of (kv, tile) in split order 0, 1, ... and store the tile's rows of the output.
+
+    One pass with a running maximum (each split's weight and the sums so far rescaled by it, as the online
+    softmax of the key loop does), and the loads of split s + 1 issued before split s is added: the additions
+    wait for memory about once per two splits, where a pass for the maximum and then one for the sums, each
+    split's loads issued after the previous split's additions, waited twice per split (most of a call's time at
+    a few hundred keys on the H200). A key range hidden from a row gives it m = -inf, so it adds exact zeros
+    and leaves the rescaling at exactly 1: a row's result does not depend on how many ranges follow its last
+    visible one (a longer kv_len in a verify step). Loads bypass L1 (.cg): other programs wrote the partials."""
     r = tl.arange(0, BLOCK_Q)
     d = tl.arange(0, D)
     base = (kv * tl.num_programs(1) + tile) * N_SPLITS
     rows = tile * BLOCK_Q + r
     row_ok = rows < T * GROUP  # padding rows of the tile: nothing stored, nothing read
-    # while loops: Triton's interpreter (the CPU tests) cannot range() over a runtime bound
-    m_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
-    s = 0
-    while s < N_SPLITS:
-        m_max = tl.maximum(m_max, tl.load(m_ptr + (base + s) * BLOCK_Q + r, mask=row_ok, other=float("-inf"),
-                                          cache_modifier=".cg"))
-        s += 1
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # padding rows: no NaN from -inf - -inf
+    m_next = tl.load(m_ptr + base * BLOCK_Q + r, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+    l_next = tl.load(l_ptr + base * BLOCK_Q + r, mask=row_ok, other=0.0, cache_modifier=".cg")
+    acc_next = tl.load(acc_ptr + (base * BLOCK_Q + r)[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0,
+                       cache_modifier=".cg")
+    m_run = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     total = tl.full([BLOCK_Q], 0.0, tl.float32)
     acc = tl.full([BLOCK_Q, D], 0.0, tl.float32)
+    # a while loop: Triton's interpreter (the CPU tests) cannot range() over a runtime bound
     s = 0
     while s < N_SPLITS:
-        w = tl.math.exp2(tl.load(m_ptr + (base + s) * BLOCK_Q + r, mask=row_ok, other=float("-inf"),
-                                 cache_modifier=".cg") - m_max)
-        total += w * tl.load(l_ptr + (base + s) * BLOCK_Q + r, mask=row_ok, other=0.0, cache_modifier=".cg")
-        acc += w[:, None] * tl.load(acc_ptr + ((base + s) * BLOCK_Q + r)[:, None] * D + d[None, :],
-                                    mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+        m_s, l_s, acc_s = m_next, l_next, acc_next
+        ahead = row_ok & (s + 1 < N_SPLITS)
+        slot = (base + s + 1) * BLOCK_Q + r
+        m_next = tl.load(m_ptr + slot, mask=ahead, other=float("-inf"), cache_modifier=".cg")
+        l_next = tl.load(l_ptr + slot, mask=ahead, other=0.0, cache_modifier=".cg")
+        acc_next = tl.load(acc_ptr + slot[:, None] * D + d[None, :], mask=ahead[:, None], other=0.0,
+                           cache_modifier=".cg")
+        m_new = tl.maximum(m_run, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: no NaN from -inf - -inf
+        alpha = tl.math.exp2(m_run - m_safe)
+        w = tl.math.exp2(m_s - m_safe)
+        total = total * alpha + w * l_s
+        acc = acc * alpha[:, None] + w[:, None] * acc_s
+        m_run = m_new
         s += 1
     t = rows // GROUP
     head = kv * GROUP + rows % GROUP

@@ -45,7 +45,10 @@ class AttentionConfig:
         return f"q{self.block_q}n{self.block_n}s{self.split}w{self.num_warps}p{self.num_stages}"
 
 
-CONFIG = AttentionConfig()
+# The tiling measured fastest over 512 and 2048 cached keys at T = 1 and 16 (scripts/gpu/attention_run.py, H200,
+# 2026-11-30): one step of 128 keys per program, 8 warps; 7.8 us at 512 keys and T = 1, against 9.2 us for the
+# default's two steps of 64 and 10.2-11.2 us before the combine loaded ahead (docs/performance.md).
+CONFIG = AttentionConfig(block_n=128, split=128, num_warps=8)
 
 
 @functools.cache

@@ -29,13 +29,6 @@ import triton.language as tl
 # had been set before that, while these kernels are decorated when this module is imported (first use).
 
 
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Ask for the cache line of each pointer to be brought into L2 (no registers, nothing waits for it)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
 # M is never specialized (Triton would otherwise compile separate variants for M == 1 and M % 16 == 0): one
 # compiled kernel serves every M, which batch invariance relies on.
 @triton.jit(do_not_specialize=["M"])
@@ -44,16 +37,11 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, r_ptr, M, N, stride_xm
                        HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
                        IEEE: tl.constexpr, SWAP: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                       PREFETCH_CHUNKS: tl.constexpr = 0, LINE: tl.constexpr = 64):
+                       SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
     """N is the number of output features: with GATED, W has 2N rows (gate rows [0, N) over up rows [N, 2N)).
-    HAS_NORM and GATED need SPLIT_K == 1 (the row norm needs all of K; silu needs the whole gate product).
-
-    PDL (a programmatic dependent launch, CUDA only): the kernel may start while the previous one still runs. It
-    lets the next kernel launch at once (which waits in turn before reading anything), prefetches the start of
-    its own weight range into L2 (PREFETCH_CHUNKS chunks of 8 cache lines of LINE elements per weight row: weights
-    never depend on the previous kernel), and only then waits for the previous kernel's writes (x, the residual).
-    So the memory bus keeps streaming weights across the boundary between two GEMMs."""
+    HAS_NORM and GATED need SPLIT_K == 1 (the row norm needs all of K; silu needs the whole gate product)."""
+    if PDL:  # launched as a programmatic dependent: wait here for the previous kernel's writes (our input)
+        tl.extra.cuda.gdc_wait()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -63,19 +51,6 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, r_ptr, M, N, stride_xm
     # This split's K range: STEPS = ceil(ceil(K / BLOCK_K) / SPLIT_K) steps of BLOCK_K from k_lo, fixed by K,
     # SPLIT_K and BLOCK_K (never by M). K is a compile-time constant (a handful of weight widths per model).
     k_lo = pid_k * STEPS * BLOCK_K
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        if PREFETCH_CHUNKS > 0:
-            k_end = tl.minimum(k_lo + STEPS * BLOCK_K, K)
-            rl = tl.arange(0, 8) * LINE
-            for chunk in range(0, PREFETCH_CHUNKS):
-                cols = k_lo + chunk * 8 * LINE + rl
-                ok = (rn[:, None] < N) & (cols[None, :] < k_end)
-                offsets = tl.where(ok, rn[:, None].to(tl.int64) * stride_wn + cols[None, :], 0)
-                _prefetch_l2(w_ptr + offsets)
-                if GATED:
-                    _prefetch_l2(w_ptr + N * stride_wn + offsets)
-        tl.extra.cuda.gdc_wait()
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k_lo + rk)[None, :]
     w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]
     m_ok = rm[:, None] < M

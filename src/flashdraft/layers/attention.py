@@ -5,7 +5,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashdraft.config import ModelConfig
-from flashdraft.layers import l2_prefetch
 from flashdraft.layers.decode_attention import decode_attention
 from flashdraft.layers.norm import RMSNorm
 from flashdraft.layers.qkv_prep import qkv_prep
@@ -121,15 +120,12 @@ class Attention(nn.Module):
                       mask: torch.Tensor | None) -> torch.Tensor:
         """h + attention(rms_norm(h)) for a few-row cached pass in four kernels (DecoderLayer.fused_forward): the
         q/k/v GEMM with the input norm (its weight folded into the q/k/v weight), qkv_prep, decode_attention,
-        o_proj with the residual add in its epilogue. Needs fused q/k/v weights. On CUDA, o_proj's weight streams
-        into L2 on a side stream meanwhile (layers.l2_prefetch): qkv_prep and attention leave the memory bus idle."""
+        o_proj with the residual add in its epilogue. Needs fused q/k/v weights."""
         qkv = skinny_linear(h, self.qkv_weight, self.qkv_bias, rms_norm_eps=norm_eps)
-        prefetch = l2_prefetch.start(self.o_proj.weight)
         q_norm, k_norm = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
         eps = self.q_norm.eps if self.q_norm is not None else 1e-6
         q = qkv_prep(qkv, cos, sin, positions, cache_k, cache_v, self.n_heads, self.n_kv, q_norm, k_norm, eps)
         out = decode_attention(q.transpose(0, 1), cache_k[:, :kv_len], cache_v[:, :kv_len], _rows_mask(mask))
-        l2_prefetch.join(prefetch)
         return skinny_linear(out, self.o_proj.weight, self.o_proj.bias, residual=h)
 
     # Cache-free batched path (drafter training, batched data generation): x is [b, T, hidden] and cos/sin are

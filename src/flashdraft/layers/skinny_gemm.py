@@ -119,32 +119,12 @@ def config_for(n: int, k: int, sms: int = 132) -> SkinnyConfig:
     - fewer rows: 32-row tiles and a fixed split of K (up to 4 ways) towards 2 programs per SM.
     """
     config = _config_for(n, k, sms)
-    return dataclasses.replace(config, pdl=True) if _pdl_for(n, k) else config
+    return dataclasses.replace(config, pdl=True) if _pdl_everywhere() else config
 
 
-def _pdl_for(rows: int, k: int) -> bool:
-    """FLASHDRAFT_SKINNY_PDL (an experiment's switch): 1 launches every skinny GEMM as a programmatic dependent,
-    a comma-separated list of ROWSxK weight shapes only those."""
-    value = os.environ.get("FLASHDRAFT_SKINNY_PDL", "0")
-    if value in ("", "0") or _interpreting():
-        return False
-    return value == "1" or f"{rows}x{k}" in value.split(",")
-
-
-# A programmatic dependent launch prefetches the start of each program's weight range into L2 before it waits for
-# the previous kernel, about this many bytes over the programs that fit on the GPU at once.
-PDL_PREFETCH_BYTES = 24 << 20
-
-
-def _prefetch_chunks(config: SkinnyConfig, rows_per_program: int, programs: int, steps: int, elem_bytes: int,
-                     sms: int) -> int:
-    """How many chunks of 8 cache lines (128 bytes each) per weight row a program prefetches (the kernel's
-    PREFETCH_CHUNKS): PDL_PREFETCH_BYTES (FLASHDRAFT_SKINNY_PREFETCH_MB overrides it) spread over the programs of
-    the first wave (one per SM), at most the program's whole K range."""
-    budget = int(float(os.environ.get("FLASHDRAFT_SKINNY_PREFETCH_MB", PDL_PREFETCH_BYTES / 2**20)) * 2**20)
-    chunk_bytes = 8 * 128
-    whole_range = -(-steps * config.block_k * elem_bytes // chunk_bytes)
-    return max(0, min(whole_range, budget // (min(programs, sms) * rows_per_program * chunk_bytes)))
+def _pdl_everywhere() -> bool:
+    """FLASHDRAFT_SKINNY_PDL=1 launches every skinny GEMM as a programmatic dependent (an experiment's switch)."""
+    return os.environ.get("FLASHDRAFT_SKINNY_PDL", "0") not in ("", "0") and not _interpreting()
 
 
 def _config_for(n: int, k: int, sms: int) -> SkinnyConfig:
@@ -248,8 +228,6 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                   else config_for(rows, k, _sm_count(x.device.index if x.device.type == "cuda" else None)))
     if rms_norm_eps is not None or gated:
         config = dataclasses.replace(config, split_k=1)
-    if _pdl_for(rows, k):
-        config = dataclasses.replace(config, pdl=True)
     res2 = None
     if residual is not None:
         res2 = residual.reshape(m, n)
@@ -260,17 +238,12 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     m_tiles = -(-m // BLOCK_M)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     even_k = k % (split * config.block_k) == 0
-    grid = (-(-n // config.block_n), split, m_tiles)
-    steps = -(-(-(-k // config.block_k)) // split)
     pdl = {"launch_pdl": True} if config.pdl and x.device.type == "cuda" else {}
-    if pdl:
-        pdl["PREFETCH_CHUNKS"] = _prefetch_chunks(config, config.block_n * (1 + gated), grid[0] * grid[1] * grid[2],
-                                                  steps, weight.element_size(), _sm_count(x.device.index))
-        pdl["LINE"] = 128 // weight.element_size()
-    kern.skinny_gemm_kernel[grid](
+    kern.skinny_gemm_kernel[(-(-n // config.block_n), split, m_tiles)](
         x2, weight, bias if bias is not None else y, y, part,
         res2 if res2 is not None else y, m, n, x2.stride(0), weight.stride(0), y.stride(0),
-        res2.stride(0) if res2 is not None else 0, float(rms_norm_eps or 0.0), K=k, STEPS=steps,
+        res2.stride(0) if res2 is not None else 0, float(rms_norm_eps or 0.0), K=k,
+        STEPS=-(-(-(-k // config.block_k)) // split),
         HAS_BIAS=bias is not None, HAS_NORM=rms_norm_eps is not None, HAS_RESIDUAL=res2 is not None, GATED=gated,
         IEEE=x.dtype == torch.float32, SWAP=config.swap,
         UPCAST=x.device.type != "cuda" and x.dtype != torch.float32, PDL=bool(pdl),

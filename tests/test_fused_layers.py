@@ -81,7 +81,7 @@ def _randomize_norms(folder):
     tensors = load_file(path)
     g = torch.Generator().manual_seed(1)
     for name, t in tensors.items():
-        if name.endswith("layernorm.weight"):
+        if name.endswith(("layernorm.weight", "hidden_norm.weight")):
             tensors[name] = (0.5 + torch.rand(t.shape, generator=g)).to(t.dtype)
     save_file(tensors, path, metadata={"format": "pt"})
 
@@ -116,3 +116,31 @@ def test_engine_fused_path_is_lossless(tmp_path):
     # the fused drafter guesses what the unfused one does: its context keys and values too (unfolded k/v weights)
     assert guesses["fused"] == guesses["unfused"] and len(guesses["fused"]) >= 2
     assert ON_CUDA or "step" in decoder.graphs.keys  # pipelined
+
+
+def test_drafter_context_projection_fused(tmp_path):
+    """A step's context rows through the drafter's fused projection (fc, then per layer one GEMM with hidden_norm
+    folded into the [k; v] weights and qkv_prep without query heads) write the keys and values the module path
+    writes, at the same rows only."""
+    target_dir = build_target(tmp_path / "t", family="qwen3", layers=2, seed=7)
+    drafter_dir = build_drafter(tmp_path / "d", target_dir, block_size=4, seed=7)
+    _randomize_norms(drafter_dir)
+    engine = Engine.load(target_dir, drafter_dir, device=DEVICE, context_size=64, gemm="triton", attention="triton")
+    drafter = engine.decoder.drafter
+    assert drafter.context_fused_max_t == 16 and len(drafter.context_kv) == len(drafter.layers)
+    g = torch.Generator().manual_seed(0)
+    taps = torch.randn(5, drafter.fc.in_features, generator=g).to(DEVICE)
+    positions = torch.tensor([9, 3, 4, 20, 11], device=DEVICE)
+    caches = []
+    for max_t in (16, 0):  # fused, then the module path
+        drafter.context_fused_max_t = max_t
+        cache = drafter.new_cache(32)
+        for t in (*cache.k, *cache.v):
+            t.fill_(float("nan"))
+        drafter.add_context(taps, positions, cache)
+        caches.append(cache)
+    written = torch.zeros(32, dtype=torch.bool, device=DEVICE)
+    written[positions] = True
+    for fused, module in zip((*caches[0].k, *caches[0].v), (*caches[1].k, *caches[1].v)):
+        assert fused[:, ~written].isnan().all()
+        torch.testing.assert_close(fused[:, written], module[:, written], rtol=1e-5, atol=1e-5)

@@ -82,6 +82,22 @@ def test_matches_the_reference(dtype, norm, T, hd):
     assert not (cache_k[:, ~unwritten] == UNWRITTEN).any() and not (cache_v[:, ~unwritten] == UNWRITTEN).any()
 
 
+@pytest.mark.parametrize("norm", [True, False])
+def test_keys_and_values_only(norm):
+    """No query heads (a drafter's context rows: n_heads = 0): the keys and values written are the eager path's,
+    and q is empty."""
+    args = _inputs(5, 0, 2, 64, torch.bfloat16, norm, seed=3 + norm)
+    args["q_norm_weight"] = args["k_norm_weight"]
+    cache_k, cache_v = _caches(2, 64, torch.bfloat16)
+    ref_k, ref_v = _caches(2, 64, torch.bfloat16)
+    q = qp.qkv_prep(**args, cache_k=cache_k, cache_v=cache_v)
+    qp.qkv_prep_reference(**args, cache_k=ref_k, cache_v=ref_v)
+    assert q.shape == (5, 0, 64)
+    _assert_same(cache_k, ref_k, not norm or NORM_EXACT)
+    assert torch.equal(cache_v, ref_v)
+    assert not (cache_k[:, args["positions"]] == UNWRITTEN).any()
+
+
 def test_exact_match_needs_the_eager_roundings():
     """The bitwise comparisons above are not met by just any correct RoPE: rounding once at the end (as a fused
     kernel keeping bf16 intermediates in float32 does) gives other bf16 bits."""

@@ -54,7 +54,7 @@ def _head_dim(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions
               cache_k: torch.Tensor, cache_v: torch.Tensor, n_heads: int, n_kv: int,
               q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None) -> int:
     """Check the arguments' shapes, dtypes and devices (shapes only: no host sync); return head_dim."""
-    if qkv.dim() != 2 or n_heads < 1 or n_kv < 1 or qkv.shape[1] % (n_heads + 2 * n_kv):
+    if qkv.dim() != 2 or n_heads < 0 or n_kv < 1 or qkv.shape[1] % (n_heads + 2 * n_kv):
         raise ValueError(f"qkv_prep: qkv width: qkv {list(qkv.shape)} is not [T, (n_heads + 2 * n_kv) * head_dim] "
                          f"with n_heads = {n_heads}, n_kv = {n_kv}")
     T, hd = qkv.shape[0], qkv.shape[1] // (n_heads + 2 * n_kv)
@@ -99,7 +99,8 @@ def launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: t
     if has_norm:
         q_norm_weight, k_norm_weight = q_norm_weight.contiguous(), k_norm_weight.contiguous()
     _kernels().qkv_prep_kernel[(T, n_heads + n_kv)](
-        qkv, cos, sin, positions, q_norm_weight if has_norm else qkv, k_norm_weight if has_norm else qkv, q,
+        qkv, cos, sin, positions, q_norm_weight if has_norm else qkv, k_norm_weight if has_norm else qkv,
+        q if n_heads else qkv,  # no query heads: nothing is stored there (an empty tensor may have no address)
         cache_k, cache_v, qkv.stride(0), cos.stride(0), sin.stride(0), cache_k.stride(0), cache_k.stride(1),
         cache_v.stride(0), cache_v.stride(1), cache_k.shape[1], eps, N_HEADS=n_heads, N_KV=n_kv, D=hd,
         HAS_NORM=has_norm, EMULATE=qkv.device.type != "cuda", num_warps=1,
@@ -127,7 +128,8 @@ def qkv_prep(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions:
     """Split qkv [T, (n_heads + 2 * n_kv) * hd] (unit stride along a row), RMS-normalize (both weights [hd] given)
     and rotate the query and key heads with cos / sin [T, hd], write the keys and the raw values into cache_k /
     cache_v [n_kv, capacity, hd] at rows positions [T] (int64), and return the queries [T, n_heads, hd], one
-    kernel launch (module docstring: numerics, batch invariance)."""
+    kernel launch (module docstring: numerics, batch invariance). n_heads = 0: keys and values only (a drafter's
+    context rows); both norm weights are then the key norm's."""
     return _qkv_prep_op(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight,
                         eps)
 

@@ -9,6 +9,8 @@ from torch import nn
 from flashdraft.config import DrafterConfig
 from flashdraft.engine.kv_cache import KVCache
 from flashdraft.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from flashdraft.layers.qkv_prep import qkv_prep
+from flashdraft.layers.skinny_gemm import fold_norm_weight, skinny_linear
 
 
 class DFlashDrafter(nn.Module):
@@ -23,6 +25,9 @@ class DFlashDrafter(nn.Module):
             layer.self_attn.context_projection = True  # add_context: k/v_proj of context rows, no input norm
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rope = RotaryEmbedding(c, max_positions)
+        # fuse_context_projection: per layer, [k; v] context weights with hidden_norm's weight folded in, and bias
+        self.context_kv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.context_fused_max_t = 0
 
     @property
     def block_size(self) -> int:
@@ -37,12 +42,40 @@ class DFlashDrafter(nn.Module):
 
         The context is shared by all layers and is not updated by them; each layer has its own k/v projections.
         """
+        if 0 < taps.shape[0] <= self.context_fused_max_t:
+            return self._add_context_fused(taps, positions, cache)
         ctx = self.hidden_norm(self.fc(taps))
         cos, sin = self.rope(positions)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.project_kv(ctx, cos, sin)
             cache.k[i].index_copy_(1, positions, k)
             cache.v[i].index_copy_(1, positions, v)
+
+    @torch.no_grad()
+    def fuse_context_projection(self, max_t: int) -> None:
+        """Send add_context calls of up to max_t rows (a step's accepted tokens) through two kernels per layer: a
+        skinny GEMM of the fc output with the [k; v] weights, hidden_norm in it (its weight folded into theirs),
+        and qkv_prep with no query heads (k_norm, RoPE, both cache writes). The module path costs about 15 small
+        kernels per layer there, most of the extra kernel time of a DFlash step over its two passes on an H200
+        (docs/performance.md). Needs layers whose attention takes the fused path (route_fused_layers)."""
+        if not self.context_kv:
+            for layer in self.layers:
+                attn = layer.self_attn
+                weight = torch.cat([attn.k_proj.weight, attn.v_proj.weight])
+                fold_norm_weight(weight, self.hidden_norm.weight)
+                bias = torch.cat([attn.k_proj.bias, attn.v_proj.bias]) if attn.k_proj.bias is not None else None
+                self.context_kv.append((weight, bias))
+        self.context_fused_max_t = max_t
+
+    def _add_context_fused(self, taps: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> None:
+        fc_out = self.fc(taps)
+        cos, sin = self.rope(positions)
+        for i, (layer, (weight, bias)) in enumerate(zip(self.layers, self.context_kv)):
+            attn = layer.self_attn
+            kv = skinny_linear(fc_out, weight, bias, rms_norm_eps=self.hidden_norm.eps)
+            k_norm = attn.k_norm.weight if attn.k_norm is not None else None
+            qkv_prep(kv, cos, sin, positions, cache.k[i], cache.v[i], 0, attn.n_kv, k_norm, k_norm,
+                     attn.k_norm.eps if attn.k_norm is not None else 1e-6)
 
     def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int,
                 mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """Where a step's time goes: per-kernel CUDA time of one target pass (T=1 and T=16) and of one draft pass at a
 synthetic shape, grouped into GEMMs, attention and the rest.
 
-Usage (GPU machine, repo root): PYTHONPATH=src python scripts/gpu/profile_step.py [qwen3-8b] [BACKENDS]
+Usage (GPU machine, repo root): PYTHONPATH=src python scripts/gpu/profile_step.py [qwen3-8b] [BACKENDS] [--generate]
 BACKENDS: cublas (default), triton (skinny GEMMs), triton+attn (and the decode attention kernels).
+--generate: instead, whole generations as the synthetic benchmark times them (the CUDA defaults: graphs, pipelined
+steps), plain decoding and DFlash at tau 6: kernel time per step against wall time per step.
 """
 import sys
 from collections import defaultdict
@@ -13,13 +15,14 @@ from torch.profiler import ProfilerActivity, profile
 from flashdraft.bench.synthetic import build_synthetic
 from flashdraft.config import SamplingParams
 from flashdraft.engine.generator import Engine
+from flashdraft.engine.oracle import PlantedOracle
 
 GEMM_NAMES = ("gemm", "gemv", "cutlass", "sm90", "nvjet", "cublas", "split_reduce")
 ATTENTION_NAMES = ("attention", "fmha", "flash", "softmax", "sdpa")  # before GEMM_NAMES: cuDNN's has "sm90"
 
 
-def report(title: str, fn, reps: int = 5) -> None:
-    for _ in range(3):
+def report(title: str, fn, reps: int = 5, warmup: int = 3) -> None:
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -59,5 +62,32 @@ def main(shape: str, backends: str) -> None:
     report(f"[{shape}, {backends}] draft pass (block {decoder.block_size})", lambda: decoder._draft(seq, decoder.max_draft))
 
 
+def generations(shape: str) -> None:
+    """Plain decoding and DFlash at tau 6 (planted), 256 tokens after 32, the engine's CUDA defaults."""
+    dev = torch.device("cuda")
+    target, drafter = build_synthetic(shape, dev, torch.bfloat16, 1024)
+    prompt, params = list(range(1, 33)), SamplingParams(max_tokens=256, ignore_eos=True)
+    plain = Engine(target, None, None, context_size=1024)
+    base = plain.generate(prompt, params, 0)
+    engine = Engine(target, None, drafter, context_size=1024)
+    B = drafter.block_size
+    oracle = PlantedOracle(prompt + base.tokens, lambda s: 5, target.config.vocab_size, dev)
+    engine.decoder.oracle = oracle
+    runs = {"plain decoding": lambda: plain.generate(prompt, params, 0),
+            "DFlash, tau 6": lambda: (oracle.reset(), engine.generate(prompt, params, B - 1))[1]}
+    for title, fn in runs.items():
+        fn()  # captures the graphs
+        out = fn()
+        torch.cuda.synchronize()
+        s = out.stats
+        print(f"\n[{shape}] {title}: {s.steps} steps, tau {s.tau:.2f}, wall {s.predicted_ms / s.steps:.3f} ms per step "
+              f"(decode phase), {(s.predicted_n - 1) / s.predicted_ms * 1000:.1f} tok/s; kernel time per step:")
+        report(f"[{shape}] {title}, one whole generation (divide by {s.steps} steps)", fn, reps=1, warmup=1)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "qwen3-8b", sys.argv[2] if len(sys.argv) > 2 else "cublas")
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    if "--generate" in sys.argv:
+        generations(args[0] if args else "qwen3-8b")
+    else:
+        main(args[0] if args else "qwen3-8b", args[1] if len(args) > 1 else "cublas")

@@ -144,3 +144,23 @@ def test_drafter_context_projection_fused(tmp_path):
     for fused, module in zip((*caches[0].k, *caches[0].v), (*caches[1].k, *caches[1].v)):
         assert fused[:, ~written].isnan().all()
         torch.testing.assert_close(fused[:, written], module[:, written], rtol=1e-5, atol=1e-5)
+
+
+def test_an_unfused_engine_switches_the_context_projection_off(tmp_path):
+    """Engines built one after another over the same drafter (the synthetic benchmark's variants): one without
+    the fused path turns the drafter's fused context rows off again, and a fused one after it makes the [k; v]
+    copies afresh from the weights as they are then."""
+    target_dir = build_target(tmp_path / "t", family="qwen3", layers=2, seed=8)
+    drafter_dir = build_drafter(tmp_path / "d", target_dir, block_size=4, seed=8)
+    loaded = load_model(target_dir, drafter_dir, device=DEVICE, dtype=torch.float32, context_size=64)
+    target, drafter = loaded.target, loaded.drafter
+    Engine(target, None, drafter, context_size=64, gemm="triton", attention="triton")
+    assert drafter.context_fused_max_t == 16 and len(drafter.context_kv) == len(drafter.layers)
+    Engine(target, None, drafter, context_size=64, gemm="cublas", attention="sdpa")
+    assert drafter.context_fused_max_t == 0 and drafter.context_kv == []
+    with torch.no_grad():
+        drafter.layers[0].self_attn.k_proj.weight.mul_(2)
+    Engine(target, None, drafter, context_size=64, gemm="triton", attention="triton")
+    attn, weight = drafter.layers[0].self_attn, drafter.context_kv[0][0]
+    kv_rows = attn.k_proj.weight.shape[0]
+    torch.testing.assert_close(weight[:kv_rows], attn.k_proj.weight * drafter.hidden_norm.weight)

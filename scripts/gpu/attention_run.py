@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemm_run import graphed_per_call_ms  # noqa: E402
 
 from flashdraft.layers.attention import grouped_attention  # noqa: E402
-from flashdraft.layers.decode_attention import AttentionConfig, launch  # noqa: E402
+from flashdraft.layers.decode_attention import CONFIG, AttentionConfig, launch  # noqa: E402
 
 HEADS, KV_HEADS, HD, LAYERS = 32, 8, 128, 36
 
@@ -37,8 +37,7 @@ def graph_us(fn, calls: int) -> float:
     return 1000 * graphed_per_call_ms([lambda i=i: fn(i) for i in range(calls)])
 
 
-# decode_attention.CONFIG first
-CONFIGS = [AttentionConfig(block_n=128, split=128, num_warps=8), AttentionConfig(), AttentionConfig(split=64),
+CONFIGS = [CONFIG, AttentionConfig(), AttentionConfig(split=64),
            AttentionConfig(split=256), AttentionConfig(block_n=128, split=256, num_warps=8),
            AttentionConfig(block_n=128, split=128), AttentionConfig(block_n=128, split=128, num_warps=8, num_stages=1),
            AttentionConfig(block_n=64, split=512)]

@@ -187,9 +187,9 @@ class SpeculativeDecoder:
         to_compile = [m for m, count in zip(models, routed) if not count]
         # every one of the target's layers on the fused path (then plain steps need no padding row)
         self.fused_target = 0 < routed[0] == sum(isinstance(m, DecoderLayer) for m in target.modules())
-        if drafter is not None and hasattr(drafter, "fuse_context_projection") \
-                and 0 < routed[1] == sum(isinstance(m, DecoderLayer) for m in drafter.modules()):
-            drafter.fuse_context_projection(max_rows)
+        if drafter is not None:  # a step's context rows too, where every drafter layer is fused (else off again)
+            all_fused = 0 < routed[1] == sum(isinstance(m, DecoderLayer) for m in drafter.modules())
+            drafter.fuse_context_projection(max_rows if all_fused else 0)
         self.compiled = want_compile and bool(to_compile)
         if self.compiled:
             compile_layers(*to_compile)

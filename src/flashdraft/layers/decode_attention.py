@@ -46,9 +46,17 @@ class AttentionConfig:
 
 
 # The tiling measured fastest over 512 and 2048 cached keys at T = 1 and 16 (scripts/gpu/attention_run.py, H200,
-# 2026-11-30): one step of 128 keys per program, 8 warps; 7.8 us at 512 keys and T = 1, against 9.2 us for the
-# default's two steps of 64 and 10.2-11.2 us before the combine loaded ahead (docs/performance.md).
+# 2026-11-30, head_dim 128): one step of 128 keys per program, 8 warps; 7.8 us at 512 keys and T = 1, against
+# 9.2 us for the default's two steps of 64 and 10.2-11.2 us before the combine loaded ahead (docs/performance.md).
 CONFIG = AttentionConfig(block_n=128, split=128, num_warps=8)
+# Wider heads (256: Gemma-4) keep steps of 64 keys: a 128-key step would hold 64 KB of keys and 64 KB of values
+# per program at once (not measured at that width).
+WIDE_HEAD_CONFIG = AttentionConfig()
+
+
+def config_for(head_dim: int) -> AttentionConfig:
+    """The process's tiling for a head width (fixed per width, never chosen by T or kv_len)."""
+    return CONFIG if head_dim <= 128 else WIDE_HEAD_CONFIG
 
 
 @functools.cache
@@ -64,9 +72,10 @@ def supports(head_dim: int) -> bool:
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
            config: AttentionConfig | None = None) -> torch.Tensor:
     """Run the kernel (no custom-op wrapper). q [heads, T, hd]; k, v [kv_heads, kv_len, hd] with unit stride
-    along hd; mask None or bool [T or 1, kv_len]. Returns [T, heads * hd] in q's dtype. config None = CONFIG."""
-    c = config or CONFIG
+    along hd; mask None or bool [T or 1, kv_len]. Returns [T, heads * hd] in q's dtype. config None =
+    config_for(head_dim)."""
     heads, T, hd = q.shape
+    c = config or config_for(hd)
     kv_heads, kv_len = k.shape[0], k.shape[1]
     if heads % kv_heads or v.shape != k.shape or k.shape[2] != hd or not supports(hd):
         raise ValueError(f"decode_attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} "

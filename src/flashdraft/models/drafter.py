@@ -57,8 +57,11 @@ class DFlashDrafter(nn.Module):
         skinny GEMM of the fc output with the [k; v] weights, hidden_norm in it (its weight folded into theirs),
         and qkv_prep with no query heads (k_norm, RoPE, both cache writes). The module path costs about 15 small
         kernels per layer there, most of the extra kernel time of a DFlash step over its two passes on an H200
-        (docs/performance.md). Needs layers whose attention takes the fused path (route_fused_layers)."""
-        if not self.context_kv:
+        (docs/performance.md). Needs layers whose attention takes the fused path (route_fused_layers); max_t = 0
+        switches it off. The [k; v] copies are made from the weights as they are now (each engine that routes
+        the drafter makes them again)."""
+        self.context_kv = []
+        if max_t > 0:
             for layer in self.layers:
                 attn = layer.self_attn
                 weight = torch.cat([attn.k_proj.weight, attn.v_proj.weight])
@@ -98,9 +101,9 @@ class DFlashDrafter(nn.Module):
 
         block_embeds [b, Q, hidden] at block_positions [b, Q]; taps [b, S, n_tap * hidden] of context rows at
         positions 0..S-1; mask [b, Q, S + Q] (True = may attend) over the keys [context | blocks]. Context keys
-        and values are projected exactly as add_context does and block rows as forward does, so with a mask
-        that lets each block see the context before its first position and itself, a block's outputs equal
-        forward's for the same context. Returns normed hidden states [b, Q, hidden].
+        and values are projected exactly as add_context's module path does and block rows as forward does, so
+        with a mask that lets each block see the context before its first position and itself, a block's outputs
+        equal forward's for the same context. Returns normed hidden states [b, Q, hidden].
         """
         ctx = self.hidden_norm(self.fc(taps))
         ctx_cos, ctx_sin = self.rope(torch.arange(taps.shape[1], device=taps.device))

@@ -71,24 +71,29 @@ def test_matches_sdpa(heads, kv_heads, hd, T, kv_len, mask_kind):
     assert (out.double() - ref).abs().max().item() < 1e-5
 
 
-def test_rows_are_bitwise_independent_of_the_other_tokens():
+# key ranges of 32 keys: 8 to 13 ranges to combine
+MANY_RANGES = da.AttentionConfig(block_n=32, split=32)
+
+
+@pytest.mark.parametrize("config, window", [(None, None), (MANY_RANGES, None), (MANY_RANGES, 100)],
+                         ids=["default", "many-ranges", "many-ranges-window"])
+def test_rows_are_bitwise_independent_of_the_other_tokens(config, window):
     """A token's rows are the same bits whether it goes alone (as the first token) or with up to 15 more, and
-    whatever the other tokens hold. (A token in another row of the block lands in other places of the query
-    tile; tensor cores make that irrelevant on the GPU, where perf_run.py checks it; the interpreter's BLAS
-    does not promise it, so here the token keeps its place.)"""
+    whatever the other tokens hold; also over many key ranges, the leading ones hidden by a sliding window.
+    (A token in another row of the block lands in other places of the query tile; tensor cores make that
+    irrelevant on the GPU, where perf_run.py checks it; the interpreter's BLAS does not promise it, so here the
+    token keeps its place.)"""
     k, v = _cache(2, 300, 64, seed=7)
     q = _queries(8, 16, 64, seed=8)
-    mask = _causal(250, 16, 300)
-    full = da.launch(q, k, v, mask)
+    mask = _causal(250, 16, 300, window=window)
+    full = da.launch(q, k, v, mask, config)
     for T in (1, 3, 7):
-        assert torch.equal(da.launch(q[:, :T].contiguous(), k, v, mask[:T]), full[:T])
+        assert torch.equal(da.launch(q[:, :T].contiguous(), k, v, mask[:T], config), full[:T])
     other = q.clone()
     other[:, 1:] = _queries(8, 15, 64, seed=9)
-    assert torch.equal(da.launch(other, k, v, mask)[0], full[0])
-
-
-# key ranges of 32 keys: 8 and 13 ranges to combine
-MANY_RANGES = da.AttentionConfig(block_n=32, split=32)
+    assert torch.equal(da.launch(other, k, v, mask, config)[0], full[0])
+    ref = _reference(q, k, v, mask)
+    torch.testing.assert_close(full.double(), ref, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("config", [None, MANY_RANGES], ids=["default", "many-ranges"])

@@ -122,11 +122,21 @@ class Attention(nn.Module):
         q/k/v GEMM with the input norm (its weight folded into the q/k/v weight), qkv_prep, decode_attention,
         o_proj with the residual add in its epilogue. Needs fused q/k/v weights."""
         qkv = skinny_linear(h, self.qkv_weight, self.qkv_bias, rms_norm_eps=norm_eps)
-        q_norm, k_norm = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
-        eps = self.q_norm.eps if self.q_norm is not None else 1e-6
-        q = qkv_prep(qkv, cos, sin, positions, cache_k, cache_v, self.n_heads, self.n_kv, q_norm, k_norm, eps)
+        q = qkv_prep(qkv, cos, sin, positions, cache_k, cache_v, self.n_heads, self.n_kv, *self._head_norms())
         out = decode_attention(q.transpose(0, 1), cache_k[:, :kv_len], cache_v[:, :kv_len], _rows_mask(mask))
         return skinny_linear(out, self.o_proj.weight, self.o_proj.bias, residual=h)
+
+    def write_context_kv(self, kv: torch.Tensor, cos, sin, positions, cache_k, cache_v) -> None:
+        """Keys (k_norm, RoPE) and values of context rows into the cache, from their fused [k; v] projection kv
+        [T, 2 * kv_heads * head_dim]: qkv_prep with no query heads (a drafter's fused context path)."""
+        _, k_norm, eps = self._head_norms()
+        qkv_prep(kv, cos, sin, positions, cache_k, cache_v, 0, self.n_kv, k_norm, k_norm, eps)
+
+    def _head_norms(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+        """qkv_prep's per-head norm arguments: the q_norm and k_norm weights (None without them) and their eps."""
+        if self.q_norm is None:
+            return None, None, 1e-6
+        return self.q_norm.weight, self.k_norm.weight, self.k_norm.eps
 
     # Cache-free batched path (drafter training, batched data generation): x is [b, T, hidden] and cos/sin are
     # [b, T, head_dim] (or [T, head_dim] shared by the batch); keys and values come from project_kv.

@@ -60,6 +60,7 @@ class DecoderLayer(nn.Module):
             norm.weight.fill_(1.0)
         self.norms_folded = True
 
+
 def route_fused_layers(*models: nn.Module, on: bool = True, max_t: int = 16) -> int:
     """Send the models' cached passes of at most max_t tokens through DecoderLayer.fused_forward (on=True) or
     back to the module-by-module path. Applies to layers whose q/k/v and gate/up projections are fused plain
@@ -84,4 +85,3 @@ def route_fused_layers(*models: nn.Module, on: bool = True, max_t: int = 16) -> 
                 layer._compiled_call_impl = None
             routed += bool(layer.fused_max_t)
     return routed
-

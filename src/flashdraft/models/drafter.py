@@ -9,7 +9,6 @@ from torch import nn
 from flashdraft.config import DrafterConfig
 from flashdraft.engine.kv_cache import KVCache
 from flashdraft.layers import DecoderLayer, RMSNorm, RotaryEmbedding
-from flashdraft.layers.qkv_prep import qkv_prep
 from flashdraft.layers.skinny_gemm import fold_norm_weight, skinny_linear
 
 
@@ -74,11 +73,8 @@ class DFlashDrafter(nn.Module):
         fc_out = self.fc(taps)
         cos, sin = self.rope(positions)
         for i, (layer, (weight, bias)) in enumerate(zip(self.layers, self.context_kv)):
-            attn = layer.self_attn
             kv = skinny_linear(fc_out, weight, bias, rms_norm_eps=self.hidden_norm.eps)
-            k_norm = attn.k_norm.weight if attn.k_norm is not None else None
-            qkv_prep(kv, cos, sin, positions, cache.k[i], cache.v[i], 0, attn.n_kv, k_norm, k_norm,
-                     attn.k_norm.eps if attn.k_norm is not None else 1e-6)
+            layer.self_attn.write_context_kv(kv, cos, sin, positions, cache.k[i], cache.v[i])
 
     def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int,
                 mask: torch.Tensor | None = None) -> torch.Tensor:

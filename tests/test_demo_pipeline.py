@@ -18,7 +18,7 @@ def write_modules(root, count=24):
             f'    return total\n' for j in range(4))
         method = (f'class Thing{i}:\n    def double(self, a):\n        """Double a and add {i}."""\n'
                   f'        b = a * 2\n        return b + {i}\n')
-        folder = root / f"pkg{i % 3}"
+        folder = root / f"pkg{i % 8}"
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"mod{i}.py").write_text(f"import os\n\n\n{funcs}\n\n\n{method}")
     (root / "pkg0" / "copy.py").write_text((root / "pkg0" / "mod0.py").read_text())  # a duplicate
@@ -41,7 +41,7 @@ def run(tmp_path_factory, one_thread):
     src, run = root / "src", root / "run"
     write_modules(src)
     assert corpus.main(["--out", str(run / "corpus"), "--roots", str(src), "--max-mb", "1",
-                        "--held-out-percent", "25", "--chat-fraction", "0.5", "--workers", "1"]) == 0
+                        "--held-out-percent", "40", "--chat-fraction", "0.5", "--workers", "1"]) == 0
     assert bpe.main(["--corpus", str(run / "corpus"), "--out", str(run / "tokenizer"), "--vocab", "400",
                      "--model-max-length", "64"]) == 0
     assert pretrain.main(["--tokenizer", str(run / "tokenizer"), "--out", str(run / "target"),
@@ -49,8 +49,10 @@ def run(tmp_path_factory, one_thread):
                           "--heads", "4", "--kv-heads", "2", "--intermediate", "64", "--seq-len", "64",
                           "--batch-size", "8", "--steps", "24", "--warmup", "4", "--lr", "5e-3",
                           "--log-every", "8", "--eval-every", "8", "--eval-windows", "4", "--device", "cpu"]) == 0
-    assert prompts.main(["--corpus", str(run / "corpus"), "--out", str(run / "prompts"), "--train", "12",
-                         "--heldout", "4", "--max-chars", "80"]) == 0
+    assert prompts.main(["--corpus", str(run / "corpus"), "--tokenizer", str(run / "tokenizer"),
+                         "--out", str(run / "prompts"), "--train", "12", "--heldout", "8", "--max-chars", "80",
+                         "--long-tokens", "10", "30"]) == 0
+    (run / "handwritten.jsonl").write_text(json.dumps({"kind": "signature", "prompt": "def scale_3(x):"}) + "\n")
     from flashdraft.train.cli import main as train_drafter
     assert train_drafter(["--target", str(run / "target"), "--prompts", str(run / "prompts" / "train.jsonl"),
                           "--out", str(run / "drafter_train"), "--block-size", "4", "--layers", "1",
@@ -58,7 +60,8 @@ def run(tmp_path_factory, one_thread):
                           "--eval-prompts", "0", "--device", "cpu", "-q"]) == 0
     assert evaluate.main(["--target", str(run / "target"), "--drafter", str(run / "drafter_train"),
                           "--prompts", str(run / "prompts"), "--out", str(run / "eval"), "--device", "cpu",
-                          "--max-tokens", "12", "--speed-prompts", "2", "--samples", "1"]) == 0
+                          "--max-tokens", "12", "--speed-prompts", "2", "--samples", "1",
+                          "--handwritten", str(run / "handwritten.jsonl")]) == 0
     assert package.main(["--run", str(run), "--out", str(root / "pair")]) == 0
     return run, root / "pair"
 
@@ -71,9 +74,11 @@ def test_corpus_dedupes_filters_and_splits(run):
     stats = json.loads((run[0] / "corpus" / "stats.json").read_text())
     assert stats["duplicates"] == 1 and stats["rejected"] == 1
     assert stats["train_files"] + stats["heldout_files"] == 24 and stats["heldout_files"] >= 1
-    train = {d["module"] for d in read_jsonl(run[0] / "corpus" / "train.jsonl")}
-    held_out = {d["module"] for d in read_jsonl(run[0] / "corpus" / "heldout.jsonl")}
-    assert not train & held_out
+    train, held_out = read_jsonl(run[0] / "corpus" / "train.jsonl"), read_jsonl(run[0] / "corpus" / "heldout.jsonl")
+    assert not {d["module"] for d in train} & {d["module"] for d in held_out}
+    # whole projects are held out: no project has files in both splits
+    assert not {d["project"] for d in train} & {d["project"] for d in held_out}
+    assert {d["project"] for d in held_out} == set(stats["heldout_projects"]) and len(stats["heldout_projects"]) >= 2
     fn = read_jsonl(run[0] / "corpus" / "functions_train.jsonl")[0]
     assert fn["code"].startswith(("def ", "class ")) and fn["name"] in fn["request"]
 
@@ -105,6 +110,16 @@ def test_tokenizer_folder(run):
     assert (stream == ids["<|mask|>"]).sum() == 0
 
 
+def test_a_line_break_is_a_token_of_its_own(run):
+    """A prompt that ends at a line break ends on a token boundary of the full text, as in training."""
+    from tokenizers import Tokenizer as RawTokenizer
+    tok = RawTokenizer.from_file(str(run[0] / "tokenizer" / "tokenizer.json"))
+    head, full = "def scale(x):\n", "def scale(x):\n    total = x + 1\n    return total\n"
+    head_ids, full_ids = tok.encode(head).ids, tok.encode(full).ids
+    assert full_ids[:len(head_ids)] == head_ids
+    assert tok.decode(full_ids) == full
+
+
 def test_target_loss_falls(run):
     log = read_jsonl(run[0] / "logs" / "target.jsonl")
     first = next(r for r in log if r.get("step") == 1)
@@ -132,6 +147,9 @@ def test_evaluation_report(run):
     ev = json.loads((run[0] / "eval" / "eval.json").read_text())
     assert ev["code"]["prompts"] >= 1 and ev["prose"]["prompts"] >= 1 and ev["block_size"] == 4
     assert 1.0 <= ev["code"]["tau"] <= 4.0
+    assert ev["handwritten"]["prompts"] == 1 and ev["handwritten"]["eos_first"] in (0, 1)
+    long = ev["code_long"]
+    assert long["prompts"] >= 1 and 10 <= long["prompt_tokens"][0] <= long["prompt_tokens"][1] <= 30
     assert ev["speed"]["identical"] == ev["speed"]["prompts"] == 2
 
 

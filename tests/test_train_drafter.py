@@ -191,3 +191,20 @@ def test_sigint_stops_at_a_step_boundary_with_the_drafter_saved(qwen3_dir, promp
     monkeypatch.setattr(trainer, "train_step", real_step)
     report = train_drafter(small(qwen3_dir, prompt_file, data_dir, out, steps=6, eval_prompts=0, resume=True))
     assert report["steps"] == 6
+
+
+def test_sampler_groups_similar_lengths_and_covers_every_sequence_once_a_pass():
+    import torch
+
+    from flashdraft.train.trainer import Sampler
+    lengths = [10 if i % 5 else 4000 for i in range(640)]  # one long sequence in five
+    sampler = Sampler(len(lengths), torch.Generator().manual_seed(0), lengths)
+    batches = [sampler.batch(8) for _ in range(80)]        # exactly one pass
+    assert sorted(i for b in batches for i in b) == list(range(640))
+    padded = sum(max(lengths[i] for i in b) * len(b) for b in batches)
+    plain = Sampler(len(lengths), torch.Generator().manual_seed(0))
+    padded_plain = sum(max(lengths[i] for i in b) * len(b) for b in (plain.batch(8) for _ in range(80)))
+    assert padded < 0.4 * padded_plain  # most batches hold only short sequences
+    # long batches are spread over the pass, not gathered at its end
+    has_long = [max(lengths[i] for i in b) == 4000 for b in batches]
+    assert any(has_long[:40]) and any(has_long[40:])

@@ -22,14 +22,16 @@ DEVICE=${DEVICE:-cuda}  # cpu only to dry-run the script's plumbing, with a tiny
 WORKERS=${WORKERS:-$(nproc)}
 
 # Sizes and budgets (the whole run is designed for about 9 minutes on one H200).
-TOTAL_SECONDS=${TOTAL_SECONDS:-570}  # the training budgets shrink if earlier stages ran slow
+TOTAL_SECONDS=${TOTAL_SECONDS:-560}  # the training budgets shrink if earlier stages ran slow
 CORPUS_MB=${CORPUS_MB:-160}          # train split of .py files
-HELD_OUT_PERCENT=${HELD_OUT_PERCENT:-20}  # modules held out of the target's data: drafter prompts and tau prompts
+HELD_OUT_PERCENT=${HELD_OUT_PERCENT:-20}  # projects held out of the target's data: drafter prompts and tau prompts
 HELD_OUT_MB=${HELD_OUT_MB:-48}
 BPE_SAMPLE_MB=${BPE_SAMPLE_MB:-24}   # text the BPE is trained on
 VOCAB=${VOCAB:-8192}
 TARGET_SECONDS=${TARGET_SECONDS:-125}     # target training time (at most)
-TARGET_SHAPE=${TARGET_SHAPE:---hidden 384 --layers 8 --heads 6 --kv-heads 2 --intermediate 1024 --seq-len 512 --batch-size 256}
+CONTEXT=${CONTEXT:-4096}                  # the target's context (and training window)
+TARGET_SHAPE=${TARGET_SHAPE:---hidden 384 --layers 8 --heads 6 --kv-heads 2 --intermediate 1024 --batch-size 32}
+LONG_TOKENS=${LONG_TOKENS:-1000 3700}     # long prompts (file starts): their length range in tokens
 AFTER_TARGET=${AFTER_TARGET:-360}         # seconds kept for the stages after the target
 DRAFT_PROMPTS=${DRAFT_PROMPTS:-40000}     # prompts offered; the generation budget decides how many get a response
 GEN_SECONDS=${GEN_SECONDS:-60}            # response generation time (at most)
@@ -82,19 +84,20 @@ stage corpus "$CORPUS_CAP" "$PY" -m flashdraft.demo.pipeline.corpus --out "$RUN/
     --held-out-percent "$HELD_OUT_PERCENT" --held-out-max-mb "$HELD_OUT_MB"
 
 stage tokenizer "$TOKENIZER_CAP" "$PY" -m flashdraft.demo.pipeline.bpe --corpus "$RUN/corpus" \
-    --out "$RUN/tokenizer" --vocab "$VOCAB" --sample-mb "$BPE_SAMPLE_MB" --model-max-length 512 --seed "$SEED"
+    --out "$RUN/tokenizer" --vocab "$VOCAB" --sample-mb "$BPE_SAMPLE_MB" --model-max-length "$CONTEXT" --seed "$SEED"
 
 rm -f "$RUN/logs/target.jsonl"
 TARGET_S=$(budget "$TARGET_SECONDS" "$(( AFTER_TARGET + 20 ))")
 echo "target: ${TARGET_S}s of training"
 stage target "$TARGET_CAP" "$PY" -m flashdraft.demo.pipeline.pretrain --tokenizer "$RUN/tokenizer" \
-    --out "$RUN/target" --log "$RUN/logs/target.jsonl" $TARGET_SHAPE --lr 2e-3 --warmup 100 --device "$DEVICE" \
+    --out "$RUN/target" --log "$RUN/logs/target.jsonl" $TARGET_SHAPE --seq-len "$CONTEXT" --lr 2e-3 --warmup 100 --device "$DEVICE" \
     --max-minutes "$(awk "BEGIN {print $TARGET_S / 60}")" --eval-every 200 --seed "$SEED"
 
-stage prompts "$PROMPTS_CAP" "$PY" -m flashdraft.demo.pipeline.prompts --corpus "$RUN/corpus" --out "$RUN/prompts" \
-    --train "$DRAFT_PROMPTS" --heldout 48 --seed "$SEED"
+stage prompts "$PROMPTS_CAP" "$PY" -m flashdraft.demo.pipeline.prompts --corpus "$RUN/corpus" \
+    --tokenizer "$RUN/tokenizer" --out "$RUN/prompts" --train "$DRAFT_PROMPTS" --heldout 48 --long-tokens $LONG_TOKENS \
+    --seed "$SEED"
 
-# Responses: the target's own greedy answers to the drafter's prompts (held-out modules the tau prompts do not use:
+# Responses: the target's own greedy answers to the drafter's prompts (held-out projects the tau prompts do not use:
 # prompted with its training text, the target recites it and a drafter learns the recitations by rote), for at
 # most GEN_SECONDS, in batches of 2048 (at 512 the 15.7 M-parameter target is launch-bound).
 GEN_S=$(budget "$GEN_SECONDS" "$(( AFTER_GENERATION ))")
@@ -130,7 +133,8 @@ jobs=()
 for loss in $LOSSES; do
     stage "evaluate_$loss" "$EVAL_CAP" "$PY" -m flashdraft.demo.pipeline.evaluate --target "$RUN/target" \
         --drafter "$RUN/drafter_$loss" --prompts "$RUN/prompts" --out "$RUN/eval_$loss" --device "$DEVICE" \
-        --max-tokens 256 --speed-prompts 4 --seen "$RUN/prompts/seen.jsonl" &
+        --max-tokens 256 --speed-prompts 4 --seen "$RUN/prompts/seen.jsonl" \
+        --handwritten "$REPO/docs/demo/handwritten.jsonl" &
     jobs+=($!)
 done
 wait "${jobs[@]}" || true

@@ -143,7 +143,7 @@ def generate_responses(target: DecoderLM, prompt_ids: list[list[int]], indices: 
                          f"leave no room for a response within the target's {max_positions} positions")
     if max_seconds is not None and max_seconds <= 0:
         todo = []  # no budget: only what the cache holds
-    batches = [todo[k:k + batch_size] for k in range(0, len(todo), batch_size)]
+    batches = length_batches([len(prompt_ids[i]) for i in todo], todo, batch_size)
     order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed)).tolist()
     bar = tqdm(total=len(indices), initial=len(indices) - len(todo), desc="responses", unit="seq",
                disable=not progress)
@@ -166,6 +166,24 @@ def generate_responses(target: DecoderLM, prompt_ids: list[list[int]], indices: 
             bar.update(len(batch))
     bar.close()
     return {i: done[i] for i in indices if i in done}
+
+
+# A batch's prefill attends under a [rows, width, width] mask (and SDPA's float copy of it per query group), so
+# long prompts go in fewer rows: rows * width^2 stays under this (2^31: about 13 GB of masks at 3 query groups).
+PREFILL_MASK_CELLS = 2**31
+
+
+def length_batches(lengths: list[int], items: list[int], batch_size: int) -> list[list[int]]:
+    """items (sorted by their lengths) in consecutive batches of at most batch_size, fewer where the widest
+    prompt's prefill mask would pass PREFILL_MASK_CELLS."""
+    batches, k = [], 0
+    while k < len(items):
+        n = 1
+        while n < batch_size and k + n < len(items) and (n + 1) * lengths[k + n] ** 2 <= PREFILL_MASK_CELLS:
+            n += 1
+        batches.append(items[k:k + n])
+        k += n
+    return batches
 
 
 @dataclass

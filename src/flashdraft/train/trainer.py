@@ -95,19 +95,40 @@ class TrainConfig:
 @dataclass
 class Sampler:
     """Shuffled passes over the training sequences and the anchor draws, from one seeded generator whose
-    state the checkpoint keeps (so a resumed run continues the same stream)."""
+    state the checkpoint keeps (so a resumed run continues the same stream).
+
+    With lengths, each pass is cut into groups of LENGTH_GROUP batches whose sequences are sorted by length
+    before they are dealt out, so a batch pads its short sequences to a similar length rather than to the
+    longest prompt in the data (a few 4K-token prompts among short ones otherwise make every step cost as much
+    as an all-4K batch)."""
 
     n: int
     generator: torch.Generator
+    lengths: list[int] | None = None
     order: list[int] = field(default_factory=list)
+
+    LENGTH_GROUP = 16
 
     def batch(self, size: int) -> list[int]:
         out = []
         while len(out) < size:
             if not self.order:
-                self.order = torch.randperm(self.n, generator=self.generator).tolist()
+                self.order = self._pass(size)
             out.append(self.order.pop())
         return out
+
+    def _pass(self, size: int) -> list[int]:
+        order = torch.randperm(self.n, generator=self.generator).tolist()
+        if self.lengths is None:
+            return order
+        grouped = []
+        span = size * self.LENGTH_GROUP
+        for g in range(0, self.n, span):
+            group = sorted(order[g:g + span], key=lambda i: self.lengths[i])
+            batches = [group[k:k + size] for k in range(0, len(group), size)]
+            for b in torch.randperm(len(batches), generator=self.generator).tolist():
+                grouped.extend(batches[b])
+        return grouped
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state(), "order": list(self.order)}
@@ -236,7 +257,7 @@ def train_drafter(cfg: TrainConfig) -> dict:
 
     drafter = init_drafter(dcfg, max_seq_len + cfg.block_size, cfg.seed).to(device).train()
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sampler = Sampler(len(seqs), torch.Generator().manual_seed(cfg.seed))
+    sampler = Sampler(len(seqs), torch.Generator().manual_seed(cfg.seed), [len(q.tokens) for q in seqs])
     step, trained_seconds = 0, 0.0  # trained_seconds: optimisation time of earlier runs of a resumed training
     budget = cfg.max_minutes * 60 if cfg.max_minutes else math.inf
     if ckpt_path.is_file():

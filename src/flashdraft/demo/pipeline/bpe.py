@@ -6,6 +6,11 @@ Writes a tokenizer folder (tokenizer.json + tokenizer_config.json with a ChatML 
 [user request, assistant answer = the function's source, <|im_end|>, <|endoftext|>] tokenized exactly as the
 chat template renders it at inference. The text of files never produces special tokens.
 
+A line break is always a token of its own, never merged with the next line's indentation: a prompt that ends
+at a line break (inside a function body, say) then ends on the same token boundary as the training text, where
+with GPT-2's pre-tokenizer a lone trailing "\n" only ever preceded a dedent or the end of a file and the model
+answered it with <|endoftext|>.
+
     python -m flashdraft.demo.pipeline.bpe --corpus runs/demo/corpus --out runs/demo/tokenizer --vocab 8192
 """
 from __future__ import annotations
@@ -18,7 +23,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from flashdraft.demo.pipeline.corpus import read_jsonl
 
@@ -33,7 +38,8 @@ ENCODE_CHUNK = 2048  # documents per encode_batch call: bounds the memory held a
 
 def train_bpe(texts, vocab_size: int) -> Tokenizer:
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex("\n"), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=2,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
@@ -112,7 +118,7 @@ def sample_texts(files: list[dict], functions: list[dict], max_bytes: int):
 
 
 def build_tokenizer(corpus: Path, out: Path, vocab_size: int = 8192, sample_bytes: int = 24_000_000,
-                    model_max_length: int = 512, seed: int = 0) -> dict:
+                    model_max_length: int = 4096, seed: int = 0) -> dict:
     if not 256 + len(SPECIAL_TOKENS) < vocab_size <= 65536:
         raise ValueError(f"vocab size must be in ({256 + len(SPECIAL_TOKENS)}, 65536] (uint16 token files), "
                          f"got {vocab_size}")
@@ -144,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, help="tokenizer folder (tokens/ goes inside)")
     p.add_argument("--vocab", type=int, default=8192, help="vocabulary size incl. special tokens (default 8192)")
     p.add_argument("--sample-mb", type=float, default=24, help="corpus MB used to train the BPE (default 24)")
-    p.add_argument("--model-max-length", type=int, default=512, help="context length noted in the config")
+    p.add_argument("--model-max-length", type=int, default=4096, help="context length noted in the config")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     try:

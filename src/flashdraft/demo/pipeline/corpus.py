@@ -1,9 +1,11 @@
 """Stage 1, corpus: the .py files of a Python installation, deduplicated, split, plus chat samples.
 
 Files are listed in sorted order and shuffled with a fixed seed, then read until the byte cap is reached, so
-the corpus depends only on the installation and the flags. The held-out split is chosen by the file's last
-two path components (e.g. `requests/sessions.py`), so vendored copies of one module land in the same split.
-Function records (request + source) are extracted with `ast` for the chat samples and the prompts.
+the corpus depends only on the installation and the flags. The held-out split is made of whole projects (the
+top-level package under site-packages, e.g. `sympy`; the standard library is one project), so the drafter's
+prompts and the tau prompts come from code whose authors and style the target never saw, not only from other
+modules of projects it trained on. Function records (request + source) are extracted with `ast` for the chat
+samples and the prompts.
 
     python -m flashdraft.demo.pipeline.corpus --out runs/demo/corpus --max-mb 160
 """
@@ -52,15 +54,60 @@ def default_roots() -> list[Path]:
     return [Path(r) for r in dict.fromkeys(roots)]
 
 
-def list_py_files(roots: list[Path]) -> list[Path]:
-    """Every .py file under the roots, once (a root inside another root is walked only once)."""
+def list_py_files(roots: list[Path]) -> dict[Path, str]:
+    """Every .py file under the roots, once (a root inside another root is walked only once), with its
+    project (project_name)."""
     resolved = sorted({r.resolve() for r in roots if r.is_dir()})
     outer = [r for r in resolved if not any(o != r and o in r.parents for o in resolved)]
-    files = []
+    stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    files = {}
     for root in outer:
         for folder, _, names in os.walk(root):
-            files.extend(Path(folder, n) for n in names if n.endswith(".py"))
-    return sorted(files)
+            for n in names:
+                if n.endswith(".py"):
+                    path = Path(folder, n)
+                    files[path] = project_name(path, root, stdlib)
+    return dict(sorted(files.items()))
+
+
+def project_name(path: Path, root: Path, stdlib: Path) -> str:
+    """The project a file belongs to: the top-level name after the last site-packages (`numpy`, `six` for
+    six.py, leading underscores dropped so `_pytest` goes with `pytest`), `stdlib` for the rest of the standard
+    library, else the first path component under the root it was found in."""
+    parts = path.parts
+    for i in range(len(parts) - 2, -1, -1):
+        if parts[i] in ("site-packages", "dist-packages"):
+            return Path(parts[i + 1]).stem.lstrip("_") or parts[i + 1]
+    if root == stdlib or stdlib in path.parents:
+        return "stdlib"
+    rel = path.relative_to(root).parts
+    return Path(rel[0]).stem.lstrip("_") or rel[0]
+
+
+def project_hash(project: str) -> int:
+    return int(hashlib.sha1(project.encode()).hexdigest()[:8], 16)
+
+
+def held_out_projects(files: dict[Path, str], percent: float, max_bytes: int) -> list[str]:
+    """Whole projects, in a stable hash order, until they hold percent of the listed bytes (at most max_bytes).
+
+    A project that would overshoot that target by more than a quarter is skipped, so one large project (torch,
+    the standard library) never empties the target's training data."""
+    sizes: dict[str, int] = {}
+    for path, project in files.items():
+        try:
+            sizes[project] = sizes.get(project, 0) + path.stat().st_size
+        except OSError:
+            continue
+    target = min(percent / 100 * sum(sizes.values()), max_bytes)
+    chosen, total = [], 0
+    for project in sorted(sizes, key=lambda p: (project_hash(p), p)):
+        if total >= target:
+            break
+        if total + sizes[project] <= 1.25 * target:
+            chosen.append(project)
+            total += sizes[project]
+    return chosen
 
 
 def read_source(path: Path) -> str | None:
@@ -81,11 +128,6 @@ def module_name(path: Path) -> str:
     """The module's name as far as the last two path components tell (`requests.sessions`, `json.decoder`)."""
     parts = path.with_suffix("").parts[-2:]
     return ".".join(p for p in parts if p not in ("site-packages", "dist-packages") and not p.startswith("python3"))
-
-
-def is_held_out(path: Path, percent: float) -> bool:
-    key = "/".join(path.parts[-2:]).encode()
-    return int(hashlib.sha1(key).hexdigest()[:8], 16) % 10_000 < percent * 100
 
 
 def summary_of(doc: str | None) -> str:
@@ -132,23 +174,26 @@ def request_for(fn: dict, module: str, rng: random.Random) -> str:
     return rng.choice(templates).format(module=module, **fn)
 
 
-def _functions_of(item: tuple[str, str]) -> tuple[str, list[dict]]:
-    module, text = item
-    return module, extract_functions(text)
+def _functions_of(item: tuple[str, str, str]) -> tuple[str, str, list[dict]]:
+    project, module, text = item
+    return project, module, extract_functions(text)
 
 
-def collect_documents(files: list[Path], max_bytes: int, held_out_percent: float, held_out_max_bytes: int,
-                      workers: int, deadline: float) -> tuple[list[dict], list[dict], dict]:
-    """Read files in the given order until the train split holds max_bytes; dedupe by content."""
-    train, held_out, hashes = [], [], set()
+def collect_documents(files: list[Path], projects: dict[Path, str], held_out: set[str], max_bytes: int,
+                      held_out_max_bytes: int, workers: int, deadline: float) -> tuple[list[dict], list[dict], dict]:
+    """Read files in the given order until each split holds its bytes (max_bytes for train, held_out_max_bytes
+    for the held-out projects), or the listing ends; dedupe by content across both splits."""
+    train, held_docs, hashes = [], [], set()
     sizes = {"train": 0, "heldout": 0}
+    limits = {"train": max_bytes, "heldout": held_out_max_bytes}
     counts = {"listed": len(files), "read": 0, "rejected": 0, "duplicates": 0}
+    split_of = {path: "heldout" if projects[path] in held_out else "train" for path in files}
     chunk = max(64, workers * 16)
     with ThreadPoolExecutor(workers) as pool:
         for i in range(0, len(files), chunk):
-            if sizes["train"] >= max_bytes or time.monotonic() > deadline:
+            if all(sizes[s] >= limits[s] for s in sizes) or time.monotonic() > deadline:
                 break
-            batch = files[i:i + chunk]
+            batch = [path for path in files[i:i + chunk] if sizes[split_of[path]] < limits[split_of[path]]]
             for path, text in zip(batch, pool.map(read_source, batch)):
                 counts["read"] += 1
                 if text is None:
@@ -159,26 +204,26 @@ def collect_documents(files: list[Path], max_bytes: int, held_out_percent: float
                     counts["duplicates"] += 1
                     continue
                 hashes.add(digest)
-                split = "heldout" if is_held_out(path, held_out_percent) else "train"
-                limit = held_out_max_bytes if split == "heldout" else max_bytes
-                if sizes[split] >= limit:
+                split = split_of[path]
+                if sizes[split] >= limits[split]:
                     continue
-                (held_out if split == "heldout" else train).append({"module": module_name(path), "text": text})
+                doc = {"project": projects[path], "module": module_name(path), "text": text}
+                (held_docs if split == "heldout" else train).append(doc)
                 sizes[split] += len(text.encode())
-    counts.update(train_files=len(train), heldout_files=len(held_out), train_bytes=sizes["train"],
+    counts.update(train_files=len(train), heldout_files=len(held_docs), train_bytes=sizes["train"],
                   heldout_bytes=sizes["heldout"])
-    return train, held_out, counts
+    return train, held_docs, counts
 
 
 def collect_functions(docs: list[dict], max_bytes: int, rng: random.Random, workers: int,
                       deadline: float) -> list[dict]:
     """Function records with a request each, from docs in order until their code reaches max_bytes."""
     records, total = [], 0
-    items = [(d["module"], d["text"]) for d in docs]
+    items = [(d["project"], d["module"], d["text"]) for d in docs]
     with Pool(workers) as pool:
-        for module, functions in pool.imap(_functions_of, items, chunksize=8):
+        for project, module, functions in pool.imap(_functions_of, items, chunksize=8):
             for fn in functions:
-                records.append({"module": module, "request": request_for(fn, module, rng), **fn})
+                records.append({"project": project, "module": module, "request": request_for(fn, module, rng), **fn})
                 total += len(fn["code"])
             if total >= max_bytes or time.monotonic() > deadline:
                 pool.terminate()
@@ -202,13 +247,15 @@ def build_corpus(out: Path, roots: list[Path], max_bytes: int, held_out_percent:
                  workers: int = 8, max_seconds: float = 120.0) -> dict:
     t0 = time.monotonic()
     deadline = t0 + max_seconds
-    files = list_py_files(roots)
-    if not files:
+    projects = list_py_files(roots)
+    if not projects:
         raise ValueError(f"no .py files under {[str(r) for r in roots]}")
+    held_out_names = held_out_projects(projects, held_out_percent, held_out_max_bytes)
+    files = list(projects)
     rng = random.Random(seed)
     rng.shuffle(files)
-    train, held_out, stats = collect_documents(files, max_bytes, held_out_percent, held_out_max_bytes,
-                                               workers, deadline)
+    train, held_out, stats = collect_documents(files, projects, set(held_out_names), max_bytes,
+                                               held_out_max_bytes, workers, deadline)
     if not train or not held_out:
         raise ValueError(f"corpus too small: {len(train)} train and {len(held_out)} held-out files "
                          f"(raise --max-mb or --held-out-percent, or add --roots)")
@@ -222,6 +269,7 @@ def build_corpus(out: Path, roots: list[Path], max_bytes: int, held_out_percent:
     write_jsonl(out / "functions_heldout.jsonl", held_out_functions)
     stats.update(train_functions=len(train_functions), heldout_functions=len(held_out_functions),
                  chat_bytes=sum(len(f["code"]) for f in train_functions), seed=seed,
+                 heldout_projects=sorted({d["project"] for d in held_out}),
                  roots=[str(r) for r in roots], seconds=round(time.monotonic() - t0, 1))
     (out / "stats.json").write_text(json.dumps(stats, indent=2))
     return stats
@@ -233,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--roots", type=Path, nargs="*", default=None,
                    help="folders to search for .py files (default: this Python's prefix and site-packages)")
     p.add_argument("--max-mb", type=float, default=160, help="train split size cap in MB (default 160)")
-    p.add_argument("--held-out-percent", type=float, default=2.0, help="share of modules held out (default 2)")
+    p.add_argument("--held-out-percent", type=float, default=2.0,
+                   help="share of the listed bytes held out, as whole projects (default 2)")
     p.add_argument("--held-out-max-mb", type=float, default=8, help="held-out split size cap in MB (default 8)")
     p.add_argument("--chat-fraction", type=float, default=0.15,
                    help="function sources for chat samples, as a fraction of the train bytes (default 0.15)")

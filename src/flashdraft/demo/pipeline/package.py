@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from flashdraft.demo.pipeline.prompts import KINDS
+
 SHIPPED_TARGET_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                         "tokenizer_config.json")
 SHIPPED_DRAFTER_FILES = ("config.json", "model.safetensors")
@@ -98,8 +100,14 @@ def report_markdown(run: Path, out: Path, sizes: dict) -> str:
         f"| drafter loss | last window {fmt(drafter_log.get('loss'), 3)}, in-training tau "
         f"{fmt(drafter_log.get('train_tau'))}, slot-1 accuracy {fmt((drafter_log.get('slot_acc') or [None])[0], 3)} |",
         f"| tau, held-out code (block {ev.get('block_size')}, T=0, {ev.get('max_tokens')} tokens) | "
-        f"{fmt((ev.get('code') or {}).get('tau'))} (chat requests {fmt((ev.get('code_chat') or {}).get('tau'))}, "
-        f"raw code {fmt((ev.get('code_raw') or {}).get('tau'))}) |",
+        f"{fmt((ev.get('code') or {}).get('tau'))} ("
+        + ", ".join(f"{kind} {fmt((ev.get(f'code_{kind}') or {}).get('tau'))}" for kind in KINDS) + ") |",
+        f"| tau, held-out long prompts | {fmt((ev.get('code_long') or {}).get('tau'))} at "
+        f"{(ev.get('code_long') or {}).get('prompt_tokens')} tokens of context |",
+        f"| tau, hand-written prompts | {fmt((ev.get('handwritten') or {}).get('tau'))} |",
+        f"| prompts answered with an end token at once | "
+        + ", ".join(f"{name} {(ev.get(name) or {}).get('eos_first')}" for name in ("code", "handwritten", "prose"))
+        + " |",
         f"| tau, prose | {fmt((ev.get('prose') or {}).get('tau'))} |",
         f"| speed on {ev.get('device')} | plain {fmt(speed.get('plain_tokens_per_s'), 1)} tok/s, DFlash "
         f"{fmt(speed.get('dflash_tokens_per_s'), 1)} tok/s ({fmt(speed.get('speedup'))}x); identical output "

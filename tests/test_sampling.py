@@ -6,7 +6,7 @@ import torch
 
 from flashdraft.config import SamplingParams
 from flashdraft.engine.generator import Engine
-from flashdraft.engine.sampling import gumbel_noise, sample_tokens, warp_logits
+from flashdraft.engine.sampling import GREEDY_BELOW, gumbel_noise, sample_tokens, warp_logits
 
 
 def reference_warp(logits: list[float], p: SamplingParams) -> list[float]:
@@ -155,3 +155,29 @@ def test_sampled_dflash_follows_target_distribution(qwen3_dir, drafter_dir):
         marginal[a] = marginal.get(a, 0) + c
     wrong_stat, wrong_df = _chi2(marginal, {i: q for i, q in enumerate(q1)}, n)
     assert wrong_stat > _chi2_critical(wrong_df)
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-38, 1e-20, 9.9e-6])
+def test_temperatures_below_the_floor_sample_the_argmax(temperature):
+    """Logits of a real model's size: divided by 1e-38 in float32 they overflow, and the softmax is NaN."""
+    logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(0)) * 30
+    tokens = sample_tokens(logits, SamplingParams(temperature=temperature), 5, torch.arange(8))
+    assert torch.equal(tokens, logits.argmax(-1))
+
+
+def test_at_the_floor_sampling_is_finite_and_keyed_by_position():
+    logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(0)) * 30
+    params = SamplingParams(temperature=GREEDY_BELOW)
+    assert torch.isfinite(warp_logits(logits, params).max(dim=-1).values).all()
+    tokens = sample_tokens(logits, params, 5, torch.arange(8))
+    assert torch.equal(tokens, sample_tokens(logits, params, 5, torch.arange(8)))
+    assert torch.equal(tokens, logits.argmax(-1))  # gaps of a logit scale of 30 dwarf the noise at 1e-5
+
+
+def test_tiny_temperature_generates_the_greedy_tokens(engine):
+    """Plain and drafted: the floor is in the one sampling function both use, so the output stays lossless."""
+    greedy = engine.generate([10, 20, 30], SamplingParams(max_tokens=12, ignore_eos=True), draft=0)
+    for draft in (0, 3):
+        tiny = engine.generate([10, 20, 30], SamplingParams(temperature=1e-38, max_tokens=12, ignore_eos=True, seed=1),
+                               draft=draft)
+        assert tiny.tokens == greedy.tokens and tiny.finish_reason == "length"

@@ -1,6 +1,7 @@
 """Generation around the DFlash loop: prompt checks, stop rules, incremental text, statistics, streaming."""
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -16,6 +17,10 @@ from flashdraft.loading import Tokenizer, load_model
 
 # Caches get this many rows past the context so that any supported block can overhang the last position.
 MAX_BLOCK_SIZE = 64
+# The embedded demo pair's name: its folders are called target/ and drafter/, which say nothing in /v1/models.
+DEMO_NAME = "flashdraft-demo-code"
+
+log = logging.getLogger("flashdraft")
 
 
 class DraftPolicy(Protocol):
@@ -103,10 +108,12 @@ class GenerationStats:
 
 @dataclass
 class Delta:
-    """Newly committed text and token ids (stop strings and incomplete characters held back)."""
+    """Newly committed text and token ids (stop strings and incomplete characters held back), and when: the time
+    since decoding started (after the prompt), for live speed figures."""
 
     text: str
     token_ids: list[int]
+    predicted_ms: float = 0.0
 
 
 @dataclass
@@ -151,7 +158,11 @@ class Engine:
         "triton" for both on CUDA when Triton is installed, else "cublas" and "sdpa"."""
         loaded = load_model(model, drafter, device=device, dtype=dtype, context_size=context_size,
                             overhang=MAX_BLOCK_SIZE)
-        return cls(loaded.target, loaded.tokenizer, loaded.drafter, loaded.context_size, name=loaded.name,
+        name = DEMO_NAME if _is_demo(model) else loaded.name
+        if context_size and loaded.context_size < context_size:
+            log.warning("context size %d was asked for, but %s supports %d tokens: the context is %d",
+                        context_size, name, loaded.context_size, loaded.context_size)
+        return cls(loaded.target, loaded.tokenizer, loaded.drafter, loaded.context_size, name=name,
                    adaptive=adaptive, gemm=gemm, attention=attention)
 
     @property
@@ -252,6 +263,7 @@ class Engine:
         try:
             while True:
                 if delta is not None:
+                    delta.predicted_ms = 1000 * (time.perf_counter() - t1)
                     yield delta
                 if out.finished is None and len(sequence.tokens) >= self.context_size:
                     out.finish("length", "limit")
@@ -285,6 +297,12 @@ class Engine:
         finish_reason, stop_type = out.finished
         yield GenerationResult(text=out.text, tokens=list(out.tokens), finish_reason=finish_reason,
                                stop_type=stop_type, stopping_word=out.stopping_word, seed=seed, stats=stats)
+
+
+def _is_demo(model: str | Path) -> bool:
+    from flashdraft.demo import DEMO_DIR
+
+    return DEMO_DIR.resolve() in Path(model).resolve().parents
 
 
 class _OutputTracker:

@@ -205,8 +205,10 @@ def test_sampling_is_per_request_and_seeded(server, client):
 
 
 def test_models_props_slots(server):
-    models = httpx.get(server.url + "/v1/models", timeout=10).json()  # public, as in llama-server
+    assert httpx.get(server.url + "/v1/models", timeout=10).status_code == 401  # public in llama-server, not here
+    models = httpx.get(server.url + "/v1/models", headers=AUTH, timeout=10).json()
     assert [m["id"] for m in models["data"]] == ["tiny-qwen3"]
+    assert models["data"][0]["meta"] == {"n_ctx": 256, "speculative": True, "max_draft": 7}  # no file paths
     props = httpx.get(server.url + "/props", headers=AUTH, timeout=10).json()
     assert props["total_slots"] == 2
     assert props["default_generation_settings"]["params"]["speculative.n_max"] == 7

@@ -30,6 +30,19 @@ class Tokenizer:
     def eos_token_id(self) -> int | None:
         return self.hf.eos_token_id
 
+    def special_tokens(self) -> dict[str, str]:
+        """The special tokens chat templates see by name (bos_token, eos_token, ...), as transformers passes them."""
+        return {k: v for k, v in self.hf.special_tokens_map.items() if isinstance(v, str)}
+
+    def template_input_names(self) -> set[str]:
+        """Names a template keyword argument must not take: apply_chat_template's own parameters (chat_template,
+        tokenize, ...) and what it passes the template itself (messages, the special tokens)."""
+        import inspect
+
+        params = inspect.signature(type(self.hf).apply_chat_template).parameters.values()
+        own = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        return own | {"messages", "add_generation_prompt", "tools", "documents"} | set(self.hf.special_tokens_map)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 

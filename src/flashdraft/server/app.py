@@ -21,17 +21,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.staticfiles import StaticFiles
 
 from flashdraft import __version__
-from flashdraft.server import formats
+from flashdraft.server import formats, schemas
 from flashdraft.server.errors import APIError, error_body
 from flashdraft.server.jobs import DELTA, ENDED, ERROR, RESULT, Job
 from flashdraft.server.metrics import ServerMetrics
-from flashdraft.server.requests import GenerationRequest, parse_chat, parse_completion, parse_native
+from flashdraft.server.requests import (MAX_DEPTH, GenerationRequest, check_json, parse_chat, parse_completion,
+                                       parse_native)
 from flashdraft.server.settings import ServerSettings
+from flashdraft.server.templates import TemplateSandbox
 
 log = logging.getLogger("flashdraft.server")
 STATIC_DIR = Path(__file__).parent / "static"
-PUBLIC_PATHS = {"/health", "/v1/health", "/models", "/v1/models"}  # llama-server asks no API key for these
-QUIET_PATHS = {"/health", "/v1/health", "/metrics"}                 # polled often: not logged when they succeed
+PUBLIC_PATHS = {"/health", "/v1/health", "/"}   # and the page's files under /static/: no API key needed
+QUIET_PATHS = {"/health", "/v1/health", "/metrics"}  # polled often: not logged when they succeed
 
 
 class ServerState:
@@ -42,6 +44,7 @@ class ServerState:
         self.engine = None
         self.scheduler = None
         self.load_error: Exception | None = None
+        self.templates = TemplateSandbox(settings.template_seconds) if settings.allow_request_template else None
         self.created = int(time.time())
         self.metrics = ServerMetrics(lambda: (self.scheduler.busy, self.scheduler.deferred) if self.scheduler else (0, 0))
 
@@ -64,6 +67,8 @@ class ServerState:
                 fixed_draft = None if s.adaptive_draft else engine.max_draft  # capped per request by n_max
             scheduler = Scheduler(engine, s.n_slots, fixed_draft, self.metrics)
             scheduler.start()
+            if self.templates is not None:
+                self.templates.warm()
             self.engine, self.scheduler = engine, scheduler
             self.metrics.expose_positions(engine.max_draft if self.drafting else 0)
             log.info("model %s loaded in %.1f s: context %d, %d slot(s), %s", engine.name,
@@ -77,6 +82,11 @@ class ServerState:
     @property
     def drafting(self) -> bool:
         return bool(self.settings.drafting and self.engine is not None and self.engine.has_drafter)
+
+    @property
+    def alias(self) -> str:
+        """The model's name in /v1/models and responses: --alias, else the engine's."""
+        return self.settings.alias or (self.engine.name if self.engine is not None else "")
 
     @property
     def max_draft(self) -> int:
@@ -96,16 +106,78 @@ class ServerState:
         if self.engine is None:
             raise APIError(503, "Loading model")
 
-    def authorize(self, request: Request) -> None:
+    def key_error(self, path: str, headers: dict) -> APIError | None:
+        """The 401 for a request without a valid API key, where one is needed (everywhere but /health and the
+        web page's files: its script sends the key)."""
         keys = self.settings.api_keys
-        if not keys or request.url.path in PUBLIC_PATHS:
-            return
-        header = request.headers.get("authorization", "")
-        given = header[7:].strip() if header.lower().startswith("bearer ") else request.headers.get("x-api-key")
+        if not keys or path in PUBLIC_PATHS or path.startswith("/static/"):
+            return None
+        header = headers.get("authorization", "")
+        given = header[7:].strip() if header.lower().startswith("bearer ") else headers.get("x-api-key")
         if given is None:
-            raise APIError(401, "Missing API key: send 'Authorization: Bearer <key>'")
+            return APIError(401, "Missing API key: send 'Authorization: Bearer <key>'")
         if given not in keys:
-            raise APIError(401, "Invalid API Key")
+            return APIError(401, "Invalid API Key")
+        return None
+
+    def close(self) -> None:
+        """Stop the worker and the template helpers (does not wait for the worker: see Scheduler.stop)."""
+        if self.scheduler is not None:
+            self.scheduler.stop()
+        if self.templates is not None:
+            self.templates.close()
+
+
+async def _send_error(send, e: APIError) -> None:
+    """An error response written straight to the ASGI channel (from middleware, outside FastAPI's handlers)."""
+    body = json.dumps(e.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if e.status == 500:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": e.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class RequireKey:
+    """The API key check, before routing: it covers every route, /openapi.json and unknown paths included."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] != "OPTIONS":
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+            error = self.state.key_error(scope["path"], headers)
+            if error is not None:
+                log.warning("%s %s %d: %s", scope["method"], scope["path"], error.status, error.message)
+                return await _send_error(send, error)
+        await self.app(scope, receive, send)
+
+
+class InternalErrors:
+    """A failure no handler expected: one log line with its traceback, and a 500 JSON error that closes the
+    connection (the request may have left it in any state, and a client reusing it would get a reset). A
+    response already started is left to end: its stream writes its own error event."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        except Exception as e:
+            log.exception("%s %s 500", scope["method"], scope["path"])
+            if not started:
+                await _send_error(send, APIError(500, f"internal error: {type(e).__name__}"))
 
 
 class AccessLog:
@@ -130,8 +202,27 @@ class AccessLog:
         await self.app(scope, receive, logged_send)
 
 
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _decode(raw: bytes) -> dict:
+    """The body's JSON object, its every value checked (check_json) before any handler reads it."""
+    try:
+        body = json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError:  # json's C decoder recurses per level, so this is far past MAX_DEPTH
+        raise APIError(400, f"request body is nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError as e:  # JSONDecodeError, bad UTF-8, NaN/Infinity, an integer of thousands of digits
+        raise APIError(400, f"request body is not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    check_json(body)
+    return body
+
+
 async def read_json(request: Request, limit: int) -> dict:
-    """The body as a JSON object; 413 past `limit` bytes (checked before and while reading), 400 if not JSON."""
+    """The body as a checked JSON object; 413 past `limit` bytes (checked before and while reading), 400 if not
+    JSON or not acceptable. Decoded off the event loop: a body of millions of values takes a while."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body of {int(declared)} bytes is over the limit of {limit} bytes")
@@ -141,45 +232,49 @@ async def read_json(request: Request, limit: int) -> dict:
         if size > limit:
             raise APIError(413, f"request body is over the limit of {limit} bytes")
         chunks.append(chunk)
-    try:
-        body = json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}")
-    return body
+    return await asyncio.to_thread(_decode, b"".join(chunks))
 
 
-async def _watch_disconnect(receive, job: Job) -> None:
-    """Cancel the job when the client goes away (the body has been read, so the next message is the disconnect)."""
+async def _watch_disconnect(receive, on_disconnect: Callable[[], None]) -> None:
+    """Call on_disconnect when the client goes away (the body has been read, so the next message is the
+    disconnect)."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            job.cancel()
+            on_disconnect()
             return
 
 
 class EventStream(Response):
-    """Server-sent events relayed from a job; a disconnect (or a failed send) cancels the job at once."""
+    """Server-sent events relayed from a job; a disconnect (or a failed send) cancels the job at once. A failure
+    while relaying ends the stream with the format's error events (error_chunks) instead of cutting it."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, job: Job, chunks: AsyncIterator[bytes]):
+    def __init__(self, job: Job, chunks: AsyncIterator[bytes], error_chunks: Callable[[APIError], list[bytes]]):
         # No Response.__init__: it would declare a Content-Length for an empty body.
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.job = job
         self.chunks = chunks
+        self.error_chunks = error_chunks
 
     async def __call__(self, scope, receive, send) -> None:
-        watcher = asyncio.create_task(_watch_disconnect(receive, self.job))
+        watcher = asyncio.create_task(_watch_disconnect(receive, self.job.cancel))
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async for chunk in self.chunks:
-                if self.job.cancelled.is_set():
-                    break
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            try:
+                async for chunk in self.chunks:
+                    if self.job.cancelled.is_set():
+                        break
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except OSError:  # a failed send: nothing more can be sent
+                raise
+            except Exception as e:
+                log.exception("%s %s: the stream failed", scope["method"], scope["path"])
+                for chunk in self.error_chunks(APIError(500, f"internal error: {type(e).__name__}")):
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:  # the client went away mid-send
             pass
@@ -208,7 +303,7 @@ async def _events(job: Job):
 
 async def _result(job: Job, request: Request):
     """Wait for a whole result; a client that disconnects meanwhile cancels the job."""
-    watcher = asyncio.create_task(_watch_disconnect(request.receive, job))
+    watcher = asyncio.create_task(_watch_disconnect(request.receive, job.cancel))
     try:
         async for kind, payload in _events(job):
             if kind == RESULT:
@@ -220,10 +315,34 @@ async def _result(job: Job, request: Request):
         job.cancel()
 
 
+async def _parse(request: Request, parse, state: ServerState) -> tuple[GenerationRequest, threading.Event]:
+    """The request checked (in a thread: rendering and tokenizing take a while), and its cancel flag, which a
+    disconnect sets from now on: it stops a request template's rendering, then the job."""
+    body = await read_json(request, state.settings.max_body_bytes)
+    cancelled = threading.Event()
+    watcher = asyncio.create_task(_watch_disconnect(request.receive, cancelled.set))
+    try:
+        gen = await asyncio.to_thread(parse, body, state.engine, state.settings, state.templates, cancelled)
+    finally:
+        watcher.cancel()
+    if cancelled.is_set():
+        raise _failure(ENDED, "cancelled")
+    return gen, cancelled
+
+
 def create_app(state: ServerState) -> FastAPI:
     settings = state.settings
-    app = FastAPI(title="flashdraft", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="flashdraft", version=__version__, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = schemas.openapi(app)
+        return app.openapi_schema
+
+    app.openapi = openapi
+    app.add_middleware(InternalErrors)
     app.add_middleware(AccessLog)
+    app.add_middleware(RequireKey, state=state)
     # Browser clients on other origins, as llama-server allows.
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
 
@@ -231,7 +350,8 @@ def create_app(state: ServerState) -> FastAPI:
     async def api_error(request: Request, e: APIError):
         if not (e.status == 503 and request.url.path in QUIET_PATHS):  # polled while loading
             log.warning("%s %s %d: %s", request.method, request.url.path, e.status, e.message)
-        return JSONResponse(e.body(), status_code=e.status)
+        headers = {"Connection": "close"} if e.status == 500 else None  # see InternalErrors
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
@@ -240,63 +360,54 @@ def create_app(state: ServerState) -> FastAPI:
         log.warning("%s %s %d: %s", request.method, request.url.path, e.status_code, message)
         return JSONResponse(error_body(e.status_code, message), status_code=e.status_code, headers=e.headers)
 
-    @app.exception_handler(Exception)
-    async def server_error(request: Request, e: Exception):
-        log.exception("%s %s 500", request.method, request.url.path)
-        return JSONResponse(error_body(500, f"internal error: {type(e).__name__}: {e}"), status_code=500)
-
-    @app.get("/health")
-    @app.get("/v1/health")
+    @app.get("/health", summary="Ready or not: 503 while the model loads")
+    @app.get("/v1/health", summary="Ready or not: 503 while the model loads")
     async def health():
         state.require_ready()
         return {"status": "ok"}
 
     async def generation(request: Request, parse, chat: bool | None):
         """chat: True/False for the OpenAI routes, None for llama.cpp's native /completion."""
-        state.authorize(request)
         state.require_ready()
-        body = await read_json(request, settings.max_body_bytes)
-        gen: GenerationRequest = await asyncio.to_thread(parse, body, state.engine, settings)
-        job = Job(gen, asyncio.get_running_loop())
+        gen, cancelled = await _parse(request, parse, state)
+        job = Job(gen, asyncio.get_running_loop(), cancelled)
         state.scheduler.submit(job)
         n_max = state.request_n_max(gen.n_max)
         if chat is None:
             if gen.stream:
-                return EventStream(job, _native_stream(job, n_max))
+                return EventStream(job, _native_stream(job, n_max), lambda e: [formats.sse(e.body())])
             result = await _result(job, request)
             return formats.native_whole(gen, result, job.slot_id, n_max)
         fmt = formats.OpenAIFormatter(gen, chat)
         if gen.stream:
-            return EventStream(job, _openai_stream(job, fmt))
+            return EventStream(job, _openai_stream(job, fmt), lambda e: [formats.sse(e.body()), formats.sse("[DONE]")])
         return fmt.whole(await _result(job, request))
 
-    @app.post("/v1/chat/completions")
-    @app.post("/chat/completions")
+    @app.post("/v1/chat/completions", summary="OpenAI chat completion (stream or not)")
+    @app.post("/chat/completions", summary="OpenAI chat completion (stream or not)")
     async def chat_completions(request: Request):
         return await generation(request, parse_chat, True)
 
-    @app.post("/v1/completions")
-    @app.post("/completions")
+    @app.post("/v1/completions", summary="OpenAI completion (stream or not)")
+    @app.post("/completions", summary="OpenAI completion (stream or not)")
     async def completions(request: Request):
         return await generation(request, parse_completion, False)
 
-    @app.post("/completion")
+    @app.post("/completion", summary="llama.cpp's native completion (stream or not)")
     async def native_completion(request: Request):
         return await generation(request, parse_native, None)
 
-    @app.get("/v1/models")
-    @app.get("/models")
+    @app.get("/v1/models", summary="The served model")
+    @app.get("/models", summary="The served model")
     async def models():
         state.require_ready()
         e = state.engine
-        meta = {"n_ctx": e.context_size, "drafter": settings.drafter if state.drafting else None,
-                "max_draft": state.max_draft}
-        return {"object": "list", "data": [{"id": settings.alias, "object": "model", "created": state.created,
+        meta = {"n_ctx": e.context_size, "speculative": state.drafting, "max_draft": state.max_draft}
+        return {"object": "list", "data": [{"id": state.alias, "object": "model", "created": state.created,
                                             "owned_by": "flashdraft", "meta": meta}]}
 
-    @app.get("/props")
-    async def props(request: Request):
-        state.authorize(request)
+    @app.get("/props", summary="Server settings, llama-server's shape")
+    async def props():
         state.require_ready()
         e = state.engine
         params = {"n_predict": settings.n_predict, "temperature": settings.temperature, "top_k": settings.top_k,
@@ -309,7 +420,7 @@ def create_app(state: ServerState) -> FastAPI:
                                             "is_processing": False, "params": params},
             "total_slots": settings.n_slots,
             "model_path": settings.model,
-            "model_alias": settings.alias,
+            "model_alias": state.alias,
             "chat_template": settings.chat_template or e.tokenizer.chat_template or "",
             "chat_template_caps": {},
             "modalities": {"vision": False, "audio": False},
@@ -325,22 +436,20 @@ def create_app(state: ServerState) -> FastAPI:
             },
         }
 
-    @app.get("/slots")
-    async def slots(request: Request):
-        state.authorize(request)
+    @app.get("/slots", summary="Per-slot state")
+    async def slots():
         state.require_ready()
         return state.scheduler.slots_state()
 
-    @app.get("/metrics")
-    async def metrics(request: Request):
+    @app.get("/metrics", summary="Prometheus metrics (with --metrics)")
+    async def metrics():
         if not settings.metrics:
             raise APIError(501, "This server does not support metrics endpoint. Start it with `--metrics`")
-        state.authorize(request)
         state.require_ready()
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     if settings.webui:
-        @app.get("/")
+        @app.get("/", summary="The web chat page", response_class=FileResponse)
         async def index():
             return FileResponse(STATIC_DIR / "index.html")
 
@@ -349,14 +458,26 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
+def _live_timings(job: Job, predicted: int, delta) -> dict:
+    """The timings so far, for timings_per_token: tokens released and the time since decoding started."""
+    ms = delta.predicted_ms
+    return {"prompt_n": len(job.request.prompt_ids), "predicted_n": predicted, "predicted_ms": ms,
+            "predicted_per_second": 1000.0 * predicted / ms if ms > 0 else 0.0}
+
+
 async def _openai_stream(job: Job, fmt: formats.OpenAIFormatter):
     first = fmt.first_chunk()
     if first is not None:
         yield formats.sse(first)
+    predicted = 0
     async for kind, payload in _events(job):
         if kind == DELTA:
+            predicted += len(payload.token_ids)
             if payload.text:
-                yield formats.sse(fmt.text_chunk(payload.text))
+                chunk = fmt.text_chunk(payload.text)
+                if job.request.timings_per_token:
+                    chunk["timings"] = _live_timings(job, predicted, payload)
+                yield formats.sse(chunk)
         elif kind == RESULT:
             for chunk in fmt.final_chunks(payload):
                 yield formats.sse(chunk)
@@ -372,7 +493,10 @@ async def _native_stream(job: Job, n_max: int):
         if kind == DELTA:
             predicted += len(payload.token_ids)
             tokens = payload.token_ids if r.return_tokens else []
-            yield formats.sse(formats.native_chunk(payload.text, job.slot_id, tokens, predicted, len(r.prompt_ids)))
+            chunk = formats.native_chunk(payload.text, job.slot_id, tokens, predicted, len(r.prompt_ids))
+            if r.timings_per_token:
+                chunk["timings"] = _live_timings(job, predicted, payload)
+            yield formats.sse(chunk)
         elif kind == RESULT:
             final = formats.native_whole(r, payload, job.slot_id, n_max)
             yield formats.sse({**final, "content": "", "tokens": []})

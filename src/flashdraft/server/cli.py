@@ -7,6 +7,7 @@ import argparse
 import logging
 import re
 import signal
+import socket
 import sys
 import textwrap
 from pathlib import Path
@@ -47,6 +48,10 @@ NO_EFFECT_BARE = [
     ("--log-disable",), ("-nkvo", "--no-kv-offload"), ("--no-op-offload",), ("--no-context-shift",),
     ("--context-shift",), ("--no-perf",), ("--check-tensors",),
 ]
+# llama-server's flags that download a model: refused by name (argparse would read -hf as -h with an 'f').
+HUB_FLAGS = [("-hf", "-hfr", "--hf-repo"), ("-hfd", "-hfrd", "--hf-repo-draft"), ("-hff", "--hf-file"),
+             ("-hfv", "-hfrv", "--hf-repo-v"), ("-hffv", "--hf-file-v"), ("-hft", "--hf-token"),
+             ("-mu", "--model-url"), ("-dr", "--docker-repo")]
 SPEC_TYPES = ("dflash", "draft-dflash", "none")
 DEVICE = re.compile(r"^(cpu|cuda(:\d+)?|CUDA\d+|none)$")
 
@@ -57,6 +62,12 @@ class _NoEffect(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         shown = option_string if values in (None, []) else f"{option_string} {values}"
         namespace.no_effect = [*getattr(namespace, "no_effect", []), shown]
+
+
+class _NoHub(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string}: downloading models from a hub is not supported; download the model and "
+                     "pass -m PATH (a model folder or a .gguf file)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,13 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-np", "--parallel", type=int, default=1, help="slots: requests generated at once (default 1)")
     add_sampling_args(p)
     p.add_argument("-s", dest="seed", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    p.add_argument("-a", "--alias", default=None, help="model name in /v1/models and responses (default: folder name)")
+    p.add_argument("-a", "--alias", default=None,
+                   help="model name in /v1/models and responses (default: the model's: its folder or GGUF name)")
     p.add_argument("--api-key", action="append", default=[],
                    help="require this API key (comma-separated list or repeated flag)")
     p.add_argument("--api-key-file", default=None, help="file with one API key per line")
     p.add_argument("--metrics", action="store_true", help="enable GET /metrics (Prometheus)")
     p.add_argument("--jinja", action="store_true", help="use the model's Jinja chat template (always on)")
     p.add_argument("--chat-template-file", default=None, help="Jinja chat template to use instead of the model's")
+    p.add_argument("--allow-request-chat-template", action="store_true",
+                   help="let requests send their own chat template (chat_template, or chat_template_kwargs."
+                        "chat_template), rendered in a sandboxed helper process with a time and memory limit; "
+                        "default: refused with 400")
     p.add_argument("-rea", "--reasoning", choices=("on", "off", "auto"), default="auto",
                    help="off: chat templates get enable_thinking=false (Qwen3, Gemma 4: no thinking, Gemma's empty "
                         "thought channel); on: true; auto (default): the template's own default")
@@ -103,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     p.add_argument("--device", "-dev", default=None,
                    help="cpu, cuda or cuda:N (llama.cpp's CUDA0 and none are understood); default cuda if available")
+    for group in HUB_FLAGS:
+        p.add_argument(*group, action=_NoHub, nargs="?", help=argparse.SUPPRESS)
     for group in NO_EFFECT_WITH_VALUE:
         p.add_argument(*group, action=_NoEffect, dest="no_effect", default=argparse.SUPPRESS,
                        help=argparse.SUPPRESS)
@@ -150,14 +168,14 @@ def settings_from_args(args) -> ServerSettings:
     elif device and device.startswith("CUDA"):
         device = f"cuda:{device[4:]}"
     settings = ServerSettings(
-        model=str(model), drafter=str(drafter) if drafter else None, alias=args.alias or Path(model).name,
+        model=str(model), drafter=str(drafter) if drafter else None, alias=args.alias,
         host=args.host, port=args.port, ctx_size=args.ctx_size or None, n_slots=args.parallel,
         drafting=drafter is not None, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, seed=args.seed if args.seed is None or args.seed >= 0 else None,
         n_predict=args.n_predict, spec_n_max=args.spec_n_max, spec_n_min=args.spec_n_min,
         adaptive_draft=args.adaptive and args.spec_dm_controller != "off", api_keys=keys,
         metrics=args.metrics, webui=args.webui, chat_template=template, device=device, threads=args.threads,
-        reasoning=args.reasoning)
+        reasoning=args.reasoning, allow_request_template=args.allow_request_chat_template)
     return settings
 
 
@@ -180,34 +198,61 @@ def main(argv: list[str] | None = None) -> int:
     return serve(settings)
 
 
-def serve(settings: ServerSettings) -> int:
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything is logged: a port in use is an error naming it, not a
+    "listening on" line followed by a traceback."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP named: asyncio turns Nagle's algorithm off only on sockets that say so (40 ms a response else).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def make_server(state):
+    """uvicorn over the app; its exit (SIGINT, SIGTERM) first stops the worker, so open streams end at once
+    instead of running to completion."""
     import uvicorn
 
-    from flashdraft.server.app import ServerState, create_app, start_loading
-
-    state = ServerState(settings)
+    from flashdraft.server.app import create_app
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
             log.info("shutting down")
-            if state.scheduler is not None:
-                state.scheduler.stop()  # open streams end now instead of running to completion
+            state.close()
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(create_app(state), host=settings.host, port=settings.port, log_config=None,
-                            access_log=False, timeout_graceful_shutdown=5, server_header=False)
-    server = Server(config)
+    config = uvicorn.Config(create_app(state), log_config=None, access_log=False, timeout_graceful_shutdown=5,
+                            server_header=False)
+    return Server(config)
+
+
+def serve(settings: ServerSettings) -> int:
+    from flashdraft.server.app import ServerState, start_loading
+
+    try:
+        sock = bind(settings.host, settings.port)
+    except OSError as e:
+        print(f"flashdraft serve: error: cannot listen on {settings.host}:{settings.port}: "
+              f"{e.strerror or e} (--port picks another port)", file=sys.stderr)
+        return 1
+    state = ServerState(settings)
+    server = make_server(state)
     # uvicorn re-raises the signal that stopped it once it is done; these handlers make that a clean exit.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     log.info("listening on http://%s:%d (model loading in the background)", settings.host, settings.port)
     start_loading(state, on_failure=lambda: setattr(server, "should_exit", True))
     try:
-        server.run()
-    except SystemExit as e:  # uvicorn exits this way when it cannot bind the port
-        return int(e.code or 1)
+        server.run(sockets=[sock])
+    finally:
+        state.close()
+        sock.close()
     if state.scheduler is not None:
-        state.scheduler.stop()
         state.scheduler.join(5)
     if state.load_error is not None:
         return 1

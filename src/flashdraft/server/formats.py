@@ -16,7 +16,8 @@ FINGERPRINT = f"flashdraft-{__version__}"
 
 
 def sse(payload: dict | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    """One server-sent event; never a non-JSON number (a NaN or infinity raises instead of sending `Infinity`)."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, allow_nan=False)
     return f"data: {data}\n\n".encode()
 
 

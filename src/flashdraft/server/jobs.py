@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+from typing import Callable
 
 from flashdraft.server.requests import GenerationRequest
 
@@ -18,16 +19,25 @@ DELTA, RESULT, ERROR, ENDED = "delta", "result", "error", "ended"
 class Job:
     _ids = itertools.count()
 
-    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop):
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop,
+                 cancelled: threading.Event | None = None):
+        """cancelled: the request's cancel flag, when it was made before the job (to stop its parsing too)."""
         self.id = next(Job._ids)
         self.request = request
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
-        self.cancelled = threading.Event()
+        self.cancelled = cancelled or threading.Event()
         self.slot_id: int | None = None
+        self.on_cancel: Callable[[Job], None] | None = None  # set by the scheduler that holds the job
 
     def cancel(self) -> None:
+        """Stop the job: a queued one leaves the queue at once (its handler gets "ended"), a running one stops
+        before its next step."""
+        if self.cancelled.is_set():
+            return
         self.cancelled.set()
+        if self.on_cancel is not None:
+            self.on_cancel(self)
 
     def post(self, kind: str, payload) -> None:
         """Called from the worker thread."""

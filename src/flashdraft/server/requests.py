@@ -1,14 +1,38 @@
-"""Request bodies -> a checked GenerationRequest. Every problem becomes a 400 that names the field at fault."""
+"""Request bodies -> a checked GenerationRequest. Every problem becomes a 400 that names the field at fault.
+
+Everything a request asks for is checked before any work is done for it: the body's shape (check_json: depth,
+text that encodes, finite numbers that fit in 64 bits), each field's type and range, and the sizes that bound
+the work (a prompt's characters, a chat's messages, a template's length), so that rendering and tokenizing a
+request take a bounded time and nothing a client sends reaches a 500.
+"""
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 from flashdraft.config import ConfigError, SamplingParams
 from flashdraft.server.errors import APIError
 from flashdraft.server.settings import ServerSettings
+from flashdraft.server.templates import TemplateBusy, TemplateError
 
+MAX_DEPTH = 64                # JSON nesting; chat bodies need about 5, tool schemas in template kwargs a few more
+MAX_CHARS_PER_TOKEN = 16      # a prompt's characters, per token of the context (tokenizing costs ~3 us a character)
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+MAX_MODEL_CHARS = 256         # `model` is echoed in every chunk of a stream
+MAX_TEMPLATE_CHARS = 128 * 1024
+INT64 = 2**63
+
+# Request fields of the OpenAI and llama.cpp APIs that flashdraft does not implement, with the values that ask
+# for nothing (clients often send those; an empty list or object does too). Any other value is refused by name.
+UNSUPPORTED = {
+    "tools": (), "functions": (), "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},), "logprobs": (False, 0), "top_logprobs": (0,), "logit_bias": (),
+    "frequency_penalty": (0,), "presence_penalty": (0,), "repeat_penalty": (1,), "n_probs": (0,), "grammar": ("",),
+    "json_schema": (), "suffix": ("",), "echo": (False,), "best_of": (1,), "typical_p": (1,), "mirostat": (0,),
+    "dry_multiplier": (0,), "xtc_probability": (0,), "lora": (), "image_data": (), "prediction": (),
+}
 
 
 @dataclass
@@ -22,10 +46,82 @@ class GenerationRequest:
     model: str              # echoed back: with one model served, any label is accepted
     prompt_text: str
     return_tokens: bool = False
+    timings_per_token: bool = False  # llama.cpp's: every stream chunk carries the timings so far
 
 
 def _bad(field: str, message: str) -> APIError:
     return APIError(400, f"'{field}' {message}", param=field)
+
+
+def _show(value, limit: int = 60) -> str:
+    """A value for an error message, cut short (the message is logged and sent back)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+# --- the body's shape -----------------------------------------------------------------------------------------
+
+
+def _encodes(text: str) -> bool:
+    """False for text with lone surrogates (JSON's "\\ud800" decodes to one), which cannot be encoded as UTF-8:
+    the tokenizer or the response writer would fail on it after the work is done."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _key_name(key: str) -> str:
+    if len(key) <= 60 and _encodes(key):
+        return key
+    return key[:60].encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
+
+
+def _path(node) -> str:
+    """A field's name from its (parent, key) chain: messages[0].content."""
+    parts = []
+    while node is not None:
+        node, key = node
+        parts.append(f"[{key}]" if isinstance(key, int) else f".{_key_name(key)}")
+    return "".join(reversed(parts)).lstrip(".") or "body"
+
+
+def _plain_ints(items: list) -> bool:
+    """A list of 64-bit integers (token ids): checked at once, without walking each item."""
+    return all(type(v) is int for v in items) and (not items or (-INT64 <= min(items) and max(items) < INT64))
+
+
+def check_json(body, max_depth: int = MAX_DEPTH) -> None:
+    """Raise a 400 naming the first value at fault: nesting deeper than max_depth, text that is not valid UTF-8,
+    a number that is not finite, an integer that does not fit in 64 bits. Iterative: a deep body cannot make it
+    recurse."""
+    stack = [(body, None, 0)]
+    while stack:
+        value, node, depth = stack.pop()
+        if depth > max_depth:
+            raise _bad(_path(node), f"is nested deeper than {max_depth} levels")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not _encodes(key):
+                    raise _bad(_path((node, key)), "is a key that is not valid UTF-8 text (a lone surrogate)")
+                stack.append((item, (node, key), depth + 1))
+        elif isinstance(value, list):
+            if not _plain_ints(value):
+                stack.extend((item, (node, i), depth + 1) for i, item in enumerate(value))
+        elif isinstance(value, str):
+            if not _encodes(value):
+                raise _bad(_path(node), "is not valid UTF-8 text (it has a lone surrogate)")
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                raise _bad(_path(node), f"must be a finite number, got {value}")
+        elif isinstance(value, int) and not isinstance(value, bool) and not -INT64 <= value < INT64:
+            raise _bad(_path(node), "is out of range: integers must fit in 64 bits")
+
+
+# --- fields ---------------------------------------------------------------------------------------------------
 
 
 def _int(body: dict, key: str, default, minimum: int | None = None):
@@ -34,7 +130,7 @@ def _int(body: dict, key: str, default, minimum: int | None = None):
         return default
     if (isinstance(value, bool) or not isinstance(value, (int, float))
             or (isinstance(value, float) and not (math.isfinite(value) and value.is_integer()))):
-        raise _bad(key, f"must be an integer, got {value!r}")
+        raise _bad(key, f"must be an integer, got {_show(value)}")
     value = int(value)
     if minimum is not None and value < minimum:
         raise _bad(key, f"must be >= {minimum}, got {value}")
@@ -46,8 +142,11 @@ def _float(body: dict, key: str, default: float) -> float:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _bad(key, f"must be a number, got {value!r}")
-    return float(value)
+        raise _bad(key, f"must be a number, got {_show(value)}")
+    value = float(value)  # check_json has kept integers within 64 bits, so this is finite
+    if not math.isfinite(value):
+        raise _bad(key, f"must be a finite number, got {value}")
+    return value
 
 
 def _bool(body: dict, key: str, default: bool = False) -> bool:
@@ -55,7 +154,7 @@ def _bool(body: dict, key: str, default: bool = False) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise _bad(key, f"must be true or false, got {value!r}")
+        raise _bad(key, f"must be true or false, got {_show(value)}")
     return value
 
 
@@ -69,7 +168,26 @@ def _stop(body: dict) -> list[str]:
         raise _bad("stop", "must be a string or a list of strings")
     if len(stop) > MAX_STOP_STRINGS:
         raise _bad("stop", f"has {len(stop)} strings, at most {MAX_STOP_STRINGS} are allowed")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise _bad("stop", f"has a string over the limit of {MAX_STOP_CHARS} characters")
     return stop
+
+
+def _same(value, neutral) -> bool:
+    """Equal, with 0 and 0.0 alike but not False and 0."""
+    number = (int, float)
+    if isinstance(value, number) and isinstance(neutral, number) and not isinstance(value, bool):
+        return not isinstance(neutral, bool) and value == neutral
+    return type(value) is type(neutral) and value == neutral
+
+
+def _unsupported(body: dict) -> None:
+    for key, neutral in UNSUPPORTED.items():
+        value = body.get(key)
+        if value is None or (isinstance(value, (list, dict)) and not value):
+            continue
+        if not any(_same(value, n) for n in neutral):
+            raise _bad(key, f"is not supported by this server (got {_show(value)})")
 
 
 def _max_tokens(body: dict, keys: tuple[str, ...], settings: ServerSettings, context_size: int,
@@ -104,8 +222,8 @@ def _sampling(body: dict, settings: ServerSettings, max_tokens: int) -> Sampling
     )
     try:
         params.validate()
-    except ValueError as e:
-        raise APIError(400, str(e)) from None
+    except ValueError as e:  # its messages start with the field's name
+        raise APIError(400, str(e), param=str(e).split()[0]) from None
     return params
 
 
@@ -121,16 +239,18 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     if options is None:
         return stream, False
     if not isinstance(options, dict):
-        raise _bad("stream_options", f"must be an object, got {options!r}")
+        raise _bad("stream_options", f"must be an object, got {_show(options)}")
     return stream, _bool(options, "include_usage")
 
 
-def _model(body: dict, settings: ServerSettings) -> str:
+def _model(body: dict, settings: ServerSettings, engine) -> str:
     model = body.get("model")
     if model is None:
-        return settings.alias
+        return settings.alias or engine.name
     if not isinstance(model, str):
-        raise _bad("model", f"must be a string, got {model!r}")
+        raise _bad("model", f"must be a string, got {_show(model)}")
+    if len(model) > MAX_MODEL_CHARS:
+        raise _bad("model", f"has {len(model)} characters, over the limit of {MAX_MODEL_CHARS}")
     return model
 
 
@@ -146,29 +266,135 @@ def _check_prompt(engine, ids: list[int], field: str) -> None:
         raise _bad(field, str(e)) from None
 
 
-def parse_chat(body: dict, engine, settings: ServerSettings) -> GenerationRequest:
-    """POST /v1/chat/completions."""
+def max_prompt_chars(engine) -> int:
+    return MAX_CHARS_PER_TOKEN * engine.context_size
+
+
+def _check_chars(n: int, engine, field: str, what: str) -> None:
+    limit = max_prompt_chars(engine)
+    if n > limit:
+        raise _bad(field, f"{what} {n} characters, over the limit of {limit} ({MAX_CHARS_PER_TOKEN} per token of "
+                          f"the context size {engine.context_size})")
+
+
+# --- chat -------------------------------------------------------------------------------------------------------
+
+
+def _text_chars(value) -> int:
+    """Characters of all the text in a JSON value (check_json has bounded its depth)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(len(k) + _text_chars(v) for k, v in value.items())
+    if isinstance(value, list):
+        return sum(_text_chars(v) for v in value)
+    return 0
+
+
+def _messages(body: dict, engine) -> list[dict]:
+    """The chat's messages, checked, with their size bounded (each one costs template work, its text tokenizing)."""
+    from flashdraft.loading.tokenizer import normalize_messages
+
     if "messages" not in body:
         raise _bad("messages", "is required")
-    _check_n(body)
-    kwargs = body.get("chat_template_kwargs") or {}
+    try:
+        messages = normalize_messages(body["messages"])
+    except ValueError as e:
+        raise _bad("messages", str(e)) from None
+    if len(messages) > engine.context_size:
+        raise _bad("messages", f"has {len(messages)} messages, more than the context size {engine.context_size}")
+    _check_chars(_text_chars(messages), engine, "messages", "have")
+    return messages
+
+
+def _request_template(body: dict, kwargs: dict, settings: ServerSettings) -> tuple[str | None, str]:
+    """A chat template sent by the request (top-level, as vLLM takes it, or in chat_template_kwargs, as
+    transformers does) and the field it came in; refused unless the server allows them."""
+    given = [(f, v) for f, v in (("chat_template", body.get("chat_template")),
+                                 ("chat_template_kwargs.chat_template", kwargs.get("chat_template")))
+             if v is not None]
+    if not given:
+        return None, ""
+    field, template = given[0]
+    if not settings.allow_request_template:
+        raise _bad(field, "is refused: this server renders only its own chat template (start it with "
+                          "--allow-request-chat-template to accept templates from requests)")
+    if len(given) > 1:
+        raise _bad(field, "is given twice: send it either at the top level or in chat_template_kwargs")
+    if not isinstance(template, str) or not template:
+        raise _bad(field, "must be a non-empty string")
+    if len(template) > MAX_TEMPLATE_CHARS:
+        raise _bad(field, f"has {len(template)} characters, over the limit of {MAX_TEMPLATE_CHARS}")
+    return template, field
+
+
+def _template_kwargs(body: dict, engine, settings: ServerSettings) -> tuple[dict, str | None, str]:
+    """chat_template_kwargs (less any template), and the request's template with the field it came in. A key
+    that would replace one of the template's own inputs (messages, add_generation_prompt, a special token, ...)
+    is refused."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
     if not isinstance(kwargs, dict):
-        raise _bad("chat_template_kwargs", "must be an object")
+        raise _bad("chat_template_kwargs", f"must be an object, got {_show(kwargs)}")
+    template, field = _request_template(body, kwargs, settings)
+    reserved = engine.tokenizer.template_input_names()
+    for key in kwargs:
+        if key in reserved and key != "chat_template":
+            raise _bad(f"chat_template_kwargs.{_key_name(key)}",
+                       "would replace the template's own input of that name: it cannot be set here")
+    kwargs = {k: v for k, v in kwargs.items() if k != "chat_template"}
     if settings.reasoning != "auto":  # the server-wide default; a request's own chat_template_kwargs win
         kwargs = {"enable_thinking": settings.reasoning == "on", **kwargs}
-    if settings.chat_template:
-        kwargs = {**kwargs, "chat_template": settings.chat_template}
+    return kwargs, template, field
+
+
+def _render(messages: list[dict], kwargs: dict, template: str | None, field: str, engine,
+            settings: ServerSettings, templates, cancelled: threading.Event | None) -> str:
+    """The prompt text: the server's template (the model's, or --chat-template-file), else the request's in the
+    sandbox."""
+    if template is None:
+        if settings.chat_template:
+            kwargs = {**kwargs, "chat_template": settings.chat_template}
+        try:
+            return engine.tokenizer.render_chat(messages, **kwargs)
+        except (ConfigError, ValueError) as e:
+            raise _bad("messages", str(e)) from None
+    if templates is None:
+        raise APIError(503, "request chat templates are allowed but no template sandbox is running")
+    variables = {**engine.tokenizer.special_tokens(), **kwargs, "messages": messages, "add_generation_prompt": True}
     try:
-        text = engine.tokenizer.render_chat(body["messages"], **kwargs)
-    except (ConfigError, ValueError) as e:
-        raise _bad("messages", str(e)) from None
-    ids = engine.tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
-    _check_prompt(engine, ids, "messages")
+        return templates.render(template, variables, max_prompt_chars(engine), cancelled)
+    except TemplateBusy as e:
+        raise APIError(503, str(e)) from None
+    except TemplateError as e:
+        raise _bad(field, f"failed: {e}") from None
+
+
+def parse_chat(body: dict, engine, settings: ServerSettings, templates=None,
+               cancelled: threading.Event | None = None) -> GenerationRequest:
+    """POST /v1/chat/completions. templates: the TemplateSandbox for request templates (when allowed);
+    cancelled: set when the client leaves, which stops the rendering of its template."""
+    _unsupported(body)
+    messages = _messages(body, engine)
+    _check_n(body)
+    kwargs, template, field = _template_kwargs(body, engine, settings)
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), settings, engine.context_size, False)
+    params = _sampling(body, settings, max_tokens)
     stream, include_usage = _stream_flags(body)
     n_max, n_min = _speculative(body, settings)
-    return GenerationRequest(ids, _sampling(body, settings, max_tokens), n_max, n_min, stream, include_usage,
-                             _model(body, settings), text)
+    model = _model(body, settings, engine)
+    text = _render(messages, kwargs, template, field, engine, settings, templates, cancelled)
+    if not _encodes(text):
+        raise _bad("messages", "rendered by the chat template into text that is not valid UTF-8")
+    _check_chars(len(text), engine, "messages", "rendered into")
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
+    _check_prompt(engine, ids, "messages")
+    return GenerationRequest(ids, params, n_max, n_min, stream, include_usage, model, text,
+                             timings_per_token=_bool(body, "timings_per_token"))
+
+
+# --- completions --------------------------------------------------------------------------------------------------
 
 
 def _prompt_ids(body: dict, engine) -> tuple[list[int], str]:
@@ -181,31 +407,42 @@ def _prompt_ids(body: dict, engine) -> tuple[list[int], str]:
     if isinstance(prompt, str):
         if not prompt:
             raise _bad("prompt", "is empty")
-        return engine.encode_prompt(prompt), prompt
+        _check_chars(len(prompt), engine, "prompt", "has")
+        ids = engine.encode_prompt(prompt)
+        _check_prompt(engine, ids, "prompt")
+        return ids, prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        _check_prompt(engine, prompt, "prompt")  # ids outside the vocabulary would fail in the decoder
         return list(prompt), engine.tokenizer.decode(prompt)
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
         raise _bad("prompt", "has several prompts: send one prompt per request")
     raise _bad("prompt", "must be a string or a list of token ids")
 
 
-def parse_completion(body: dict, engine, settings: ServerSettings) -> GenerationRequest:
-    """POST /v1/completions."""
+def parse_completion(body: dict, engine, settings: ServerSettings, templates=None,
+                     cancelled: threading.Event | None = None) -> GenerationRequest:
+    """POST /v1/completions (templates and cancelled: as parse_chat's, unused here)."""
+    _unsupported(body)
     _check_n(body)
-    ids, text = _prompt_ids(body, engine)
-    _check_prompt(engine, ids, "prompt")
     max_tokens = _max_tokens(body, ("max_tokens",), settings, engine.context_size, False)
+    params = _sampling(body, settings, max_tokens)
     stream, include_usage = _stream_flags(body)
     n_max, n_min = _speculative(body, settings)
-    return GenerationRequest(ids, _sampling(body, settings, max_tokens), n_max, n_min, stream, include_usage,
-                             _model(body, settings), text)
-
-
-def parse_native(body: dict, engine, settings: ServerSettings) -> GenerationRequest:
-    """llama.cpp's POST /completion (n_predict, -1 = until the context is full)."""
+    model = _model(body, settings, engine)
     ids, text = _prompt_ids(body, engine)
-    _check_prompt(engine, ids, "prompt")
+    return GenerationRequest(ids, params, n_max, n_min, stream, include_usage, model, text,
+                             timings_per_token=_bool(body, "timings_per_token"))
+
+
+def parse_native(body: dict, engine, settings: ServerSettings, templates=None,
+                 cancelled: threading.Event | None = None) -> GenerationRequest:
+    """llama.cpp's POST /completion (n_predict, -1 = until the context is full)."""
+    _unsupported(body)
     max_tokens = _max_tokens(body, ("n_predict", "max_tokens"), settings, engine.context_size, True)
+    params = _sampling(body, settings, max_tokens)
     n_max, n_min = _speculative(body, settings)
-    return GenerationRequest(ids, _sampling(body, settings, max_tokens), n_max, n_min, _bool(body, "stream"),
-                             False, _model(body, settings), text, return_tokens=_bool(body, "return_tokens"))
+    stream, model = _bool(body, "stream"), _model(body, settings, engine)
+    return_tokens, per_token = _bool(body, "return_tokens"), _bool(body, "timings_per_token")
+    ids, text = _prompt_ids(body, engine)
+    return GenerationRequest(ids, params, n_max, n_min, stream, False, model, text, return_tokens=return_tokens,
+                             timings_per_token=per_token)

@@ -65,8 +65,17 @@ class Scheduler:
             if self._stopping:
                 job.post(ENDED, "shutdown")
                 return
+            job.on_cancel = self._withdraw
             self.pending.append(job)
             self._cv.notify()
+
+    def _withdraw(self, job: Job) -> None:
+        """A queued job whose client left: out of the queue now, not when a slot frees (its handler would wait
+        that long, and with the slots busy for good, forever)."""
+        with self._cv:
+            if job in self.pending:
+                self.pending.remove(job)
+                job.post(ENDED, "cancelled")
 
     def stop(self) -> None:
         """End every job (their clients get the end of their stream) and stop the worker after its current step.
@@ -117,6 +126,7 @@ class Scheduler:
             while slot.job is None and self.pending:
                 job = self.pending.popleft()
                 if job.cancelled.is_set():
+                    job.post(ENDED, "cancelled")
                     continue
                 self._start(slot, job)
         return any(s.job is not None for s in self.slots)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 class ServerSettings:
     model: str
     drafter: str | None
-    alias: str
+    alias: str | None                   # None: the engine's name
     host: str = "127.0.0.1"
     port: int = 8080
     ctx_size: int | None = None         # None = the model's (capped by the engine)
@@ -32,3 +32,5 @@ class ServerSettings:
     device: str | None = None
     threads: int | None = None
     max_body_bytes: int = 8 * 1024 * 1024
+    allow_request_template: bool = False  # --allow-request-chat-template: requests may send a chat template
+    template_seconds: float = 0.5       # the time limit of rendering one request template

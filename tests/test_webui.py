@@ -1,6 +1,6 @@
 """The web chat page in headless Chromium (Debian's /usr/bin/chromium, driven over the DevTools protocol on a
-pipe: no browser download, no websocket library): one streamed reply, and the speed, tau and acceptance shown
-under it are the ones the server measured for that request.
+pipe: no browser download, no websocket library): one streamed reply, its speed shown while it streams, and the
+speed, tau and acceptance shown under it are the ones the server measured for that request.
 
 Set FLASHDRAFT_WEBUI_SCREENSHOT=docs/webui.png to also save the screenshot there.
 """
@@ -114,22 +114,33 @@ def test_page_streams_a_reply_and_shows_its_stats(webui_server, engine, tmp_path
         browser.open_page(webui_server.url + "/")
         browser.wait_for("(document.getElementById('status') || {}).textContent === 'ready'", 60)
         assert "DFlash" in browser.js("document.getElementById('model').textContent")
+        # Every live figure the page shows while the reply streams (it is removed when the reply ends).
+        browser.js("window.liveSeen = []; new MutationObserver(() => document.querySelectorAll('.live-stats')"
+                   ".forEach((e) => window.liveSeen.push(e.textContent))).observe(document.getElementById("
+                   "'transcript'), {subtree: true, childList: true, characterData: true})")
         browser.js(f"document.getElementById('max-tokens').value = {MAX_TOKENS};"
                    f"document.getElementById('prompt').value = {json.dumps(QUESTION)};"
                    "document.getElementById('send').click()")
         stats = browser.wait_for("(document.querySelector('.message.assistant .stats') || {}).textContent", 120)
         reply = browser.js("document.querySelector('.message.assistant .body').textContent")
+        live = browser.js("window.liveSeen")
+        assert browser.js("document.querySelectorAll('.live-stats').length") == 0
         png = base64.b64decode(browser.call("Page.captureScreenshot", format="png")["data"])
     finally:
         browser.close()
 
     assert reply == expected
-    shown = re.search(r"([\d.]+) tok/s · tau ([\d.]+) · acceptance ([\d.]+)% \((\d+)/(\d+) drafted\)", stats)
+    shown = re.search(r"([\d.]+) tok/s · tau ([\d.]+) tokens/step · accepted (\d+)/(\d+) drafted tokens "
+                      r"\(([\d.]+)%\) · (\d+) steps, (\d+) with a draft", stats)
     assert shown, stats
     assert f"{MAX_TOKENS} tokens" in stats
     measured = re.findall(r"\(([\d.]+) tok/s\), tau ([\d.]+), acceptance ([\d.]+)%", webui_server.log())
-    assert measured == [shown.groups()[:3]], "the page shows other numbers than the server measured"
-    assert float(shown[1]) > 0 and float(shown[2]) >= 1 and int(shown[4]) <= int(shown[5])
+    assert measured == [(shown[1], shown[2], shown[5])], "the page shows other numbers than the server measured"
+    accepted, drafted, steps, drafting_steps = (int(shown[i]) for i in (3, 4, 6, 7))
+    assert float(shown[1]) > 0 and accepted <= drafted and drafting_steps <= steps
+    assert float(shown[2]) == pytest.approx((accepted + steps) / steps, abs=0.006)  # tau, as the page says
+    counts = [int(m[1]) for m in (re.search(r"tok/s · (\d+) tokens so far", t) for t in live) if m]
+    assert counts and counts == sorted(counts) and counts[-1] <= MAX_TOKENS, live
 
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
     (tmp_path / "webui.png").write_bytes(png)

@@ -1,5 +1,6 @@
-// flashdraft web chat: streams replies from /v1/chat/completions and shows, under each reply, the speed, tau
-// and acceptance rate from the final chunk's `timings` and `speculative_decoding` objects.
+// flashdraft web chat: streams replies from /v1/chat/completions. While a reply streams, the speed so far
+// (each chunk's `timings`: the request asks for timings_per_token); under each finished reply, the speed, tau
+// and acceptance from the final chunk's `timings` and `speculative_decoding` objects.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -32,7 +33,7 @@ async function waitUntilReady() {
     await new Promise((resolve) => setTimeout(resolve, 500));
   }
   try {
-    const models = await (await fetch("/v1/models")).json();
+    const models = await (await fetch("/v1/models", { headers: headers() })).json();
     const m = models.data[0];
     $("model").textContent = m.id + (m.meta && m.meta.max_draft ? " · DFlash, drafts up to " + m.meta.max_draft
                                                                   : " · plain decoding");
@@ -52,17 +53,46 @@ function addMessage(role, text) {
   return div;
 }
 
+// What each figure means, shown on hover.
+const MEANING = {
+  speed: "generated tokens per second of decoding (the prompt's processing not included)",
+  tau: "tau: tokens committed per decoding step, the drafter's accepted tokens plus the target's own one; " +
+       "1.00 = no gain over plain decoding",
+  accepted: "drafted tokens the target confirmed, out of all tokens drafted (steps that drafted nothing " +
+            "do not count, so a high rate with tau near 1 means few drafts)",
+  steps: "decoding steps, and how many of them verified a draft",
+};
+
+function figure(html, meaning) {
+  return `<span title="${meaning}">${html}</span>`;
+}
+
 function formatStats(timings, spec) {
-  const parts = [`<b>${timings.predicted_per_second.toFixed(1)}</b> tok/s`];
+  const parts = [figure(`<b>${timings.predicted_per_second.toFixed(1)}</b> tok/s`, MEANING.speed)];
   if (timings.draft_n) {
-    parts.push(`tau <b>${spec.mean_acceptance_length.toFixed(2)}</b>`);
+    parts.push(figure(`tau <b>${spec.mean_acceptance_length.toFixed(2)}</b> tokens/step`, MEANING.tau));
     const pct = (100 * timings.draft_n_accepted / timings.draft_n).toFixed(1);
-    parts.push(`acceptance <b>${pct}%</b> (${timings.draft_n_accepted}/${timings.draft_n} drafted)`);
+    parts.push(figure(`accepted <b>${timings.draft_n_accepted}/${timings.draft_n}</b> drafted tokens (${pct}%)`,
+                      MEANING.accepted));
+    const steps = spec.num_spec_steps, plain = (spec.draft_lengths || {})["0"] || 0;
+    parts.push(figure(`${steps} steps, ${steps - plain} with a draft`, MEANING.steps));
   } else {
     parts.push("no drafting");
   }
   parts.push(`${timings.predicted_n} tokens`, `prompt ${timings.prompt_n} tokens in ${timings.prompt_ms.toFixed(0)} ms`);
   return parts.join(" · ");
+}
+
+function showLive(reply, timings) {
+  // The first chunk comes right after the prompt: no speed to show before a second one.
+  if (timings.predicted_n < 2 || !(timings.predicted_ms > 0)) return;
+  let live = reply.querySelector(".live-stats");
+  if (!live) {
+    live = Object.assign(document.createElement("div"), { className: "live-stats" });
+    reply.appendChild(live);
+  }
+  live.innerHTML = figure(`<b>${timings.predicted_per_second.toFixed(1)}</b> tok/s`, MEANING.speed) +
+                   ` · ${timings.predicted_n} tokens so far`;
 }
 
 function showError(div, message) {
@@ -76,7 +106,7 @@ async function send(text) {
   const reply = addMessage("assistant", "");
   const body = reply.querySelector(".body");
   const request = { messages: history, stream: true, stream_options: { include_usage: true },
-                    max_tokens: parseInt($("max-tokens").value, 10) || 256 };
+                    timings_per_token: true, max_tokens: parseInt($("max-tokens").value, 10) || 256 };
   const temperature = $("temperature").value;
   if (temperature !== "") request.temperature = parseFloat(temperature);
   controller = new AbortController();
@@ -112,7 +142,10 @@ async function send(text) {
           body.textContent = content;
           transcript.scrollTop = transcript.scrollHeight;
         }
-        if (chunk.timings) {
+        if (chunk.timings && !chunk.speculative_decoding) {
+          showLive(reply, chunk.timings);
+        } else if (chunk.timings) {
+          reply.querySelectorAll(".live-stats").forEach((e) => e.remove());
           const stats = document.createElement("div");
           stats.className = "stats";
           stats.innerHTML = formatStats(chunk.timings, chunk.speculative_decoding || {});
@@ -122,6 +155,7 @@ async function send(text) {
     }
     history.push({ role: "assistant", content });
   } catch (e) {
+    reply.querySelectorAll(".live-stats").forEach((el) => el.remove());
     if (e.name === "AbortError") {
       history.push({ role: "assistant", content });
       reply.appendChild(Object.assign(document.createElement("div"), { className: "stats", textContent: "stopped" }));

@@ -3,17 +3,17 @@ default neither from the target's training split."""
 import json
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
 from flashdraft.demo.pipeline.prompts import KINDS, build_prompts, signature_prefix, tau_projects
 
 
 def write_tokenizer(folder):
-    """A word-level tokenizer is enough to size the long prompts."""
+    """Tokens split at "_", " ", "=" and line breaks (each its own token) size the long prompts:
+    "held1_line_0 = 0\n" is 10 tokens."""
     folder.mkdir()
-    vocab = {"[UNK]": 0}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[_ =\n]"), behavior="isolated")
     tok.save(str(folder / "tokenizer.json"))
     return folder
 
@@ -47,7 +47,7 @@ def test_drafter_and_tau_prompts_come_from_disjoint_modules(tmp_path, source):
     write_corpus(corpus, {"train": [f"seen{i}" for i in range(20)], "heldout": [f"held{i}" for i in range(40)]})
     tokenizer = write_tokenizer(tmp_path / "tok")
     stats = build_prompts(corpus, tmp_path / "p", tokenizer, train_count=60, heldout_count=12,
-                          long_tokens=(20, 60), seed=1, drafter_source=source)
+                          long_tokens=(20, 100), seed=1, drafter_source=source)
     drafter, tau = modules_in(tmp_path / "p" / "train.jsonl"), modules_in(tmp_path / "p" / "heldout_code.jsonl")
     assert drafter and tau and not drafter & tau
     assert stats["drafter_prompts_from"] == source and all(stats["heldout_code"][k] > 0 for k in KINDS)
@@ -69,9 +69,10 @@ def test_long_prompts_are_file_starts_of_the_asked_length_in_tokens(tmp_path):
     longs = [json.loads(line) for line in (tmp_path / "p" / "train.jsonl").read_text().splitlines()]
     longs = [r["prompt"] for r in longs if r["kind"] == "long"]
     assert longs
+    tok = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
     for text in longs:
         assert text.endswith("\n") and "_line_0 = 0" in text.split("\n")[0]  # a file's start, whole lines
-        assert 20 <= len(text.split()) <= 45                                   # 3 words a line, tokens = words
+        assert 20 <= len(tok.encode(text).ids) <= 45
 
 
 def test_signature_prompts_end_in_the_signature_or_inside_the_body():

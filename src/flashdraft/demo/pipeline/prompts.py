@@ -96,20 +96,43 @@ def signature_prefix(code: str, rng: random.Random) -> str | None:
 
 
 class LongPrefixes:
-    """Starts of files, cut at a line break, whose token count is drawn uniformly from [low, high]."""
+    """Starts of files, cut at a line break, whose token count is drawn uniformly from [low, high].
+
+    Only files of at least CHARS_PER_TOKEN_MIN characters a wanted token are tried, and only their first
+    CHARS_PER_TOKEN_MAX characters a wanted token are tokenized (code runs about 3), in batches: thousands of
+    prompts take seconds, where tokenizing whole files took minutes."""
+
+    CHARS_PER_TOKEN_MIN, CHARS_PER_TOKEN_MAX = 2.5, 5
+    BATCH = 512
 
     def __init__(self, tokenizer: Tokenizer, low: int, high: int):
         self.tokenizer, self.low, self.high = tokenizer, low, high
 
-    def __call__(self, text: str, rng: random.Random) -> str | None:
-        want = rng.randint(self.low, self.high)
-        offsets = self.tokenizer.encode(text, add_special_tokens=False).offsets
+    def make(self, files: list[dict], count: int, rng: random.Random) -> list[dict]:
+        out = []
+        candidates = [f["text"] for f in rng.sample(files, len(files))] * PREFIXES_PER_FILE
+        for start in range(0, len(candidates), self.BATCH):
+            if len(out) >= count:
+                break
+            wants = [rng.randint(self.low, self.high) for _ in candidates[start:start + self.BATCH]]
+            tries = [(t[:w * self.CHARS_PER_TOKEN_MAX], w) for t, w in zip(candidates[start:start + self.BATCH], wants)
+                     if len(t) >= w * self.CHARS_PER_TOKEN_MIN]
+            if not tries:
+                continue
+            texts, wants = zip(*tries)
+            encoded = self.tokenizer.encode_batch(list(texts), add_special_tokens=False)
+            for text, want, enc in zip(texts, wants, encoded):
+                prefix = self.cut(text, want, enc.offsets)
+                if prefix is not None and len(out) < count:
+                    out.append({"kind": "long", "prompt": prefix})
+        return out
+
+    def cut(self, text: str, want: int, offsets: list[tuple[int, int]]) -> str | None:
         if len(offsets) <= want:
             return None
         cut = text.rfind("\n", 0, offsets[want][0]) + 1  # whole lines that fit in `want` tokens
-        prefix = text[:cut]
         n = sum(1 for _, end in offsets if end <= cut)
-        return prefix if prefix.strip() and self.low <= n <= self.high else None
+        return text[:cut] if text[:cut].strip() and self.low <= n <= self.high else None
 
 
 def mixed_prompts(functions: list[dict], files: list[dict], count: int, mix: dict[str, float], max_chars: int,
@@ -127,16 +150,15 @@ def mixed_prompts(functions: list[dict], files: list[dict], count: int, mix: dic
         if prefix is not None and len(prefix) <= max_chars:
             signatures.append({"kind": "signature", "prompt": prefix})
     out += signatures
-    for kind, cut in (("code", lambda t: code_prefix(t, rng, max_chars)), ("long", lambda t: long_prefix(t, rng))):
-        made = []
-        for _ in range(PREFIXES_PER_FILE):  # a second or third prefix per file only when files run short
-            for f in rng.sample(files, len(files)):
-                if len(made) >= want[kind]:
-                    break
-                prefix = cut(f["text"])
-                if prefix is not None:
-                    made.append({"kind": kind, "prompt": prefix})
-        out += made
+    codes = []
+    for _ in range(PREFIXES_PER_FILE):  # a second or third prefix per file only when files run short
+        for f in rng.sample(files, len(files)):
+            if len(codes) >= want["code"]:
+                break
+            prefix = code_prefix(f["text"], rng, max_chars)
+            if prefix is not None:
+                codes.append({"kind": "code", "prompt": prefix})
+    out += codes + long_prefix.make(files, want["long"], rng)
     rng.shuffle(out)
     return out
 

@@ -264,6 +264,16 @@ def test_a_stream_that_breaks_while_relaying_ends_with_an_error_and_done(live, m
     assert events[-2] == "data: [DONE]"
 
 
+def test_a_client_that_leaves_mid_body_is_no_error(live, caplog):
+    with socket.create_connection(("127.0.0.1", int(live.url.rsplit(":", 1)[1]))) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                  + b"\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\": ")
+        time.sleep(0.2)
+    time.sleep(0.3)
+    assert post(live, "/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 200
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
 def test_request_templates_render_when_allowed(templating, engine):
     template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{{ extra }}>"
     kwargs = {"chat_template": template, "extra": "go"}

@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.staticfiles import StaticFiles
 
 from flashdraft import __version__
@@ -227,11 +228,14 @@ async def read_json(request: Request, limit: int) -> dict:
     if declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body of {int(declared)} bytes is over the limit of {limit} bytes")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body is over the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body is over the limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone before its body was whole: nothing to answer
+        raise _failure(ENDED, "cancelled") from None
     return await asyncio.to_thread(_decode, b"".join(chunks))
 
 

@@ -8,6 +8,7 @@ request take a bounded time and nothing a client sends reaches a 500.
 from __future__ import annotations
 
 import math
+import reprlib
 import threading
 from dataclasses import dataclass
 
@@ -53,10 +54,9 @@ def _bad(field: str, message: str) -> APIError:
     return APIError(400, f"'{field}' {message}", param=field)
 
 
-def _show(value, limit: int = 60) -> str:
-    """A value for an error message, cut short (the message is logged and sent back)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
+def _show(value) -> str:
+    """A value for an error message, cut short without writing it all out first (it may be megabytes)."""
+    return reprlib.repr(value)
 
 
 # --- the body's shape -----------------------------------------------------------------------------------------
@@ -360,8 +360,6 @@ def _render(messages: list[dict], kwargs: dict, template: str | None, field: str
             return engine.tokenizer.render_chat(messages, **kwargs)
         except (ConfigError, ValueError) as e:
             raise _bad("messages", str(e)) from None
-    if templates is None:
-        raise APIError(503, "request chat templates are allowed but no template sandbox is running")
     variables = {**engine.tokenizer.special_tokens(), **kwargs, "messages": messages, "add_generation_prompt": True}
     try:
         return templates.render(template, variables, max_prompt_chars(engine), cancelled)
@@ -383,7 +381,7 @@ def parse_chat(body: dict, engine, settings: ServerSettings, templates=None,
     params = _sampling(body, settings, max_tokens)
     stream, include_usage = _stream_flags(body)
     n_max, n_min = _speculative(body, settings)
-    model = _model(body, settings, engine)
+    model, per_token = _model(body, settings, engine), _bool(body, "timings_per_token")
     text = _render(messages, kwargs, template, field, engine, settings, templates, cancelled)
     if not _encodes(text):
         raise _bad("messages", "rendered by the chat template into text that is not valid UTF-8")
@@ -391,7 +389,7 @@ def parse_chat(body: dict, engine, settings: ServerSettings, templates=None,
     ids = engine.tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
     _check_prompt(engine, ids, "messages")
     return GenerationRequest(ids, params, n_max, n_min, stream, include_usage, model, text,
-                             timings_per_token=_bool(body, "timings_per_token"))
+                             timings_per_token=per_token)
 
 
 # --- completions --------------------------------------------------------------------------------------------------
@@ -428,10 +426,10 @@ def parse_completion(body: dict, engine, settings: ServerSettings, templates=Non
     params = _sampling(body, settings, max_tokens)
     stream, include_usage = _stream_flags(body)
     n_max, n_min = _speculative(body, settings)
-    model = _model(body, settings, engine)
+    model, per_token = _model(body, settings, engine), _bool(body, "timings_per_token")
     ids, text = _prompt_ids(body, engine)
     return GenerationRequest(ids, params, n_max, n_min, stream, include_usage, model, text,
-                             timings_per_token=_bool(body, "timings_per_token"))
+                             timings_per_token=per_token)
 
 
 def parse_native(body: dict, engine, settings: ServerSettings, templates=None,

@@ -295,7 +295,7 @@ def test_request_templates_are_bounded_and_sandboxed(templating, template, words
     started = time.monotonic()
     body = {"messages": MESSAGES, "max_tokens": 1, "chat_template_kwargs": {"chat_template": template}}
     r = post(templating, "/v1/chat/completions", body)
-    assert time.monotonic() - started < 1.5
+    assert time.monotonic() - started < 2.0  # the 0.5 s limit, and maybe the start of a fresh helper
     assert r.status_code == 400 and "'chat_template_kwargs.chat_template' failed" in r.json()["error"]["message"]
     assert words in r.json()["error"]["message"]
 

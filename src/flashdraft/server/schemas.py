@@ -6,13 +6,13 @@ so the request models here only describe; tests check that they name exactly the
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 
-from flashdraft.server.requests import MAX_MODEL_CHARS, MAX_STOP_STRINGS, MAX_TEMPLATE_CHARS
+from flashdraft.server.requests import MAX_MODEL_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TEMPLATE_CHARS
 
 
 class TextPart(BaseModel):
@@ -30,6 +30,9 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None
 
 
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+
+
 class Sampling(BaseModel):
     """Fields every generation route reads."""
 
@@ -40,7 +43,7 @@ class Sampling(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, description="a negative seed = a random one")
-    stop: str | list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool | None = None
     ignore_eos: bool | None = None
     timings_per_token: bool | None = Field(None, description="every stream chunk carries the timings so far")

@@ -119,3 +119,70 @@ def test_utf8_never_split(engine):
     events = list(engine.stream([1, 2, 3], params))
     streamed = "".join(e.text for e in events if isinstance(e, Delta))
     assert streamed == events[-1].text
+
+
+def test_threads_flag(qwen3_dir, drafter_dir, capsys, monkeypatch):
+    import torch
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: calls.append(n))
+    calls = []
+    rc = main(["generate", "-m", str(qwen3_dir), "-md", str(drafter_dir), "-p", "hi", "-n", "3", "--device", "cpu",
+               "-c", "64", "-t", "2", "--json"])
+    assert rc == 0 and calls == [2]
+    capsys.readouterr()
+    assert main(["generate", "-m", str(qwen3_dir), "-p", "hi", "-t", "0"]) == 1
+    assert "-t/--threads must be >= 1" in capsys.readouterr().err
+
+
+def test_no_drafter_is_resolved_when_drafting_is_off(monkeypatch, tmp_path):
+    """resolve_model_paths fills in the demo drafter only when drafting is on (serve --spec-type none and
+    generate --no-draft must load no drafter)."""
+    from flashdraft.cli import resolve_model_paths
+    for name in ("target", "drafter"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+    monkeypatch.setattr("flashdraft.demo.DEMO_DIR", tmp_path)
+    assert resolve_model_paths(None, None) == (str(tmp_path / "target"), str(tmp_path / "drafter"))  # old call
+    assert resolve_model_paths(None, None, draft=True) == (str(tmp_path / "target"), str(tmp_path / "drafter"))
+    assert resolve_model_paths(None, None, draft=False) == (str(tmp_path / "target"), None)
+    assert resolve_model_paths(None, "/my/drafter", draft=False) == (str(tmp_path / "target"), None)
+    assert resolve_model_paths("/m", "/d", draft=False) == ("/m", None)
+    assert resolve_model_paths("/m", "/d") == ("/m", "/d")
+    assert resolve_model_paths("/m", None) == ("/m", None)  # an explicit model never gets the demo drafter
+
+
+def test_generate_no_draft_loads_no_drafter(qwen3_dir, drafter_dir, capsys, monkeypatch):
+    from flashdraft.engine.generator import Engine
+    loaded = []
+    load = Engine.load
+
+    def spy(model, drafter=None, **kwargs):
+        loaded.append(drafter)
+        return load(model, drafter, **kwargs)
+
+    monkeypatch.setattr(Engine, "load", staticmethod(spy))
+    rc = main(["generate", "-m", str(qwen3_dir), "-md", str(drafter_dir), "--no-draft", "-p", "hi", "-n", "3",
+               "--device", "cpu", "-c", "64", "--json"])
+    assert rc == 0 and loaded == [None]
+    assert json.loads(capsys.readouterr().out)["draft_n"] == 0
+
+
+def test_generate_uses_the_controller_priced_for_its_engine(qwen3_dir, drafter_dir, capsys, monkeypatch):
+    """Without --draft-n, generate drafts with AdaptiveDraft.for_engine (a cost fixed at load); --no-adaptive
+    drafts the full block."""
+    from flashdraft.engine import adaptive
+    made = []
+    for_engine = adaptive.AdaptiveDraft.for_engine.__func__
+
+    def spy(cls, engine, config=None):
+        made.append(for_engine(cls, engine, config))
+        return made[-1]
+
+    monkeypatch.setattr(adaptive.AdaptiveDraft, "for_engine", classmethod(spy))
+    base = ["generate", "-m", str(qwen3_dir), "-md", str(drafter_dir), "-p", "def add(a, b):", "-n", "10",
+            "--device", "cpu", "-c", "64", "--json"]
+    assert main(base) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(made) == 1 and made[0].steps == out["steps"] and made[0].cost != adaptive.DraftCost()
+    assert main(base + ["--no-adaptive"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(made) == 1 and "7" in out["draft_lengths"]

@@ -66,13 +66,38 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
 
 
-def resolve_model_paths(model: str | None, drafter: str | None) -> tuple[str, str | None]:
-    """Explicit paths, or the embedded demo pair when no model is given."""
+def resolve_model_paths(model: str | None, drafter: str | None, draft: bool = True) -> tuple[str, str | None]:
+    """Explicit paths, or the embedded demo pair when no model is given. draft=False: no drafter at all (plain
+    decoding; not even the demo drafter is filled in)."""
+    if not draft:
+        drafter = None
     if model is not None:
         return model, drafter
     from flashdraft.demo import demo_paths
     demo_model, demo_drafter = demo_paths()
+    if not draft:
+        return str(demo_model), None
     return str(demo_model), drafter or (str(demo_drafter) if demo_drafter else None)
+
+
+def set_threads(threads: int | None) -> None:
+    """-t/--threads: torch's CPU threads for the whole run (llama.cpp's -t); None leaves torch's default."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise ValueError(f"-t/--threads must be >= 1, got {threads}")
+    import torch
+    torch.set_num_threads(threads)
+
+
+def default_draft_policy(engine):
+    """The draft policy a run without --draft-n uses: the adaptive controller priced for this engine's pair and
+    device (AdaptiveDraft.for_engine: a cost fixed at load, decisions from acceptance only), or what
+    engine.make_policy() gives when the engine is not adaptive or has no drafter."""
+    from flashdraft.engine.adaptive import AdaptiveDraft
+    if engine.has_drafter and engine.adaptive:
+        return AdaptiveDraft.for_engine(engine)
+    return engine.make_policy()
 
 
 def sampling_from_args(args) -> "SamplingParams":
@@ -88,15 +113,15 @@ def generate_main(argv: list[str]) -> int:
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, tokens and statistics")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     add_sampling_args(p)
     args = p.parse_args(argv)
 
     from flashdraft.config import ConfigError
     from flashdraft.engine.generator import Delta, Engine, GenerationResult
     try:
-        model, drafter = resolve_model_paths(args.model, None if args.no_draft else args.drafter)
-        if args.no_draft:
-            drafter = None
+        set_threads(args.threads)
+        model, drafter = resolve_model_paths(args.model, args.drafter, draft=not args.no_draft)
         engine = Engine.load(model, drafter, device=args.device, context_size=args.ctx_size,
                              adaptive=not args.no_adaptive)
         params = sampling_from_args(args)
@@ -106,6 +131,8 @@ def generate_main(argv: list[str]) -> int:
         draft = 0 if args.no_draft else args.draft_n
         if draft is not None and not 0 <= draft <= engine.max_draft:
             raise ValueError(f"--draft-n must be between 0 and {engine.max_draft} (block size - 1), got {draft}")
+        if draft is None:
+            draft = default_draft_policy(engine)
         result = None
         for event in engine.stream(prompt_ids, params, draft):
             if isinstance(event, Delta) and not args.json:

@@ -43,6 +43,8 @@ def write_plot(report: dict, path: str | Path) -> Path:
 
 
 def annotation(row: dict) -> str:
+    if row.get("empty"):
+        return "no tokens\n(excluded)"
     tau = "tau -" if row["tau"] is None else f"tau {row['tau']:.2f}"
     return tau if row["speedup"] is None else f"{tau}\n{row['speedup']:.2f}x"
 

@@ -3,10 +3,15 @@
 Throughput is tokens over generation time summed across repetitions (a ratio of sums, so a slow repetition
 weighs by its duration); generation time excludes prompt processing, as llama.cpp's predicted_ms does.
 tau is committed tokens per decoding step (accepted guesses + 1), acceptance rate is accepted / proposed.
+A prompt that generated no tokens (the model ended its reply at once) is flagged and left out of the summary;
+repetitions whose tok/s disagree by more than NOISE_LIMIT flag their row as noisy.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# Repetitions of one prompt and way whose tok/s differ by more than this fraction (max / min - 1) make the row noisy.
+NOISE_LIMIT = 0.10
 
 
 @dataclass
@@ -91,6 +96,21 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
+def spread(rates: list[float]) -> float | None:
+    """max / min - 1 of the repetitions' tok/s (those that generated tokens); None with fewer than two."""
+    rates = [r for r in rates if r > 0]
+    return max(rates) / min(rates) - 1.0 if len(rates) > 1 else None
+
+
+def noisy(*spreads: float | None) -> bool:
+    return any(s is not None and s > NOISE_LIMIT for s in spreads)
+
+
+def generated_nothing(result: PromptResult) -> bool:
+    """No tokens generated in some way (the model ended its reply at once): no throughput to compare."""
+    return any(sum(r.predicted_n for r in runs) == 0 for runs in (result.baseline, result.dflash))
+
+
 def figures(baseline: list[Measurement], dflash: list[Measurement]) -> dict:
     """The numbers shared by a prompt row and the summary."""
     base, fast = tokens_per_second(baseline), tokens_per_second(dflash)
@@ -109,6 +129,8 @@ def figures(baseline: list[Measurement], dflash: list[Measurement]) -> dict:
 
 
 def prompt_row(result: PromptResult, greedy: bool) -> dict:
+    base_spread = spread([tokens_per_second([r]) for r in result.baseline])
+    dflash_spread = spread([tokens_per_second([r]) for r in result.dflash])
     return {
         "name": result.name,
         **figures(result.baseline, result.dflash),
@@ -118,20 +140,39 @@ def prompt_row(result: PromptResult, greedy: bool) -> dict:
         "dflash_tokens": mean([r.predicted_n for r in result.dflash]),
         "baseline_gen_s": mean([r.predicted_ms for r in result.baseline]) / 1000.0,
         "dflash_gen_s": mean([r.predicted_ms for r in result.dflash]) / 1000.0,
+        "reps": len(result.dflash),
+        "baseline_spread": base_spread,
+        "dflash_spread": dflash_spread,
+        "noisy": noisy(base_spread, dflash_spread),
+        "empty": generated_nothing(result),
     }
 
 
 def summary(results: list[PromptResult], greedy: bool) -> dict:
-    """Over all prompts: pooled throughput and acceptance; generation time per pass over the prompt set."""
+    """Over the prompts that generated tokens: pooled throughput and acceptance; generated tokens and generation
+    time per pass over them. The spreads compare whole passes: repetition i of every prompt, pooled."""
     rows = [prompt_row(r, greedy) for r in results]
-    base = [m for r in results for m in r.baseline]
-    fast = [m for r in results for m in r.dflash]
+    kept = [r for r, row in zip(results, rows) if not row["empty"]]
+    kept_rows = [row for row in rows if not row["empty"]]
+    base = [m for r in kept for m in r.baseline]
+    fast = [m for r in kept for m in r.dflash]
+    reps = min((len(r.dflash) for r in kept), default=0)
+    base_spread = spread([tokens_per_second([r.baseline[i] for r in kept]) for i in range(reps)])
+    dflash_spread = spread([tokens_per_second([r.dflash[i] for r in kept]) for i in range(reps)])
     return {
-        "prompts": len(results),
+        "prompts": len(kept),
         **figures(base, fast),
         "identical": all(row["identical"] for row in rows) if greedy else None,
-        "baseline_gen_s": sum(row["baseline_gen_s"] for row in rows),
-        "dflash_gen_s": sum(row["dflash_gen_s"] for row in rows),
+        "baseline_tokens": sum(row["baseline_tokens"] for row in kept_rows),
+        "dflash_tokens": sum(row["dflash_tokens"] for row in kept_rows),
+        "baseline_gen_s": sum(row["baseline_gen_s"] for row in kept_rows),
+        "dflash_gen_s": sum(row["dflash_gen_s"] for row in kept_rows),
+        "reps": reps,
+        "baseline_spread": base_spread,
+        "dflash_spread": dflash_spread,
+        "noisy": noisy(base_spread, dflash_spread),
+        "noisy_prompts": [row["name"] for row in kept_rows if row["noisy"]],
+        "excluded_prompts": [row["name"] for row in rows if row["empty"]],
     }
 
 
@@ -144,6 +185,8 @@ def build_report(results: list[PromptResult], greedy: bool, config: dict) -> dic
 
 COLUMNS = [  # header, width, key, format
     ("prompt", 18, "name", "{}"),
+    ("tokens", 6, "dflash_tokens", None),
+    ("reps", 4, "reps", "{}"),
     ("base tok/s", 10, "baseline_tok_s", "{:.1f}"),
     ("dflash tok/s", 12, "dflash_tok_s", "{:.1f}"),
     ("speedup", 7, "speedup", "{:.2f}x"),
@@ -152,8 +195,12 @@ COLUMNS = [  # header, width, key, format
     ("tau", 5, "tau", "{:.2f}"),
     ("accept", 6, "acceptance_rate", "{:.1%}"),
     ("same", 4, "identical", None),
+    ("spread", 6, "noisy", None),
     ("draft len", 0, "draft_lengths", None),
 ]
+# Cells an excluded row (no tokens generated) leaves blank: its throughput figures mean nothing.
+FIGURES = {"baseline_tok_s", "dflash_tok_s", "speedup", "baseline_gen_s", "dflash_gen_s", "tau", "acceptance_rate",
+           "noisy"}
 
 
 def format_draft_lengths(row: dict) -> str:
@@ -168,12 +215,36 @@ def format_draft_lengths(row: dict) -> str:
     return f"{used[0]}-{used[-1]} avg {row['mean_draft_length']:.1f}"
 
 
+def format_tokens(row: dict) -> str:
+    """Generated tokens per repetition: one number when both ways generated as many (always, greedy)."""
+    base, fast = row.get("baseline_tokens"), row.get("dflash_tokens")
+    if base is None or fast is None:
+        return "-"
+    if round(base) == round(fast):
+        return f"{fast:.0f}"
+    return f"{base:.0f}/{fast:.0f}"
+
+
+def format_spread(row: dict) -> str:
+    """The larger spread of the two ways' repetitions (max / min - 1 of tok/s), with '!' past NOISE_LIMIT."""
+    spreads = [s for s in (row["baseline_spread"], row["dflash_spread"]) if s is not None]
+    if not spreads:
+        return "-"
+    return f"{100 * max(spreads):.0f}%" + ("!" if row["noisy"] else "")
+
+
 def format_cell(row: dict, key: str, fmt: str | None) -> str:
+    if row.get("empty") and key in FIGURES:
+        return "-"
     value = row[key]
     if key == "identical":
         return "-" if value is None else ("yes" if value else "NO")
     if key == "draft_lengths":
-        return format_draft_lengths(row)
+        return "no tokens: excluded" if row.get("empty") else format_draft_lengths(row)
+    if key == "dflash_tokens":
+        return format_tokens(row)
+    if key == "noisy":
+        return format_spread(row)
     if value is None:
         return "-"
     return fmt.format(value)
@@ -199,10 +270,28 @@ def table_row(row: dict) -> str:
 
 
 def summary_row(summary_: dict) -> str:
-    return table_row({**summary_, "name": f"all ({summary_['prompts']})"})
+    excluded = len(summary_.get("excluded_prompts", []))
+    total = summary_["prompts"] + excluded
+    name = f"all ({summary_['prompts']})" if not excluded else f"all ({summary_['prompts']} of {total})"
+    return table_row({**summary_, "name": name})
+
+
+def summary_notes(summary_: dict) -> list[str]:
+    """Lines under the table: prompts left out of the summary, and repetitions that disagree."""
+    notes = []
+    excluded = summary_.get("excluded_prompts", [])
+    if excluded:
+        notes.append(f"note: no tokens generated (the model ended its reply at once) for {', '.join(excluded)}: "
+                     "flagged and left out of the overall figures")
+    noisy_prompts = summary_.get("noisy_prompts", [])
+    if noisy_prompts or summary_.get("noisy"):
+        where = ", ".join(noisy_prompts) if noisy_prompts else "the overall figures"
+        notes.append(f"warning: repetitions disagree by more than {100 * NOISE_LIMIT:.0f}% in tok/s ({where}; "
+                     "see spread): the figures are noisy. Run on a quiet machine or raise --reps")
+    return notes
 
 
 def format_table(report: dict) -> str:
     lines = [table_header()] + [table_row(r) for r in report["prompts"]]
     lines += ["-" * len(lines[0].splitlines()[0]), summary_row(report["summary"])]
-    return "\n".join(lines)
+    return "\n".join(lines + summary_notes(report["summary"]))

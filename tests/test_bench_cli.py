@@ -10,8 +10,10 @@ from flashdraft.bench.cli import main
 
 ROW_KEYS = {"name", "baseline_tok_s", "dflash_tok_s", "speedup", "tau", "acceptance_rate", "identical",
             "draft_n", "draft_n_accepted", "mean_draft_length", "draft_lengths", "prompt_tokens",
-            "baseline_tokens", "dflash_tokens", "baseline_gen_s", "dflash_gen_s"}
-SUMMARY_KEYS = ROW_KEYS - {"name", "prompt_tokens", "baseline_tokens", "dflash_tokens"} | {"prompts"}
+            "baseline_tokens", "dflash_tokens", "baseline_gen_s", "dflash_gen_s", "reps", "baseline_spread",
+            "dflash_spread", "noisy", "empty"}
+SUMMARY_KEYS = (ROW_KEYS - {"name", "prompt_tokens", "empty"}
+                | {"prompts", "noisy_prompts", "excluded_prompts"})
 
 
 @pytest.fixture(autouse=True)
@@ -58,8 +60,10 @@ def test_json_schema_greedy(capsys, qwen3_dir, drafter_dir, prompt_file):
     s = report["summary"]
     assert set(s) == SUMMARY_KEYS and s["prompts"] == 3 and s["identical"] is True
     assert s["draft_n"] == sum(r["draft_n"] for r in rows)
+    assert s["reps"] == 2 and all(r["reps"] == 2 and r["empty"] is False for r in rows)
     c = report["config"]
     assert c["mode"] == "in-process" and c["reps"] == 2 and c["n_predict"] == 6 and isinstance(c["seed"], int)
+    assert c["draft"] == "default" and set(c["draft_cost"]) == {"fixed", "per_token"} and c["threads"] == 1
     assert "raw" in err and "all (3)" in err  # the table went to stderr
 
 
@@ -84,7 +88,8 @@ def test_table_goes_to_stdout_without_json(capsys, qwen3_dir, drafter_dir, promp
     assert main(["-m", str(qwen3_dir), "-md", str(drafter_dir), "-c", "256", "--device", "cpu", "-n", "3",
                  "--prompts", str(prompts)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("prompt") and out[2].startswith("raw") and out[-1].startswith("all (1)")
+    assert out[0].startswith("prompt") and out[2].startswith("raw") and out[4].startswith("all (1)")
+    assert all(line.startswith("warning: repetitions disagree") for line in out[5:])  # 3 tokens: noisy
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -97,12 +102,61 @@ def test_table_goes_to_stdout_without_json(capsys, qwen3_dir, drafter_dir, promp
     (["--temp", "-1"], "temperature must be >= 0"),
     (["-t", "0"], "-t/--threads must be >= 1"),
     (["--draft-n", "0"], "--draft-n must be >= 1"),
+    (["--draft-n", "3", "--no-adaptive"], "pass one of them"),
+    (["--url", "http://127.0.0.1:1", "--no-adaptive"], "--no-adaptive apply to in-process runs"),
     (["--plot", "/nonexistent/dir/x.png"], "--plot: folder"),
 ])
 def test_bad_arguments_are_clean_errors(capsys, argv, message):
     assert main(argv) == 1
     last = capsys.readouterr().err.splitlines()[-1]
     assert last.startswith("flashdraft bench: error: ") and message in last
+
+
+def test_no_adaptive_drafts_the_full_block_every_step(capsys, qwen3_dir, drafter_dir, prompt_file):
+    """`bench --no-adaptive` (the README's): DFlash drafts the full block on every step but a request's last ones."""
+    report, _ = bench_json(capsys, ["-m", str(qwen3_dir), "-md", str(drafter_dir), "-c", "256", "--device", "cpu",
+                                    "-n", "12", "--reps", "1", "--prompts", str(prompt_file), "--no-adaptive"])
+    assert report["config"]["draft"] == "full" and "draft_cost" not in report["config"]
+    for row in report["prompts"]:
+        lengths = {int(k): v for k, v in row["draft_lengths"].items()}
+        # block 8: seven guesses a step, fewer only where fewer tokens are left (one step each)
+        assert lengths[7] >= 2 and all(steps == 1 for n, steps in lengths.items() if n < 7)
+        assert row["identical"] is True
+
+
+def test_empty_rows_are_flagged_in_process(capsys, qwen3_dir, drafter_dir, tmp_path, monkeypatch):
+    """A prompt whose first generated token is EOS: its row says so and the summary leaves it out."""
+    from flashdraft.engine.generator import Engine
+
+    prompts = tmp_path / "two.jsonl"
+    prompts.write_text(json.dumps({"name": "ends", "prompt": "def add(a, b):"}) + "\n"
+                       + json.dumps({"name": "goes", "prompt": "class Stack:"}) + "\n")
+    engine = Engine.load(qwen3_dir, drafter_dir, device="cpu", context_size=256)
+    first = engine.generate(engine.encode_prompt("def add(a, b):"),
+                            __import__("flashdraft.config", fromlist=["SamplingParams"]).SamplingParams(max_tokens=1),
+                            draft=0).tokens[0]
+    second = engine.generate(engine.encode_prompt("class Stack:"),
+                             __import__("flashdraft.config", fromlist=["SamplingParams"]).SamplingParams(max_tokens=1),
+                             draft=0).tokens[0]
+    if first == second:
+        pytest.skip("both prompts start with the same token")
+    load = Engine.load
+
+    def load_with_eos(*args, **kwargs):
+        e = load(*args, **kwargs)
+        e.eos_ids = {first}  # the first prompt's first token ends the reply at once
+        return e
+
+    monkeypatch.setattr(Engine, "load", staticmethod(load_with_eos))
+    report, err = bench_json(capsys, ["-m", str(qwen3_dir), "-md", str(drafter_dir), "-c", "256", "--device", "cpu",
+                                      "-n", "8", "--reps", "1", "--prompts", str(prompts)])
+    rows = {r["name"]: r for r in report["prompts"]}
+    assert rows["ends"]["empty"] is True and rows["ends"]["dflash_tokens"] == 0
+    assert rows["goes"]["empty"] is False
+    s = report["summary"]
+    assert s["prompts"] == 1 and s["excluded_prompts"] == ["ends"]
+    assert s["dflash_tok_s"] == rows["goes"]["dflash_tok_s"]
+    assert "no tokens: excluded" in err and "all (1 of 2)" in err and "note: no tokens generated" in err
 
 
 def test_model_without_drafter_and_draft_n_out_of_range(capsys, qwen3_dir, drafter_dir):

@@ -119,7 +119,7 @@ def test_separate_baseline_server(capsys, prompts):
     fast, plain = stub_app(), stub_app(drafts=False)
     with serving(fast) as url, serving(plain) as baseline_url:
         report = bench(capsys, ["--url", url, "--baseline-url", baseline_url, "--prompts", prompts,
-                                "--draft-n", "5"])
+                                "--draft-n", "5", "--reps", "1"])
     assert report["summary"]["speedup"] == pytest.approx(4.0)
     assert report["summary"]["identical"] is True  # greedy: the stub's texts agree
     assert all("speculative.n_max" not in b for _, b in plain.state.requests)

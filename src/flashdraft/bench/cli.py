@@ -12,11 +12,12 @@ import sys
 
 from tqdm import tqdm
 
-from flashdraft.cli import add_sampling_args, resolve_model_paths, sampling_from_args
+from flashdraft.cli import add_sampling_args, default_draft_policy, resolve_model_paths, sampling_from_args, set_threads
 
 PROG = "flashdraft bench"
-# Sized so that the no-argument run (demo pair, 3 code prompts) stays within a few minutes on 2 CPU cores.
-DEFAULT_REPS = 1
+# Timed repetitions per prompt and way: enough to see whether they agree (the table's spread), and the
+# no-argument run (demo pair, 3 code prompts, 256 tokens) stays under 3 minutes on 2 CPU cores (docs/bench.md).
+DEFAULT_REPS = 3
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch (in-process; default: torch's)")
     p.add_argument("--draft-n", type=int, default=None,
                    help="fixed DFlash draft length (default: the engine's draft policy; with --url: the server's)")
+    p.add_argument("--no-adaptive", action="store_true",
+                   help="no adaptive draft control: DFlash drafts the full block on every step (in-process)")
     p.add_argument("--prompts", default="code", metavar="code|prose|multiturn|FILE",
                    help="built-in prompt set or a JSONL file of {name, prompt|messages|turns} (default: code)")
     p.add_argument("--reps", type=int, default=DEFAULT_REPS,
@@ -88,14 +91,19 @@ def check_args(args) -> None:
     if args.url:
         local = [flag for flag, value in (("-m", args.model), ("-md", args.drafter), ("-c", args.ctx_size),
                                           ("--device", args.device), ("-t", args.threads)) if value is not None]
+        if args.no_adaptive:
+            local.append("--no-adaptive")
         if local:
-            raise ValueError(f"{', '.join(local)} apply to in-process runs; with --url the server has its model")
+            raise ValueError(f"{', '.join(local)} apply to in-process runs; with --url the server has its model "
+                             "and its draft policy (flashdraft serve --no-spec-dm-adaptive drafts the full block)")
         if args.timeout <= 0:
             raise ValueError(f"--timeout must be > 0, got {args.timeout}")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"-t/--threads must be >= 1, got {args.threads}")
     if args.draft_n is not None and args.draft_n < 1:
         raise ValueError(f"--draft-n must be >= 1 (0 would be the baseline), got {args.draft_n}")
+    if args.draft_n is not None and args.no_adaptive:
+        raise ValueError("--draft-n and --no-adaptive: a fixed length is not adaptive already; pass one of them")
     if args.plot:
         from pathlib import Path
         folder = Path(args.plot).resolve().parent
@@ -107,30 +115,39 @@ def make_backend(args, params):
     from flashdraft.bench.runner import BenchError, InProcessBackend, ServerBackend
     config = {"prompt_set": args.prompts, "n_predict": params.max_tokens, "temperature": params.temperature,
               "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p, "seed": params.seed,
-              "reps": args.reps, "warmup": 1, "draft": args.draft_n if args.draft_n is not None else "default"}
+              "reps": args.reps, "warmup": 1,
+              "draft": args.draft_n if args.draft_n is not None else "full" if args.no_adaptive else "default"}
     if args.url:
         backend = ServerBackend(args.url, args.baseline_url, params, args.draft_n, args.timeout)
         return backend, {"mode": "server", "url": backend.url, "baseline_url": backend.baseline_url, **config}
 
     from flashdraft.engine.generator import Engine
-    if args.threads is not None:
-        import torch
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     model, drafter = resolve_model_paths(args.model, args.drafter)
     print(f"{PROG}: loading {model}" + (f" with drafter {drafter}" if drafter else ""), file=sys.stderr)
-    engine = Engine.load(model, drafter, device=args.device, context_size=args.ctx_size)
+    engine = Engine.load(model, drafter, device=args.device, context_size=args.ctx_size,
+                         adaptive=not args.no_adaptive)
     if not engine.has_drafter:
         raise BenchError("bench compares plain decoding with DFlash: pass a drafter with -md DRAFTER_FOLDER")
     if args.draft_n is not None and args.draft_n > engine.max_draft:
         raise ValueError(f"--draft-n must be between 1 and {engine.max_draft} (block size - 1), got {args.draft_n}")
     device = str(engine.decoder.device)
-    return InProcessBackend(engine, params, args.draft_n), {
+    policy = args.draft_n if args.draft_n is not None else default_draft_policy(engine)
+    draft_cost = getattr(policy, "cost", None)
+    return InProcessBackend(engine, params, policy), {
         "mode": "in-process", "model": engine.name, "model_path": str(model), "drafter_path": str(drafter),
-        "device": device, "context_size": engine.context_size, "block_size": engine.decoder.block_size, **config}
+        "device": device, "context_size": engine.context_size, "block_size": engine.decoder.block_size,
+        "threads": torch_threads(), **config,
+        **({"draft_cost": {"fixed": draft_cost.fixed, "per_token": draft_cost.per_token}} if draft_cost else {})}
+
+
+def torch_threads() -> int:
+    import torch
+    return torch.get_num_threads()
 
 
 def run(backend, prompts, args, config: dict, greedy: bool) -> dict:
-    from flashdraft.bench.report import build_report, prompt_row, summary_row, table_header, table_row
+    from flashdraft.bench.report import build_report, prompt_row, summary_notes, summary_row, table_header, table_row
     from flashdraft.bench.runner import run_bench
     table = sys.stderr if args.json else sys.stdout
     total = 2 + 2 * args.reps * sum(p.cases for p in prompts)
@@ -141,11 +158,14 @@ def run(backend, prompts, args, config: dict, greedy: bool) -> dict:
     report = build_report(results, greedy, config)
     print("-" * len(table_header().splitlines()[0]), file=table)
     print(summary_row(report["summary"]), file=table)
+    for note in summary_notes(report["summary"]):
+        print(note, file=table)
     return report
 
 
 def run_synthetic(args) -> int:
-    """The lead's synthetic mode, when its module is installed: synthetic.main(args) gets the parsed flags."""
+    """The synthetic mode (flashdraft.bench.synthetic), when its module is installed: its main(args) gets the
+    parsed flags."""
     import importlib
     try:
         synthetic = importlib.import_module("flashdraft.bench.synthetic")

@@ -42,13 +42,14 @@ class Backend(Protocol):
 class InProcessBackend:
     """One loaded Engine; the baseline is draft length 0 on the same code path, same sampling and seed.
 
-    DFlash runs share one draft policy, made once like a server slot's, so that an adaptive policy learns
-    across prompts (and from the warm-up) as it would in `flashdraft serve`.
+    DFlash runs share one draft policy (draft: a DraftPolicy or a fixed length; None: engine.make_policy()),
+    made once like a server slot's, so that an adaptive policy learns across prompts (and from the warm-up) as
+    it would in `flashdraft serve`.
     """
 
-    def __init__(self, engine, params: SamplingParams, draft_n: int | None = None):
+    def __init__(self, engine, params: SamplingParams, draft=None):
         self.engine, self.params = engine, params
-        self.dflash_draft = engine.make_policy() if draft_n is None else draft_n
+        self.dflash_draft = engine.make_policy() if draft is None else draft
 
     def generate(self, case: Case, dflash: bool, max_tokens: int | None = None) -> Measurement:
         params = self.params if max_tokens is None else replace_max_tokens(self.params, max_tokens)

@@ -215,19 +215,32 @@ def collect_documents(files: list[Path], projects: dict[Path, str], held_out: se
     return train, held_docs, counts
 
 
+FUNCTION_CHUNK = 256  # documents parsed per round of the pool
+
+
 def collect_functions(docs: list[dict], max_bytes: int, rng: random.Random, workers: int,
                       deadline: float) -> list[dict]:
-    """Function records with a request each, from docs in order until their code reaches max_bytes."""
+    """Function records with a request each, from docs in order until their code reaches max_bytes.
+
+    Documents go to the pool in rounds that finish whole, and the pool is closed and joined, never terminated
+    with work in flight: terminating a pool in the middle of imap hung the GPU build once (a worker killed
+    while it held the task queue's lock)."""
     records, total = [], 0
     items = [(d["project"], d["module"], d["text"]) for d in docs]
-    with Pool(workers) as pool:
-        for project, module, functions in pool.imap(_functions_of, items, chunksize=8):
-            for fn in functions:
-                records.append({"project": project, "module": module, "request": request_for(fn, module, rng), **fn})
-                total += len(fn["code"])
+    pool = Pool(workers)
+    try:
+        for start in range(0, len(items), FUNCTION_CHUNK):
             if total >= max_bytes or time.monotonic() > deadline:
-                pool.terminate()
                 break
+            for project, module, functions in pool.map(_functions_of, items[start:start + FUNCTION_CHUNK],
+                                                        chunksize=4):
+                for fn in functions:
+                    records.append({"project": project, "module": module,
+                                    "request": request_for(fn, module, rng), **fn})
+                    total += len(fn["code"])
+    finally:
+        pool.close()
+        pool.join()
     return records
 
 

@@ -184,3 +184,26 @@ def test_synthetic_hook(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "flashdraft.bench.synthetic", fake)
     assert main(["--synthetic", "gemma4-31b", "-n", "64"]) == 0
     assert seen[0].synthetic == "gemma4-31b" and seen[0].n_predict == 64
+
+
+def test_repetitions_of_a_prompt_start_from_the_same_policy_state(qwen3_dir, drafter_dir):
+    """Each repetition of a prompt starts from the policy as the prompt found it, so greedy repetitions make the
+    same draft decisions (their spread is the machine's noise); the next prompt goes on from the last one."""
+    from flashdraft.bench.prompts import BenchPrompt
+    from flashdraft.bench.runner import InProcessBackend, run_bench
+    from flashdraft.config import SamplingParams
+    from flashdraft.engine.adaptive import AdaptiveDraft
+    from flashdraft.engine.generator import Engine
+
+    engine = Engine.load(qwen3_dir, drafter_dir, device="cpu", context_size=256)
+    backend = InProcessBackend(engine, SamplingParams(max_tokens=40, ignore_eos=True),
+                               AdaptiveDraft(engine.max_draft, cost=None))
+    prompts = [BenchPrompt("a", prompt="def add(a, b):"), BenchPrompt("b", prompt="class Stack:")]
+    results = run_bench(backend, prompts, reps=3)
+    for result in results:
+        lengths = [m.draft_lengths for m in result.dflash]
+        assert lengths[0] == lengths[1] == lengths[2]
+        assert len({m.steps for m in result.dflash}) == 1
+    # The policy learnt across prompts, one repetition's worth each (the last one's state), and not from the
+    # warm-up, which drafts with a throwaway copy (the first prompt meets a fresh policy).
+    assert backend.dflash_draft.steps == results[0].dflash[0].steps + results[1].dflash[0].steps

@@ -7,6 +7,7 @@ same conversation.
 """
 from __future__ import annotations
 
+import copy
 import json
 import socket
 import urllib.error
@@ -36,27 +37,42 @@ class Case:
 
 
 class Backend(Protocol):
-    def generate(self, case: Case, dflash: bool, max_tokens: int | None = None) -> Measurement: ...
+    def generate(self, case: Case, dflash: bool, max_tokens: int | None = None,
+                 warmup: bool = False) -> Measurement: ...
 
 
 class InProcessBackend:
     """One loaded Engine; the baseline is draft length 0 on the same code path, same sampling and seed.
 
     DFlash runs share one draft policy (draft: a DraftPolicy or a fixed length; None: engine.make_policy()),
-    made once like a server slot's, so that an adaptive policy learns across prompts (and from the warm-up) as
-    it would in `flashdraft serve`.
+    made once like a server slot's, so that an adaptive policy learns across prompts as it would in
+    `flashdraft serve` (not from the warm-up, which drafts with a copy). Every repetition of a prompt starts from the policy's state at the prompt's
+    start (start_prompt), so the repetitions make the same draft decisions (greedy: the same steps) and their
+    spread is the machine's noise; the next prompt goes on from where the last repetition left it.
     """
 
     def __init__(self, engine, params: SamplingParams, draft=None):
         self.engine, self.params = engine, params
         self.dflash_draft = engine.make_policy() if draft is None else draft
+        self._prompt_start = None  # a copy of the policy as the current prompt found it
 
-    def generate(self, case: Case, dflash: bool, max_tokens: int | None = None) -> Measurement:
+    def start_prompt(self) -> None:
+        self._prompt_start = None if isinstance(self.dflash_draft, int) else copy.deepcopy(self.dflash_draft)
+
+    def generate(self, case: Case, dflash: bool, max_tokens: int | None = None,
+                 warmup: bool = False) -> Measurement:
+        """One generation. The warm-up drafts with a throwaway copy of the policy: the first prompt meets a fresh
+        one, as `flashdraft generate` and a fresh server slot's first request do."""
         params = self.params if max_tokens is None else replace_max_tokens(self.params, max_tokens)
+        draft = self.dflash_draft if dflash else 0
+        if dflash and warmup:
+            draft = copy.deepcopy(draft)
+        elif dflash and self._prompt_start is not None:
+            draft = self.dflash_draft = copy.deepcopy(self._prompt_start)
         try:
             ids = (self.engine.encode_prompt(messages=case.messages) if case.messages is not None
                    else self.engine.encode_prompt(case.prompt))
-            result = self.engine.generate(ids, params, self.dflash_draft if dflash else 0)
+            result = self.engine.generate(ids, params, draft)
         except ValueError as e:
             raise BenchError(f"prompt {case.name!r}: {e}") from e
         s = result.stats
@@ -98,7 +114,8 @@ class ServerBackend:
             body["speculative.n_max"] = self.draft_n
         return body
 
-    def generate(self, case: Case, dflash: bool, max_tokens: int | None = None) -> Measurement:
+    def generate(self, case: Case, dflash: bool, max_tokens: int | None = None,
+                 warmup: bool = False) -> Measurement:
         base = self.url if dflash or self.baseline_url is None else self.baseline_url
         endpoint = "/v1/chat/completions" if case.messages is not None else "/v1/completions"
         n = self.params.max_tokens if max_tokens is None else min(max_tokens, self.params.max_tokens)
@@ -167,7 +184,7 @@ def run_bench(backend: Backend, prompts: list[BenchPrompt], reps: int,
     """Warm up once each way, then every prompt (every turn) reps times each way, alternating."""
     first = first_case(prompts[0])
     for dflash in (False, True):
-        backend.generate(first, dflash, max_tokens=WARMUP_TOKENS)
+        backend.generate(first, dflash, max_tokens=WARMUP_TOKENS, warmup=True)
         on_generation()
     results = []
     for prompt in prompts:
@@ -196,6 +213,9 @@ def run_prompt(backend: Backend, prompt: BenchPrompt, reps: int, on_generation: 
 
 
 def measure(backend: Backend, case: Case, reps: int, on_generation: Callable[[], None]) -> PromptResult:
+    start_prompt = getattr(backend, "start_prompt", None)
+    if start_prompt is not None:
+        start_prompt()
     result = PromptResult(case.name, baseline=[], dflash=[])
     for _ in range(reps):
         for dflash, runs in ((False, result.baseline), (True, result.dflash)):

@@ -142,8 +142,8 @@ def test_identical_greedy_generations_repeat_their_draft_lengths_under_random_ti
 
 def test_low_acceptance_switches_drafting_off_and_probes_with_backoff():
     """The linked-list case: 10% acceptance, where the full block (2.9 plain steps on the CPU) commits about 1.1
-    tokens. Drafting stops within a few steps; probes come after 16, 32, 64, then every 128 plain steps, and
-    mostly cost one step each."""
+    tokens. Drafting stops within a few steps; probes come after 4, 8, 16, 32, 64, then every 128 plain steps,
+    and mostly cost one step each."""
     policy = AdaptiveDraft(BASE, cost=CPU)
     lengths = serve_requests(policy, 1, 3000, Pattern(0.1), seed=1)
     assert policy.mode == "off" and policy.length == 0
@@ -152,7 +152,7 @@ def test_low_acceptance_switches_drafting_off_and_probes_with_backoff():
     starts = [i for i in range(first_off, len(lengths)) if lengths[i] > 0 and lengths[i - 1] == 0]
     gaps = [b - a for a, b in zip([first_off] + starts, starts)]
     # Each probe mostly one step (a few steps when one of its guesses is accepted), then the plain wait.
-    for gap, wait in zip(gaps, [16, 32, 64, 128, 128, 128]):
+    for gap, wait in zip(gaps, [4, 8, 16, 32, 64, 128, 128, 128]):
         assert wait <= gap <= wait + 3, gaps
     assert sum(n > 0 for n in lengths) <= 0.02 * len(lengths)
     assert delivered(lengths, Pattern(0.1), CPU) >= 0.97
@@ -161,12 +161,12 @@ def test_low_acceptance_switches_drafting_off_and_probes_with_backoff():
 @pytest.mark.parametrize("a", [0.1, 0.3, 0.45])
 def test_short_requests_where_drafting_loses_stay_near_plain_speed(a):
     """A fresh controller (as `flashdraft generate` makes), one request of 128 tokens, full block losing on the
-    CPU: the start and the probes cost at most 8% against plain decoding (the full block loses 25-60%)."""
+    CPU: the start and the probes cost at most 15% against plain decoding (the full block loses 37-62%)."""
     pattern = Pattern(a)
     assert pattern.expected(BASE) < CPU.ratio(BASE)
     for seed in range(5):
         lengths = serve_requests(AdaptiveDraft(BASE, cost=CPU), 1, 128, pattern, seed=seed)
-        assert delivered(lengths, pattern, CPU) >= 0.88, seed
+        assert delivered(lengths, pattern, CPU) >= 0.85, seed
 
 
 def test_a_controller_shared_across_prompts_stops_drafting_on_a_prompt_that_loses():
@@ -213,22 +213,22 @@ def test_comes_back_when_drafting_pays_again_and_leaves_when_it_stops():
             assert on <= 2 * wait_cap + 5, (phase, on)
             assert delivered(lengths[on:], code, CPU) >= 0.98 * code.expected(BASE) / CPU.ratio(BASE)
         else:
-            off = next(i for i in range(len(lengths)) if all(n == 0 for n in lengths[i:i + 10]))
+            off = next(i for i in range(len(lengths)) if all(n == 0 for n in lengths[i:i + 4]))
             assert off <= 25, (phase, off)
             assert delivered(lengths[off:], prose, CPU) >= 0.97
 
 
 @pytest.mark.parametrize("a", [0.6, 0.65])
 def test_marginal_drafting_does_not_flap(a):
-    """Where drafting wins or loses by a few percent, the controller switches rarely and delivers at least 95%
-    of the better of plain decoding and the full block."""
+    """Where drafting wins or loses by a few percent, the controller switches rarely (probes included: one on/off
+    flip per 12 steps at most) and delivers at least 95% of the better of plain decoding and the full block."""
     pattern = Pattern(a)
     best = max(1.0, pattern.expected(BASE) / CPU.ratio(BASE))
     for seed in range(3):
         policy = AdaptiveDraft(BASE, cost=CPU)
         lengths = serve_requests(policy, 1, 6000, pattern, seed=seed)
         flips = sum((x == 0) != (y == 0) for x, y in zip(lengths, lengths[1:]))
-        assert flips <= 0.05 * len(lengths), seed
+        assert flips <= 0.08 * len(lengths), seed
         assert delivered(lengths, pattern, CPU) >= 0.95 * best, seed
 
 

@@ -38,8 +38,8 @@ class AdaptiveConfig:
                                   # below 1 - profit_min (the band between is hysteresis)
     off_shortfall: float = 1.0    # switch off once consecutive losing steps fell short of plain decoding by this
                                   # many plain steps in all (estimated): a clear loss stops within a few steps
-    probe_interval: int = 16      # plain steps before the first probe once off
-    max_backoff: int = 3          # the wait doubles per failed probe, at most this many times
+    probe_interval: int = 4      # plain steps before the first probe once off
+    max_backoff: int = 5          # the wait doubles per failed probe, at most this many times
 
     def validate(self) -> None:
         if not 0 < self.alpha <= 1:

@@ -90,16 +90,6 @@ def set_threads(threads: int | None) -> None:
     torch.set_num_threads(threads)
 
 
-def default_draft_policy(engine):
-    """The draft policy a run without --draft-n uses: the adaptive controller priced for this engine's pair and
-    device (AdaptiveDraft.for_engine: a cost fixed at load, decisions from acceptance only), or what
-    engine.make_policy() gives when the engine is not adaptive or has no drafter."""
-    from flashdraft.engine.adaptive import AdaptiveDraft
-    if engine.has_drafter and engine.adaptive:
-        return AdaptiveDraft.for_engine(engine)
-    return engine.make_policy()
-
-
 def sampling_from_args(args) -> "SamplingParams":
     from flashdraft.config import SamplingParams
     return SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -131,8 +121,6 @@ def generate_main(argv: list[str]) -> int:
         draft = 0 if args.no_draft else args.draft_n
         if draft is not None and not 0 <= draft <= engine.max_draft:
             raise ValueError(f"--draft-n must be between 0 and {engine.max_draft} (block size - 1), got {draft}")
-        if draft is None:
-            draft = default_draft_policy(engine)
         result = None
         for event in engine.stream(prompt_ids, params, draft):
             if isinstance(event, Delta) and not args.json:

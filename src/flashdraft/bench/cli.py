@@ -12,7 +12,7 @@ import sys
 
 from tqdm import tqdm
 
-from flashdraft.cli import add_sampling_args, default_draft_policy, resolve_model_paths, sampling_from_args, set_threads
+from flashdraft.cli import add_sampling_args, resolve_model_paths, sampling_from_args, set_threads
 
 PROG = "flashdraft bench"
 # Timed repetitions per prompt and way: enough to see whether they agree (the table's spread), and the
@@ -132,7 +132,7 @@ def make_backend(args, params):
     if args.draft_n is not None and args.draft_n > engine.max_draft:
         raise ValueError(f"--draft-n must be between 1 and {engine.max_draft} (block size - 1), got {args.draft_n}")
     device = str(engine.decoder.device)
-    policy = args.draft_n if args.draft_n is not None else default_draft_policy(engine)
+    policy = args.draft_n if args.draft_n is not None else engine.make_policy()
     draft_cost = getattr(policy, "cost", None)
     return InProcessBackend(engine, params, policy), {
         "mode": "in-process", "model": engine.name, "model_path": str(model), "drafter_path": str(drafter),

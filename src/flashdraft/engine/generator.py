@@ -210,15 +210,15 @@ class Engine:
 
     def make_policy(self) -> DraftPolicy:
         """A new default draft-length policy, for a new slot (keep it for the slot's requests: it learns across
-        them)."""
+        them): the adaptive controller priced for this engine's pair and device, or the full block."""
         if self.has_drafter and self.adaptive:
-            return AdaptiveDraft(self.max_draft)
+            return AdaptiveDraft.for_engine(self)
         return FixedDraft(self.max_draft)
 
     def default_policy(self) -> DraftPolicy:
-        """The policy of requests that pass no draft: made once and kept, so that the adaptive controller's
-        start-up (warm-up, baseline) is paid by the first request only and what it learnt carries over. One
-        policy for all such requests: concurrent generations (a server's slots) should each pass their own."""
+        """The policy of requests that pass no draft: made once and kept, so that what the adaptive controller
+        learnt of the acceptance carries over. One policy for all such requests: concurrent generations (a
+        server's slots) should each pass their own."""
         if self._default_policy is None or self._default_policy[0] != self.adaptive:
             self._default_policy = (self.adaptive, self.make_policy())
         return self._default_policy[1]

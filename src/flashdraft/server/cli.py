@@ -147,7 +147,7 @@ def settings_from_args(args) -> ServerSettings:
         if not ok:
             raise ValueError(message)
     drafting = args.spec_type != "none"
-    model, drafter = resolve_model_paths(args.model, args.drafter if drafting else None)
+    model, drafter = resolve_model_paths(args.model, args.drafter, draft=drafting)
     for folder, flag in ((model, "-m"), (drafter, "-md")):
         if folder is None:
             continue

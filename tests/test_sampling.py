@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
-from flashdraft.config import SamplingParams
+from flashdraft.config import GREEDY_BELOW, SamplingParams
 from flashdraft.engine.generator import Engine
-from flashdraft.engine.sampling import GREEDY_BELOW, gumbel_noise, sample_tokens, warp_logits
+from flashdraft.engine.sampling import gumbel_noise, sample_tokens, warp_logits
 
 
 def reference_warp(logits: list[float], p: SamplingParams) -> list[float]:
@@ -161,13 +161,15 @@ def test_sampled_dflash_follows_target_distribution(qwen3_dir, drafter_dir):
 def test_temperatures_below_the_floor_sample_the_argmax(temperature):
     """Logits of a real model's size: divided by 1e-38 in float32 they overflow, and the softmax is NaN."""
     logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(0)) * 30
-    tokens = sample_tokens(logits, SamplingParams(temperature=temperature), 5, torch.arange(8))
-    assert torch.equal(tokens, logits.argmax(-1))
+    params = SamplingParams(temperature=temperature)
+    assert params.greedy  # every path decodes it greedily, the graphed greedy step included
+    assert torch.equal(sample_tokens(logits, params, 5, torch.arange(8)), logits.argmax(-1))
 
 
 def test_at_the_floor_sampling_is_finite_and_keyed_by_position():
     logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(0)) * 30
     params = SamplingParams(temperature=GREEDY_BELOW)
+    assert not params.greedy
     assert torch.isfinite(warp_logits(logits, params).max(dim=-1).values).all()
     tokens = sample_tokens(logits, params, 5, torch.arange(8))
     assert torch.equal(tokens, sample_tokens(logits, params, 5, torch.arange(8)))

@@ -379,9 +379,15 @@ def test_port_in_use_is_an_error_naming_it_before_any_listening_line(qwen3_dir, 
     assert not any("listening on" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("command", ["serve", "generate", "bench"])
 @pytest.mark.parametrize("flag", ["-hf", "--hf-repo", "-hfd", "-hff"])
-def test_hub_flags_are_refused_by_name(flag, capsys):
-    assert serve_main([flag, "Qwen/Qwen3-8B-GGUF"]) == 2
+def test_hub_flags_are_refused_by_name(command, flag, capsys):
+    from flashdraft.cli import main
+    try:
+        code = main([command, flag, "Qwen/Qwen3-8B-GGUF"])
+    except SystemExit as e:  # argparse's exit, where the command does not catch it
+        code = e.code
+    assert code == 2
     err = capsys.readouterr().err
     assert f"{flag}: downloading models from a hub is not supported" in err and "-m PATH" in err
 

@@ -53,6 +53,23 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random, reported)")
 
 
+HUB_FLAGS = [("-hf", "-hfr", "--hf-repo"), ("-hfd", "-hfrd", "--hf-repo-draft"), ("-hff", "--hf-file"),
+             ("-hfv", "-hfrv", "--hf-repo-v"), ("-hffv", "--hf-file-v"), ("-hft", "--hf-token"),
+             ("-mu", "--model-url"), ("-dr", "--docker-repo")]
+
+
+class _NoHub(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string}: downloading models from a hub is not supported; download the model and "
+                     "pass -m PATH (a model folder or a .gguf file)")
+
+
+def add_hub_refusals(p: argparse.ArgumentParser) -> None:
+    """llama.cpp's download flags, refused by name (argparse would read -hf as -h with the value f)."""
+    for group in HUB_FLAGS:
+        p.add_argument(*group, action=_NoHub, nargs="?", help=argparse.SUPPRESS)
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=None, help="target model folder (default: the embedded demo model)")
     p.add_argument("-md", "--spec-draft-model", "--drafter", dest="drafter", default=None,
@@ -64,6 +81,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="no adaptive draft control: draft the full block (block size - 1) unless --draft-n")
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context size in tokens")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    add_hub_refusals(p)
 
 
 def resolve_model_paths(model: str | None, drafter: str | None, draft: bool = True) -> tuple[str, str | None]:

@@ -15,6 +15,12 @@ class ConfigError(ValueError):
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
 
 
+
+# Temperatures below this decode greedily (as vLLM's _SAMPLING_EPS does). Far below it, float32 logits divided by
+# the temperature overflow and the softmax turns to NaN (1e-38 gave empty output); near it, the noise of two
+# tokens differs by at most ~20, so only a logit within 20 * 1e-5 of the top one could have won by sampling.
+GREEDY_BELOW = 1e-5
+
 @dataclass
 class ModelConfig:
     """Shape and numerics of a decoder-only transformer (the target, or the drafter's layer stack)."""
@@ -186,7 +192,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or one so small that sampling is greedy decoding (GREEDY_BELOW): every path, the
+        graphed greedy step included, then picks the argmax."""
+        return self.temperature < GREEDY_BELOW
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import sys
 
 from tqdm import tqdm
 
-from flashdraft.cli import add_sampling_args, resolve_model_paths, sampling_from_args, set_threads
+from flashdraft.cli import add_hub_refusals, add_sampling_args, resolve_model_paths, sampling_from_args, set_threads
 
 PROG = "flashdraft bench"
 # Timed repetitions per prompt and way: enough to see whether they agree (the table's spread), and the
@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         "tau, acceptance rate, draft lengths and (greedy) whether the outputs are identical. Without -m or "
         "--url it benchmarks the embedded demo pair on the code prompts."))
     p.add_argument("-m", "--model", default=None, help="target model folder (default: the embedded demo model)")
+    add_hub_refusals(p)
     p.add_argument("-md", "--spec-draft-model", "--drafter", dest="drafter", default=None,
                    help="DFlash drafter folder (default with no -m: the demo drafter)")
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context size in tokens (in-process)")

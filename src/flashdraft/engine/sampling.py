@@ -20,10 +20,6 @@ import torch
 from flashdraft.config import SamplingParams
 
 _M32 = 0xFFFFFFFF
-# Temperatures below this sample greedily (as vLLM's _SAMPLING_EPS does). Far below it, float32 logits divided
-# by the temperature overflow and the softmax turns to NaN (1e-38 gave empty output); near it, the noise of two
-# tokens differs by at most ~20, so only a logit within 20 * 1e-5 of the top one could have won by sampling.
-GREEDY_BELOW = 1e-5
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -74,7 +70,7 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, seed: int, positions: torch.Tensor) -> torch.Tensor:
     """One token per row of logits [T, V]; row t is the token at absolute position positions[t]."""
-    if params.temperature < GREEDY_BELOW:
+    if params.greedy:
         return logits.argmax(dim=-1)
     logprobs = warp_logits(logits, params)
     return (logprobs + gumbel_noise(seed, positions, logits.shape[-1])).argmax(dim=-1)

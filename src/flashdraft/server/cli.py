@@ -12,7 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from flashdraft.cli import add_sampling_args, resolve_model_paths
+from flashdraft.cli import add_hub_refusals, add_sampling_args, resolve_model_paths
 from flashdraft.config import ConfigError, is_gguf_path
 from flashdraft.server.settings import ServerSettings
 
@@ -49,9 +49,6 @@ NO_EFFECT_BARE = [
     ("--context-shift",), ("--no-perf",), ("--check-tensors",),
 ]
 # llama-server's flags that download a model: refused by name (argparse would read -hf as -h with an 'f').
-HUB_FLAGS = [("-hf", "-hfr", "--hf-repo"), ("-hfd", "-hfrd", "--hf-repo-draft"), ("-hff", "--hf-file"),
-             ("-hfv", "-hfrv", "--hf-repo-v"), ("-hffv", "--hf-file-v"), ("-hft", "--hf-token"),
-             ("-mu", "--model-url"), ("-dr", "--docker-repo")]
 SPEC_TYPES = ("dflash", "draft-dflash", "none")
 DEVICE = re.compile(r"^(cpu|cuda(:\d+)?|CUDA\d+|none)$")
 
@@ -62,12 +59,6 @@ class _NoEffect(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         shown = option_string if values in (None, []) else f"{option_string} {values}"
         namespace.no_effect = [*getattr(namespace, "no_effect", []), shown]
-
-
-class _NoHub(argparse.Action):
-    def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{option_string}: downloading models from a hub is not supported; download the model and "
-                     "pass -m PATH (a model folder or a .gguf file)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,8 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     p.add_argument("--device", "-dev", default=None,
                    help="cpu, cuda or cuda:N (llama.cpp's CUDA0 and none are understood); default cuda if available")
-    for group in HUB_FLAGS:
-        p.add_argument(*group, action=_NoHub, nargs="?", help=argparse.SUPPRESS)
+    add_hub_refusals(p)
     for group in NO_EFFECT_WITH_VALUE:
         p.add_argument(*group, action=_NoEffect, dest="no_effect", default=argparse.SUPPRESS,
                        help=argparse.SUPPRESS)

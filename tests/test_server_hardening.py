@@ -144,9 +144,10 @@ def test_repro_is_a_400_naming_the_field_within_a_second(live, path, body, words
     assert words in r.json()["error"]["message"]
 
 
-def test_neutral_values_of_unsupported_fields_are_accepted(live):
+@pytest.mark.parametrize("response_format", [{"type": "text"}, {"type": "text", "json_schema": None}])
+def test_neutral_values_of_unsupported_fields_are_accepted(live, response_format):
     body = {"prompt": "x", "max_tokens": 1, "logprobs": False, "frequency_penalty": 0.0, "presence_penalty": 0,
-            "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "user": "someone"}
+            "tools": [], "tool_choice": "none", "response_format": response_format, "user": "someone"}
     assert post(live, "/v1/completions", body).status_code == 200
 
 

@@ -174,7 +174,10 @@ def _stop(body: dict) -> list[str]:
 
 
 def _same(value, neutral) -> bool:
-    """Equal, with 0 and 0.0 alike but not False and 0."""
+    """Equal, with 0 and 0.0 alike but not False and 0, and an object's null members taken as absent
+    ({"type": "text", "json_schema": null} is {"type": "text"})."""
+    if isinstance(value, dict):
+        value = {k: v for k, v in value.items() if v is not None}
     number = (int, float)
     if isinstance(value, number) and isinstance(neutral, number) and not isinstance(value, bool):
         return not isinstance(neutral, bool) and value == neutral

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import select
+import selectors
 import subprocess
 import sys
 import threading
@@ -36,85 +36,124 @@ class TemplateSandbox:
     def __init__(self, seconds: float, workers: int = 2):
         self.seconds = seconds
         self._idle: list[_Helper] = []
+        self._busy: set[_Helper] = set()
+        self._closed = False
         self._lock = threading.Lock()
         self._free = threading.BoundedSemaphore(workers)
 
     def warm(self) -> None:
         """Start one helper ahead of the first request (a start takes a few tenths of a second)."""
         with self._lock:
-            if not self._idle:
+            if not self._idle and not self._closed:
                 self._idle.append(_Helper())
 
     def render(self, template: str, variables: dict, max_chars: int, cancelled: threading.Event | None) -> str:
         if not self._free.acquire(timeout=self.seconds):
             raise TemplateBusy("every chat template helper is busy; try again")
         try:
-            with self._lock:
-                helper = self._idle.pop() if self._idle else None
-            helper = helper or _Helper()
-            request = {"template": template, "variables": variables, "max_chars": max_chars}
-            try:
-                reply = helper.ask(request, self.seconds, cancelled)
-            except TemplateError:
-                helper.kill()
-                self.warm()  # the next template need not wait for a start
-                raise
-            with self._lock:
-                self._idle.append(helper)
+            reply = self._ask({"template": template, "variables": variables, "max_chars": max_chars}, cancelled)
         finally:
             self._free.release()
         if "error" in reply:
             raise TemplateError(reply["error"])
         return reply["text"]
 
+    def _ask(self, request: dict, cancelled: threading.Event | None) -> dict:
+        """One rendering on an idle helper; one that died while it waited (OOM killer, a signal) is replaced
+        once, so its death is not blamed on this request's template. Any failure kills the helper."""
+        for attempt in range(2):
+            with self._lock:
+                if self._closed:
+                    raise TemplateError("the server is shutting down")
+                helper = self._idle.pop() if self._idle else _Helper()
+                self._busy.add(helper)
+            try:
+                reply = helper.ask(request, self.seconds, cancelled)
+            except _HelperGone:
+                helper.kill()
+                if attempt == 0:
+                    continue
+                raise TemplateError("the chat template helper process failed") from None
+            except BaseException:
+                helper.kill()
+                self.warm()  # the next template need not wait for a start
+                raise
+            finally:
+                with self._lock:
+                    self._busy.discard(helper)
+            with self._lock:
+                if self._closed:
+                    helper.kill()
+                else:
+                    self._idle.append(helper)
+            return reply
+
     def close(self) -> None:
+        """Kill every helper, rendering or idle; renderings under way fail, and no helper starts again."""
         with self._lock:
-            helpers, self._idle = self._idle, []
+            self._closed = True
+            helpers, self._idle = self._idle + list(self._busy), []
         for helper in helpers:
             helper.kill()
+
+
+class _HelperGone(Exception):
+    """A helper that was idle could not take a request: it had died."""
 
 
 class _Helper:
     """One helper process and the pipes to it."""
 
     def __init__(self):
+        # A session of its own: a Ctrl+C meant for the server does not reach it (the server kills it on close).
         self.proc = subprocess.Popen([sys.executable, "-m", "flashdraft.server.templates"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
         self.ready = False  # the process writes one line when it is ready
+        self._lock = threading.Lock()
 
     def ask(self, request: dict, seconds: float, cancelled: threading.Event | None) -> dict:
         """Send one request and wait for its reply, at most `seconds` (after the start) or until `cancelled`."""
         if not self.ready:
             self._line(START_SECONDS, cancelled, "starting the chat template helper")
             self.ready = True
+        if self.proc.poll() is not None:
+            raise _HelperGone()
         try:
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")
             self.proc.stdin.flush()
         except OSError:
-            raise TemplateError("the chat template helper process failed") from None
+            raise _HelperGone() from None
         return json.loads(self._line(seconds, cancelled, "rendering"))
 
     def _line(self, seconds: float, cancelled: threading.Event | None, doing: str) -> bytes:
         deadline = time.monotonic() + seconds
         fd, data = self.proc.stdout.fileno(), b""
-        while not data.endswith(b"\n"):
-            if cancelled is not None and cancelled.is_set():
-                raise TemplateError(f"the client closed the request while {doing}")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TemplateError(f"{doing} took longer than the limit of {seconds:g} s")
-            if select.select([fd], [], [], min(left, POLL_SECONDS))[0]:
-                chunk = os.read(fd, 1 << 20)
-                if not chunk:
-                    raise TemplateError(f"the helper process ended while {doing} (out of memory?)")
-                data += chunk
+        with selectors.DefaultSelector() as selector:  # poll/epoll: select() fails on descriptors past 1023
+            selector.register(fd, selectors.EVENT_READ)
+            while not data.endswith(b"\n"):
+                if cancelled is not None and cancelled.is_set():
+                    raise TemplateError(f"the client closed the request while {doing}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TemplateError(f"{doing} took longer than the limit of {seconds:g} s")
+                if selector.select(min(left, POLL_SECONDS)):
+                    chunk = os.read(fd, 1 << 20)
+                    if not chunk:
+                        raise TemplateError(f"the helper process ended while {doing} (out of memory?)")
+                    data += chunk
         return data
 
     def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            pipe.close()
+        """Kill the process and close its pipes; safe to call twice and on a process that already died (a
+        write it never read stays in stdin's buffer, and closing that pipe would raise BrokenPipeError)."""
+        with self._lock:
+            self.proc.kill()
+            self.proc.wait()
+            for pipe in (self.proc.stdin, self.proc.stdout):
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
 
 
 # --- the helper process -------------------------------------------------------------------------------------

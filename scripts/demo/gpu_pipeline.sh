@@ -23,8 +23,9 @@ WORKERS=${WORKERS:-$(nproc)}
 
 # Sizes and budgets (the whole run is designed for about 9 minutes on one H200). At a 4096-token context the
 # target needs these steps (2026-12-01: 16 windows a step for 170 s, 1717 steps, reached held-out loss 2.04;
-# 32 windows a step for 83 s, 442 steps, 2.76, and that target wrote degenerate text). A device command that wraps this script must leave it its
-# whole TOTAL_SECONDS plus about 40 s: cut before the package stage, a run leaves nothing in OUT_DIR.
+# 32 windows a step for 83 s, 442 steps, 2.76, and that target wrote degenerate text). A device command that
+# wraps this script must leave it its whole TOTAL_SECONDS plus about 40 s: cut before the package stage, a run
+# leaves nothing in OUT_DIR.
 TOTAL_SECONDS=${TOTAL_SECONDS:-560}  # the training budgets shrink if earlier stages ran slow
 CORPUS_MB=${CORPUS_MB:-160}          # train split of .py files
 HELD_OUT_PERCENT=${HELD_OUT_PERCENT:-20}  # projects held out of the target's data: drafter prompts and tau prompts

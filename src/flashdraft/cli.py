@@ -87,15 +87,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def resolve_model_paths(model: str | None, drafter: str | None, draft: bool = True) -> tuple[str, str | None]:
     """Explicit paths, or the embedded demo pair when no model is given. draft=False: no drafter at all (plain
     decoding; not even the demo drafter is filled in)."""
-    if not draft:
-        drafter = None
-    if model is not None:
-        return model, drafter
-    from flashdraft.demo import demo_paths
-    demo_model, demo_drafter = demo_paths()
-    if not draft:
-        return str(demo_model), None
-    return str(demo_model), drafter or (str(demo_drafter) if demo_drafter else None)
+    if model is None:
+        from flashdraft.demo import demo_paths
+        demo_model, demo_drafter = demo_paths()
+        model, drafter = str(demo_model), drafter or (str(demo_drafter) if demo_drafter else None)
+    return model, drafter if draft else None
 
 
 def set_threads(threads: int | None) -> None:

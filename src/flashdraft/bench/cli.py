@@ -99,8 +99,6 @@ def check_args(args) -> None:
                              "and its draft policy (flashdraft serve --no-spec-dm-adaptive drafts the full block)")
         if args.timeout <= 0:
             raise ValueError(f"--timeout must be > 0, got {args.timeout}")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"-t/--threads must be >= 1, got {args.threads}")
     if args.draft_n is not None and args.draft_n < 1:
         raise ValueError(f"--draft-n must be >= 1 (0 would be the baseline), got {args.draft_n}")
     if args.draft_n is not None and args.no_adaptive:

@@ -46,9 +46,10 @@ class InProcessBackend:
 
     DFlash runs share one draft policy (draft: a DraftPolicy or a fixed length; None: engine.make_policy()),
     made once like a server slot's, so that an adaptive policy learns across prompts as it would in
-    `flashdraft serve` (not from the warm-up, which drafts with a copy). Every repetition of a prompt starts from the policy's state at the prompt's
-    start (start_prompt), so the repetitions make the same draft decisions (greedy: the same steps) and their
-    spread is the machine's noise; the next prompt goes on from where the last repetition left it.
+    `flashdraft serve` (not from the warm-up, which drafts with a copy). Every repetition of a prompt starts from
+    the policy's state at the prompt's start (start_prompt), so the repetitions make the same draft decisions
+    (greedy: the same steps) and their spread is the machine's noise; the next prompt goes on from where the last
+    repetition left it.
     """
 
     def __init__(self, engine, params: SamplingParams, draft=None):

@@ -48,7 +48,6 @@ NO_EFFECT_BARE = [
     ("--log-disable",), ("-nkvo", "--no-kv-offload"), ("--no-op-offload",), ("--no-context-shift",),
     ("--context-shift",), ("--no-perf",), ("--check-tensors",),
 ]
-# llama-server's flags that download a model: refused by name (argparse would read -hf as -h with an 'f').
 SPEC_TYPES = ("dflash", "draft-dflash", "none")
 DEVICE = re.compile(r"^(cpu|cuda(:\d+)?|CUDA\d+|none)$")
 

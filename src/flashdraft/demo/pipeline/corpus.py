@@ -78,7 +78,7 @@ def project_name(path: Path, root: Path, stdlib: Path) -> str:
     for i in range(len(parts) - 2, -1, -1):
         if parts[i] in ("site-packages", "dist-packages"):
             return Path(parts[i + 1]).stem.lstrip("_") or parts[i + 1]
-    if root == stdlib or stdlib in path.parents:
+    if stdlib in path.parents:
         return "stdlib"
     rel = path.relative_to(root).parts
     return Path(rel[0]).stem.lstrip("_") or rel[0]

@@ -105,7 +105,7 @@ def report_markdown(run: Path, out: Path, sizes: dict) -> str:
         f"| tau, held-out long prompts | {fmt((ev.get('code_long') or {}).get('tau'))} at "
         f"{(ev.get('code_long') or {}).get('prompt_tokens')} tokens of context |",
         f"| tau, hand-written prompts | {fmt((ev.get('handwritten') or {}).get('tau'))} |",
-        f"| prompts answered with an end token at once | "
+        "| prompts answered with an end token at once | "
         + ", ".join(f"{name} {(ev.get(name) or {}).get('eos_first')}" for name in ("code", "handwritten", "prose"))
         + " |",
         f"| tau, prose | {fmt((ev.get('prose') or {}).get('tau'))} |",

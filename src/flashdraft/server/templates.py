@@ -76,6 +76,8 @@ class TemplateSandbox:
                 raise TemplateError("the chat template helper process failed") from None
             except BaseException:
                 helper.kill()
+                if self._closed:  # close() ended the process under this rendering
+                    raise TemplateError("the server is shutting down") from None
                 self.warm()  # the next template need not wait for a start
                 raise
             finally:
@@ -89,12 +91,16 @@ class TemplateSandbox:
             return reply
 
     def close(self) -> None:
-        """Kill every helper, rendering or idle; renderings under way fail, and no helper starts again."""
+        """Kill every helper, rendering or idle; renderings under way fail, and no helper starts again. A
+        rendering helper's pipes are left to the thread reading them (closing a descriptor another thread is
+        reading fails that read, or worse, lets it read whatever file reuses the number)."""
         with self._lock:
             self._closed = True
-            helpers, self._idle = self._idle + list(self._busy), []
-        for helper in helpers:
+            idle, busy, self._idle = self._idle, list(self._busy), []
+        for helper in idle:
             helper.kill()
+        for helper in busy:
+            helper.proc.kill()
 
 
 class _HelperGone(Exception):

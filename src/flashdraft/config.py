@@ -163,9 +163,34 @@ def default_tap_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     return [round(1 + i * (num_target_layers - 4) / (k - 1)) for i in range(k)]
 
 
+CONSTRAINT_KINDS = ("json_object", "json_schema", "gbnf", "regex")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """Output restricted by a grammar: any JSON object, JSON matching a schema (source: the schema as JSON text),
+    a GBNF grammar (llama.cpp's `grammar` field) or a regular expression."""
+
+    kind: str
+    source: str = ""
+
+    def validate(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise ValueError(f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}, got {self.kind!r}")
+        if self.kind != "json_object" and not self.source:
+            raise ValueError(f"a {self.kind} constraint needs its source text")
+
+
 @dataclass
 class SamplingParams:
-    """Per-request sampling. temperature 0 is greedy. Warping order: temperature, top-k, top-p, min-p (as HF and vLLM)."""
+    """Per-request sampling. temperature 0 is greedy. Warping order: temperature, top-k, top-p, min-p (as HF and vLLM).
+
+    Before warping, the target's logits at each position are processed in this order: logit_bias added; repeat
+    penalty (llama.cpp's: positive logits divided, negative multiplied, for tokens among the last repeat_last_n
+    of prompt and output); presence and frequency penalties (OpenAI's: over the generated tokens); the constraint's
+    grammar mask. Each position's processing depends only on the tokens committed before it, so drafting cannot
+    change the output. logprobs: None for none, k >= 0 for each emitted token's log-probability under the target
+    (log-softmax of its raw logits) and the k most likely alternatives."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -175,6 +200,13 @@ class SamplingParams:
     max_tokens: int = 256
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    constraint: Constraint | None = None
+    logprobs: int | None = None
 
     def validate(self) -> None:
         if not (self.temperature >= 0):
@@ -189,6 +221,23 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"seed must be a non-negative integer below 2**63, got {self.seed}")
+        if not (self.repeat_penalty > 0):
+            raise ValueError(f"repeat_penalty must be > 0 (1 disables it), got {self.repeat_penalty}")
+        if self.repeat_last_n < -1:
+            raise ValueError(f"repeat_last_n must be >= -1 (-1: the whole context), got {self.repeat_last_n}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (-2.0 <= getattr(self, name) <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.constraint is not None:
+            self.constraint.validate()
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any logit processing (bias, penalties, grammar) applies before sampling."""
+        return bool(self.logit_bias or self.repeat_penalty != 1.0 or self.presence_penalty
+                    or self.frequency_penalty or self.constraint is not None)
 
     @property
     def greedy(self) -> bool:

@@ -107,6 +107,16 @@ class GenerationStats:
 
 
 @dataclass
+class TokenLogprob:
+    """An emitted token's log-probability under the target (log-softmax of its raw logits at that position), and
+    the most likely tokens there with theirs (as many as the request's logprobs asked for)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class Delta:
     """Newly committed text and token ids (stop strings and incomplete characters held back), and when: the time
     since decoding started (after the prompt), for live speed figures."""
@@ -114,6 +124,7 @@ class Delta:
     text: str
     token_ids: list[int]
     predicted_ms: float = 0.0
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for logprobs
 
 
 @dataclass
@@ -125,6 +136,7 @@ class GenerationResult:
     stopping_word: str
     seed: int
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for logprobs
 
     def to_dict(self) -> dict:
         return {"text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason,

@@ -13,7 +13,9 @@ def test_builtin_sets():
     assert all(p.messages and p.messages[0]["role"] == "user" for p in code + load_prompt_set("prose"))
     conversation = load_prompt_set("multiturn")
     assert sum(p.cases for p in conversation) == len(conversation[0].turns) >= 3
-    assert set(BUILTIN) == {"code", "prose", "multiturn"}
+    assert set(BUILTIN) == {"code", "prose", "multiturn", "agent"}
+    (session,) = load_prompt_set("agent")
+    assert "def total_value(self):" in session.turns[0] and "total_value" in session.turns[1]
 
 
 def write(tmp_path, lines):

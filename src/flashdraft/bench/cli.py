@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fixed DFlash draft length (default: the engine's draft policy; with --url: the server's)")
     p.add_argument("--no-adaptive", action="store_true",
                    help="no adaptive draft control: DFlash drafts the full block on every step (in-process)")
-    p.add_argument("--prompts", default="code", metavar="code|prose|multiturn|FILE",
+    p.add_argument("--prompts", default="code", metavar="code|prose|multiturn|agent|FILE",
                    help="built-in prompt set or a JSONL file of {name, prompt|messages|turns} (default: code)")
     p.add_argument("--reps", type=int, default=DEFAULT_REPS,
                    help=f"timed repetitions per prompt and way, after one untimed warm-up (default {DEFAULT_REPS})")

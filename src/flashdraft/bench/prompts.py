@@ -77,7 +77,62 @@ MULTITURN = [
     ]),
 ]
 
-BUILTIN = {"code": CODE, "prose": PROSE, "multiturn": MULTITURN}
+INVENTORY_PY = '''import json
+from dataclasses import dataclass
+
+
+@dataclass
+class Item:
+    name: str
+    quantity: int
+    price: float
+
+
+class Inventory:
+    def __init__(self):
+        self.items = {}
+
+    def add(self, name, quantity, price):
+        if name in self.items:
+            self.items[name].quantity += quantity
+        else:
+            self.items[name] = Item(name, quantity, price)
+
+    def remove(self, name, quantity):
+        item = self.items[name]
+        if item.quantity < quantity:
+            raise ValueError("not enough " + name)
+        item.quantity -= quantity
+        if item.quantity == 0:
+            del self.items[name]
+
+    def total_value(self):
+        return sum(i.quantity * i.price for i in self.items.values())
+
+    def save(self, path):
+        with open(path, "w") as f:
+            json.dump([vars(i) for i in self.items.values()], f)
+
+    def load(self, path):
+        with open(path) as f:
+            for row in json.load(f):
+                self.add(row["name"], row["quantity"], row["price"])
+'''
+
+# A coding agent's session: each turn quotes or edits code that is already in the conversation, so much of each
+# answer copies its context (where prompt-lookup drafting pays, and where prefix reuse saves re-reading the file).
+AGENT = [
+    BenchPrompt("inventory-edits", turns=[
+        "Here is inventory.py:\n\n```python\n" + INVENTORY_PY + "```\n\nAdd type hints to every method and "
+        "return the whole file.",
+        "Rename the method total_value to value everywhere and return the whole file again.",
+        "Make remove raise KeyError with a clear message when the item does not exist, and return the whole "
+        "file again.",
+        "Write pytest tests for add, remove, value, save and load, quoting the class as it is now.",
+    ]),
+]
+
+BUILTIN = {"code": CODE, "prose": PROSE, "multiturn": MULTITURN, "agent": AGENT}
 
 
 def load_prompt_set(spec: str) -> list[BenchPrompt]:

@@ -17,5 +17,15 @@ class KVCache:
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
 
+    def reusable(self, rows: int) -> int:
+        """How many of the first `rows` positions a new sequence that shares them can keep: all of them, since
+        rows are stored at their absolute positions and nothing past the owner's length overwrites them."""
+        return rows
+
+    def copy_prefix(self, source: "KVCache", rows: int) -> None:
+        """Take positions [0, rows) from another sequence's cache (one that shares those tokens)."""
+        for dst, src in zip(self.k + self.v, source.k + source.v):
+            dst[:, :rows].copy_(src[:, :rows])
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

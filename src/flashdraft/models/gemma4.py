@@ -99,6 +99,28 @@ class Gemma4Cache:
             self.k.append(torch.zeros(shape, device=device, dtype=dtype))
             self.v.append(torch.zeros(shape, device=device, dtype=dtype))
         self.ring_pos = torch.full((self.ring,), _EMPTY, device=device, dtype=torch.long)
+        self._sliding = [cfg.is_sliding(i) for i in range(cfg.num_hidden_layers)]
+
+    def reusable(self, rows: int) -> int:
+        """How many of the first `rows` positions a new sequence that shares them can keep: all, if the ring still
+        holds the window before `rows`; else none (a sliding layer cannot rebuild a row once overwritten)."""
+        if rows == 0:
+            return 0
+        wanted = torch.arange(max(0, rows - self.window), rows, device=self.ring_pos.device)
+        return rows if bool((self.ring_pos[wanted % self.ring] == wanted).all()) else 0
+
+    def copy_prefix(self, source: "Gemma4Cache", rows: int) -> None:
+        """Take positions [0, rows) from another sequence's cache (one that shares those tokens and for which
+        source.reusable(rows) == rows). Sliding layers take the whole ring: rows it holds at or past `rows` are
+        stale for this sequence, and hidden as rolled-back rows are until overwritten."""
+        for sliding, dst_k, dst_v, src_k, src_v in zip(self._sliding, self.k, self.v, source.k, source.v):
+            if sliding:
+                dst_k.copy_(src_k)
+                dst_v.copy_(src_v)
+            else:
+                dst_k[:, :rows].copy_(src_k[:, :rows])
+                dst_v[:, :rows].copy_(src_v[:, :rows])
+        self.ring_pos.copy_(source.ring_pos)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

@@ -1,10 +1,21 @@
 """Tokenizer and chat template of a model folder (transformers is used for these only)."""
 from __future__ import annotations
 
+import inspect
+import json
 import logging
+import re
+from functools import cached_property
 from pathlib import Path
 
 from flashdraft.config import ConfigError
+
+# Special tokens that mark structure a server parses out of the output (tool calls, Gemma 4's thought channel and
+# string quotes, Llama 3's python tag): decoded text keeps them, as llama.cpp's does, where every other special
+# token is dropped.
+STRUCTURE_TOKENS = frozenset({"<|tool_call>", "<tool_call|>", "<|channel>", "<channel|>", '<|"|>', "<|python_tag|>",
+                              "<tool_call>", "</tool_call>", "<think>", "</think>"})
+BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 class Tokenizer:
@@ -37,8 +48,6 @@ class Tokenizer:
     def template_input_names(self) -> set[str]:
         """Names a template keyword argument must not take: apply_chat_template's own parameters (chat_template,
         tokenize, ...) and what it passes the template itself (messages, the special tokens)."""
-        import inspect
-
         params = inspect.signature(type(self.hf).apply_chat_template).parameters.values()
         own = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
         return own | {"messages", "add_generation_prompt", "tools", "documents"} | set(self.hf.special_tokens_map)
@@ -46,8 +55,49 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
+    @cached_property
+    def _dropped_ids(self) -> frozenset[int]:
+        """Ids of the special tokens decoding drops: all but the STRUCTURE_TOKENS."""
+        return frozenset(i for i, t in self.hf.added_tokens_decoder.items()
+                         if t.special and t.content not in STRUCTURE_TOKENS) | frozenset(self.hf.all_special_ids)
+
     def decode(self, ids: list[int]) -> str:
-        return self.hf.decode(ids, skip_special_tokens=True)
+        dropped = self._dropped_ids
+        return self.hf.decode([i for i in ids if i not in dropped], skip_special_tokens=False)
+
+    @cached_property
+    def _byte_of_char(self) -> dict[str, int] | None:
+        """Byte-level BPE's character -> byte table (GPT-2's bytes_to_unicode), or None for other tokenizers."""
+        if type(self.hf.backend_tokenizer.decoder).__name__ != "ByteLevel":
+            return None
+        printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+        chars, extra = {}, 0
+        for b in range(256):
+            if b in printable:
+                chars[chr(b)] = b
+            else:
+                chars[chr(256 + extra)] = b
+                extra += 1
+        return chars
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a token may hold part of a UTF-8 character), as OpenAI's logprobs give
+        them: byte-level pieces mapped back, SentencePiece's <0xNN> byte tokens and its space marker undone."""
+        piece = self.hf.convert_ids_to_tokens(int(token_id))
+        if piece is None:
+            return b""
+        table = self._byte_of_char
+        if table is not None and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        byte = BYTE_TOKEN.fullmatch(piece)
+        if byte:
+            return bytes([int(byte.group(1), 16)])
+        if token_id in self._dropped_ids or table is not None:  # a special or added token: its text as it is
+            return piece.encode("utf-8")
+        return piece.replace("\u2581", " ").encode("utf-8")
+
+    def token_text(self, token_id: int) -> str:
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
     def render_chat(self, messages: list[dict], **template_kwargs) -> str:
         """The chat template applied to messages, with the generation prompt added."""
@@ -66,7 +116,10 @@ class Tokenizer:
 
 
 def normalize_messages(messages) -> list[dict]:
-    """Check chat messages and flatten OpenAI text-part lists into plain strings (templates expect strings)."""
+    """Check chat messages and flatten OpenAI text-part lists into plain strings (templates expect strings).
+
+    An assistant message's tool_calls are checked and their arguments, which OpenAI sends as JSON text, become
+    objects: chat templates write them with tojson (Llama 3) or take either (Qwen3)."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")
     out = []
@@ -83,5 +136,34 @@ def normalize_messages(messages) -> list[dict]:
             content = "".join(p["text"] for p in content)
         elif content is not None and not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
-        out.append({**m, "content": content if content is not None else ""})
+        message = {**m, "content": content if content is not None else ""}
+        for key in ("tool_call_id", "name", "reasoning_content"):
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise ValueError(f"messages[{i}].{key} must be a string")
+        if m.get("tool_calls") is not None:
+            message["tool_calls"] = _tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+        out.append(message)
+    return out
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    if not isinstance(calls, list):
+        raise ValueError(f"{where} must be a list")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(f"{where}[{j}] must be {{'type': 'function', 'function': {{'name': ..., "
+                             f"'arguments': ...}}}}")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                raise ValueError(f"{where}[{j}].function.arguments is not valid JSON") from None
+        if not isinstance(arguments, dict):
+            raise ValueError(f"{where}[{j}].function.arguments must be a JSON object")
+        if call.get("id") is not None and not isinstance(call["id"], str):
+            raise ValueError(f"{where}[{j}].id must be a string")
+        out.append({**call, "type": "function", "function": {**function, "arguments": arguments}})
     return out

@@ -289,6 +289,8 @@ class EventStream(Response):
 
 
 def _failure(kind: str, payload) -> APIError:
+    if isinstance(payload, APIError):  # the worker's own verdict (a grammar the engine could not compile)
+        return payload
     if kind == ERROR:
         return APIError(500, f"generation failed: {type(payload).__name__}: {payload}")
     if payload == "cancelled":  # nginx's 499: nobody reads it, but the log line says what happened
@@ -296,27 +298,48 @@ def _failure(kind: str, payload) -> APIError:
     return APIError(503, "the server is shutting down")
 
 
-async def _events(job: Job):
-    """(kind, payload) pairs until the job's last one."""
+async def _events(job: Job, first: tuple | None = None):
+    """(kind, payload, choice) triples until the job's last one (the last choice's result, or a failure);
+    first: one already taken off the queue."""
     while True:
-        kind, payload = await job.events.get()
-        yield kind, payload
-        if kind != DELTA:
+        event = first if first is not None else await job.events.get()
+        first = None
+        kind, payload, choice = event
+        yield event
+        if kind == ERROR or kind == ENDED or (kind == RESULT and choice == job.request.n - 1):
             return
 
 
-async def _result(job: Job, request: Request):
-    """Wait for a whole result; a client that disconnects meanwhile cancels the job."""
+async def _results(job: Job, request: Request) -> list:
+    """Wait for every choice's result; a client that disconnects meanwhile cancels the job."""
     watcher = asyncio.create_task(_watch_disconnect(request.receive, job.cancel))
+    results = []
     try:
-        async for kind, payload in _events(job):
+        async for kind, payload, _ in _events(job):
             if kind == RESULT:
-                return payload
-            if kind != DELTA:
+                results.append(payload)
+            elif kind != DELTA:
                 raise _failure(kind, payload)
+        return results
     finally:
         watcher.cancel()
         job.cancel()
+
+
+async def _first_event(job: Job, request: Request) -> tuple | None:
+    """For a stream whose generation can be refused when it starts (a grammar the engine cannot compile): its
+    first event, taken before the response starts, so a refusal is a 400 and not an error event."""
+    if job.request.params.constraint is None:
+        return None
+    watcher = asyncio.create_task(_watch_disconnect(request.receive, job.cancel))
+    try:
+        event = await job.events.get()
+    finally:
+        watcher.cancel()
+    if event[0] in (ERROR, ENDED):
+        job.cancel()
+        raise _failure(event[0], event[1])
+    return event
 
 
 async def _parse(request: Request, parse, state: ServerState) -> tuple[GenerationRequest, threading.Event]:
@@ -377,15 +400,20 @@ def create_app(state: ServerState) -> FastAPI:
         job = Job(gen, asyncio.get_running_loop(), cancelled)
         state.scheduler.submit(job)
         n_max = state.request_n_max(gen.n_max)
+        tokenizer = state.engine.tokenizer
         if chat is None:
             if gen.stream:
-                return EventStream(job, _native_stream(job, n_max), lambda e: [formats.sse(e.body())])
-            result = await _result(job, request)
-            return formats.native_whole(gen, result, job.slot_id, n_max)
-        fmt = formats.OpenAIFormatter(gen, chat)
+                first = await _first_event(job, request)
+                return EventStream(job, _native_stream(job, n_max, tokenizer, first),
+                                   lambda e: [formats.sse(e.body())])
+            (result,) = await _results(job, request)
+            return formats.native_whole(gen, result, job.slot_id, n_max, tokenizer)
+        fmt = formats.OpenAIFormatter(gen, chat, tokenizer)
         if gen.stream:
-            return EventStream(job, _openai_stream(job, fmt), lambda e: [formats.sse(e.body()), formats.sse("[DONE]")])
-        return fmt.whole(await _result(job, request))
+            first = await _first_event(job, request)
+            return EventStream(job, _openai_stream(job, fmt, first),
+                               lambda e: [formats.sse(e.body()), formats.sse("[DONE]")])
+        return fmt.whole(await _results(job, request))
 
     @app.post("/v1/chat/completions", summary="OpenAI chat completion (stream or not)")
     @app.post("/chat/completions", summary="OpenAI chat completion (stream or not)")
@@ -469,41 +497,44 @@ def _live_timings(job: Job, predicted: int, delta) -> dict:
             "predicted_per_second": 1000.0 * predicted / ms if ms > 0 else 0.0}
 
 
-async def _openai_stream(job: Job, fmt: formats.OpenAIFormatter):
-    first = fmt.first_chunk()
-    if first is not None:
-        yield formats.sse(first)
+async def _openai_stream(job: Job, fmt: formats.OpenAIFormatter, first: tuple | None):
+    for chunk in fmt.first_chunks():
+        yield formats.sse(chunk)
     predicted = 0
-    async for kind, payload in _events(job):
+    async for kind, payload, choice in _events(job, first):
         if kind == DELTA:
             predicted += len(payload.token_ids)
-            if payload.text:
-                chunk = fmt.text_chunk(payload.text)
+            for chunk in fmt.delta_chunks(choice, payload.text, payload.logprobs):
                 if job.request.timings_per_token:
                     chunk["timings"] = _live_timings(job, predicted, payload)
                 yield formats.sse(chunk)
         elif kind == RESULT:
-            for chunk in fmt.final_chunks(payload):
+            for chunk in fmt.final_chunks(choice, payload):
                 yield formats.sse(chunk)
         else:
             yield formats.sse(_failure(kind, payload).body())
     yield formats.sse("[DONE]")
 
 
-async def _native_stream(job: Job, n_max: int):
+async def _native_stream(job: Job, n_max: int, tokenizer, first: tuple | None):
     r = job.request
     predicted = 0
-    async for kind, payload in _events(job):
+    async for kind, payload, _ in _events(job, first):
         if kind == DELTA:
             predicted += len(payload.token_ids)
             tokens = payload.token_ids if r.return_tokens else []
-            chunk = formats.native_chunk(payload.text, job.slot_id, tokens, predicted, len(r.prompt_ids))
+            probabilities = None
+            if r.params.logprobs is not None:
+                probabilities = formats.native_probabilities(tokenizer, payload.logprobs or [])
+            chunk = formats.native_chunk(payload.text, job.slot_id, tokens, predicted, len(r.prompt_ids),
+                                         probabilities)
             if r.timings_per_token:
                 chunk["timings"] = _live_timings(job, predicted, payload)
             yield formats.sse(chunk)
         elif kind == RESULT:
-            final = formats.native_whole(r, payload, job.slot_id, n_max)
-            yield formats.sse({**final, "content": "", "tokens": []})
+            final = formats.native_whole(r, payload, job.slot_id, n_max, tokenizer)
+            yield formats.sse({**final, "content": "", "tokens": [], "completion_probabilities": []}
+                              if r.params.logprobs is not None else {**final, "content": "", "tokens": []})
         else:
             yield formats.sse(_failure(kind, payload).body())
 

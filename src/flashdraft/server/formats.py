@@ -1,16 +1,25 @@
-"""Response bodies: OpenAI chat/completions (whole and as stream chunks) and llama.cpp's native /completion."""
+"""Response bodies: OpenAI chat/completions (whole and as stream chunks) and llama.cpp's native /completion.
+
+A chat choice's text goes through the request's output splitting before it is sent: thinking into
+`reasoning_content` (reasoning.py), tool calls into `tool_calls` (tools.py); streamed, each piece is released as
+soon as it cannot be part of a marker. Log-probabilities come in each route's own shape, a streamed chunk carrying
+those of its tokens.
+"""
 from __future__ import annotations
 
 import json
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from flashdraft import __version__
+from flashdraft.server.reasoning import ReasoningSplitter, split_reasoning
 from flashdraft.server.requests import GenerationRequest
+from flashdraft.server.tools import ToolCall, ToolStream
 
 if TYPE_CHECKING:
-    from flashdraft.engine.generator import GenerationResult
+    from flashdraft.engine.generator import GenerationResult, TokenLogprob
 
 FINGERPRINT = f"flashdraft-{__version__}"
 
@@ -31,84 +40,238 @@ def speculative(result: GenerationResult) -> dict:
             "draft_lengths": {str(k): v for k, v in sorted(s.draft_lengths.items())}}
 
 
-def usage(result: GenerationResult) -> dict:
-    s = result.stats
-    return {"prompt_tokens": s.prompt_n, "completion_tokens": s.predicted_n,
-            "total_tokens": s.prompt_n + s.predicted_n, "prompt_tokens_details": {"cached_tokens": 0}}
+def usage(results: list[GenerationResult]) -> dict:
+    """Token counts: the prompt once, the completions of every choice."""
+    prompt = results[0].stats.prompt_n
+    completion = sum(r.stats.predicted_n for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def _logprob(value: float) -> float:
+    """A logprob JSON can carry: a banned token's -inf as OpenAI's floor."""
+    return max(float(value), -9999.0)
+
+
+# --- log-probabilities, per route's shape --------------------------------------------------------------------
+
+
+def chat_logprobs(tokenizer, entries: list[TokenLogprob]) -> list[dict]:
+    """OpenAI chat's logprobs.content items."""
+    def one(token_id: int, logprob: float) -> dict:
+        raw = tokenizer.token_bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": _logprob(logprob), "bytes": list(raw)}
+
+    return [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
+
+
+def completion_logprobs(tokenizer, entries: list[TokenLogprob], offset: int) -> dict:
+    """OpenAI legacy completions' logprobs object; offset: where the first token's text starts in the choice."""
+    tokens = [tokenizer.token_text(e.token) for e in entries]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [_logprob(e.logprob) for e in entries],
+            "top_logprobs": [{tokenizer.token_text(t): _logprob(lp) for t, lp in e.top} for e in entries],
+            "text_offset": offsets}
+
+
+def native_probabilities(tokenizer, entries: list[TokenLogprob]) -> list[dict]:
+    """llama-server's completion_probabilities."""
+    def one(token_id: int, logprob: float) -> dict:
+        raw = tokenizer.token_bytes(token_id)
+        return {"id": token_id, "token": raw.decode("utf-8", errors="replace"), "bytes": list(raw),
+                "logprob": _logprob(logprob)}
+
+    return [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
+
+
+# --- a chat choice's text split into reasoning, content and tool calls -------------------------------------------
+
+
+@dataclass
+class ChatMessage:
+    content: str
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    def openai(self) -> dict:
+        message = {"role": "assistant", "content": (self.content.strip() or None) if self.tool_calls
+                   else self.content}
+        if self.reasoning:
+            message["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            message["tool_calls"] = [c.openai() for c in self.tool_calls]
+        return message
+
+
+def chat_message(request: GenerationRequest, text: str) -> ChatMessage:
+    reasoning, content = split_reasoning(text, request.reasoning) if request.reasoning else ("", text)
+    if request.tools is None:
+        return ChatMessage(content, reasoning)
+    content, calls = request.tools.parse(content)
+    return ChatMessage(content, reasoning, calls)
+
+
+class ChatSplitter:
+    """A streamed chat choice's text as (reasoning, content) pieces, tool calls held back to the end."""
+
+    def __init__(self, request: GenerationRequest):
+        self.reasoning = ReasoningSplitter(request.reasoning) if request.reasoning else None
+        self.tools = ToolStream(request.tools) if request.tools else None
+
+    def feed(self, text: str) -> tuple[str, str]:
+        reasoning, content = self.reasoning.feed(text) if self.reasoning else ("", text)
+        return reasoning, self.tools.feed(content) if self.tools else content
+
+    def finish(self) -> tuple[str, str, list[ToolCall]]:
+        reasoning, content = self.reasoning.finish() if self.reasoning else ("", "")
+        if self.tools is None:
+            return reasoning, content, []
+        content = self.tools.feed(content)
+        rest, calls = self.tools.finish()
+        return reasoning, content + rest, calls
+
+
+def finish_reason(result: GenerationResult, calls: list) -> str:
+    return "tool_calls" if calls else result.finish_reason
 
 
 class OpenAIFormatter:
-    """Builds the bodies of one /v1/chat/completions or /v1/completions request."""
+    """Builds the bodies of one /v1/chat/completions or /v1/completions request (n choices)."""
 
-    def __init__(self, request: GenerationRequest, chat: bool):
+    def __init__(self, request: GenerationRequest, chat: bool, tokenizer):
         self.request = request
         self.chat = chat
+        self.tokenizer = tokenizer
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
+        self.splitters = [ChatSplitter(request) for _ in range(request.n)] if chat else []
+        self.offsets = [len(request.prompt_text) if request.echo else 0] * request.n  # completions' text_offset
+        self.pending: list[list] = [[] for _ in range(request.n)]  # logprobs not yet sent, per choice
+        self.results: list = []
+
+    @property
+    def logprobs(self) -> bool:
+        return self.request.params.logprobs is not None
 
     def _envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.request.model,
                 "system_fingerprint": FINGERPRINT, "choices": choices}
 
-    def whole(self, result: GenerationResult) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                      "finish_reason": result.finish_reason, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": result.text, "finish_reason": result.finish_reason, "logprobs": None}
-        body = self._envelope(self.object, [choice])
-        body["usage"] = usage(result)
-        body["timings"] = result.stats.timings()
-        body["speculative_decoding"] = speculative(result)
+    def _chat_logprobs(self, entries) -> dict | None:
+        return {"content": chat_logprobs(self.tokenizer, entries)} if self.logprobs else None
+
+    def _completion_logprobs(self, index: int, entries) -> dict | None:
+        if not self.logprobs:
+            return None
+        body = completion_logprobs(self.tokenizer, entries, self.offsets[index])
+        if body["tokens"]:
+            self.offsets[index] = body["text_offset"][-1] + len(body["tokens"][-1])
         return body
 
-    def _chunk(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+    def whole(self, results: list[GenerationResult]) -> dict:
+        choices = []
+        for i, result in enumerate(results):
+            entries = result.logprobs or []
+            if self.chat:
+                message = chat_message(self.request, result.text)
+                choices.append({"index": i, "message": message.openai(), "logprobs": self._chat_logprobs(entries),
+                                "finish_reason": finish_reason(result, message.tool_calls)})
+            else:
+                text = (self.request.prompt_text if self.request.echo else "") + result.text
+                choices.append({"index": i, "text": text, "finish_reason": result.finish_reason,
+                                "logprobs": self._completion_logprobs(i, entries)})
+        body = self._envelope(self.object, choices)
+        body["usage"] = usage(results)
+        body["timings"] = results[-1].stats.timings()
+        body["speculative_decoding"] = speculative(results[-1])
+        return body
+
+    def _chunk(self, index: int, delta: dict | str, finish: str | None, entries=None) -> dict:
         if self.chat:
-            delta = {}
-            if role:
-                delta["role"] = "assistant"
-            if text is not None:
-                delta["content"] = text
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+            choice = {"index": index, "delta": delta, "finish_reason": finish,
+                      "logprobs": self._chat_logprobs(entries or [])}
             body = self._envelope("chat.completion.chunk", [choice])
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+            choice = {"index": index, "text": delta, "finish_reason": finish,
+                      "logprobs": self._completion_logprobs(index, entries or [])}
             body = self._envelope("text_completion", [choice])
         if self.request.include_usage:
             body["usage"] = None  # OpenAI's convention: usage only on the last chunk
         return body
 
-    def first_chunk(self) -> dict | None:
-        """Chat streams open with the assistant role, as OpenAI's do."""
-        return self._chunk("", None, role=True) if self.chat else None
+    def first_chunks(self) -> list[dict]:
+        """Chat streams open each choice with the assistant role, as OpenAI's do; echoed completions with the
+        prompt."""
+        if self.chat:
+            return [self._chunk(i, {"role": "assistant", "content": ""}, None) for i in range(self.request.n)]
+        if self.request.echo:
+            return [self._chunk(i, self.request.prompt_text, None) for i in range(self.request.n)]
+        return []
 
-    def text_chunk(self, text: str) -> dict:
-        return self._chunk(text, None)
+    def _take(self, index: int, entries) -> list:
+        taken, self.pending[index] = self.pending[index] + list(entries or []), []
+        return taken
 
-    def final_chunks(self, result: GenerationResult) -> list[dict]:
-        """The finish_reason chunk, then (with include_usage) the usage chunk; the last one carries timings."""
-        finish = self._chunk(None if self.chat else "", result.finish_reason)
-        chunks = [finish]
+    def delta_chunks(self, index: int, text: str, entries) -> list[dict]:
+        """The chunks of a Delta of choice `index` (none while its text is held back: its logprobs wait too)."""
+        if not self.chat:
+            return [self._chunk(index, text, None, self._take(index, entries))] if text or entries else []
+        reasoning, content = self.splitters[index].feed(text)
+        if not reasoning and not content:
+            self.pending[index] += list(entries or [])
+            return []
+        delta = {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if content:
+            delta["content"] = content
+        return [self._chunk(index, delta, None, self._take(index, entries))]
+
+    def final_chunks(self, index: int, result: GenerationResult) -> list[dict]:
+        """Choice `index`'s last chunks: held-back text and tool calls, its finish_reason; after the last choice,
+        (with include_usage) the usage chunk. The last chunk carries timings."""
+        self.results.append(result)
+        chunks, calls = [], []
+        if self.chat:
+            reasoning, content, calls = self.splitters[index].finish()
+            delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
+            if delta:
+                chunks.append(self._chunk(index, delta, None, self._take(index, [])))
+            for j, call in enumerate(calls):
+                chunks.append(self._chunk(index, {"tool_calls": [call.openai(j)]}, None))
+            chunks.append(self._chunk(index, {}, finish_reason(result, calls), self._take(index, [])))
+        else:
+            chunks.append(self._chunk(index, "", result.finish_reason, self._take(index, [])))
+        if index + 1 < self.request.n:
+            return chunks
         if self.request.include_usage:
-            tail = self._envelope(finish["object"], [])
-            tail["usage"] = usage(result)
+            tail = self._envelope(chunks[-1]["object"], [])
+            tail["usage"] = usage(self.results)
             chunks.append(tail)
         chunks[-1]["timings"] = result.stats.timings()
         chunks[-1]["speculative_decoding"] = speculative(result)
         return chunks
 
 
-def native_chunk(text: str, slot_id: int | None, tokens: list[int], predicted: int, evaluated: int) -> dict:
-    return {"index": 0, "content": text, "tokens": tokens, "stop": False, "id_slot": slot_id,
-            "tokens_predicted": predicted, "tokens_evaluated": evaluated}
+def native_chunk(text: str, slot_id: int | None, tokens: list[int], predicted: int, evaluated: int,
+                 probabilities: list[dict] | None = None) -> dict:
+    chunk = {"index": 0, "content": text, "tokens": tokens, "stop": False, "id_slot": slot_id,
+             "tokens_predicted": predicted, "tokens_evaluated": evaluated}
+    if probabilities is not None:
+        chunk["completion_probabilities"] = probabilities
+    return chunk
 
 
-def native_whole(request: GenerationRequest, result: GenerationResult, slot_id: int | None, n_max: int) -> dict:
+def native_whole(request: GenerationRequest, result: GenerationResult, slot_id: int | None, n_max: int,
+                 tokenizer) -> dict:
     """llama.cpp's /completion result object (also the final chunk of its stream, with content '')."""
     s = result.stats
     p = request.params
-    return {
+    body = {
         "index": 0,
         "content": result.text,
         "tokens": list(result.tokens) if request.return_tokens else [],
@@ -120,6 +283,9 @@ def native_whole(request: GenerationRequest, result: GenerationResult, slot_id: 
         "generation_settings": {
             "n_predict": p.max_tokens, "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
             "min_p": p.min_p, "seed": result.seed, "stop": list(p.stop), "ignore_eos": p.ignore_eos,
+            "repeat_penalty": p.repeat_penalty, "repeat_last_n": p.repeat_last_n,
+            "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
+            "n_probs": p.logprobs or 0, "grammar": p.constraint.source if p.constraint else "",
             "speculative.n_max": n_max, "speculative.n_min": request.n_min,
         },
         "prompt": request.prompt_text,
@@ -131,3 +297,6 @@ def native_whole(request: GenerationRequest, result: GenerationResult, slot_id: 
         "timings": s.timings(),
         "speculative_decoding": speculative(result),
     }
+    if p.logprobs is not None:
+        body["completion_probabilities"] = native_probabilities(tokenizer, result.logprobs or [])
+    return body

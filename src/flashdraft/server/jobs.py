@@ -1,7 +1,8 @@
 """A request's job: what the worker thread tells the request handler, through the handler's event loop.
 
-Events are (kind, payload) pairs: ("delta", Delta), ("result", GenerationResult), ("error", Exception) or
-("ended", reason) when a job ends without a result (cancelled, or the server is shutting down). This module
+Events are (kind, payload, choice) triples: ("delta", Delta, i), ("result", GenerationResult, i) for each of the
+request's n choices in turn, ("error", Exception, i) or ("ended", reason, i) when a job ends without its results
+(cancelled, or the server is shutting down). This module
 does not import the engine, so the HTTP side starts (and answers /health) while torch is still loading.
 """
 from __future__ import annotations
@@ -39,9 +40,9 @@ class Job:
         if self.on_cancel is not None:
             self.on_cancel(self)
 
-    def post(self, kind: str, payload) -> None:
+    def post(self, kind: str, payload, choice: int = 0) -> None:
         """Called from the worker thread."""
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload, choice))
         except RuntimeError:  # the event loop has closed: nobody is waiting any more
             pass

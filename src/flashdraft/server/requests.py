@@ -10,12 +10,16 @@ from __future__ import annotations
 import math
 import reprlib
 import threading
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, replace
 
-from flashdraft.config import ConfigError, SamplingParams
+from flashdraft.config import ConfigError, Constraint, SamplingParams
 from flashdraft.server.errors import APIError
+from flashdraft.server.reasoning import FORMATS as REASONING_FORMATS
+from flashdraft.server.reasoning import Reasoning, reasoning_for
 from flashdraft.server.settings import ServerSettings
 from flashdraft.server.templates import TemplateBusy, TemplateError
+from flashdraft.server.tools import ToolError, ToolPlan, generic_messages, plan_tools
 
 MAX_DEPTH = 64                # JSON nesting; chat bodies need about 5, tool schemas in template kwargs a few more
 MAX_CHARS_PER_TOKEN = 16      # a prompt's characters, per token of the context (tokenizing costs ~3 us a character)
@@ -25,14 +29,26 @@ MAX_MODEL_CHARS = 256         # `model` is echoed in every chunk of a stream
 MAX_TEMPLATE_CHARS = 128 * 1024
 INT64 = 2**63
 
+MAX_CHOICES = 16              # n: choices are generated one after another on the request's slot
+MAX_GRAMMAR_CHARS = 64 * 1024
+MAX_LOGIT_BIAS = 1024         # entries of logit_bias
+MAX_TOP_LOGPROBS = 20
+
 # Request fields of the OpenAI and llama.cpp APIs that flashdraft does not implement, with the values that ask
 # for nothing (clients often send those; an empty list or object does too). Any other value is refused by name.
 UNSUPPORTED = {
-    "tools": (), "functions": (), "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},), "logprobs": (False, 0), "top_logprobs": (0,), "logit_bias": (),
-    "frequency_penalty": (0,), "presence_penalty": (0,), "repeat_penalty": (1,), "n_probs": (0,), "grammar": ("",),
-    "json_schema": (), "suffix": ("",), "echo": (False,), "best_of": (1,), "typical_p": (1,), "mirostat": (0,),
-    "dry_multiplier": (0,), "xtc_probability": (0,), "lora": (), "image_data": (), "prediction": (),
+    "suffix": ("",), "typical_p": (1,), "mirostat": (0,), "dry_multiplier": (0,), "xtc_probability": (0,),
+    "lora": (), "image_data": (), "prediction": (), "post_sampling_probs": (False,), "audio": (),
+    "modalities": (["text"],),
+}
+# Fields of the other routes, refused (unless neutral) on a route that does not implement them.
+NOT_ON_ROUTE = {
+    "chat": {"echo": (False,), "best_of": (1,), "n_probs": (0,), "prompt": ()},
+    "completions": {"tools": (), "functions": (), "tool_choice": ("none",), "function_call": ("none",),
+                    "top_logprobs": (0,), "n_probs": (0,), "messages": (), "reasoning_format": ()},
+    "native": {"tools": (), "functions": (), "tool_choice": ("none",), "function_call": ("none",),
+               "logprobs": (False,), "top_logprobs": (0,), "n": (1,), "echo": (False,), "best_of": (1,),
+               "messages": (), "reasoning_format": ()},
 }
 
 
@@ -48,6 +64,17 @@ class GenerationRequest:
     prompt_text: str
     return_tokens: bool = False
     timings_per_token: bool = False  # llama.cpp's: every stream chunk carries the timings so far
+    n: int = 1                       # choices, generated one after another (choice i seeded seed + i)
+    echo: bool = False               # /v1/completions: the prompt's text before each choice's
+    tools: ToolPlan | None = None
+    reasoning: Reasoning | None = None
+    constraint_field: str = ""       # the field the constraint came from, for its errors
+
+    def choice_params(self, index: int) -> SamplingParams:
+        """Choice index's sampling: the request's, its seed (when given) moved on by the index."""
+        if index == 0 or self.params.seed is None:
+            return self.params
+        return replace(self.params, seed=(self.params.seed + index) % 2**63)
 
 
 def _bad(field: str, message: str) -> APIError:
@@ -184,13 +211,14 @@ def _same(value, neutral) -> bool:
     return type(value) is type(neutral) and value == neutral
 
 
-def _unsupported(body: dict) -> None:
-    for key, neutral in UNSUPPORTED.items():
+def _unsupported(body: dict, route: str) -> None:
+    for key, neutral in {**UNSUPPORTED, **NOT_ON_ROUTE[route]}.items():
         value = body.get(key)
         if value is None or (isinstance(value, (list, dict)) and not value):
             continue
         if not any(_same(value, n) for n in neutral):
-            raise _bad(key, f"is not supported by this server (got {_show(value)})")
+            where = "by this server" if key in UNSUPPORTED else "on this route"
+            raise _bad(key, f"is not supported {where} (got {_show(value)})")
 
 
 def _max_tokens(body: dict, keys: tuple[str, ...], settings: ServerSettings, context_size: int,
@@ -209,10 +237,141 @@ def _max_tokens(body: dict, keys: tuple[str, ...], settings: ServerSettings, con
     return value
 
 
-def _sampling(body: dict, settings: ServerSettings, max_tokens: int) -> SamplingParams:
+def _vocab_size(engine) -> int:
+    return engine.decoder.target.config.vocab_size
+
+
+def _bias_value(value, where: str) -> float:
+    """A bias: a number in [-100, 100] (OpenAI's range), or llama.cpp's false for a ban (OpenAI's -100)."""
+    if value is False:
+        return -100.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(where, f"must be a number in [-100, 100] or false (a ban), got {_show(value)}")
+    if not -100 <= value <= 100:
+        raise _bad(where, f"must be in [-100, 100], got {value}")
+    return float(value)
+
+
+def _logit_bias(body: dict, engine) -> dict[int, float]:
+    """OpenAI's {"token id": bias} or llama.cpp's [[id or text, bias or false], ...] (text: each of its tokens)."""
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value):
+        pairs = value
+    else:
+        raise _bad("logit_bias", "must be an object of token id -> bias, or a list of [token, bias] pairs")
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise _bad("logit_bias", f"has {len(pairs)} entries, at most {MAX_LOGIT_BIAS} are allowed")
+    vocab, bias = _vocab_size(engine), {}
+    for i, (token, amount) in enumerate(pairs):
+        where = f"logit_bias[{i}]" if isinstance(value, list) else f"logit_bias.{_key_name(str(token))}"
+        amount = _bias_value(amount, where)
+        if isinstance(token, str) and isinstance(value, dict):
+            if not token.strip().lstrip("-").isdigit():
+                raise _bad(where, "must be keyed by a token id (an integer as a string)")
+            ids = [int(token)]
+        elif isinstance(token, str):
+            if len(token) > MAX_STOP_CHARS:
+                raise _bad(where, f"has a text over the limit of {MAX_STOP_CHARS} characters")
+            ids = engine.tokenizer.encode(token, add_special_tokens=False)
+        elif isinstance(token, int) and not isinstance(token, bool):
+            ids = [token]
+        else:
+            raise _bad(where, f"must name a token by id or text, got {_show(token)}")
+        for t in ids:
+            if not 0 <= t < vocab:
+                raise _bad(where, f"names token id {t}, outside the vocabulary (size {vocab})")
+            bias[t] = amount
+    return bias
+
+
+def _schema(value, field: str) -> Constraint:
+    if isinstance(value, bool) or not isinstance(value, dict):
+        raise _bad(field, f"must be a JSON schema object, got {_show(value)}")
+    text = json.dumps(value)
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise _bad(field, f"has {len(text)} characters, over the limit of {MAX_GRAMMAR_CHARS}")
+    return Constraint("json_schema", text)
+
+
+def _response_format(value) -> Constraint | None:
+    if not isinstance(value, dict):
+        raise _bad("response_format", f"must be an object, got {_show(value)}")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":  # llama.cpp also takes a schema here
+        if value.get("schema") is None:
+            return Constraint("json_object")
+        return _schema(value["schema"], "response_format.schema")
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if spec is None and value.get("schema") is not None:
+            return _schema(value["schema"], "response_format.schema")
+        if not isinstance(spec, dict):
+            raise _bad("response_format.json_schema", "must be an object with the schema under 'schema'")
+        if spec.get("name") is not None and not isinstance(spec["name"], str):
+            raise _bad("response_format.json_schema.name", "must be a string")
+        if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+            raise _bad("response_format.json_schema.strict", "must be true or false")
+        if spec.get("schema") is None:
+            return Constraint("json_object")
+        return _schema(spec["schema"], "response_format.json_schema.schema")
+    raise _bad("response_format.type", f"must be text, json_object or json_schema, got {_show(kind)}")
+
+
+def _constraint(body: dict) -> tuple[Constraint | None, str]:
+    """The output's grammar, from response_format, llama.cpp's grammar (GBNF) or its json_schema: at most one."""
+    given = [k for k in ("response_format", "grammar", "json_schema") if body.get(k) is not None]
+    found: list[tuple[Constraint, str]] = []
+    for key in given:
+        value = body[key]
+        if key == "response_format":
+            constraint = _response_format(value)
+        elif key == "grammar":
+            if not isinstance(value, str):
+                raise _bad("grammar", f"must be a GBNF grammar as a string, got {_show(value)}")
+            if len(value) > MAX_GRAMMAR_CHARS:
+                raise _bad("grammar", f"has {len(value)} characters, over the limit of {MAX_GRAMMAR_CHARS}")
+            constraint = Constraint("gbnf", value) if value.strip() else None
+        else:
+            constraint = None if value == {} else _schema(value, "json_schema")
+        if constraint is not None:
+            found.append((constraint, key))
+    if len(found) > 1:
+        raise _bad(found[1][1], f"cannot be combined with {found[0][1]}: send one constraint on the output")
+    return found[0] if found else (None, "")
+
+
+def _logprobs(body: dict, route: str) -> int | None:
+    """How many alternatives each emitted token's log-probability comes with (None: no logprobs)."""
+    if route == "chat":
+        on = _bool(body, "logprobs")
+        top = _int(body, "top_logprobs", None, minimum=0)
+        if top is not None and top > MAX_TOP_LOGPROBS:
+            raise _bad("top_logprobs", f"must be <= {MAX_TOP_LOGPROBS}, got {top}")
+        if top and not on:
+            raise _bad("top_logprobs", "needs logprobs: true")
+        return (top or 0) if on else None
+    key = "logprobs" if route == "completions" else "n_probs"
+    if body.get(key) is False:
+        return None
+    k = _int(body, key, None, minimum=0)
+    if k is not None and k > MAX_TOP_LOGPROBS:
+        raise _bad(key, f"must be <= {MAX_TOP_LOGPROBS}, got {k}")
+    return None if route == "native" and not k else k
+
+
+def _sampling(body: dict, settings: ServerSettings, max_tokens: int, engine, route: str
+              ) -> tuple[SamplingParams, str]:
+    """The request's SamplingParams, and the field its output constraint came from ('' for none)."""
     seed = _int(body, "seed", None)
     if seed is not None and seed < 0:
         seed = None  # llama.cpp's -1 (and any negative): a random seed, reported back
+    constraint, constraint_field = _constraint(body)
     params = SamplingParams(
         temperature=_float(body, "temperature", settings.temperature),
         top_k=_int(body, "top_k", settings.top_k),
@@ -222,12 +381,20 @@ def _sampling(body: dict, settings: ServerSettings, max_tokens: int) -> Sampling
         max_tokens=max_tokens,
         stop=_stop(body),
         ignore_eos=_bool(body, "ignore_eos"),
+        logit_bias=_logit_bias(body, engine),
+        repeat_penalty=_float(body, "repeat_penalty", 1.0),
+        repeat_last_n=_int(body, "repeat_last_n", 64),
+        presence_penalty=_float(body, "presence_penalty", 0.0),
+        frequency_penalty=_float(body, "frequency_penalty", 0.0),
+        constraint=constraint,
+        logprobs=_logprobs(body, route),
     )
     try:
         params.validate()
     except ValueError as e:  # its messages start with the field's name
-        raise APIError(400, str(e), param=str(e).split()[0]) from None
-    return params
+        field = str(e).split()[0]
+        raise APIError(400, str(e), param=field) from None
+    return params, constraint_field
 
 
 def _speculative(body: dict, settings: ServerSettings) -> tuple[int | None, int]:
@@ -257,9 +424,14 @@ def _model(body: dict, settings: ServerSettings, engine) -> str:
     return model
 
 
-def _check_n(body: dict) -> None:
-    if _int(body, "n", 1) != 1:
-        raise _bad("n", "must be 1: one choice per request is supported")
+def _choices(body: dict) -> int:
+    n = _int(body, "n", 1, minimum=1)
+    if n > MAX_CHOICES:
+        raise _bad("n", f"must be <= {MAX_CHOICES}, got {n}")
+    best_of = _int(body, "best_of", None)
+    if best_of is not None and best_of != n:
+        raise _bad("best_of", f"must equal n ({n}): choices are not ranked here, got {best_of}")
+    return n
 
 
 def _check_prompt(engine, ids: list[int], field: str) -> None:
@@ -296,7 +468,7 @@ def _text_chars(value) -> int:
 
 def _messages(body: dict, engine) -> list[dict]:
     """The chat's messages, checked, with their size bounded (each one costs template work, its text tokenizing)."""
-    from flashdraft.loading.tokenizer import normalize_messages
+    from flashdraft.loading.tokenizer import normalize_messages  # not at the top: it imports torch
 
     if "messages" not in body:
         raise _bad("messages", "is required")
@@ -347,14 +519,16 @@ def _template_kwargs(body: dict, engine, settings: ServerSettings) -> tuple[dict
             raise _bad(f"chat_template_kwargs.{_key_name(key)}",
                        "would replace the template's own input of that name: it cannot be set here")
     kwargs = {k: v for k, v in kwargs.items() if k != "chat_template"}
-    if settings.reasoning != "auto":  # the server-wide default; a request's own chat_template_kwargs win
+    if settings.reasoning_budget == 0:  # llama-server's: no thinking at all
+        kwargs = {"enable_thinking": False, **kwargs}
+    elif settings.reasoning != "auto":  # the server-wide default; a request's own chat_template_kwargs win
         kwargs = {"enable_thinking": settings.reasoning == "on", **kwargs}
     return kwargs, template, field
 
 
 def _render(messages: list[dict], kwargs: dict, template: str | None, field: str, engine,
             settings: ServerSettings, templates, cancelled: threading.Event | None) -> str:
-    """The prompt text: the server's template (the model's, or --chat-template-file), else the request's in the
+    """The prompt text: the server's template (the model's, or --chat-template), else the request's in the
     sandbox."""
     if template is None:
         if settings.chat_template:
@@ -372,27 +546,78 @@ def _render(messages: list[dict], kwargs: dict, template: str | None, field: str
         raise _bad(field, f"failed: {e}") from None
 
 
+def template_text(template: str | None, engine, settings: ServerSettings) -> str:
+    """The text of the template a chat is rendered with (its tool and thinking formats are read off it)."""
+    return template or settings.chat_template or engine.tokenizer.chat_template or ""
+
+
+def _reasoning_format(body: dict, settings: ServerSettings) -> str:
+    value = body.get("reasoning_format")
+    if value is None:
+        return settings.reasoning_format
+    if value not in REASONING_FORMATS:
+        raise _bad("reasoning_format", f"must be one of {', '.join(REASONING_FORMATS)}, got {_show(value)}")
+    return value
+
+
+@dataclass
+class ChatPrompt:
+    text: str
+    ids: list[int]
+    tools: ToolPlan | None
+    reasoning: Reasoning | None
+
+
+def chat_prompt(body: dict, engine, settings: ServerSettings, templates=None,
+                cancelled: threading.Event | None = None) -> ChatPrompt:
+    """A chat's prompt: messages and tools rendered by the chat template, a forced tool call's start pre-filled;
+    and how its output is to be split (tool calls, reasoning)."""
+    messages = _messages(body, engine)
+    kwargs, template, field = _template_kwargs(body, engine, settings)
+    source = template_text(template, engine, settings)
+    try:
+        plan = plan_tools(body, source)
+    except ToolError as e:
+        raise _bad(e.field, str(e)) from None
+    if plan is not None and plan.native:
+        kwargs = {**kwargs, "tools": plan.tools}
+    elif plan is not None:
+        messages = generic_messages(messages, plan.tools)
+    text = _render(messages, kwargs, template, field, engine, settings, templates, cancelled)
+    if not _encodes(text):
+        raise _bad("messages", "rendered by the chat template into text that is not valid UTF-8")
+    reasoning = reasoning_for(source, text, _reasoning_format(body, settings))
+    if plan is not None and plan.prefill:
+        if reasoning is not None and reasoning.starts_inside:
+            raise _bad("tool_choice", "cannot be enforced while the prompt opens the model's thinking: turn "
+                                      "reasoning off (chat_template_kwargs.enable_thinking: false)")
+        text += plan.prefill
+    _check_chars(len(text), engine, "messages", "rendered into")
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
+    _check_prompt(engine, ids, "messages")
+    return ChatPrompt(text, ids, plan, reasoning)
+
+
 def parse_chat(body: dict, engine, settings: ServerSettings, templates=None,
                cancelled: threading.Event | None = None) -> GenerationRequest:
     """POST /v1/chat/completions. templates: the TemplateSandbox for request templates (when allowed);
     cancelled: set when the client leaves, which stops the rendering of its template."""
-    _unsupported(body)
-    messages = _messages(body, engine)
-    _check_n(body)
-    kwargs, template, field = _template_kwargs(body, engine, settings)
+    _unsupported(body, "chat")
+    n = _choices(body)
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), settings, engine.context_size, False)
-    params = _sampling(body, settings, max_tokens)
+    params, constraint_field = _sampling(body, settings, max_tokens, engine, "chat")
     stream, include_usage = _stream_flags(body)
     n_max, n_min = _speculative(body, settings)
     model, per_token = _model(body, settings, engine), _bool(body, "timings_per_token")
-    text = _render(messages, kwargs, template, field, engine, settings, templates, cancelled)
-    if not _encodes(text):
-        raise _bad("messages", "rendered by the chat template into text that is not valid UTF-8")
-    _check_chars(len(text), engine, "messages", "rendered into")
-    ids = engine.tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
-    _check_prompt(engine, ids, "messages")
-    return GenerationRequest(ids, params, n_max, n_min, stream, include_usage, model, text,
-                             timings_per_token=per_token)
+    prompt = chat_prompt(body, engine, settings, templates, cancelled)
+    if prompt.tools is not None and prompt.tools.constraint is not None:
+        if params.constraint is not None:
+            raise _bad(constraint_field, "cannot be combined with a required or named tool_choice (both constrain "
+                                         "the output)")
+        params, constraint_field = replace(params, constraint=prompt.tools.constraint), "tool_choice"
+    return GenerationRequest(prompt.ids, params, n_max, n_min, stream, include_usage, model, prompt.text,
+                             timings_per_token=per_token, n=n, tools=prompt.tools, reasoning=prompt.reasoning,
+                             constraint_field=constraint_field)
 
 
 # --- completions --------------------------------------------------------------------------------------------------
@@ -423,27 +648,30 @@ def _prompt_ids(body: dict, engine) -> tuple[list[int], str]:
 def parse_completion(body: dict, engine, settings: ServerSettings, templates=None,
                      cancelled: threading.Event | None = None) -> GenerationRequest:
     """POST /v1/completions (templates and cancelled: as parse_chat's, unused here)."""
-    _unsupported(body)
-    _check_n(body)
+    _unsupported(body, "completions")
+    n = _choices(body)
     max_tokens = _max_tokens(body, ("max_tokens",), settings, engine.context_size, False)
-    params = _sampling(body, settings, max_tokens)
+    params, constraint_field = _sampling(body, settings, max_tokens, engine, "completions")
+    echo = _bool(body, "echo")
+    if echo and params.logprobs is not None:
+        raise _bad("echo", "cannot be combined with logprobs: the prompt's log-probabilities are not computed")
     stream, include_usage = _stream_flags(body)
     n_max, n_min = _speculative(body, settings)
     model, per_token = _model(body, settings, engine), _bool(body, "timings_per_token")
     ids, text = _prompt_ids(body, engine)
     return GenerationRequest(ids, params, n_max, n_min, stream, include_usage, model, text,
-                             timings_per_token=per_token)
+                             timings_per_token=per_token, n=n, echo=echo, constraint_field=constraint_field)
 
 
 def parse_native(body: dict, engine, settings: ServerSettings, templates=None,
                  cancelled: threading.Event | None = None) -> GenerationRequest:
     """llama.cpp's POST /completion (n_predict, -1 = until the context is full)."""
-    _unsupported(body)
+    _unsupported(body, "native")
     max_tokens = _max_tokens(body, ("n_predict", "max_tokens"), settings, engine.context_size, True)
-    params = _sampling(body, settings, max_tokens)
+    params, constraint_field = _sampling(body, settings, max_tokens, engine, "native")
     n_max, n_min = _speculative(body, settings)
     stream, model = _bool(body, "stream"), _model(body, settings, engine)
     return_tokens, per_token = _bool(body, "return_tokens"), _bool(body, "timings_per_token")
     ids, text = _prompt_ids(body, engine)
     return GenerationRequest(ids, params, n_max, n_min, stream, False, model, text, return_tokens=return_tokens,
-                             timings_per_token=per_token)
+                             timings_per_token=per_token, constraint_field=constraint_field)

@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from flashdraft.engine.generator import Delta, GenerationResult
+from flashdraft.server.errors import APIError
 from flashdraft.server.jobs import DELTA, ENDED, ERROR, RESULT, Job
 
 log = logging.getLogger("flashdraft.server")
@@ -30,6 +31,8 @@ class Slot:
     n_prompt: int = 0
     n_decoded: int = 0
     requests: int = 0
+    choice: int = 0                 # which of the job's n choices is being generated
+    choice_events: int = 0          # events the current choice has given
 
     def state(self, context_size: int) -> dict:
         job = self.job  # read once: the worker may finish it meanwhile
@@ -131,13 +134,16 @@ class Scheduler:
                 self._start(slot, job)
         return any(s.job is not None for s in self.slots)
 
-    def _start(self, slot: Slot, job: Job) -> None:
+    def _start(self, slot: Slot, job: Job, choice: int = 0) -> None:
+        """Start one of the job's choices (they run one after another on the slot)."""
         r = job.request
         job.slot_id = slot.id
-        slot.job, slot.n_prompt, slot.n_decoded = job, len(r.prompt_ids), 0
-        slot.requests += 1
-        slot.iterator = self.engine.stream(r.prompt_ids, r.params, draft=slot.policy, sequence=slot.sequence,
-                                           n_min=r.n_min, n_max=r.n_max)
+        slot.job, slot.n_prompt, slot.choice, slot.choice_events = job, len(r.prompt_ids), choice, 0
+        if choice == 0:
+            slot.n_decoded = 0
+            slot.requests += 1
+        slot.iterator = self.engine.stream(r.prompt_ids, r.choice_params(choice), draft=slot.policy,
+                                           sequence=slot.sequence, n_min=r.n_min, n_max=r.n_max)
 
     def _release(self, slot: Slot) -> None:
         if slot.iterator is not None:
@@ -154,20 +160,36 @@ class Scheduler:
         try:
             event = next(slot.iterator)
         except Exception as e:  # a failure inside the model must end this request only, never the worker
-            log.exception("slot %d: request %d failed", slot.id, job.id)
-            job.post(ERROR, e)
+            error = _constraint_error(job, slot, e)
+            if error is None:
+                log.exception("slot %d: request %d failed", slot.id, job.id)
+            job.post(ERROR, error or e, slot.choice)
             self._release(slot)
             return
+        slot.choice_events += 1
         self.metrics.on_step()
         if isinstance(event, Delta):
             slot.n_decoded += len(event.token_ids)
-            job.post(DELTA, event)
+            job.post(DELTA, event, slot.choice)
             return
-        slot.n_decoded = event.stats.predicted_n
         self.metrics.on_result(event)
         log.info("slot %d: request %d done: %s", slot.id, job.id, _summary(event))
-        job.post(RESULT, event)
+        job.post(RESULT, event, slot.choice)
+        if slot.choice + 1 < job.request.n:
+            slot.iterator.close()
+            self._start(slot, job, slot.choice + 1)
+            return
         self._release(slot)
+
+
+def _constraint_error(job: Job, slot: Slot, error: Exception) -> APIError | None:
+    """A grammar the engine could not compile (a ValueError before the first event) as the 400 naming the field
+    it came from; None for any other failure."""
+    r = job.request
+    if slot.choice_events or not isinstance(error, ValueError) or r.params.constraint is None:
+        return None
+    field = r.constraint_field or "grammar"
+    return APIError(400, f"'{field}' cannot be used: {error}", param=field)
 
 
 def _summary(result: GenerationResult) -> str:

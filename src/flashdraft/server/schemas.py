@@ -12,7 +12,8 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 
-from flashdraft.server.requests import MAX_MODEL_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TEMPLATE_CHARS
+from flashdraft.server.requests import (MAX_CHOICES, MAX_GRAMMAR_CHARS, MAX_MODEL_CHARS, MAX_STOP_CHARS,
+                                       MAX_STOP_STRINGS, MAX_TEMPLATE_CHARS, MAX_TOP_LOGPROBS)
 
 
 class TextPart(BaseModel):
@@ -20,10 +21,52 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str | dict[str, Any] = Field(description="JSON text (OpenAI) or an object")
+
+
+class ToolCallItem(BaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")  # other keys (name, reasoning_content, ...) reach the template
-    role: str
+    role: str = Field(description="system, user, assistant, tool, ...")
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallItem] | None = Field(None, description="an assistant's past calls")
+    tool_call_id: str | None = Field(None, description="a tool message's call")
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema")
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedTool(BaseModel):
+    type: Literal["function"]
+    function: dict[str, str] = Field(description="{'name': ...}")
+
+
+class JSONSchemaFormat(BaseModel):
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="llama.cpp's, with json_object")
 
 
 class StreamOptions(BaseModel):
@@ -50,13 +93,31 @@ class Sampling(BaseModel):
     speculative_n_max: int | None = Field(None, alias="speculative.n_max", ge=0, description="longest draft")
     speculative_n_min: int | None = Field(None, alias="speculative.n_min", ge=0,
                                           description="shorter drafts are skipped")
+    logit_bias: dict[str, float | Literal[False]] | list[list[int | str | float | bool]] | None = Field(
+        None, description="token id -> bias in [-100, 100] (false bans), or llama.cpp's [[id or text, bias], ...]")
+    repeat_penalty: float | None = Field(None, gt=0, description="llama.cpp's; 1 = off")
+    repeat_last_n: int | None = Field(None, ge=-1, description="tokens the repeat penalty looks back; -1 = all")
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    response_format: ResponseFormat | None = None
+    grammar: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS, description="a GBNF grammar (llama.cpp)")
+    json_schema: dict[str, Any] | None = Field(None, description="llama.cpp's: output matching this schema")
 
 
 class ChatCompletionRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    n: Literal[1] | None = None
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES, description="choices, generated one after another")
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+    functions: list[FunctionDefinition] | None = Field(None, description="legacy: tools")
+    function_call: Literal["none", "auto"] | dict[str, str] | None = Field(None, description="legacy: tool_choice")
+    parallel_tool_calls: bool | None = None
+    reasoning_format: Literal["none", "deepseek", "auto"] | None = Field(
+        None, description="none: thinking stays in content; else it goes to reasoning_content")
     stream_options: StreamOptions | None = None
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="extra template variables (enable_thinking, ...); `chat_template` only when the server "
@@ -71,7 +132,10 @@ Prompt = str | list[int] | list[str] | list[list[int]]
 class CompletionRequest(Sampling):
     prompt: Prompt = Field(description="text, token ids, or a one-element list of either")
     max_tokens: int | None = Field(None, ge=1)
-    n: Literal[1] | None = None
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES, description="must equal n")
+    echo: bool | None = Field(None, description="the prompt before each choice's text (not with logprobs)")
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     stream_options: StreamOptions | None = None
 
 
@@ -80,6 +144,7 @@ class NativeCompletionRequest(Sampling):
     n_predict: int | None = Field(None, ge=-1, description="-1 = until the context is full")
     max_tokens: int | None = Field(None, ge=-1)
     return_tokens: bool | None = None
+    n_probs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="completion_probabilities")
 
 
 class ErrorDetail(BaseModel):

@@ -27,8 +27,10 @@ class ServerSettings:
     api_keys: list[str] = field(default_factory=list)
     metrics: bool = False
     webui: bool = True
-    chat_template: str | None = None    # overrides the tokenizer's (from --chat-template-file)
+    chat_template: str | None = None    # overrides the tokenizer's (--chat-template, --chat-template-file)
     reasoning: str = "auto"             # --reasoning: on/off set the templates' enable_thinking, auto leaves it
+    reasoning_format: str = "auto"      # --reasoning-format: none leaves thinking in content, else reasoning_content
+    reasoning_budget: int = -1          # --reasoning-budget: -1 unlimited, 0 no thinking (enable_thinking=false)
     device: str | None = None
     threads: int | None = None
     max_body_bytes: int = 8 * 1024 * 1024

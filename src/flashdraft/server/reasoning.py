@@ -1,0 +1,99 @@
+"""Thinking text out of the answer: llama-server's --reasoning-format.
+
+Models that think write their reasoning between markers before the answer: Qwen3 `<think>...</think>`, Gemma 4
+`<|channel>thought\n...<channel|>`. With the deepseek (or auto) format, that text goes to the message's
+`reasoning_content` (streamed as `delta.reasoning_content`) and out of `content`; with none it stays in the
+content. The markers are read off the chat template's text; a generation prompt that already opens the
+thought (a template that pre-fills `<think>`) starts the output inside it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FORMATS = ("none", "deepseek", "auto")
+MARKERS = {"<think>": ("<think>", "</think>"), "<|channel>": ("<|channel>thought", "<channel|>")}
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    open: str
+    close: str
+    starts_inside: bool  # the prompt ends inside an opened thought
+
+
+def reasoning_for(template: str, prompt: str, fmt: str) -> Reasoning | None:
+    """How to split this request's output, or None to leave it whole (format none, or a template that does not
+    think)."""
+    if fmt == "none":
+        return None
+    for key, (open_, close) in MARKERS.items():
+        if key in template:
+            tail = prompt.rstrip()
+            return Reasoning(open_, close, tail.endswith(open_) or (key == "<think>" and tail.endswith(key)))
+    return None
+
+
+def _partial_tail(text: str, marker: str) -> int:
+    """Length of the longest end of text that is a proper start of marker (held back: it may become one)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+class ReasoningSplitter:
+    """Splits streamed text into (reasoning, content) pieces; finish() releases what was held back."""
+
+    def __init__(self, reasoning: Reasoning):
+        self.r = reasoning
+        self.state = "inside" if reasoning.starts_inside else "before"
+        self.buffer = ""
+        self.strip_content = False  # content right after the thought starts without the blank lines between
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self.buffer += text
+        reasoning, content = "", ""
+        while True:
+            if self.state == "before":
+                head = self.buffer.lstrip()
+                if head.startswith(self.r.open):
+                    self.buffer = head[len(self.r.open):].lstrip("\n")
+                    self.state = "inside"
+                    continue
+                if not head or self.r.open.startswith(head):
+                    return reasoning, content
+                self.state = "after"
+                continue
+            if self.state == "inside":
+                end = self.buffer.find(self.r.close)
+                if end >= 0:
+                    reasoning += self.buffer[:end]
+                    self.buffer = self.buffer[end + len(self.r.close):]
+                    self.state, self.strip_content = "after", True
+                    continue
+                keep = _partial_tail(self.buffer, self.r.close)
+                reasoning += self.buffer[:len(self.buffer) - keep]
+                self.buffer = self.buffer[len(self.buffer) - keep:]
+                return reasoning, content
+            if self.strip_content:
+                self.buffer = self.buffer.lstrip()
+                if not self.buffer:
+                    return reasoning, content
+                self.strip_content = False
+            content += self.buffer
+            self.buffer = ""
+            return reasoning, content
+
+    def finish(self) -> tuple[str, str]:
+        rest, self.buffer = self.buffer, ""
+        if self.state == "inside":
+            return rest, ""
+        return "", rest.lstrip() if self.strip_content else rest
+
+
+def split_reasoning(text: str, reasoning: Reasoning) -> tuple[str, str]:
+    """(reasoning, content) of a whole output."""
+    splitter = ReasoningSplitter(reasoning)
+    r1, c1 = splitter.feed(text)
+    r2, c2 = splitter.finish()
+    return (r1 + r2).strip(), c1 + c2

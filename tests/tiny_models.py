@@ -102,3 +102,77 @@ def build_drafter(folder: Path, target: Path, layers: int = 2, block_size: int =
     (folder / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
     return folder
+
+
+# Chat templates with tools in the shape of three families' (Qwen3/Hermes, Llama 3.x, Gemma 4), for the server's
+# tool-calling tests: tools rendered the family's way, past calls and tool results in the history.
+QWEN3_TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+    "XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}{% if m.role == 'system' and loop.first %}"
+    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{% elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}{% for tc in m.tool_calls or [] %}"
+    "\n<tool_call>\n{\"name\": \"{{ tc.function.name }}\", \"arguments\": {{ tc.function.arguments | tojson }}}"
+    "\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+LLAMA3_TOOLS_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n"
+    "You have access to the following functions. Respond with a JSON for a function call in the format "
+    "{\"name\": function name, \"parameters\": dictionary of argument name and its value}.\n"
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|eot_id|>{% endif %}"
+    "{% for m in messages %}{% if m.role == 'assistant' and m.tool_calls %}"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n{% for tc in m.tool_calls %}"
+    "{\"name\": \"{{ tc.function.name }}\", \"parameters\": {{ tc.function.arguments | tojson }}}{% endfor %}<|eot_id|>"
+    "{% elif m.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n{{ m.content }}<|eot_id|>"
+    "{% else %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content }}<|eot_id|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+GEMMA4_TOOLS_TEMPLATE = (
+    "{{ bos_token }}{% if tools or messages[0].role == 'system' %}<|turn>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}{% endif %}{% for t in tools or [] %}"
+    "<|tool>declaration:{{ t.function.name }}{description:<|\"|>{{ t.function.description }}<|\"|>,parameters:"
+    "{{ t.function.parameters | tojson }}}<tool|>{% endfor %}<turn|>\n{% endif %}"
+    "{% for m in messages %}{% if m.role == 'system' %}"
+    "{% elif m.role == 'tool' %}<|turn>user\n<|tool_response>response:{{ m.name or 'tool' }}{{ m.content }}"
+    "<tool_response|><turn|>\n"
+    "{% elif m.role == 'assistant' %}<|turn>model\n{% for tc in m.tool_calls or [] %}<|tool_call>call:"
+    "{{ tc.function.name }}{{ tc.function.arguments | tojson }}<tool_call|>{% endfor %}{{ m.content }}<turn|>\n"
+    "{% else %}<|turn>{{ m.role }}\n{{ m.content }}<turn|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|turn>model\n{% if not enable_thinking %}<|channel>thought\n<channel|>{% endif %}"
+    "{% endif %}"
+)
+TOOLS_TEMPLATES = {
+    "qwen3": (QWEN3_TOOLS_TEMPLATE, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "<|im_end|>", None),
+    "llama3": (LLAMA3_TOOLS_TEMPLATE, ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                                       "<|python_tag|>"], "<|eot_id|>", "<|begin_of_text|>"),
+    "gemma4": (GEMMA4_TOOLS_TEMPLATE, ["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|tool>", "<tool|>",
+                                       "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>',
+                                       "<|channel>", "<channel|>"], "<turn|>", "<bos>"),
+}
+
+
+def build_tools_tokenizer(folder: Path, family: str) -> Path:
+    """A tokenizer (no model) with a tools-aware chat template of the family: qwen3, llama3 or gemma4."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    template, specials, eos, bos = TOOLS_TEMPLATES[family]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, bos_token=bos, pad_token=specials[0])
+    fast.chat_template = template
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(folder))
+    return Path(folder)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from flashdraft.cli import add_hub_refusals, add_sampling_args, resolve_model_paths
 from flashdraft.config import ConfigError, is_gguf_path
+from flashdraft.server.chat_templates import BUILTIN_TEMPLATES, resolve_chat_template
+from flashdraft.server.reasoning import FORMATS as REASONING_FORMATS
 from flashdraft.server.settings import ServerSettings
 
 log = logging.getLogger("flashdraft.server")
@@ -35,8 +37,8 @@ NO_EFFECT_WITH_VALUE = [
     ("-tb", "--threads-batch"), ("-td", "--threads-draft"), ("--numa",), ("-sm", "--split-mode"),
     ("-ts", "--tensor-split"), ("-mg", "--main-gpu"), ("-ot", "--override-tensor"), ("-ncmoe", "--n-cpu-moe"),
     ("-devd", "--device-draft"), ("--cache-reuse",), ("-ctxcp", "--ctx-checkpoints"), ("-dt", "--defrag-thold"),
-    ("--keep",), ("-to", "--timeout"), ("--threads-http",), ("--path",), ("--chat-template",),
-    ("--reasoning-format",), ("--reasoning-budget",), ("--prio",), ("--poll",), ("-C", "--cpu-mask"),
+    ("--keep",), ("-to", "--timeout"), ("--threads-http",), ("--path",), ("--prio",), ("--poll",),
+    ("-C", "--cpu-mask"),
     ("--log-file",), ("-lv", "--verbosity", "--log-verbosity"), ("--sleep-idle-seconds",),
 ]
 NO_EFFECT_OPTIONAL_VALUE = [("-fa", "--flash-attn"), ("--log-colors",), ("-fit", "--fit")]
@@ -96,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key-file", default=None, help="file with one API key per line")
     p.add_argument("--metrics", action="store_true", help="enable GET /metrics (Prometheus)")
     p.add_argument("--jinja", action="store_true", help="use the model's Jinja chat template (always on)")
+    p.add_argument("--chat-template", default=None,
+                   help="chat template to use instead of the model's: a built-in's name ("
+                        + ", ".join(BUILTIN_TEMPLATES) + ") or a Jinja template")
     p.add_argument("--chat-template-file", default=None, help="Jinja chat template to use instead of the model's")
     p.add_argument("--allow-request-chat-template", action="store_true",
                    help="let requests send their own chat template (chat_template, or chat_template_kwargs."
@@ -104,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-rea", "--reasoning", choices=("on", "off", "auto"), default="auto",
                    help="off: chat templates get enable_thinking=false (Qwen3, Gemma 4: no thinking, Gemma's empty "
                         "thought channel); on: true; auto (default): the template's own default")
+    p.add_argument("--reasoning-format", choices=REASONING_FORMATS, default="auto",
+                   help="deepseek or auto (default): a thinking model's reasoning goes to reasoning_content, out of "
+                        "content (Qwen3 <think>, Gemma 4's thought channel); none: it stays in content")
+    p.add_argument("--reasoning-budget", type=int, default=-1,
+                   help="-1 (default): unlimited thinking; 0: no thinking (as --reasoning off)")
     p.add_argument("--webui", dest="webui", action="store_true", default=True, help="serve the web chat page at / (default)")
     p.add_argument("--no-webui", dest="webui", action="store_false", help="do not serve the web chat page")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
@@ -131,7 +141,13 @@ def settings_from_args(args) -> ServerSettings:
               (args.spec_n_max is None or args.spec_n_max >= 0, f"--spec-draft-n-max must be >= 0, got {args.spec_n_max}"),
               (args.spec_n_min >= 0, f"--spec-draft-n-min must be >= 0, got {args.spec_n_min}"),
               (args.threads is None or args.threads >= 1, f"-t/--threads must be >= 1, got {args.threads}"),
-              (args.device is None or DEVICE.match(args.device), f"--device must be cpu, cuda or cuda:N, got {args.device!r}")]
+              (args.device is None or DEVICE.match(args.device), f"--device must be cpu, cuda or cuda:N, got {args.device!r}"),
+              (args.reasoning_budget in (-1, 0), f"--reasoning-budget must be -1 (unlimited) or 0 (no thinking): "
+                                                 f"other budgets are not supported, got {args.reasoning_budget}"),
+              (not (args.reasoning_budget == 0 and args.reasoning == "on"),
+               "--reasoning-budget 0 turns thinking off, which contradicts --reasoning on"),
+              (not (args.chat_template and args.chat_template_file),
+               "--chat-template and --chat-template-file cannot both be given")]
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
@@ -151,6 +167,8 @@ def settings_from_args(args) -> ServerSettings:
     if args.api_key_file:
         keys += [line.strip() for line in Path(args.api_key_file).read_text().splitlines() if line.strip()]
     template = Path(args.chat_template_file).read_text() if args.chat_template_file else None
+    if args.chat_template:
+        template = resolve_chat_template(args.chat_template)
     device = args.device
     if device == "none":
         device = "cpu"
@@ -164,7 +182,8 @@ def settings_from_args(args) -> ServerSettings:
         n_predict=args.n_predict, spec_n_max=args.spec_n_max, spec_n_min=args.spec_n_min,
         adaptive_draft=args.adaptive and args.spec_dm_controller != "off", api_keys=keys,
         metrics=args.metrics, webui=args.webui, chat_template=template, device=device, threads=args.threads,
-        reasoning=args.reasoning, allow_request_template=args.allow_request_chat_template)
+        reasoning=args.reasoning, reasoning_format=args.reasoning_format, reasoning_budget=args.reasoning_budget,
+        allow_request_template=args.allow_request_chat_template)
     return settings
 
 

@@ -2,9 +2,9 @@
 
 The gguf package memory-maps the file. Float tensors (F32/F16/BF16) become ordinary parameters in the model
 dtype; quantized tensors stay in their GGUF blocks (flashdraft.quant.QuantLinear / QuantEmbedding), so a
-Q4_K file takes about as much memory as it does on disk. Metadata gives the config, the tokenizer (with its
-chat template and EOS ids) and, for DFlash drafters, the block/tap settings in both the legacy
-"dflash-draft" and the upstream "dflash" layouts. The drafter's embedding and LM head come from the target.
+Q4_K file takes about as much memory as it does on disk. Metadata gives the config, the tokenizer (built by
+gguf_tokenizer.py, with its chat template and EOS ids) and, for DFlash drafters, the block/tap settings in both
+the legacy "dflash-draft" and the upstream "dflash" layouts. The drafter's embedding and LM head come from the target.
 Llama and Qwen3 are mapped here; Gemma 4 (targets, and drafters for Gemma 4 targets) in gguf_gemma4.py.
 """
 from __future__ import annotations
@@ -16,9 +16,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from flashdraft.config import ConfigError, DrafterConfig, ModelConfig, is_gguf_path
+from flashdraft.config import ConfigError, DrafterConfig, ModelConfig
+from flashdraft.config import is_gguf_path  # noqa: F401 (flashdraft.loading imports it from here)
 from flashdraft.config_gemma4 import GEMMA4_MODEL_TYPES
 from flashdraft.loading.checkpoint import CheckpointError, check_drafter_fits
+from flashdraft.loading.gguf_tokenizer import build_hf_tokenizer, special_token_id
 from flashdraft.loading.tokenizer import Tokenizer
 from flashdraft.layers.rope import RotaryEmbedding
 from flashdraft.models import DecoderLM, DFlashDrafter
@@ -53,23 +55,6 @@ DRAFTER_TENSORS = {"dflash_fc": "fc", "fc": "fc", "dflash_hidden_norm": "hidden_
 DRAFTER_LAYER_RENAMES = {"post_attention_norm": "ffn_norm"}
 # A drafter file may carry copies of the target's embedding/head; the target's are used.
 DRAFTER_IGNORED = ("token_embd.weight", "output.weight")
-
-# tokenizer.ggml.pre -> split regex of the byte-level BPE pre-tokenizer (llama.cpp llama-vocab.cpp);
-# None = GPT-2's own regex.
-PRE_TOKENIZER_REGEX = {
-    "default": None,
-    "gpt-2": None,
-    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-             r"|\s*[\r\n]+|\s+(?!\S)|\s+",
-    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+",
-}
-CONTROL_TOKEN, USER_DEFINED_TOKEN = 3, 4
-# tokenizer.ggml.model values we build: byte-level BPE, and Gemma 4's SentencePiece-style BPE (llama.cpp's
-# "gemma4": spaces written as U+2581, raw UTF-8 symbols, <0xXX> byte fallback, text split at newline runs).
-TOKENIZER_MODELS = {"gpt2": "byte-level BPE", "gemma4": "SentencePiece-style BPE with byte fallback"}
-GEMMA4_SPLIT = r"[^\n]+|[\n]+"
-
 
 class GGUFFile:
     """A memory-mapped GGUF file: metadata by key and tensors by name."""
@@ -144,8 +129,8 @@ def _single(value, key: str, source: Path):
 
 
 def _eos_ids(g: GGUFFile) -> list[int]:
-    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-    return list(dict.fromkeys(int(v) for v in (g.get(k) for k in keys) if v is not None))
+    ids = (special_token_id(g, k) for k in ("eos", "eot", "eom"))
+    return list(dict.fromkeys(i for i in ids if i is not None))
 
 
 def _rope_scaling(g: GGUFFile) -> dict | None:
@@ -193,13 +178,13 @@ def gguf_target_config(g: GGUFFile):
                           f"supported: {', '.join(SUPPORTED_TARGET_ARCHS)}")
     if "token_embd.weight" not in g.tensors:
         raise CheckpointError(f"{g.path}: missing tensor 'token_embd.weight'")
-    bos = g.get("tokenizer.ggml.bos_token_id")
+    bos = special_token_id(g, "bos")
     # The embedding's rows, not the token list: llama.cpp pads one or the other.
     return _layer_stack_config(
         g, TARGET_ARCHS[g.arch], g.shape("token_embd.weight")[0],
         max_position_embeddings=int(g.arch_get("context_length", 4096)),
         tie_word_embeddings="output.weight" not in g.tensors,
-        eos_token_id=_eos_ids(g), bos_token_id=int(bos) if bos is not None else None)
+        eos_token_id=_eos_ids(g), bos_token_id=bos)
 
 
 def _drafter_settings(g: GGUFFile) -> tuple[int, int, list[int]]:
@@ -401,85 +386,6 @@ class GGUFTokenizer(Tokenizer):
 
     def __init__(self, g: GGUFFile):
         self.hf = build_hf_tokenizer(g)
-
-
-def build_hf_tokenizer(g: GGUFFile):
-    """A transformers fast tokenizer equivalent to llama.cpp's, for byte-level BPE ("gpt2") and Gemma 4's
-    SentencePiece-style BPE ("gemma4") vocabularies."""
-    from tokenizers import AddedToken, processors
-    from transformers import PreTrainedTokenizerFast
-
-    kind = g.get("tokenizer.ggml.model")
-    if kind is None:
-        raise ConfigError(f"{g.path}: no tokenizer in the GGUF metadata (tokenizer.ggml.model)")
-    if kind not in TOKENIZER_MODELS:
-        hint = (" ('llama' is a SentencePiece vocabulary tokenized by tokenizer.ggml.scores, as in Llama 2 and "
-                "Gemma 1-3 files)") if kind == "llama" else ""
-        raise ConfigError(f"{g.path}: unsupported tokenizer model {kind!r}{hint}; supported: "
-                          + ", ".join(f"{k} ({v})" for k, v in TOKENIZER_MODELS.items()))
-    tokens = g.get("tokenizer.ggml.tokens")
-    types = g.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-
-    def token(key):
-        i = g.get(f"tokenizer.ggml.{key}_token_id")
-        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
-
-    tok = _byte_level_bpe(g, tokens) if kind == "gpt2" else _gemma4_bpe(g, tokens, token("unknown"))
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, k in zip(tokens, types) if k == CONTROL_TOKEN])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, k in zip(tokens, types) if k == USER_DEFINED_TOKEN])
-    bos = token("bos")
-    if g.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))])
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=token("eos"),
-                                 unk_token=token("unknown"), pad_token=token("padding"))
-    hf.chat_template = g.get("tokenizer.chat_template")
-    return hf
-
-
-def _merges(g: GGUFFile) -> list[tuple[str, str]]:
-    return [tuple(m.split(" ", 1)) for m in g.get("tokenizer.ggml.merges", [])]
-
-
-def _byte_level_bpe(g: GGUFFile, tokens: list[str]):
-    """GPT-2 style: the pre-tokenizer's split regex, then bytes mapped to printable characters."""
-    from tokenizers import Regex, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as RawTokenizer
-
-    pre = g.get("tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZER_REGEX:
-        raise ConfigError(f"{g.path}: unsupported pre-tokenizer {pre!r} (supported: {', '.join(PRE_TOKENIZER_REGEX)})")
-    tok = RawTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=_merges(g),
-                                  ignore_merges=pre == "llama-bpe"))
-    regex = PRE_TOKENIZER_REGEX[pre]
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=regex is None)
-    tok.pre_tokenizer = byte_level if regex is None else pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(regex), behavior="isolated"), byte_level])
-    tok.decoder = decoders.ByteLevel()
-    return tok
-
-
-def _gemma4_bpe(g: GGUFFile, tokens: list[str], unk: str | None):
-    """llama.cpp's "gemma4" vocabulary (llama-vocab.cpp): spaces become U+2581, merges run over raw UTF-8
-    characters within runs of newlines / non-newlines (its pre-tokenizer, whatever tokenizer.ggml.pre says),
-    and a piece without a token falls back to <0xXX> byte tokens. Equal to transformers' GemmaTokenizer whenever
-    no merge joins a newline to another character."""
-    from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
-    from tokenizers import Tokenizer as RawTokenizer
-
-    merges = _merges(g)
-    if not merges:
-        raise ConfigError(f"{g.path}: a gemma4 tokenizer needs tokenizer.ggml.merges (none in the file)")
-    if g.get("tokenizer.ggml.add_space_prefix", False):
-        raise ConfigError(f"{g.path}: tokenizer.ggml.add_space_prefix = true is not supported for a gemma4 tokenizer")
-    tok = RawTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, byte_fallback=True,
-                                  unk_token=unk, fuse_unk=True))
-    tok.normalizer = normalizers.Replace(" ", "\u2581")
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(GEMMA4_SPLIT), behavior="isolated")
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
-    return tok
 
 
 def gguf_name(g: GGUFFile) -> str:

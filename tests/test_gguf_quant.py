@@ -35,6 +35,49 @@ def test_dequantize_is_bit_exact_with_gguf_py(qtype):
     assert np.array_equal(_bits(ours.numpy()), _bits(ref))
 
 
+# fp16 scale values at the edges of the format: zero and negative zero, the smallest subnormal, a subnormal, the
+# smallest normal, one, the largest finite value, and their negatives (negative scales and negative mins).
+EXTREME_F16 = np.array([0.0, -0.0, 2 ** -24, 3 * 2 ** -20, 2 ** -14, 1.0, 65504.0, -2 ** -24, -1.0, -65504.0],
+                       dtype=np.float16)
+
+
+@pytest.mark.parametrize("qtype", list(QUANT_FORMATS))
+def test_dequantize_is_bit_exact_at_extreme_scales_and_codes(qtype):
+    """Every pair of extreme fp16 values in the scale (and min) fields, over payloads of all-zero, all-one and
+    random bits: the largest and smallest codes, 6-bit sub-block scales and mins at 0 and 63, the int8 Q6_K
+    scales at -128 and 127."""
+    fmt = QUANT_FORMATS[qtype]
+    offsets = FP16_OFFSETS[qtype]
+    pairs = [(a, b) for a in EXTREME_F16 for b in (EXTREME_F16 if len(offsets) > 1 else EXTREME_F16[:1])]
+    rng = np.random.default_rng(7)
+    payloads = [np.zeros(fmt.block_bytes, np.uint8), np.full(fmt.block_bytes, 0xFF, np.uint8),
+                rng.integers(0, 256, fmt.block_bytes, dtype=np.uint8)]
+    rows = []
+    for payload in payloads:
+        for pair in pairs:
+            block = payload.copy()
+            for off, value in zip(offsets, pair):
+                block[off:off + 2] = np.array([value], np.float16).view(np.uint8)
+            rows.append(block)
+    blocks = np.stack(rows)
+    ref = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[qtype])
+    ours = dequantize(torch.from_numpy(blocks), qtype).numpy()
+    assert np.isfinite(ref).all() and np.array_equal(_bits(ours), _bits(ref))
+
+
+@pytest.mark.parametrize("qtype", list(QUANT_FORMATS))
+def test_dequantize_keeps_leading_dimensions(qtype):
+    """Stacked experts [E, rows, row_bytes] (Gemma 4 MoE keeps them in their blocks) decode row by row, as
+    gguf-py decodes the same bytes flat."""
+    fmt = QUANT_FORMATS[qtype]
+    blocks = random_blocks(qtype, rows=3 * 4, blocks_per_row=2, seed=2).reshape(3, 4, 2 * fmt.block_bytes)
+    ref = gguf.quants.dequantize(blocks.reshape(12, -1), gguf.GGMLQuantizationType[qtype]).reshape(3, 4, -1)
+    ours = dequantize(torch.from_numpy(blocks), qtype)
+    assert tuple(ours.shape) == (3, 4, 2 * fmt.block_elems)
+    assert np.array_equal(_bits(ours.numpy()), _bits(ref))
+    assert torch.equal(dequantize(torch.from_numpy(blocks)[1], qtype), ours[1])
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_dequantize_round_trips_gguf_py_quantization(qtype):
     w = np.random.default_rng(1).normal(0, 0.1, size=(16, 96)).astype(np.float32)
@@ -44,7 +87,7 @@ def test_dequantize_round_trips_gguf_py_quantization(qtype):
     assert np.abs(ours - w).max() < 0.1 * np.abs(w).max()
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", list(QUANT_FORMATS))
 def test_quant_linear_equals_linear_on_the_dequantized_weight(qtype):
     fmt = QUANT_FORMATS[qtype]
     blocks = torch.from_numpy(random_blocks(qtype, rows=24, blocks_per_row=2))

@@ -22,12 +22,14 @@ from starlette.requests import ClientDisconnect
 from starlette.staticfiles import StaticFiles
 
 from flashdraft import __version__
-from flashdraft.server import formats, schemas
+from flashdraft.server import anthropic, formats, schemas, tokens
 from flashdraft.server.errors import APIError, error_body
 from flashdraft.server.jobs import DELTA, ENDED, ERROR, RESULT, Job
 from flashdraft.server.metrics import ServerMetrics
 from flashdraft.server.requests import (MAX_DEPTH, GenerationRequest, check_json, parse_chat, parse_completion,
                                        parse_native)
+from flashdraft.server.responses import ResponseBuilder
+from flashdraft.server.responses import chat_body as responses_chat_body
 from flashdraft.server.settings import ServerSettings
 from flashdraft.server.templates import TemplateSandbox
 
@@ -342,9 +344,9 @@ async def _first_event(job: Job, request: Request) -> tuple | None:
     return event
 
 
-async def _parse(request: Request, parse, state: ServerState) -> tuple[GenerationRequest, threading.Event]:
-    """The request checked (in a thread: rendering and tokenizing take a while), and its cancel flag, which a
-    disconnect sets from now on: it stops a request template's rendering, then the job."""
+async def _parse(request: Request, parse, state: ServerState) -> tuple[dict, GenerationRequest, threading.Event]:
+    """The body, the request checked (in a thread: rendering and tokenizing take a while), and its cancel flag,
+    which a disconnect sets from now on: it stops a request template's rendering, then the job."""
     body = await read_json(request, state.settings.max_body_bytes)
     cancelled = threading.Event()
     watcher = asyncio.create_task(_watch_disconnect(request.receive, cancelled.set))
@@ -354,7 +356,24 @@ async def _parse(request: Request, parse, state: ServerState) -> tuple[Generatio
         watcher.cancel()
     if cancelled.is_set():
         raise _failure(ENDED, "cancelled")
-    return gen, cancelled
+    return body, gen, cancelled
+
+
+def parse_messages(body: dict, *args) -> GenerationRequest:
+    """Anthropic's POST /v1/messages, as the chat it stands for."""
+    return parse_chat(anthropic.chat_body(body), *args)
+
+
+def parse_responses(body: dict, *args) -> GenerationRequest:
+    """OpenAI's POST /v1/responses, as the chat it stands for."""
+    return parse_chat(responses_chat_body(body), *args)
+
+
+NOT_IMPLEMENTED = {
+    "/v1/embeddings": "embeddings are not supported: this server runs generative models only",
+    "/embeddings": "embeddings are not supported: this server runs generative models only",
+    "/infill": "infill (fill-in-the-middle) is not supported: send the prefix as a /completion prompt",
+}
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -393,12 +412,16 @@ def create_app(state: ServerState) -> FastAPI:
         state.require_ready()
         return {"status": "ok"}
 
-    async def generation(request: Request, parse, chat: bool | None):
-        """chat: True/False for the OpenAI routes, None for llama.cpp's native /completion."""
+    async def submit(request: Request, parse) -> tuple[dict, GenerationRequest, Job]:
         state.require_ready()
-        gen, cancelled = await _parse(request, parse, state)
+        body, gen, cancelled = await _parse(request, parse, state)
         job = Job(gen, asyncio.get_running_loop(), cancelled)
         state.scheduler.submit(job)
+        return body, gen, job
+
+    async def generation(request: Request, parse, chat: bool | None):
+        """chat: True/False for the OpenAI routes, None for llama.cpp's native /completion."""
+        _, gen, job = await submit(request, parse)
         n_max = state.request_n_max(gen.n_max)
         tokenizer = state.engine.tokenizer
         if chat is None:
@@ -428,6 +451,50 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/completion", summary="llama.cpp's native completion (stream or not)")
     async def native_completion(request: Request):
         return await generation(request, parse_native, None)
+
+    @app.post("/v1/messages", summary="Anthropic's Messages API (stream or not)")
+    async def messages(request: Request):
+        _, gen, job = await submit(request, parse_messages)
+        if gen.stream:
+            first = await _first_event(job, request)
+            return EventStream(job, _anthropic_stream(job, first), lambda e: [anthropic.error_event(e)])
+        (result,) = await _results(job, request)
+        return anthropic.whole(gen, result)
+
+    @app.post("/v1/responses", summary="OpenAI's Responses API (stream or not)")
+    async def responses(request: Request):
+        body, gen, job = await submit(request, parse_responses)
+        builder = ResponseBuilder(gen, body)
+        if gen.stream:
+            first = await _first_event(job, request)
+            return EventStream(job, _responses_stream(job, builder, first), lambda e: [builder.error(e)])
+        (result,) = await _results(job, request)
+        return builder.whole(result)
+
+    async def utility(request: Request, answer):
+        state.require_ready()
+        body = await read_json(request, settings.max_body_bytes)
+        return await asyncio.to_thread(answer, body, state.engine, settings, state.templates)
+
+    @app.post("/tokenize", summary="Text to token ids (and pieces)")
+    async def tokenize(request: Request):
+        return await utility(request, tokens.tokenize)
+
+    @app.post("/detokenize", summary="Token ids to text")
+    async def detokenize(request: Request):
+        return await utility(request, tokens.detokenize)
+
+    @app.post("/apply-template", summary="A chat rendered by the chat template, as its prompt text")
+    async def apply_template(request: Request):
+        return await utility(request, tokens.apply_template)
+
+    def not_implemented(path: str):
+        async def answer():
+            raise APIError(501, NOT_IMPLEMENTED[path])
+        return answer
+
+    for path in NOT_IMPLEMENTED:
+        app.post(path, summary="Not implemented: answers 501")(not_implemented(path))
 
     @app.get("/v1/models", summary="The served model")
     @app.get("/models", summary="The served model")
@@ -514,6 +581,27 @@ async def _openai_stream(job: Job, fmt: formats.OpenAIFormatter, first: tuple | 
         else:
             yield formats.sse(_failure(kind, payload).body())
     yield formats.sse("[DONE]")
+
+
+async def _anthropic_stream(job: Job, first: tuple | None):
+    stream = anthropic.AnthropicStream(job.request)
+    for chunk in stream.start():
+        yield chunk
+    async for kind, payload, _ in _events(job, first):
+        chunks = (stream.delta(payload.text) if kind == DELTA else stream.finish(payload) if kind == RESULT
+                  else [anthropic.error_event(_failure(kind, payload))])
+        for chunk in chunks:
+            yield chunk
+
+
+async def _responses_stream(job: Job, builder: ResponseBuilder, first: tuple | None):
+    for chunk in builder.start():
+        yield chunk
+    async for kind, payload, _ in _events(job, first):
+        chunks = (builder.delta(payload.text) if kind == DELTA else builder.finish(payload) if kind == RESULT
+                  else [builder.error(_failure(kind, payload))])
+        for chunk in chunks:
+            yield chunk
 
 
 async def _native_stream(job: Job, n_max: int, tokenizer, first: tuple | None):

@@ -116,7 +116,7 @@ def _path(node) -> str:
     return "".join(reversed(parts)).lstrip(".") or "body"
 
 
-def _plain_ints(items: list) -> bool:
+def plain_ints(items: list) -> bool:
     """A list of 64-bit integers (token ids): checked at once, without walking each item."""
     return all(type(v) is int for v in items) and (not items or (-INT64 <= min(items) and max(items) < INT64))
 
@@ -136,7 +136,7 @@ def check_json(body, max_depth: int = MAX_DEPTH) -> None:
                     raise _bad(_path((node, key)), "is a key that is not valid UTF-8 text (a lone surrogate)")
                 stack.append((item, (node, key), depth + 1))
         elif isinstance(value, list):
-            if not _plain_ints(value):
+            if not plain_ints(value):
                 stack.extend((item, (node, i), depth + 1) for i, item in enumerate(value))
         elif isinstance(value, str):
             if not _encodes(value):
@@ -445,7 +445,7 @@ def max_prompt_chars(engine) -> int:
     return MAX_CHARS_PER_TOKEN * engine.context_size
 
 
-def _check_chars(n: int, engine, field: str, what: str) -> None:
+def check_chars(n: int, engine, field: str, what: str) -> None:
     limit = max_prompt_chars(engine)
     if n > limit:
         raise _bad(field, f"{what} {n} characters, over the limit of {limit} ({MAX_CHARS_PER_TOKEN} per token of "
@@ -478,7 +478,7 @@ def _messages(body: dict, engine) -> list[dict]:
         raise _bad("messages", str(e)) from None
     if len(messages) > engine.context_size:
         raise _bad("messages", f"has {len(messages)} messages, more than the context size {engine.context_size}")
-    _check_chars(_text_chars(messages), engine, "messages", "have")
+    check_chars(_text_chars(messages), engine, "messages", "have")
     return messages
 
 
@@ -592,7 +592,7 @@ def chat_prompt(body: dict, engine, settings: ServerSettings, templates=None,
             raise _bad("tool_choice", "cannot be enforced while the prompt opens the model's thinking: turn "
                                       "reasoning off (chat_template_kwargs.enable_thinking: false)")
         text += plan.prefill
-    _check_chars(len(text), engine, "messages", "rendered into")
+    check_chars(len(text), engine, "messages", "rendered into")
     ids = engine.tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
     _check_prompt(engine, ids, "messages")
     return ChatPrompt(text, ids, plan, reasoning)
@@ -633,7 +633,7 @@ def _prompt_ids(body: dict, engine) -> tuple[list[int], str]:
     if isinstance(prompt, str):
         if not prompt:
             raise _bad("prompt", "is empty")
-        _check_chars(len(prompt), engine, "prompt", "has")
+        check_chars(len(prompt), engine, "prompt", "has")
         ids = engine.encode_prompt(prompt)
         _check_prompt(engine, ids, "prompt")
         return ids, prompt

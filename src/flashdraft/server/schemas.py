@@ -147,6 +147,78 @@ class NativeCompletionRequest(Sampling):
     n_probs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="completion_probabilities")
 
 
+class AnthropicMessage(BaseModel):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]] = Field(description="text, tool_use (assistant), tool_result (user) and "
+                                                            "thinking blocks")
+
+
+class AnthropicTool(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+
+
+class MessagesRequest(BaseModel):
+    """Anthropic's Messages API."""
+
+    model: str | None = Field(None, max_length=MAX_MODEL_CHARS)
+    max_tokens: int = Field(ge=1)
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[TextPart] | None = None
+    stop_sequences: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stream: bool | None = None
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    tools: list[AnthropicTool] | None = None
+    tool_choice: dict[str, Any] | None = Field(None, description="{'type': 'auto' | 'any' | 'tool' | 'none'}")
+    thinking: dict[str, Any] | None = Field(None, description="{'type': 'enabled' | 'disabled'}")
+
+
+class ResponseTool(BaseModel):
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ResponsesRequest(BaseModel):
+    """OpenAI's Responses API (nothing stored)."""
+
+    model: str | None = Field(None, max_length=MAX_MODEL_CHARS)
+    input: str | list[dict[str, Any]] = Field(description="text, or message / function_call / "
+                                                          "function_call_output items")
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stream: bool | None = None
+    tools: list[ResponseTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, str] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = Field(None, description="{'format': {'type': 'text' | 'json_object' | "
+                                                          "'json_schema', ...}}")
+    store: Literal[False] | None = None
+
+
+class TokenizeRequest(BaseModel):
+    content: str
+    add_special: bool | None = None
+    with_pieces: bool | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    tokens: list[int]
+
+
+class ApplyTemplateRequest(BaseModel):
+    messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
 class ErrorDetail(BaseModel):
     code: int
     message: str
@@ -191,13 +263,16 @@ class ModelList(Loose):
 
 REQUESTS = {"/v1/chat/completions": ChatCompletionRequest, "/chat/completions": ChatCompletionRequest,
             "/v1/completions": CompletionRequest, "/completions": CompletionRequest,
-            "/completion": NativeCompletionRequest}
+            "/completion": NativeCompletionRequest, "/v1/messages": MessagesRequest, "/v1/responses": ResponsesRequest,
+            "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest, "/apply-template": ApplyTemplateRequest}
 RESPONSES = {"/v1/chat/completions": Completion, "/chat/completions": Completion, "/v1/completions": Completion,
              "/completions": Completion, "/completion": NativeCompletion, "/health": Health, "/v1/health": Health,
-             "/v1/models": ModelList, "/models": ModelList, "/props": Loose}
+             "/v1/models": ModelList, "/models": ModelList, "/props": Loose, "/v1/messages": Loose,
+             "/v1/responses": Loose, "/tokenize": Loose, "/detokenize": Loose, "/apply-template": Loose}
+NOT_IMPLEMENTED = ("/v1/embeddings", "/embeddings", "/infill")
 ERRORS = {"400": "invalid request (the message names the field)", "401": "missing or wrong API key",
           "413": "body over the size limit", "499": "the client closed the request",
-          "500": "internal error (the connection is closed)", "501": "not enabled on this server",
+          "500": "internal error (the connection is closed)", "501": "not enabled or not implemented on this server",
           "503": "model loading, or the server shutting down"}
 
 
@@ -213,8 +288,8 @@ def openapi(app) -> dict:
     """FastAPI's description of the routes, with the request and response bodies filled in."""
     spec = get_openapi(title=app.title, version=app.version, routes=app.routes,
                        description="OpenAI- and llama-server-compatible API with DFlash speculative decoding.")
-    models = [ChatCompletionRequest, CompletionRequest, NativeCompletionRequest, ErrorResponse, Health, Completion,
-              NativeCompletion, ModelList, Loose]
+    models = [*dict.fromkeys(REQUESTS.values()), ErrorResponse, Health, Completion, NativeCompletion, ModelList,
+              Loose]
     _, defs = models_json_schema([(m, "validation") for m in models], by_alias=True,
                                  ref_template="#/components/schemas/{model}")
     spec.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
@@ -222,10 +297,12 @@ def openapi(app) -> dict:
         for operation in operations.values():
             if path in REQUESTS:
                 operation["requestBody"] = {"required": True, "content": _json(REQUESTS[path])}
-            ok = operation["responses"]["200"]
             if path in RESPONSES:
-                ok["content"] = _json(RESPONSES[path])
-            codes = ERRORS if path in REQUESTS else ("401", "500", "503") + (("501",) if path == "/metrics" else ())
+                operation["responses"]["200"]["content"] = _json(RESPONSES[path])
+            codes = ERRORS if path in REQUESTS else ("401", "500", "503") + (
+                ("501",) if path == "/metrics" or path in NOT_IMPLEMENTED else ())
+            if path in NOT_IMPLEMENTED:
+                operation["responses"].pop("200", None)
             for code in codes:
                 operation["responses"].setdefault(code, {"description": ERRORS[code], "content": _json(ErrorResponse)})
     if any(getattr(route, "path", None) == "/static" for route in app.routes):

@@ -6,7 +6,7 @@ import torch
 
 from flashdraft.config import GREEDY_BELOW, SamplingParams
 from flashdraft.engine.generator import Engine
-from flashdraft.engine.sampling import gumbel_noise, sample_tokens, warp_logits
+from flashdraft.engine.sampling import gumbel_from_bits, gumbel_noise, sample_tokens, warp_logits
 
 
 def reference_warp(logits: list[float], p: SamplingParams) -> list[float]:
@@ -67,6 +67,20 @@ def test_gumbel_noise_is_keyed_and_well_spread():
     assert abs(big.var().item() - math.pi ** 2 / 6) < 0.03
     # Same row of noise for one position, whichever block it is computed in.
     assert torch.equal(gumbel_noise(7, torch.tensor([102]), 5000)[0], a[2])
+
+
+def test_gumbel_noise_is_finite_at_the_top_of_its_range():
+    """The largest 24-bit value once rounded to u = 1 in float32 (noise +inf): a token that warping or a grammar
+    had removed (-inf) then sampled as NaN, which argmax picked. Seed 2 at position 19 has such a value."""
+    bits = torch.tensor([0, 0xFFFFFE00, 0xFFFFFF00, 0xFFFFFFFF])
+    noise = gumbel_from_bits(bits)
+    assert torch.isfinite(noise).all() and noise[0] < noise[1] < noise[2] == noise[3]
+    row = gumbel_noise(2, torch.tensor([19]), 8192)[0]
+    assert torch.isfinite(row).all() and row.argmax() == 3475
+    only = torch.full((1, 8192), float("-inf"))
+    only[0, 5] = 1.0
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3, top_p=0.9)):
+        assert sample_tokens(only, params, 2, torch.tensor([19])).item() == 5
 
 
 def test_greedy_is_argmax():

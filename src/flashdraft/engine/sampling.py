@@ -45,8 +45,15 @@ def gumbel_noise(seed: int, positions: torch.Tensor, vocab: int) -> torch.Tensor
     ids = torch.arange(vocab, device=positions.device, dtype=torch.int64)[None, :]
     x = _mix32(_mix32(ids ^ k2) ^ pos_key)
     x = _mix32(x ^ ((pos_key * 0x27D4EB2F) & _M32))
+    return gumbel_from_bits(x)
+
+
+def gumbel_from_bits(x: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise from 32-bit hash values: the top 24 bits as a uniform in (0, 1). In float32 the highest value,
+    (2**24 - 0.5) / 2**24, rounds to 1, whose noise is +inf: a token removed by warping or a grammar (-inf)
+    would then sample as NaN, which argmax picks. It is clamped to the float just below 1."""
     u = ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(-torch.log(u))
+    return -torch.log(-torch.log(u.clamp(max=1.0 - 2.0 ** -24)))
 
 
 def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

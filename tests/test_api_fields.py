@@ -243,21 +243,30 @@ def test_logprobs_end_to_end_equal_plain_decoding(live):
     assert [p["id"] for p in probs] == [e.token for e in expected]
 
 
-def test_json_schema_end_to_end(live):
-    """Passes once the engine applies constraints (skipped until then): the output parses and has the schema's
-    required key."""
+SMALL_SCHEMA = {"type": "object", "properties": {"a": {"enum": [1, 2, 3]}}, "required": ["a"],
+                "additionalProperties": False}
+
+
+def test_constraints_end_to_end_equal_plain_decoding(live):
+    """Passes once the engine applies constraints (skipped until then): a json_schema and a GBNF grammar give
+    output that follows them, through DFlash (the live server drafts every step) as in plain decoding."""
     engine = live.state.engine
-    params = SamplingParams(max_tokens=40, constraint=Constraint("json_object"))
-    text = engine.generate(engine.encode_prompt("def"), params, draft=0).text
+    ids = engine.encode_prompt(messages=MESSAGES)
+    plain = engine.generate(ids, SamplingParams(max_tokens=20, constraint=Constraint(
+        "json_schema", json.dumps(SMALL_SCHEMA))), draft=0).text
     try:
-        json.loads(text)
+        value = json.loads(plain)
     except ValueError:
         pytest.skip("the engine does not apply constraints yet")
-    body = {"messages": MESSAGES, "max_tokens": 60, "response_format": {"type": "json_schema",
-                                                                       "json_schema": {"schema": SCHEMA}}}
+    assert value["a"] in (1, 2, 3)
+    body = {"messages": MESSAGES, "max_tokens": 20, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SMALL_SCHEMA}}}
     whole = post(live, "/v1/chat/completions", body).json()
-    value = json.loads(whole["choices"][0]["message"]["content"])
-    assert isinstance(value["a"], int)
+    assert whole["choices"][0]["message"]["content"] == plain
+    assert whole["speculative_decoding"]["num_draft_tokens"] > 0
+    grammar = 'root ::= "yes" | "no"'
+    r = post(live, "/completion", {"prompt": "def", "n_predict": 8, "grammar": grammar, "temperature": 0}).json()
+    assert r["content"] in ("yes", "no") and r["generation_settings"]["grammar"] == grammar
 
 
 def test_new_fields_need_the_key_like_the_rest(live):

@@ -3,9 +3,12 @@ each bad or unimplemented field, the logprobs shapes of each route, and n choice
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import httpx
+import openai
 import pytest
+from pydantic import BaseModel
 from test_server_hardening import AUTH, MESSAGES, LiveServer, post
 
 from flashdraft.config import Constraint, SamplingParams
@@ -267,6 +270,23 @@ def test_constraints_end_to_end_equal_plain_decoding(live):
     grammar = 'root ::= "yes" | "no"'
     r = post(live, "/completion", {"prompt": "def", "n_predict": 8, "grammar": grammar, "temperature": 0}).json()
     assert r["content"] in ("yes", "no") and r["generation_settings"]["grammar"] == grammar
+
+
+def test_openai_client_parse_with_a_pydantic_model(live):
+    """chat.completions.parse sends the model's strict json_schema; the reply parses into the model (once the
+    engine applies constraints: skipped until then)."""
+    class Answer(BaseModel):
+        a: Literal[1, 2, 3]
+
+    engine = live.state.engine
+    probe = engine.generate(engine.encode_prompt("def"), SamplingParams(max_tokens=20, constraint=Constraint(
+        "json_schema", json.dumps(SMALL_SCHEMA))), draft=0).text
+    if not probe.startswith("{"):
+        pytest.skip("the engine does not apply constraints yet")
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key=AUTH["Authorization"][7:], max_retries=0, timeout=60)
+    reply = client.chat.completions.parse(model="m", messages=MESSAGES, response_format=Answer, max_tokens=20,
+                                          temperature=0)
+    assert reply.choices[0].message.parsed.a in (1, 2, 3)
 
 
 def test_new_fields_need_the_key_like_the_rest(live):

@@ -17,6 +17,9 @@ and every key range SPLIT keys whatever T is, and a row's arithmetic reads only 
 token's output is bitwise the same whether 1 or 16 tokens go through (batch invariance, as the skinny GEMM).
 Keys hidden from a row add exact zeros; a key range hidden from a row altogether gives it the partial
 (m = -inf, l = 0, acc = 0), which the combine weighs by exactly 0.
+
+Quantized caches (KV cache types q8_0, q5_1, q5_0, q4_1, q4_0) are read as their packed blocks and dequantized in
+registers (`_load_rows`), so a step reads the cache's bytes, not a dequantized copy of it.
 """
 import triton
 import triton.language as tl
@@ -39,7 +42,8 @@ def _add(a, b):
 def attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, counter_ptr, out_ptr, T, KV_LEN, N_SPLITS,
                      stride_qh, stride_qt, stride_kh, stride_kn, stride_vh, stride_vn, stride_mt, stride_ot,
                      qk_scale, GROUP: tl.constexpr, D: tl.constexpr, HAS_MASK: tl.constexpr,
-                     IEEE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+                     IEEE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                     K_FMT: tl.constexpr, V_FMT: tl.constexpr):
     kv = tl.program_id(0)
     tile = tl.program_id(1)
     split = tl.program_id(2)
@@ -60,8 +64,8 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, count
         if HAS_MASK:
             visible = visible & (tl.load(mask_ptr + t[:, None] * stride_mt + n[None, :], mask=visible, other=0) != 0)
         # V's load goes out with K's (issued after the scores' softmax, it cost about 1 us more at 512 keys)
-        k = tl.load(k_ptr + kv * stride_kh + n[:, None] * stride_kn + d[None, :], mask=n_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + kv * stride_vh + n[:, None] * stride_vn + d[None, :], mask=n_ok[:, None], other=0.0)
+        k = _load_rows(k_ptr, kv * stride_kh + n * stride_kn, n_ok, K_FMT, D, q_ptr.dtype.element_ty)
+        v = _load_rows(v_ptr, kv * stride_vh + n * stride_vn, n_ok, V_FMT, D, q_ptr.dtype.element_ty)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -88,6 +92,62 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, count
     if tl.atomic_add(counter, 1, sem="acq_rel") == N_SPLITS - 1:
         _combine(m_ptr, l_ptr, acc_ptr, out_ptr, kv, tile, T, N_SPLITS, stride_ot, GROUP, D, BLOCK_Q)
         tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
+def _load_rows(ptr, rows, n_ok, FMT: tl.constexpr, D: tl.constexpr, OUT: tl.constexpr):
+    """The cache rows starting at element offsets rows [BLOCK_N] (rows with n_ok False read as zeros) as
+    [BLOCK_N, D] values of dtype OUT. FMT (decode_attention.KERNEL_FORMATS): 0 = values of the cache tensor's
+    float dtype; else llama.cpp's blocks in a uint8 row, dequantized here in float32 as the eager path
+    (kv_formats.dequantize_rows) does, so a row reads bitwise the same values on both paths."""
+    ok = n_ok[:, None]
+    if FMT == 0:
+        x = tl.load(ptr + rows[:, None] + tl.arange(0, D)[None, :], mask=ok, other=0.0)
+    elif FMT == 1:  # q8_0: fp16 d, 32 int8
+        x = _q8_0_rows(ptr, rows, ok, D)
+    elif FMT == 2:  # q4_0: fp16 d, 16 bytes of nibbles; (q - 8) * d
+        x = _nibble_rows(ptr, rows, ok, D, 18, 2, 0, 8, False)
+    elif FMT == 3:  # q4_1: fp16 d, fp16 m, nibbles; q * d + m
+        x = _nibble_rows(ptr, rows, ok, D, 20, 4, 0, 0, True)
+    elif FMT == 4:  # q5_0: fp16 d, 4 bytes of high bits, nibbles; (q - 16) * d
+        x = _nibble_rows(ptr, rows, ok, D, 22, 6, 2, 16, False)
+    else:  # q5_1: fp16 d, fp16 m, high bits, nibbles; q * d + m
+        x = _nibble_rows(ptr, rows, ok, D, 24, 8, 4, 0, True)
+    return x.to(OUT)
+
+
+@triton.jit
+def _fp16_at(ptr, at, ok):
+    """The little-endian fp16 at byte offsets `at`, as float32."""
+    lo = tl.load(ptr + at, mask=ok, other=0).to(tl.uint16)
+    hi = tl.load(ptr + at + 1, mask=ok, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _q8_0_rows(ptr, rows, ok, D: tl.constexpr):
+    d = tl.arange(0, D)
+    at = rows[:, None] + (d // 32 * 34)[None, :]  # each value's block
+    q = tl.load(ptr + at + 2 + (d % 32)[None, :], mask=ok, other=0).to(tl.int8, bitcast=True)
+    return q.to(tl.float32) * _fp16_at(ptr, at, ok)
+
+
+@triton.jit
+def _nibble_rows(ptr, rows, ok, D: tl.constexpr, BLOCK_BYTES: tl.constexpr, QS: tl.constexpr, HIGH: tl.constexpr,
+                 OFFSET: tl.constexpr, AFFINE: tl.constexpr):
+    """4- and 5-bit blocks: value i of a block is the low (i < 16) or high nibble of byte QS + i % 16, with bit i
+    of the 4 bytes at HIGH as its fifth bit (HIGH > 0); (q - OFFSET) * d, or q * d + m (AFFINE, m at byte 2)."""
+    d = tl.arange(0, D)
+    at = rows[:, None] + (d // 32 * BLOCK_BYTES)[None, :]
+    i = (d % 32)[None, :]
+    q = (tl.load(ptr + at + QS + i % 16, mask=ok, other=0).to(tl.int32) >> (i // 16 * 4)) & 15
+    if HIGH > 0:
+        q = q | (((tl.load(ptr + at + HIGH + i // 8, mask=ok, other=0).to(tl.int32) >> (i % 8)) & 1) << 4)
+    if AFFINE:
+        x = q.to(tl.float32) * _fp16_at(ptr, at, ok) + _fp16_at(ptr, at + 2, ok)
+    else:
+        x = (q - OFFSET).to(tl.float32) * _fp16_at(ptr, at, ok)
+    return x
 
 
 @triton.jit

@@ -10,6 +10,7 @@ from flashdraft.layers.norm import RMSNorm
 from flashdraft.layers.qkv_prep import qkv_prep
 from flashdraft.layers.rope import apply_rope
 from flashdraft.layers.skinny_gemm import linear, skinny_linear
+from flashdraft.quant.kv_formats import read_rows, write_rows
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -44,9 +45,12 @@ def _rows_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class Attention(nn.Module):
-    """GQA attention whose keys and values live in a preallocated cache ([kv_heads, capacity, head_dim] per layer).
+    """GQA attention whose keys and values live in a preallocated cache ([kv_heads, capacity, row] per layer, rows
+    of any KV cache type: flashdraft.quant.kv_formats).
 
-    New keys/values are written at their absolute positions; attention reads the first kv_len rows.
+    New keys/values are written (quantized, for a quantized cache) at their absolute positions before attention
+    reads the first kv_len rows, so a token reads the same values whether it was written by this call or an earlier
+    one.
     Rows past a query's position are stale (rolled back) or not yet written, and the mask hides them,
     which is what makes rollback free.
     """
@@ -109,11 +113,13 @@ class Attention(nn.Module):
         q, k, v = self._qkv(x)
         q = self._rotated(q, self.n_heads, self.q_norm, cos, sin)
         k, v = self._rotated(k, self.n_kv, self.k_norm, cos, sin), self._value_heads(v)
-        cache_k.index_copy_(1, positions, k)
-        cache_v.index_copy_(1, positions, v)
-        if T <= self.decode_attention_max_t:
+        write_rows(cache_k, positions, k)
+        write_rows(cache_v, positions, v)
+        if T <= self.decode_attention_max_t:  # the kernel reads every cache type itself
             return self.o_proj(decode_attention(q, cache_k[:, :kv_len], cache_v[:, :kv_len], _rows_mask(mask)))
-        out = grouped_attention(q[None], cache_k[None, :, :kv_len], cache_v[None, :, :kv_len], mask)
+        keys = read_rows(cache_k[:, :kv_len], self.head_dim, q.dtype)
+        values = read_rows(cache_v[:, :kv_len], self.head_dim, q.dtype)
+        out = grouped_attention(q[None], keys[None], values[None], mask)
         return self.o_proj(out[0].transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
 
     def fused_forward(self, h, norm_eps: float, cos, sin, cache_k, cache_v, positions, kv_len: int,
@@ -122,7 +128,7 @@ class Attention(nn.Module):
         q/k/v GEMM with the input norm (its weight folded into the q/k/v weight), qkv_prep, decode_attention,
         o_proj with the residual add in its epilogue. Needs fused q/k/v weights."""
         qkv = skinny_linear(h, self.qkv_weight, self.qkv_bias, rms_norm_eps=norm_eps)
-        q = qkv_prep(qkv, cos, sin, positions, cache_k, cache_v, self.n_heads, self.n_kv, *self._head_norms())
+        q = self._prep_into_cache(qkv, cos, sin, positions, cache_k, cache_v, self.n_heads, *self._head_norms())
         out = decode_attention(q.transpose(0, 1), cache_k[:, :kv_len], cache_v[:, :kv_len], _rows_mask(mask))
         return skinny_linear(out, self.o_proj.weight, self.o_proj.bias, residual=h)
 
@@ -130,7 +136,22 @@ class Attention(nn.Module):
         """Keys (k_norm, RoPE) and values of context rows into the cache, from their fused [k; v] projection kv
         [T, 2 * kv_heads * head_dim]: qkv_prep with no query heads (a drafter's fused context path)."""
         _, k_norm, eps = self._head_norms()
-        qkv_prep(kv, cos, sin, positions, cache_k, cache_v, 0, self.n_kv, k_norm, k_norm, eps)
+        self._prep_into_cache(kv, cos, sin, positions, cache_k, cache_v, 0, k_norm, k_norm, eps)
+
+    def _prep_into_cache(self, qkv: torch.Tensor, cos, sin, positions, cache_k, cache_v, n_heads: int,
+                         q_norm_weight, k_norm_weight, eps: float) -> torch.Tensor:
+        """qkv_prep with its keys and values stored in the cache's types. The kernel writes rows of the compute
+        dtype only, so a cache of another type gets them through rows of their own and write_rows."""
+        if cache_k.dtype == qkv.dtype and cache_v.dtype == qkv.dtype:
+            return qkv_prep(qkv, cos, sin, positions, cache_k, cache_v, n_heads, self.n_kv, q_norm_weight,
+                            k_norm_weight, eps)
+        T = qkv.shape[0]
+        k, v = (qkv.new_empty((self.n_kv, T, self.head_dim)) for _ in range(2))
+        q = qkv_prep(qkv, cos, sin, torch.arange(T, device=qkv.device), k, v, n_heads, self.n_kv, q_norm_weight,
+                     k_norm_weight, eps)
+        write_rows(cache_k, positions, k)
+        write_rows(cache_v, positions, v)
+        return q
 
     def _head_norms(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
         """qkv_prep's per-head norm arguments: the q_norm and k_norm weights (None without them) and their eps."""

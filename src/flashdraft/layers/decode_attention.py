@@ -1,8 +1,9 @@
 """Batch-invariant split-KV attention for the few query rows of a decode, verify or draft step.
 
 `decode_attention(q, k, v, mask)` attends q [heads, T, head_dim] over the first kv_len rows of one layer's cache,
-k / v [kv_heads, kv_len, head_dim] (views of the static cache), under a boolean mask [T or 1, kv_len] (True = may
-attend; None = every row visible), and returns [T, heads * head_dim], the layout o_proj reads. The Triton
+k / v [kv_heads, kv_len, row] (views of the static cache; rows of any KV cache type, flashdraft.quant.kv_formats:
+float rows of any dtype, or packed blocks that the kernel dequantizes as it reads them), under a boolean mask
+[T or 1, kv_len] (True = may attend; None = every row visible), and returns [T, heads * head_dim], the layout o_proj reads. The Triton
 kernel (flashdraft.layers._attention_triton) splits the keys into fixed ranges, one program per (kv head, tile of
 query rows, key range), and the last program of each (kv head, tile) adds the ranges' partial softmaxes in a
 fixed order; `CONFIG` holds the tiling.
@@ -26,7 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
+from flashdraft.quant.kv_formats import stored_format
+
 HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two (tl.arange), at least tl.dot's 16
+# The kernel's codes for quantized cache rows (_attention_triton._load_rows); float rows of any dtype are 0.
+KERNEL_FORMATS = {"q8_0": 1, "q4_0": 2, "q4_1": 3, "q5_0": 4, "q5_1": 5}
 ATTENTION_BACKENDS = ("sdpa", "triton")
 
 
@@ -71,15 +76,16 @@ def supports(head_dim: int) -> bool:
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
            config: AttentionConfig | None = None) -> torch.Tensor:
-    """Run the kernel (no custom-op wrapper). q [heads, T, hd]; k, v [kv_heads, kv_len, hd] with unit stride
-    along hd; mask None or bool [T or 1, kv_len]. Returns [T, heads * hd] in q's dtype. config None =
-    config_for(head_dim)."""
+    """Run the kernel (no custom-op wrapper). q [heads, T, hd]; k, v [kv_heads, kv_len, row] (rows of a KV cache
+    type) with unit stride along a row; mask None or bool [T or 1, kv_len]. Returns [T, heads * hd] in q's dtype.
+    config None = config_for(head_dim)."""
     heads, T, hd = q.shape
     c = config or config_for(hd)
     kv_heads, kv_len = k.shape[0], k.shape[1]
-    if heads % kv_heads or v.shape != k.shape or k.shape[2] != hd or not supports(hd):
+    if heads % kv_heads or v.shape[:2] != k.shape[:2] or k.dim() != 3 or v.dim() != 3 or not supports(hd):
         raise ValueError(f"decode_attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} "
                          f"(head_dim must be one of {HEAD_DIMS}, heads a multiple of kv_heads)")
+    k_format, v_format = stored_format(k, hd), stored_format(v, hd)
     if mask is not None and (mask.dim() != 2 or mask.shape[0] not in (1, T) or mask.shape[1] != kv_len):
         raise ValueError(f"decode_attention: mask {list(mask.shape)} is not [{T} or 1, {kv_len}]")
     if mask is not None and mask.dtype != torch.bool:
@@ -104,8 +110,9 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         q, k, v, mask if mask is not None else q, m, l_sum, acc, _tickets(q.device, kv_heads * tiles), out, T,
         kv_len, splits, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), stride_mt,
         out.stride(0), math.log2(math.e) / math.sqrt(hd), GROUP=group, D=hd, HAS_MASK=mask is not None,
-        IEEE=q.dtype == torch.float32, BLOCK_Q=c.block_q, BLOCK_N=c.block_n, SPLIT=c.split, num_warps=c.num_warps,
-        num_stages=c.num_stages)
+        IEEE=q.dtype == torch.float32, BLOCK_Q=c.block_q, BLOCK_N=c.block_n, SPLIT=c.split,
+        K_FMT=KERNEL_FORMATS.get(k_format.name, 0), V_FMT=KERNEL_FORMATS.get(v_format.name, 0),
+        num_warps=c.num_warps, num_stages=c.num_stages)
     return out
 
 

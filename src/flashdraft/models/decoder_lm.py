@@ -36,9 +36,10 @@ class DecoderLM(nn.Module):
         """float32 logits from final hidden states that are already normed (the drafter's outputs are)."""
         return self.lm_head(hidden).float()
 
-    def new_cache(self, capacity: int) -> KVCache:
+    def new_cache(self, capacity: int, k_type: str | None = None, v_type: str | None = None) -> KVCache:
+        """A cache of `capacity` positions; k_type / v_type: KV cache types (None: the compute dtype)."""
         p = self.model.norm.weight  # a float parameter even when the projections are quantized
-        return KVCache(self.config, capacity, p.device, p.dtype)
+        return KVCache(self.config, capacity, p.device, p.dtype, k_type, v_type)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int,
                 tap_ids: list[int] | None = None, last_only: bool = False):

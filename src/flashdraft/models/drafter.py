@@ -10,6 +10,7 @@ from flashdraft.config import DrafterConfig
 from flashdraft.engine.kv_cache import KVCache
 from flashdraft.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from flashdraft.layers.skinny_gemm import fold_norm_weight, skinny_linear
+from flashdraft.quant.kv_formats import write_rows
 
 
 class DFlashDrafter(nn.Module):
@@ -32,9 +33,10 @@ class DFlashDrafter(nn.Module):
     def block_size(self) -> int:
         return self.config.block_size
 
-    def new_cache(self, capacity: int) -> KVCache:
+    def new_cache(self, capacity: int, k_type: str | None = None, v_type: str | None = None) -> KVCache:
+        """The context cache, `capacity` positions; k_type / v_type: KV cache types (None: the compute dtype)."""
         p = self.norm.weight  # a float parameter even when fc is quantized
-        return KVCache(self.config.layers, capacity, p.device, p.dtype)
+        return KVCache(self.config.layers, capacity, p.device, p.dtype, k_type, v_type)
 
     def add_context(self, taps: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> None:
         """Project target taps of committed tokens ([T, n_tap * hidden]) into every layer's cached keys/values.
@@ -47,8 +49,8 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rope(positions)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.project_kv(ctx, cos, sin)
-            cache.k[i].index_copy_(1, positions, k)
-            cache.v[i].index_copy_(1, positions, v)
+            write_rows(cache.k[i], positions, k)
+            write_rows(cache.v[i], positions, v)
 
     @torch.no_grad()
     def fuse_context_projection(self, max_t: int) -> None:

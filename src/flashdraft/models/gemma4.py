@@ -26,7 +26,9 @@ from torch import nn
 
 from flashdraft.config import read_json
 from flashdraft.config_gemma4 import FULL, SLIDING, Gemma4Config, RopeSpec
+from flashdraft.engine.kv_cache import check_same_types
 from flashdraft.loading.checkpoint import CheckpointError, assign_tensors, default_device_dtype, safetensors_files
+from flashdraft.quant.kv_formats import as_stored, bytes_per_token, cache_format, new_rows, read_rows, write_rows
 
 # Sliding-window layers keep window + RING_OVERHANG rows (row = position % rows). A call of T rows rolled back to
 # any of its positions still finds every row its window needs while T <= RING_OVERHANG + 2. The engine's verify
@@ -88,16 +90,21 @@ class Gemma4Cache:
     Nothing here needs the host to know the current length, so the forward pass can be captured as a CUDA graph.
     """
 
-    def __init__(self, cfg: Gemma4Config, capacity: int, device, dtype):
+    def __init__(self, cfg: Gemma4Config, capacity: int, device, dtype, k_type: str | None = None,
+                 v_type: str | None = None):
         self.capacity = capacity
         self.ring = min(capacity, cfg.sliding_window + RING_OVERHANG)
         self.window = cfg.sliding_window
+        self.k_format, self.v_format = cache_format(k_type, dtype), cache_format(v_type, dtype)
         self.k, self.v = [], []
         for i in range(cfg.num_hidden_layers):
             rows = self.ring if cfg.is_sliding(i) else capacity
-            shape = (cfg.layer_kv_heads[i], rows, cfg.layer_head_dims[i])
-            self.k.append(torch.zeros(shape, device=device, dtype=dtype))
-            self.v.append(torch.zeros(shape, device=device, dtype=dtype))
+            heads, hd = cfg.layer_kv_heads[i], cfg.layer_head_dims[i]
+            self.k.append(new_rows(self.k_format, heads, rows, hd, device))
+            self.v.append(new_rows(self.v_format, heads, rows, hd, device))
+        # the layers whose rows grow with the context (the sliding rings' size is fixed)
+        self.full_shapes = [(cfg.layer_kv_heads[i], cfg.layer_head_dims[i])
+                            for i in range(cfg.num_hidden_layers) if not cfg.is_sliding(i)]
         self.ring_pos = torch.full((self.ring,), _EMPTY, device=device, dtype=torch.long)
         self._sliding = [cfg.is_sliding(i) for i in range(cfg.num_hidden_layers)]
 
@@ -113,6 +120,7 @@ class Gemma4Cache:
         """Take positions [0, rows) from another sequence's cache (one that shares those tokens and for which
         source.reusable(rows) == rows). Sliding layers take the whole ring: rows it holds at or past `rows` are
         stale for this sequence, and hidden as rolled-back rows are until overwritten."""
+        check_same_types(self, source)
         for sliding, dst_k, dst_v, src_k, src_v in zip(self._sliding, self.k, self.v, source.k, source.v):
             if sliding:
                 dst_k.copy_(src_k)
@@ -124,6 +132,11 @@ class Gemma4Cache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def bytes_per_token(self) -> int:
+        """Cache bytes each further position of context takes: the full layers' rows (the rings hold a fixed
+        window + RING_OVERHANG rows whatever the context)."""
+        return bytes_per_token(self.full_shapes, self.k_format, self.v_format)
 
 
 class Gemma4Attention(nn.Module):
@@ -150,17 +163,20 @@ class Gemma4Attention(nn.Module):
         k = apply_rope(self.k_norm(raw_k), cos, sin)
         k, v = k.transpose(0, 1), v.transpose(0, 1)
         cache_k, cache_v = cache.k[layer], cache.v[layer]
+        hd, dtype = self.head_dim, q.dtype
         if self.sliding:
-            # Attend over [ring rows | this call's rows], then keep this call's last `ring` rows in the ring.
-            keys, values = torch.cat([cache_k, k], dim=1), torch.cat([cache_v, v], dim=1)
+            # Attend over [ring rows | this call's rows as the ring will hold them], then keep this call's last
+            # `ring` rows in the ring.
+            keys = torch.cat([read_rows(cache_k, hd, dtype), as_stored(k, cache_k)], dim=1)
+            values = torch.cat([read_rows(cache_v, hd, dtype), as_stored(v, cache_v)], dim=1)
             keep = min(T, cache.ring)
             slots = positions[-keep:] % cache.ring
-            cache_k.index_copy_(1, slots, k[:, -keep:])
-            cache_v.index_copy_(1, slots, v[:, -keep:])
+            write_rows(cache_k, slots, k[:, -keep:])
+            write_rows(cache_v, slots, v[:, -keep:])
         else:
-            cache_k.index_copy_(1, positions, k)
-            cache_v.index_copy_(1, positions, v)
-            keys, values = cache_k[:, :kv_len], cache_v[:, :kv_len]
+            write_rows(cache_k, positions, k)
+            write_rows(cache_v, positions, v)
+            keys, values = read_rows(cache_k[:, :kv_len], hd, dtype), read_rows(cache_v[:, :kv_len], hd, dtype)
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
                                              scale=1.0, enable_gqa=self.n_heads != self.n_kv)
         return self.o_proj(out[0].transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
@@ -327,9 +343,10 @@ class Gemma4LM(nn.Module):
         cap = self.config.final_logit_softcapping
         return logits if cap is None else cap * torch.tanh(logits / cap)
 
-    def new_cache(self, capacity: int) -> Gemma4Cache:
+    def new_cache(self, capacity: int, k_type: str | None = None, v_type: str | None = None) -> Gemma4Cache:
+        """A cache of `capacity` positions; k_type / v_type: KV cache types (None: the compute dtype)."""
         p = self.model.norm.weight  # a float parameter even when the projections are quantized
-        return Gemma4Cache(self.config, capacity, p.device, p.dtype)
+        return Gemma4Cache(self.config, capacity, p.device, p.dtype, k_type, v_type)
 
     def _rope(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         out = {}

@@ -7,6 +7,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flashdraft.config import SamplingParams
 
 COMMANDS = {
     "generate": "flashdraft.cli:generate_main",
@@ -81,7 +85,31 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="no adaptive draft control: draft the full block (block size - 1) unless --draft-n")
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context size in tokens")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    add_cache_type_args(p)
     add_hub_refusals(p)
+
+
+# llama.cpp's KV cache type flags: (flags, Engine.load keyword, whose cache)
+CACHE_TYPE_FLAGS = [(("-ctk", "--cache-type-k"), "cache_type_k", "the target's keys"),
+                    (("-ctv", "--cache-type-v"), "cache_type_v", "the target's values"),
+                    (("-ctkd", "--cache-type-k-draft", "--spec-draft-type-k"), "draft_cache_type_k",
+                     "the drafter's context keys"),
+                    (("-ctvd", "--cache-type-v-draft", "--spec-draft-type-v"), "draft_cache_type_v",
+                     "the drafter's context values")]
+
+
+def add_cache_type_args(p: argparse.ArgumentParser) -> None:
+    """-ctk/-ctv/-ctkd/-ctvd: KV cache types (flashdraft.quant.kv_formats); an unknown type is an error naming the
+    supported ones."""
+    from flashdraft.quant.kv_formats import KV_FORMATS
+    for flags, dest, whose in CACHE_TYPE_FLAGS:
+        p.add_argument(*flags, dest=dest, default=None, choices=list(KV_FORMATS), metavar="TYPE",
+                       help=f"KV cache type of {whose}: {', '.join(KV_FORMATS)} (default: the model's dtype)")
+
+
+def cache_types_from_args(args) -> dict[str, str | None]:
+    """The cache type flags as Engine.load's keyword arguments."""
+    return {dest: getattr(args, dest) for _, dest, _ in CACHE_TYPE_FLAGS}
 
 
 def resolve_model_paths(model: str | None, drafter: str | None, draft: bool = True) -> tuple[str, str | None]:
@@ -127,7 +155,7 @@ def generate_main(argv: list[str]) -> int:
         set_threads(args.threads)
         model, drafter = resolve_model_paths(args.model, args.drafter, draft=not args.no_draft)
         engine = Engine.load(model, drafter, device=args.device, context_size=args.ctx_size,
-                             adaptive=not args.no_adaptive)
+                             adaptive=not args.no_adaptive, **cache_types_from_args(args))
         params = sampling_from_args(args)
         params.validate()
         prompt_ids = (engine.encode_prompt(messages=[{"role": "user", "content": args.prompt}]) if args.chat

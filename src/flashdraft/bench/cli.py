@@ -12,7 +12,8 @@ import sys
 
 from tqdm import tqdm
 
-from flashdraft.cli import add_hub_refusals, add_sampling_args, resolve_model_paths, sampling_from_args, set_threads
+from flashdraft.cli import (CACHE_TYPE_FLAGS, add_cache_type_args, add_hub_refusals, add_sampling_args,
+                            cache_types_from_args, resolve_model_paths, sampling_from_args, set_threads)
 
 PROG = "flashdraft bench"
 # Timed repetitions per prompt and way: enough to see whether they agree (the table's spread), and the
@@ -49,12 +50,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--synthetic", metavar="SHAPE", default=None,
                    help="synthetic benchmark of a model shape (flashdraft.bench.synthetic)")
     add_sampling_args(p)
+    add_cache_type_args(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.synthetic is not None:
+        cache_flags = [dest for dest, value in cache_types_from_args(args).items() if value is not None]
+        if cache_flags:
+            print(f"{PROG}: error: --synthetic does not take KV cache types yet ({', '.join(cache_flags)})",
+                  file=sys.stderr)
+            return 1
         return run_synthetic(args)
 
     from flashdraft.bench.prompts import load_prompt_set
@@ -94,6 +101,7 @@ def check_args(args) -> None:
                                           ("--device", args.device), ("-t", args.threads)) if value is not None]
         if args.no_adaptive:
             local.append("--no-adaptive")
+        local += [flags[0] for flags, dest, _ in CACHE_TYPE_FLAGS if getattr(args, dest) is not None]
         if local:
             raise ValueError(f"{', '.join(local)} apply to in-process runs; with --url the server has its model "
                              "and its draft policy (flashdraft serve --no-spec-dm-adaptive drafts the full block)")
@@ -124,8 +132,9 @@ def make_backend(args, params):
     set_threads(args.threads)
     model, drafter = resolve_model_paths(args.model, args.drafter)
     print(f"{PROG}: loading {model}" + (f" with drafter {drafter}" if drafter else ""), file=sys.stderr)
+    cache_types = cache_types_from_args(args)
     engine = Engine.load(model, drafter, device=args.device, context_size=args.ctx_size,
-                         adaptive=not args.no_adaptive)
+                         adaptive=not args.no_adaptive, **cache_types)
     if not engine.has_drafter:
         raise BenchError("bench compares plain decoding with DFlash: pass a drafter with -md DRAFTER_FOLDER")
     if args.draft_n is not None and args.draft_n > engine.max_draft:
@@ -136,7 +145,7 @@ def make_backend(args, params):
     return InProcessBackend(engine, params, policy), {
         "mode": "in-process", "model": engine.name, "model_path": str(model), "drafter_path": str(drafter),
         "device": device, "context_size": engine.context_size, "block_size": engine.decoder.block_size,
-        "threads": torch_threads(), **config,
+        "threads": torch_threads(), "cache_types": cache_types, **config,
         **({"draft_cost": {"fixed": draft_cost.fixed, "per_token": draft_cost.per_token}} if draft_cost else {})}
 
 

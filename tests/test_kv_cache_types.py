@@ -12,8 +12,12 @@ from flashdraft.engine.kv_cache import KVCache
 from flashdraft.quant import kv_formats as kf
 from tiny_models import build_drafter, build_target
 
-gguf_quants = pytest.importorskip("gguf.quants")
-from gguf import GGMLQuantizationType  # noqa: E402
+
+@pytest.fixture(scope="module")
+def gguf_py():
+    """gguf-py's numpy quantizers (llama.cpp's reference rules) and its type enum."""
+    quants = pytest.importorskip("gguf.quants")
+    return quants.quantize, quants.GGMLQuantizationType
 
 BLOCK_TYPES = ["q8_0", "q5_1", "q5_0", "q4_1", "q4_0"]
 # ggml-common.h: bytes per 32 values (fp16 scale(s), high bits, packed quants), written out here independently
@@ -34,18 +38,20 @@ def _rows(seed: int, shape=(3, 7, 128)) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", BLOCK_TYPES)
-def test_blocks_are_gguf_py_bytes(name):
+def test_blocks_are_gguf_py_bytes(name, gguf_py):
+    quantize, GGMLQuantizationType = gguf_py
     x = _rows(1)
     ours = kf.quantize(x, kf.kv_format(name))
-    ref = gguf_quants.quantize(x.reshape(-1, 128).numpy(), getattr(GGMLQuantizationType, name.upper()))
+    ref = quantize(x.reshape(-1, 128).numpy(), getattr(GGMLQuantizationType, name.upper()))
     assert ours.dtype == torch.uint8 and ours.shape == (3, 7, 128 // 32 * BLOCK_BYTES[name])
     assert np.array_equal(ours.reshape(-1, ours.shape[-1]).numpy(), ref)
 
 
-def test_float_types_are_rounded_casts():
+def test_float_types_are_rounded_casts(gguf_py):
+    quantize, GGMLQuantizationType = gguf_py
     x = _rows(2)
     assert np.array_equal(kf.quantize(x, kf.kv_format("bf16")).view(torch.int16).numpy(),
-                          gguf_quants.quantize(x.numpy(), GGMLQuantizationType.BF16).view(np.int16))
+                          quantize(x.numpy(), GGMLQuantizationType.BF16).view(np.int16))
     assert np.array_equal(kf.quantize(x, kf.kv_format("f16")).numpy(), x.numpy().astype(np.float16))
     assert kf.quantize(x, kf.kv_format("f32")) is x
 

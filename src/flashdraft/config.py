@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -232,6 +233,14 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if self.constraint is not None:
             self.constraint.validate()
+            if self.ignore_eos:  # a complete output can only be followed by an end of sequence
+                raise ValueError("ignore_eos cannot be combined with a grammar constraint (json_schema, "
+                                 "response_format, grammar): the grammar's end is the end of the output")
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {token!r}")
+            if not math.isfinite(bias):
+                raise ValueError(f"logit_bias[{token}] must be a finite number, got {bias}")
 
     @property
     def processes_logits(self) -> bool:

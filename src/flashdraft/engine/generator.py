@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Protocol
 
-from flashdraft.config import SamplingParams
+from flashdraft.config import Constraint, SamplingParams
 from flashdraft.engine.adaptive import AdaptiveDraft
 from flashdraft.engine.detokenize import IncrementalText
+from flashdraft.engine.grammar import GrammarCompiler
+from flashdraft.engine.logit_processor import TokenLogprob
 from flashdraft.engine.sampling import resolve_seed
 from flashdraft.engine.speculative import Sequence, SpeculativeDecoder
 from flashdraft.loading import Tokenizer, load_model
@@ -107,16 +110,6 @@ class GenerationStats:
 
 
 @dataclass
-class TokenLogprob:
-    """An emitted token's log-probability under the target (log-softmax of its raw logits at that position), and
-    the most likely tokens there with theirs (as many as the request's logprobs asked for)."""
-
-    token: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
-
-
-@dataclass
 class Delta:
     """Newly committed text and token ids (stop strings and incomplete characters held back), and when: the time
     since decoding started (after the prompt), for live speed figures."""
@@ -157,6 +150,8 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(int(tokenizer.eos_token_id))
         self._sequence: Sequence | None = None
+        self._grammars: GrammarCompiler | None = None  # made at the first constrained request
+        self._grammars_lock = threading.Lock()
         self.adaptive = adaptive  # default policy: the adaptive controller (True) or the full block (False)
         self._default_policy: tuple[bool, DraftPolicy] | None = None  # (adaptive when made, the policy)
 
@@ -212,6 +207,29 @@ class Engine:
         if bad:
             raise ValueError(f"prompt token id(s) {bad[:5]} outside the vocabulary (size {vocab})")
 
+    def check_sampling(self, params: SamplingParams):
+        """ValueError naming the problem for sampling parameters this engine cannot honour: invalid values,
+        logit_bias token ids outside the vocabulary, a constraint that does not compile. Returns the
+        constraint's compiled grammar (None without one); compiled grammars are cached, so a second check of the
+        same constraint costs little."""
+        params.validate()
+        vocab = self.decoder.target.config.vocab_size
+        bad = [t for t in params.logit_bias if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"logit_bias token id(s) {bad[:5]} outside the vocabulary (size {vocab})")
+        return self.compile_constraint(params.constraint) if params.constraint is not None else None
+
+    def compile_constraint(self, constraint: Constraint):
+        """The constraint's grammar compiled for this model's tokenizer; ValueError (with the grammar engine's
+        message) when it does not compile or the engine cannot constrain output (no tokenizer, no end token)."""
+        if self.tokenizer is None:
+            raise ValueError(f"a {constraint.kind} constraint needs the model's tokenizer, and this engine has none")
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer.hf, self.decoder.target.config.vocab_size,
+                                                 self.eos_ids)
+        return self._grammars.compile(constraint)
+
     def generate(self, prompt_ids: list[int], params: SamplingParams, draft: int | DraftPolicy | None = None,
                  sequence: Sequence | None = None) -> GenerationResult:
         result = None
@@ -245,7 +263,7 @@ class Engine:
         below n_min drafts nothing (as llama-server's speculative.n_max / n_min). Closing the iterator stops
         the generation at once.
         """
-        params.validate()
+        grammar = self.check_sampling(params)
         self.check_prompt(prompt_ids)
         if draft is None:
             draft = self.default_policy()
@@ -260,10 +278,10 @@ class Engine:
         out = _OutputTracker(self, params)
 
         t0 = time.perf_counter()
-        first = self.decoder.prefill(sequence, prompt_ids, params, seed)
+        first = self.decoder.prefill(sequence, prompt_ids, params, seed, grammar)
         t1 = time.perf_counter()
         stats.prompt_ms = 1000 * (t1 - t0)
-        delta = out.add([first])
+        delta = out.add(first.committed, first.logprobs)
         # Steps launched and not yet collected. Pipelined decoding keeps one queued behind the one being collected,
         # so the GPU works on the next step while the host handles this one's tokens; otherwise each step runs
         # to the end at launch.
@@ -298,7 +316,7 @@ class Engine:
                 policy.record(step.drafted, step.accepted, seconds)
                 last_collect = now
                 stats.record_step(step.drafted, step.accepted)
-                delta = out.add(step.committed)
+                delta = out.add(step.committed, step.logprobs)
         finally:
             # Steps still queued (past the end, or the stream was closed) are dropped, and so are their lengths.
             unplan = getattr(policy, "unplan", None)
@@ -308,7 +326,8 @@ class Engine:
         stats.predicted_ms = 1000 * (time.perf_counter() - t1)
         finish_reason, stop_type = out.finished
         yield GenerationResult(text=out.text, tokens=list(out.tokens), finish_reason=finish_reason,
-                               stop_type=stop_type, stopping_word=out.stopping_word, seed=seed, stats=stats)
+                               stop_type=stop_type, stopping_word=out.stopping_word, seed=seed, stats=stats,
+                               logprobs=list(out.logprobs) if out.logprobs is not None else None)
 
 
 def _is_demo(model: str | Path) -> bool:
@@ -318,7 +337,8 @@ def _is_demo(model: str | Path) -> bool:
 
 
 class _OutputTracker:
-    """Applies EOS, max-token and stop-string rules to committed tokens and releases text that is final."""
+    """Applies EOS, max-token and stop-string rules to committed tokens and releases text that is final, with
+    the tokens' logprobs when the request asked for them (kept alongside the tokens, cut where they are cut)."""
 
     def __init__(self, engine: Engine, params: SamplingParams):
         self.tokenizer = engine.tokenizer
@@ -328,6 +348,7 @@ class _OutputTracker:
         self.stops = [s for s in params.stop if s]
         self.holdback = max((len(s) for s in self.stops), default=1) - 1
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.text = ""
         self.emitted = 0  # characters of text already released
         self.tokens_emitted = 0
@@ -338,12 +359,14 @@ class _OutputTracker:
         if self.finished is None:
             self.finished = (reason, stop_type)
 
-    def add(self, committed: list[int]) -> Delta | None:
-        for tok in committed:
+    def add(self, committed: list[int], logprobs: list[TokenLogprob] | None = None) -> Delta | None:
+        for i, tok in enumerate(committed):
             if tok in self.eos_ids:
                 self.finish("stop", "eos")
                 break
             self.tokens.append(tok)
+            if self.logprobs is not None:
+                self.logprobs.append(logprobs[i])
             if len(self.tokens) >= self.max_tokens:
                 self.finish("length", "limit")
                 break
@@ -362,10 +385,11 @@ class _OutputTracker:
             while k > self.tokens_emitted and self.detok.length_at(self.tokens, k) > release:
                 k -= 1
         text, new_tokens = self.text[self.emitted:release], self.tokens[self.tokens_emitted:k]
+        logprobs = self.logprobs[self.tokens_emitted:k] if self.logprobs is not None else None
         self.emitted, self.tokens_emitted = release, k
         if not text and not new_tokens:
             return None
-        return Delta(text=text, token_ids=new_tokens)
+        return Delta(text=text, token_ids=new_tokens, logprobs=logprobs)
 
     def _apply_stop_strings(self) -> None:
         if not self.stops:
@@ -380,5 +404,7 @@ class _OutputTracker:
         # Keep only the tokens whose text lies wholly before the stop string.
         while self.tokens and self.detok.length_at(self.tokens, len(self.tokens)) > cut:
             self.tokens.pop()
+            if self.logprobs is not None:
+                self.logprobs.pop()
         self.stopping_word = word
         self.finished = ("stop", "word")

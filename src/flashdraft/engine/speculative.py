@@ -9,6 +9,10 @@ longest prefix of guesses that equal the target's own samples, plus the target's
 the new length are stale and masked by position, so rollback costs nothing. n = 0 is plain decoding on the
 same path.
 
+Logit processing (bias, penalties, a grammar) and logprobs (engine.logit_processor): the verify rows are processed
+before sampling, row i as if guesses[:i] were committed, so acceptance compares the guesses with the samples of
+the processed rows that plain decoding would have had; such requests take the step-by-step path.
+
 Pipelined steps (greedy decoding with CUDA graphs): `launch` replays a step's one graph (draft, verify, greedy
 acceptance) and queues the copy of its [accepted, samples] to the host; `collect` waits for it. The graph reads
 its start position, last token and drafter context from the sequence's DeviceState and advances them itself,
@@ -26,12 +30,18 @@ import torch
 
 from flashdraft.config import SamplingParams
 from flashdraft.engine.cuda_graphs import GraphCache, bucket, compile_layers, fuse_projections
+from flashdraft.engine.grammar import GrammarMatcher
 from flashdraft.engine.kv_cache import KVCache
+from flashdraft.engine.logit_processor import LogitProcessor, TokenLogprob
 from flashdraft.engine.sampling import sample_tokens
 from flashdraft.layers.decode_attention import ATTENTION_BACKENDS, route_attention
 from flashdraft.layers.decoder import DecoderLayer, route_fused_layers
 from flashdraft.layers.skinny_gemm import BLOCK_M, GEMM_BACKENDS, can_run, route_linears, triton_available
 from flashdraft.models import DecoderLM, DFlashDrafter
+
+# With a grammar, each drafted slot takes the best of the drafter's this many candidates that the grammar allows
+# after the slots before it (a draft that ends in a forbidden guess could not be accepted past it).
+DRAFT_CANDIDATES = 8
 
 # Taps waiting for projection are flushed into the drafter cache at this many rows even while drafting is off,
 # so a long stretch of plain decoding keeps bounded memory; one batched projection costs little.
@@ -130,6 +140,8 @@ class Sequence:
     # interleaves the steps of several sequences.
     host_buffers: list[torch.Tensor] = field(default_factory=list)
     next_host: int = 0
+    # The request's logit processing and logprobs (None when it asks for neither).
+    processor: LogitProcessor | None = None
 
 
 @dataclass
@@ -138,6 +150,7 @@ class StepResult:
     drafted: int           # guesses proposed (n)
     accepted: int          # guesses accepted
     seconds: float | None = None  # the step's time on the device, where measured (pipelined steps on CUDA)
+    logprobs: list[TokenLogprob] | None = None  # one per committed token, when the request asked for logprobs
 
 
 class SpeculativeDecoder:
@@ -165,6 +178,7 @@ class SpeculativeDecoder:
         self.graphs = GraphCache() if (on_cuda if cuda_graphs is None else cuda_graphs) else None
         self._ctx_taps = None
         self._mask_tail = None  # the drafter block's B - 1 mask tokens, on the device
+        self._guess_buffer = None  # pinned landing place of a step's guesses, for the host's grammar masks
         # gemm: "cublas" (F.linear) or "triton" (flashdraft.layers.skinny_gemm: batch-invariant GEMMs, so the
         # linear layers give a verify step's rows bitwise what plain decoding gets; inputs of more than
         # max(16, block) rows, such as prefill, stay on F.linear). None: resolve_gemm's default.
@@ -206,21 +220,36 @@ class SpeculativeDecoder:
         return torch.arange(start, start + count, device=self.device)
 
     @torch.inference_mode()
-    def prefill(self, seq: Sequence, prompt: list[int], params: SamplingParams, seed: int) -> int:
-        """Run the prompt and sample the first new token; returns it (already appended to seq.tokens)."""
+    def prefill(self, seq: Sequence, prompt: list[int], params: SamplingParams, seed: int,
+                grammar=None) -> StepResult:
+        """Run the prompt and sample the first new token (appended to seq.tokens); returns it as a step's result.
+        grammar: the compiled grammar of params.constraint (engine.grammar.GrammarCompiler), which it needs."""
+        if params.constraint is not None and grammar is None:
+            raise ValueError("a constrained request needs its compiled grammar")
         seq.tokens, seq.draft_len, seq.pending = list(prompt), 0, []
         seq.params, seq.seed = params, seed
         seq.on_device, seq.ahead = False, 0  # a step launched past the last generation's end is dropped
+        vocab = self.target.config.vocab_size
+        seq.processor = None
+        if params.processes_logits or params.logprobs is not None:
+            matcher = GrammarMatcher(grammar, vocab, self.block_size + 1) if grammar is not None else None
+            seq.processor = LogitProcessor(params, prompt, vocab, self.device, matcher)
         P = len(prompt)
         tokens = torch.tensor(prompt, device=self.device)
         logits, taps = self.target(tokens, self._positions(0, P), seq.target_cache, P, self.tap_ids, last_only=True)
-        sampled = sample_tokens(logits, params, seed, self._positions(P, 1))
+        rows = seq.processor.process(logits, []) if params.processes_logits else logits
+        sampled = sample_tokens(rows, params, seed, self._positions(P, 1))
         first = int(sampled[0])
         if taps is not None:
             seq.pending.append(taps)
         seq.tokens.append(first)
         seq.last = (len(seq.tokens), sampled[:1])
-        return first
+        logprobs = None
+        if seq.processor is not None:
+            if params.logprobs is not None:
+                logprobs = seq.processor.logprobs(logits, sampled, 1)
+            seq.processor.commit([first])
+        return StepResult(committed=[first], drafted=0, accepted=0, logprobs=logprobs)
 
     def _last_token(self, seq: Sequence) -> torch.Tensor:
         """[1] on the device: the last committed token."""
@@ -236,19 +265,23 @@ class SpeculativeDecoder:
         seq.draft_len += taps.shape[0]
         seq.pending = []
 
-    def _draft(self, seq: Sequence, n: int) -> torch.Tensor:
-        """The drafter's greedy guesses for the n tokens after the last committed one ([n] on the device)."""
+    def _draft(self, seq: Sequence, n: int, candidates: int = 1) -> torch.Tensor:
+        """The drafter's greedy guesses for the n tokens after the last committed one ([n] on the device); with
+        candidates > 1, each slot's best candidates, best first ([n, candidates]; an oracle's guess is the one
+        candidate of its slot)."""
         start, B = len(seq.tokens) - 1, self.block_size
         block = torch.cat([self._last_token(seq), self._mask_tail_tokens()])
         if self.graphs is None:
             self._flush_context(seq)
             hidden = self.drafter(self.target.embed(block), self._positions(start, B), seq.draft_cache, start + B)
-            guesses = self.target.logits(hidden[1:n + 1]).argmax(dim=-1)
+            guesses = _best(self.target.logits(hidden[1:n + 1]), candidates)
         else:
-            guesses = self._draft_graphed(seq, block, start)[:n]
-        return self.oracle(start, guesses) if self.oracle is not None else guesses
+            guesses = self._draft_graphed(seq, block, start, candidates)[:n]
+        if self.oracle is None:
+            return guesses
+        return self.oracle(start, guesses[:, 0])[:, None] if candidates > 1 else self.oracle(start, guesses)
 
-    def _draft_graphed(self, seq: Sequence, block: torch.Tensor, start: int) -> torch.Tensor:
+    def _draft_graphed(self, seq: Sequence, block: torch.Tensor, start: int, candidates: int) -> torch.Tensor:
         """Context projection and the block pass as one graph. Up to B pending context rows go in with the
         block, padded to B rows; the padding lands on the block's own positions, which the block pass then
         overwrites. More pending rows (after prefill or plain decoding) are projected eagerly first."""
@@ -261,9 +294,9 @@ class SpeculativeDecoder:
         cache = seq.draft_cache
 
         def draft_pass(ctx_taps, ctx_positions, block, block_positions):
-            return self._draft_pass(cache, kv_len, ctx_taps, ctx_positions, block, block_positions)
+            return self._draft_pass(cache, kv_len, ctx_taps, ctx_positions, block, block_positions, candidates)
 
-        return self.graphs.run(("draft", self.graphs.tie(cache), kv_len), draft_pass, ctx_taps=taps,
+        return self.graphs.run(("draft", self.graphs.tie(cache), kv_len, candidates), draft_pass, ctx_taps=taps,
                                ctx_positions=self._positions(start - rows, B), block=block,
                                block_positions=self._positions(start, B))
 
@@ -283,12 +316,14 @@ class SpeculativeDecoder:
         seq.pending, seq.draft_len = [], seq.draft_len + rows
         return rows
 
-    def _draft_pass(self, cache: KVCache, kv_len: int, ctx_taps, ctx_positions, block, block_positions):
-        """Project the context rows, run the block: the drafter's greedy guesses for block slots 1..B-1."""
+    def _draft_pass(self, cache: KVCache, kv_len: int, ctx_taps, ctx_positions, block, block_positions,
+                    candidates: int = 1):
+        """Project the context rows, run the block: the drafter's greedy guesses for block slots 1..B-1 (or
+        their best candidates: _best)."""
         self.drafter.add_context(ctx_taps, ctx_positions, cache)
         mask = torch.arange(kv_len, device=block.device)[None, :] <= block_positions[-1:, None]
         hidden = self.drafter(self.target.embed(block), block_positions, cache, kv_len, mask)
-        return self.target.logits(hidden[1:]).argmax(dim=-1)
+        return _best(self.target.logits(hidden[1:]), candidates)
 
     def _verify(self, seq: Sequence, tokens: torch.Tensor, start: int):
         """Target pass over tokens at positions start..: logits and taps."""
@@ -319,8 +354,10 @@ class SpeculativeDecoder:
         return 2 if self.compiled or self.graphs is not None else 1
 
     def pipelines(self, params: SamplingParams) -> bool:
-        """Whether steps of this decoding run pipelined (launch before collect): greedy, with CUDA graphs."""
-        return self.graphs is not None and params.greedy
+        """Whether steps of this decoding run pipelined (launch before collect): greedy, with CUDA graphs, and
+        nothing for the host to do between verify and acceptance (logit processing) or after it (logprobs)."""
+        return (self.graphs is not None and params.greedy and not params.processes_logits
+                and params.logprobs is None)
 
     @torch.inference_mode()
     def launch(self, seq: Sequence, n: int) -> Launched:
@@ -438,21 +475,62 @@ class SpeculativeDecoder:
         n = self._clamp(n)
         start = len(seq.tokens) - 1
         last = self._last_token(seq)
-        verify = torch.cat([last, self._draft(seq, n)]) if n > 0 else last
+        params, processor = seq.params, seq.processor
+        grammar = processor.grammar if processor is not None else None
+        guesses, chosen, fetch, masks = None, [], None, None
+        if n > 0 and grammar is not None:
+            # Guesses the grammar allows, chosen on the host from the drafter's candidates; the masks that chose
+            # them are the verify rows' masks. A slot with no allowed candidate ends the draft there.
+            chosen, masks = grammar.draft(self._draft(seq, n, DRAFT_CANDIDATES).tolist())
+            n = len(chosen)
+            guesses = torch.tensor(chosen, device=self.device)
+        elif n > 0:
+            guesses = self._draft(seq, n)
+            if params.processes_logits:
+                # The host's processing needs the guesses: their copy is queued before the verify pass, which
+                # the host's work then overlaps (and taken now, as the verify graph may reuse their memory).
+                fetch = self._copy_to_host(guesses)
+        verify = torch.cat([last, guesses]) if n > 0 else last
         if n == 0 and self._plain_rows() == 2:
             verify = torch.cat([last, last])
         logits, taps = self._verify(seq, verify, start)
         logits = logits[:n + 1]
-        result = accept(verify, sample_tokens(logits, seq.params, seq.seed, self._positions(start + 1, n + 1)), n)
+        rows = processor.process(logits, fetch() if fetch else chosen, masks) if params.processes_logits else logits
+        samples = sample_tokens(rows, params, seq.seed, self._positions(start + 1, n + 1))
+        result = accept(verify, samples, n)
         # The one host sync of the step: acceptance count and the target's samples together.
         host = result.tolist()
         acc = host[0]
         committed = host[1:acc + 2]  # samples 0..acc-1 equal the accepted guesses; sample acc is the target's own
         seq.tokens.extend(committed)
+        logprobs = None
+        if processor is not None:
+            if params.logprobs is not None:
+                logprobs = processor.logprobs(logits, samples, acc + 1)
+            processor.commit(committed)
         # A copy: the graphs share one memory pool, so the next replay of any graph may write over `result`.
         seq.last = (len(seq.tokens), result[acc + 1:acc + 2].clone())
         if taps is not None:
             seq.pending.append(taps[:acc + 1].clone() if self.graphs is not None else taps[:acc + 1])
             if n == 0 and sum(t.shape[0] for t in seq.pending) >= MAX_PENDING_ROWS:
                 self._flush_context(seq)
-        return StepResult(committed=committed, drafted=n, accepted=acc)
+        return StepResult(committed=committed, drafted=n, accepted=acc, logprobs=logprobs)
+
+    def _copy_to_host(self, tokens: torch.Tensor):
+        """Start copying tokens to the host; returns a function that waits for them and gives them as a list.
+        On CUDA the copy is queued on the stream, so the work queued after it runs while the host waits."""
+        if tokens.device.type != "cuda":
+            values = tokens.tolist()
+            return lambda: values
+        if self._guess_buffer is None:
+            self._guess_buffer = torch.zeros(self.block_size, dtype=torch.long, pin_memory=True)
+        landed = self._guess_buffer[:tokens.shape[0]]
+        landed.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return lambda: done.synchronize() or landed.tolist()
+
+
+def _best(logits: torch.Tensor, candidates: int) -> torch.Tensor:
+    """Each row's argmax ([rows]), or with candidates > 1 its best tokens, best first ([rows, candidates])."""
+    return logits.argmax(dim=-1) if candidates == 1 else torch.topk(logits, candidates, dim=-1).indices

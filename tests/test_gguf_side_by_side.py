@@ -1,0 +1,238 @@
+"""scripts/gpu/side_by_side.sh and its helper side_by_side_gguf.py on the CPU: argument checks, the table built from
+llama-bench's JSON (a fixture of the 2026-12-01 H200 figures), the dry-run plan, and the whole script end to end on
+make_gguf.py's tiny files with a stand-in llama-bench (a real one needs the GPU machine's build), resuming where an
+earlier call stopped."""
+import importlib.util
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import gguf
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu" / "side_by_side.sh"
+HELPER = ROOT / "scripts" / "gpu" / "side_by_side_gguf.py"
+BENCH = Path(os.environ.get("FLASHDRAFT_LLAMACPP_BENCH", ROOT.parent / "shared" / "llamacpp-bench"))
+
+
+def load_helper():
+    spec = importlib.util.spec_from_file_location("side_by_side_gguf", HELPER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+sbs = load_helper()
+
+
+def record(n_prompt, n_gen, depth, ts):
+    """A llama-bench -o json record, with the fields the table reads and a few it does not."""
+    return {"build_commit": "ba1fdce5", "gpu_info": "NVIDIA H200", "model_type": "gemma4 31B Q4_K - Small",
+            "model_size": 17748647936, "n_gpu_layers": 99, "flash_attn": True, "n_prompt": n_prompt, "n_gen": n_gen,
+            "n_depth": depth, "avg_ts": ts, "stddev_ts": 0.5, "samples_ts": [ts, ts]}
+
+
+# The Gemma-4-31B Q4_K_S figures of ../shared/llamacpp-bench (2026-12-01), as the two runs side_by_side.sh makes
+# write them: prefill lengths first, then decoding at three depths.
+LLAMA_RUNS = [[record(512, 0, 0, 2381.16), record(8192, 0, 0, 2100.0)],
+              [record(0, 128, 0, 75.72), record(0, 128, 8192, 68.06), record(0, 128, 32768, 65.93)]]
+OURS = {"device": "NVIDIA H200", "tokens": 128, "depths": [0, 8192, 32768], "errors": [], "build_running": True,
+        "plain": [{"depth": 0, "tok_s": 151.44}, {"depth": 512, "tok_s": 150.0}, {"depth": 8192, "tok_s": 102.09},
+                  {"depth": 32768, "tok_s": 98.895}],
+        "prefill": [{"prompt_n": 512, "tok_s": 2381.16}, {"prompt_n": 8192, "tok_s": 4200.0}],
+        "dflash": [{"tau_planned": 6, "tau": 5.8, "tok_s": 605.76, "speedup": 4.0, "identical": True},
+                   {"tau_planned": 8, "tau": 7.6, "tok_s": 700.0, "speedup": 4.6, "identical": False}]}
+
+
+def test_llama_bench_json_runs_are_read_concatenated(tmp_path):
+    path = tmp_path / "llama.json"
+    path.write_text("\n".join(json.dumps(run, indent=2) for run in LLAMA_RUNS) + "\n")
+    records = sbs.llama_records(path)
+    assert [(r["n_prompt"], r["n_gen"], r["n_depth"]) for r in records] == [
+        (512, 0, 0), (8192, 0, 0), (0, 128, 0), (0, 128, 8192), (0, 128, 32768)]
+    assert sbs.llama_ts(records, 0, 128, 8192) == 68.06 and sbs.llama_ts(records, 0, 128, 4096) is None
+
+
+def test_table_rows_pair_each_test_and_ratio(tmp_path):
+    records = [r for run in LLAMA_RUNS for r in run]
+    rows = {r["test"]: r for r in sbs.table_rows(records, OURS)}
+    assert list(rows) == ["tg128", "tg128 @ d8192", "tg128 @ d32768", "pp512", "pp8192",
+                          "DFlash tau 6 vs tg128", "DFlash tau 8 vs tg128"]  # depth 512: DFlash's baseline only
+    assert (rows["tg128"]["llama"], rows["tg128"]["ours"]) == (75.72, 151.44)
+    assert (rows["tg128 @ d32768"]["llama"], rows["tg128 @ d32768"]["ours"]) == (65.93, 98.895)
+    assert (rows["pp8192"]["llama"], rows["pp8192"]["ours"]) == (2100.0, 4200.0)
+    assert rows["DFlash tau 6 vs tg128"]["llama"] == 75.72 and "tau 5.80, 4.00x own plain" in rows[
+        "DFlash tau 6 vs tg128"]["note"]
+    assert "TOKENS DIFFER" in rows["DFlash tau 8 vs tg128"]["note"]
+
+    res = tmp_path / "results"
+    res.mkdir()
+    (res / "llama-gemma-4-31b__q4_k_s.json").write_text("".join(json.dumps(r) for r in LLAMA_RUNS))
+    (res / "flashdraft-gemma-4-31b__q4_k_s.json").write_text(json.dumps(OURS))
+    (res / "llama-qwen3-8b__q4_k_m.json").write_text(json.dumps([record(0, 128, 0, 206.2)]))  # one side only
+    md, merged = tmp_path / "t.md", tmp_path / "r.json"
+    assert sbs.main(["table", str(res), "--md", str(md), "--json", str(merged)]) == 0
+    lines = md.read_text().splitlines()
+    assert "| gemma-4-31b__q4_k_s | tg128 | 75.7 | 151.4 | 2.00x |  |" in lines
+    assert "| gemma-4-31b__q4_k_s | tg128 @ d32768 | 65.9 | 98.9 | 1.50x |  |" in lines
+    assert "| gemma-4-31b__q4_k_s | pp512 | 2381.2 | 2381.2 | 1.00x |  |" in lines
+    assert any(line.startswith("| gemma-4-31b__q4_k_s | DFlash tau 6 vs tg128 | 75.7 | 605.8 | 8.00x |")
+               for line in lines)
+    assert "| qwen3-8b__q4_k_m | tg128 | 206.2 | - | - |  |" in lines
+    assert any("while llama.cpp was being built" in line for line in lines)
+    assert set(json.loads(merged.read_text())) == {"gemma-4-31b__q4_k_s", "qwen3-8b__q4_k_m"}
+    assert sbs.main(["table", str(tmp_path / "empty")]) == 1
+
+
+def test_measure_arguments_are_checked(tmp_path, capsys):
+    gguf_file = tmp_path / "m.gguf"
+    gguf_file.write_bytes(b"")
+    cases = {"--taus must be at least 2": ["--taus", "1,4"], "--tokens must be at least 2": ["--tokens", "1"],
+             "no such GGUF file": [], "negative value": ["--depths", "0,-5"], "invalid choice": ["--drafter", "Q2_K"]}
+    for message, extra in cases.items():
+        file = tmp_path / "missing.gguf" if message == "no such GGUF file" else gguf_file
+        with pytest.raises(SystemExit) as e:
+            sbs.main(["measure", str(file), str(tmp_path / "o.json"), *extra])
+        assert e.value.code == 2 and message in capsys.readouterr().err, message
+
+
+@pytest.mark.parametrize("qtype", ["Q5_K", "bf16"])
+def test_random_drafter_for_a_qwen3_target(tmp_path, qtype):
+    """Llama/Qwen3 targets get a Qwen3-style drafter of their own shape whose projections hold qtype blocks (the
+    Gemma 4 drafter is built in the end-to-end run below); it drafts losslessly with the oracle's guesses."""
+    import torch
+
+    from flashdraft.config import SamplingParams
+    from flashdraft.engine.generator import Engine
+    from flashdraft.loading import load_target
+    from flashdraft.quant import QuantLinear
+    from tiny_models import build_target
+
+    target = load_target(build_target(tmp_path / "t", hidden=256), 256, torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    drafter = sbs.build_drafter(target, 256, qtype, True, torch.device("cpu"), torch.float32, gen)
+    cfg = drafter.config
+    assert (cfg.block_size, cfg.layers.num_hidden_layers, cfg.layers.hidden_size) == (8, 2, target.config.hidden_size)
+    assert cfg.target_layer_ids and max(cfg.target_layer_ids) < target.config.num_hidden_layers
+    quant = [m.qtype for m in drafter.modules() if isinstance(m, QuantLinear)]
+    assert quant == ([] if qtype == "bf16" else [qtype] * len(quant)) and (qtype == "bf16" or quant)
+    prompt = list(range(5, 29))
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    plain = Engine(target, None, None, context_size=256).generate(prompt, params, 0)
+    assert Engine(target, None, drafter, context_size=256).generate(prompt, params, 7).tokens == plain.tokens
+
+
+def fake_bench(folder: Path, make_gguf: Path | None = None) -> Path:
+    """A bench folder: make_gguf.py (the real one, or an empty stand-in), gguf-py in the tarball (the installed
+    gguf package), and a device_cmd.sh that 'builds' a stand-in llama-bench printing records for its -p/-n/-d."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if make_gguf is not None:
+        shutil.copy(make_gguf, folder / "make_gguf.py")
+    else:
+        (folder / "make_gguf.py").write_text("")
+    with tarfile.open(folder / "beellama-src.tar.gz", "w:gz") as tf:
+        tf.add(Path(gguf.__file__).parent, arcname="beellama/gguf-py/gguf")
+    (folder / "llama-bench.py").write_text(f"""#!{sys.executable}
+import json, sys
+a = sys.argv[1:]
+def arg(flag, default):
+    return [int(v) for v in a[a.index(flag) + 1].split(",")] if flag in a else default
+recs = [dict(gpu_info="stand-in", n_prompt=p, n_gen=0, n_depth=d, avg_ts=1000.0 + p, stddev_ts=0.0)
+        for d in arg("-d", [0]) for p in arg("-p", [512]) if p]
+recs += [dict(gpu_info="stand-in", n_prompt=0, n_gen=n, n_depth=d, avg_ts=100.0 - d / 1000, stddev_ts=0.0)
+         for d in arg("-d", [0]) for n in arg("-n", [128]) if n]
+print(json.dumps(recs, indent=2))
+""")
+    (folder / "device_cmd.sh").write_text("""#!/usr/bin/env bash
+set -e
+mkdir -p "$BEE_WORK/build-test/bin" "$OUT"
+echo "stand-in device_cmd.sh: built" | tee "$OUT/build.log"
+install -m 755 "$(dirname "$0")/llama-bench.py" "$BEE_WORK/build-test/bin/llama-bench"
+""")
+    for name in ("device_cmd.sh", "llama-bench.py"):
+        (folder / name).chmod((folder / name).stat().st_mode | stat.S_IEXEC)
+    return folder
+
+
+def run_script(args, env_extra, timeout=600):
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **env_extra)
+    return subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_script_arguments_are_checked(tmp_path):
+    bench = fake_bench(tmp_path / "bench")
+    env = {"SBS_BENCH": str(bench), "SBS_WORK": str(tmp_path / "w"), "OUT": str(tmp_path / "out")}
+    cases = {"unknown phase or option 'bogus'": (["bogus"], {}),
+             "SBS_MODELS: 'qwen3-8b:q8_0' is not SHAPE:TYPE": ([], {"SBS_MODELS": "qwen3-8b:q8_0"}),
+             "SBS_DEPTHS must be comma-separated numbers": ([], {"SBS_DEPTHS": "0,8K"}),
+             "SBS_DRAFTER must be": ([], {"SBS_DRAFTER": "Q2_K"}),
+             "BUDGET must be a whole number": ([], {"SBS_BUDGET_S": "ten"}),
+             "must hold make_gguf.py": ([], {"SBS_BENCH": str(tmp_path / "nowhere")})}
+    for message, (args, extra) in cases.items():
+        proc = run_script(["--dry-run", *args], {**env, **extra})
+        assert proc.returncode == 2 and message in proc.stderr, (message, proc.stderr)
+    assert not (tmp_path / "out").exists()
+    proc = run_script(["--help"], env)
+    assert proc.returncode == 0 and "PHASE: build | files | flashdraft | llama | table" in proc.stdout
+
+
+def test_dry_run_prints_the_plan(tmp_path):
+    bench = fake_bench(tmp_path / "bench")
+    env = {"SBS_BENCH": str(bench), "SBS_WORK": str(tmp_path / "w"), "OUT": str(tmp_path / "out"),
+           "SBS_GGUF_DIR": str(tmp_path / "g")}
+    proc = run_script(["--dry-run"], env)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for model, drafter in (("gemma-4-31b__q4_k_s", "Q5_K"), ("qwen3-8b__q4_k_m", "Q5_K"), ("qwen3-8b__bf16", "bf16")):
+        f = tmp_path / "g" / f"{model}.gguf"
+        assert f"-o {f} --gguf-py" in out
+        assert (f"side_by_side_gguf.py measure {f} {tmp_path / 'w' / 'results'}/flashdraft-{model}.json.part "
+                f"--depths 0,8192,32768 --prefill 512,8192 --taus 4,6,8 --dflash-prompt 512 --tokens 128 --reps 1 "
+                f"--drafter {drafter}"
+                in out)
+        assert f"llama-bench -m {f} -p 512,8192 -n 0 -ngl 99 -fa 1 -r 3 -o json -oe md" in out
+        assert f"llama-bench -m {f} -p 0 -n 128 -d 0,8192,32768 -ngl 99 -fa 1 -r 3 -o json -oe md" in out
+    order = [out.index(s) for s in ("BEE_BUDGET_S=60", "make_gguf.py", "side_by_side_gguf.py measure",
+                                    "BEE_BUDGET_S=5", "llama-bench -m")]
+    assert order == sorted(order), "build start, files, flashdraft, build wait, llama.cpp"
+    # one phase: llama.cpp only (a missing file is written first), no build
+    proc = run_script(["--dry-run", "llama"], {**env, "SBS_MODELS": "qwen3-8b:bf16", "SBS_REPS": "5"})
+    assert "BEE_BUDGET_S" not in proc.stdout and "side_by_side_gguf.py measure" not in proc.stdout
+    assert proc.stdout.index("make_gguf.py --shape qwen3-8b --type bf16") < proc.stdout.index("-r 5 -o json")
+    assert not list((tmp_path / "w" / "results").iterdir()) and not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(not (BENCH / "make_gguf.py").is_file(), reason=f"{BENCH / 'make_gguf.py'} not found")
+def test_whole_script_on_tiny_files_and_a_stand_in_llama_bench(tmp_path):
+    bench = fake_bench(tmp_path / "bench", BENCH / "make_gguf.py")
+    out, work, files = tmp_path / "out", tmp_path / "w", tmp_path / "g"
+    env = {"SBS_BENCH": str(bench), "SBS_WORK": str(work), "OUT": str(out), "SBS_GGUF_DIR": str(files),
+           "SBS_MODELS": "tiny-gemma4:q4_k_s", "SBS_DEPTHS": "0,64", "SBS_PREFILL": "32,64",
+           "SBS_TAUS": "4", "SBS_TOKENS": "8", "SBS_REPS": "1", "SBS_DFLASH_PROMPT": "24"}
+    # too little time for a file: the call stops and asks to be called again
+    proc = run_script(["files"], {**env, "SBS_BUDGET_S": "30"})
+    assert proc.returncode == 3 and "call again" in proc.stdout, proc.stdout + proc.stderr
+
+    proc = run_script([], {**env, "SBS_SERIAL": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = (out / "table.md").read_text()
+    for model in ("tiny-gemma4__q4_k_s",):
+        assert f"| {model} | tg8 | 100.0 |" in table and f"| {model} | tg8 @ d64 | 99.9 |" in table
+        assert f"| {model} | pp64 | 1064.0 |" in table and f"| {model} | DFlash tau 4 vs tg8 | 100.0 |" in table
+        ours = json.loads((out / "results.json").read_text())[model]["flashdraft"]
+        assert ours["errors"] == [] and not ours["build_running"]
+        assert [d["depth"] for d in ours["plain"]] == [0, 24, 64]
+        assert len(ours["dflash"]) == 1 and ours["dflash"][0]["identical"] and ours["dflash"][0]["tau"] > 1
+        assert not (files / f"{model}.gguf").exists()  # measured by both sides: deleted
+    assert "TOKENS DIFFER" not in table
+    assert {p.name for p in out.iterdir()} == {"table.md", "results.json", "side_by_side.log", "build.log"}
+
+    # a later call finds everything measured
+    proc = run_script([], env)
+    assert proc.returncode == 0 and proc.stdout.count("measured in an earlier call") == 2, proc.stdout

@@ -2,12 +2,13 @@
 
 Both compile the same grammars: JSON on one line with ", " and ": " (as engine.grammar configures xgrammar; the
 xgrammar side is engine.grammar's own compiler and matcher), a GBNF grammar. For each engine and grammar: the
-one-off tokenizer preparation, the grammar's compile time, and, walking the
-tokens of a valid output one at a time, the time to compute the next-token mask and to advance the matcher
-(plain decoding's per-token cost); then DFlash's per-step pattern on the same output: advance over a block of
-guesses computing a mask before each, roll the matcher back to the accepted prefix. Run:
+one-off tokenizer preparation, the grammar's compile time, and, walking the tokens of a valid output one at a
+time, the time to compute the next-token mask and to advance the matcher (plain decoding's per-token cost);
+then DFlash's per-step pattern on the same output: the masks of a block's rows (advancing over its guesses,
+then back), half of the guesses committed after each. Run:
 
-    python scripts/grammar_mask_cost.py [--reps 5] [--block 16]
+    pip install llguidance  # not a dependency of the package
+    python scripts/grammar_mask_cost.py [--reps 20] [--block 15]
 """
 from __future__ import annotations
 
@@ -160,7 +161,7 @@ def measure(engine, grammar, constraint, tokens, reps, block):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--block", type=int, default=15, choices=range(1, MAX_BLOCK + 1), metavar="N",
                     help="guesses per DFlash step (15: the demo drafter's block of 16)")
     args = ap.parse_args()

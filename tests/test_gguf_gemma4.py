@@ -402,7 +402,7 @@ UNSUPPORTED = {
     "per-layer input embeddings": {"gemma4.embedding_length_per_layer_input": 8},
     "KV-shared layers": {"gemma4.attention.shared_kv_layers": 2},
     "double-wide MLP": {"gemma4.feed_forward_length": [96, 96, 96, 96, 192, 192]},
-    "unsupported tokenizer model 'llama'": {"tokenizer.ggml.model": "llama"},
+    "unsupported tokenizer model 'bert'": {"tokenizer.ggml.model": "bert"},
     "missing metadata gemma4.attention.sliding_window_pattern": {"gemma4.attention.sliding_window_pattern": None},
     "partial RoPE on sliding layers": {"gemma4.rope.dimension_count_swa": 8},
 }

@@ -307,3 +307,17 @@ def test_routed_layers_read_quantized_caches(wide_pair):
         caches.append(cache)
     assert (outs[0] - outs[1]).abs().max().item() < 1e-4
     assert torch.equal(caches[0].k[0], caches[1].k[0]) and torch.equal(caches[0].v[0], caches[1].v[0])
+
+
+def test_serve_takes_the_cache_type_flags(tmp_path, capsys):
+    from flashdraft.server.cli import build_parser, main as serve_main, settings_from_args
+
+    (tmp_path / "config.json").write_text("{}")  # only the flags are parsed; no model is loaded
+    args = build_parser().parse_args(["-m", str(tmp_path), "-ctk", "q5_0", "--cache-type-v", "q4_1",
+                                      "-ctkd", "q8_0", "--spec-draft-type-v", "f16", "-ngl", "99"])
+    assert settings_from_args(args).cache_types == {"cache_type_k": "q5_0", "cache_type_v": "q4_1",
+                                                    "draft_cache_type_k": "q8_0", "draft_cache_type_v": "f16"}
+    assert args.no_effect == ["-ngl 99"]  # the cache types are not among the flags that do nothing
+    assert serve_main(["-m", str(tmp_path), "-ctk", "q3_k"]) == 2
+    err = capsys.readouterr().err
+    assert "-ctk" in err and "q4_0" in err  # argparse names the flag and the supported types

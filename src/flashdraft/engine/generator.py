@@ -141,9 +141,14 @@ class Engine:
 
     def __init__(self, target, tokenizer: Tokenizer | None, drafter=None, context_size: int | None = None,
                  name: str = "model", adaptive: bool = True, cuda_graphs: bool | None = None,
-                 compile: bool | None = None, gemm: str | None = None, attention: str | None = None):
+                 compile: bool | None = None, gemm: str | None = None, attention: str | None = None,
+                 cache_type_k: str | None = None, cache_type_v: str | None = None,
+                 draft_cache_type_k: str | None = None, draft_cache_type_v: str | None = None):
         ctx = context_size or target.config.max_position_embeddings
-        self.decoder = SpeculativeDecoder(target, drafter, ctx, cuda_graphs, compile, gemm, attention)
+        self.decoder = SpeculativeDecoder(target, drafter, ctx, cuda_graphs, compile, gemm, attention,
+                                          cache_type_k=cache_type_k, cache_type_v=cache_type_v,
+                                          draft_cache_type_k=draft_cache_type_k,
+                                          draft_cache_type_v=draft_cache_type_v)
         self.tokenizer = tokenizer
         self.name = name
         self.eos_ids = set(target.config.eos_token_ids)
@@ -158,11 +163,14 @@ class Engine:
     @classmethod
     def load(cls, model: str | Path, drafter: str | Path | None = None, device=None, dtype=None,
              context_size: int | None = None, adaptive: bool = True, gemm: str | None = None,
-             attention: str | None = None) -> "Engine":
+             attention: str | None = None, cache_type_k: str | None = None, cache_type_v: str | None = None,
+             draft_cache_type_k: str | None = None, draft_cache_type_v: str | None = None) -> "Engine":
         """Load a target (and optional drafter) from model folders; the context defaults to min(8192, the model's).
         gemm: "cublas" or "triton" (batch-invariant skinny GEMM for decode/verify/draft, CUDA only);
         attention: "sdpa" or "triton" (batch-invariant split-KV attention for the same passes). None (default):
-        "triton" for both on CUDA when Triton is installed, else "cublas" and "sdpa"."""
+        "triton" for both on CUDA when Triton is installed, else "cublas" and "sdpa". cache_type_k / _v and
+        draft_cache_type_k / _v: KV cache types of the target's and the drafter's caches (f32, f16, bf16, q8_0,
+        q5_1, q5_0, q4_1, q4_0; None: the model's dtype)."""
         loaded = load_model(model, drafter, device=device, dtype=dtype, context_size=context_size,
                             overhang=MAX_BLOCK_SIZE)
         name = DEMO_NAME if _is_demo(model) else loaded.name
@@ -170,7 +178,9 @@ class Engine:
             log.warning("context size %d was asked for, but %s supports %d tokens: the context is %d",
                         context_size, name, loaded.context_size, loaded.context_size)
         return cls(loaded.target, loaded.tokenizer, loaded.drafter, loaded.context_size, name=name,
-                   adaptive=adaptive, gemm=gemm, attention=attention)
+                   adaptive=adaptive, gemm=gemm, attention=attention, cache_type_k=cache_type_k,
+                   cache_type_v=cache_type_v, draft_cache_type_k=draft_cache_type_k,
+                   draft_cache_type_v=draft_cache_type_v)
 
     @property
     def context_size(self) -> int:

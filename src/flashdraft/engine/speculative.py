@@ -158,8 +158,16 @@ class SpeculativeDecoder:
 
     def __init__(self, target: DecoderLM, drafter: DFlashDrafter | None, context_size: int,
                  cuda_graphs: bool | None = None, compile: bool | None = None, gemm: str | None = None,
-                 attention: str | None = None):
+                 attention: str | None = None, cache_type_k: str | None = None, cache_type_v: str | None = None,
+                 draft_cache_type_k: str | None = None, draft_cache_type_v: str | None = None):
         self.target, self.drafter = target, drafter
+        # KV cache types (flashdraft.quant.kv_formats; None: the model's dtype) of the target's and the drafter's
+        # caches; a one-row cache of each fails here on an unknown type or a head size the type cannot take.
+        self.cache_types, self.draft_cache_types = (cache_type_k, cache_type_v), (draft_cache_type_k,
+                                                                                  draft_cache_type_v)
+        target.new_cache(1, *self.cache_types)
+        if drafter is not None:
+            drafter.new_cache(1, *self.draft_cache_types)
         self.context_size = context_size
         self.block_size = drafter.block_size if drafter is not None else 1
         # The verify block may run up to block_size rows past the last committed position.
@@ -213,8 +221,9 @@ class SpeculativeDecoder:
         return self.block_size - 1
 
     def new_sequence(self) -> Sequence:
-        return Sequence(target_cache=self.target.new_cache(self.capacity),
-                        draft_cache=self.drafter.new_cache(self.capacity) if self.drafter is not None else None)
+        return Sequence(target_cache=self.target.new_cache(self.capacity, *self.cache_types),
+                        draft_cache=self.drafter.new_cache(self.capacity, *self.draft_cache_types)
+                        if self.drafter is not None else None)
 
     def _positions(self, start: int, count: int) -> torch.Tensor:
         return torch.arange(start, start + count, device=self.device)

@@ -63,7 +63,7 @@ class ServerState:
             if s.threads:
                 torch.set_num_threads(s.threads)
             started = time.perf_counter()
-            engine = Engine.load(s.model, s.drafter, device=s.device, context_size=s.ctx_size)
+            engine = Engine.load(s.model, s.drafter, device=s.device, context_size=s.ctx_size, **s.cache_types)
             if not (s.drafting and engine.has_drafter):
                 fixed_draft = 0
             else:

@@ -49,6 +49,8 @@ def test_logit_bias_in_openai_and_llama_cpp_forms(engine):
     refused(chat, engine, "'logit_bias.5' must be in [-100, 100]", logit_bias={"5": 101})
     refused(chat, engine, "outside the vocabulary", logit_bias={"100000": 1})
     refused(chat, engine, "keyed by a token id", logit_bias={"def": 1})
+    refused(chat, engine, "'logit_bias.²' must be keyed by a token id", logit_bias={"²": 1})  # "²".isdigit()
+    refused(chat, engine, "keyed by a token id", logit_bias={"-٣": 1})
     refused(completion, engine, "'logit_bias'", logit_bias="x")
 
 

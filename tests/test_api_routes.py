@@ -108,6 +108,8 @@ def test_anthropic_tools_round_trip(tools_server, monkeypatch):  # noqa: F811
      "'tools[0]' must be a custom tool"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "mcp_servers": [{"url": "x"}]},
      "'mcp_servers' is not supported"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": 5}]}]}, "'messages[1].content[0].thinking' must be a string"),
 ])
 def test_anthropic_bad_requests_name_the_field(tools_server, body, words):  # noqa: F811
     r = post(tools_server, "/v1/messages", body)

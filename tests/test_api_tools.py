@@ -4,6 +4,7 @@ round trip (call, tool result, answer) against a live server whose engine output
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,6 +20,7 @@ from flashdraft.server.requests import parse_chat
 from flashdraft.server.settings import ServerSettings
 from flashdraft.server.tools import (GEMMA4, GENERIC_INSTRUCTIONS, HERMES, LLAMA3, ToolPlan, ToolStream,
                                      gemma_arguments, parse_calls, template_format)
+from flashdraft.server.chat_templates import BUILTIN_TEMPLATES
 
 SETTINGS = ServerSettings(model="m", drafter=None, alias=None)
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
@@ -30,6 +32,7 @@ HISTORY = ASK + [{"role": "assistant", "content": None, "tool_calls": [
     {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
     {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "21 C and sunny"}]
 FORMATS = {"qwen3": HERMES, "llama3": LLAMA3, "gemma4": GEMMA4}
+NAMES = {"get_weather", "get_time"}
 
 
 def fake_engine(folder: Path):
@@ -66,6 +69,43 @@ def test_a_template_without_tools_gets_them_in_a_system_message(qwen3_dir):
     assert GENERIC_INSTRUCTIONS.split("{tools}")[1].strip()[:40] in r.prompt_text
 
 
+RESULTS = HISTORY + [{"role": "tool", "tool_call_id": "call_1", "content": "Humidity 40%"},
+                     {"role": "user", "content": "And tomorrow?"}]
+
+
+@pytest.mark.parametrize("name,turn", [
+    ("gemma", "<start_of_turn>user\n<tool_response>\n21 C and sunny\n</tool_response>\n<tool_response>\nHumidity "
+              "40%\n</tool_response>\n\nAnd tomorrow?<end_of_turn>"),
+    ("mistral-v7", "[INST]<tool_response>\n21 C and sunny\n</tool_response>\n<tool_response>\nHumidity 40%\n"
+                   "</tool_response>\n\nAnd tomorrow?[/INST]"),
+    ("llama3", "<|start_header_id|>user<|end_header_id|>\n\n<tool_response>\n21 C and sunny\n</tool_response>\n"
+               "<tool_response>\nHumidity 40%\n</tool_response>\n\nAnd tomorrow?<|eot_id|>")])
+def test_tool_results_are_a_user_turn_for_templates_without_tools(tmp_path, qwen3_dir, name, turn):
+    """A template without tools knows no `tool` role: results come back as the Hermes instructions teach, in one
+    user turn, so the roles still alternate."""
+    (tmp_path / "config.json").write_text("{}")
+    settings = ServerSettings(model=str(tmp_path), drafter=None, alias=None, chat_template=BUILTIN_TEMPLATES[name])
+    prompt = parse_chat({"messages": RESULTS, "tools": [WEATHER]}, fake_engine(qwen3_dir), settings).prompt_text
+    assert turn in prompt and "tool<" not in prompt and "tool\n" not in prompt
+    assert prompt.count("21 C and sunny") == 1 and "[/INST]21 C" not in prompt
+
+
+MISTRAL_TOOLS = ("{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}{% for m in messages %}"
+                 "{% if m.tool_calls %}[TOOL_CALLS]{{ m.tool_calls | tojson }}{% else %}[{{ m.role }}]{{ m.content }}"
+                 "{% endif %}{% endfor %}")
+
+
+def test_a_template_teaching_another_call_format_gets_the_generic_prompt(tmp_path, qwen3_dir):
+    assert template_format(MISTRAL_TOOLS) is None
+    assert template_format('{% if tools %}{"name": ..., "parameters": ...}{% endif %}') is None
+    (tmp_path / "config.json").write_text("{}")
+    settings = ServerSettings(model=str(tmp_path), drafter=None, alias=None, chat_template=MISTRAL_TOOLS)
+    r = parse_chat({"messages": HISTORY, "tools": [WEATHER]}, fake_engine(qwen3_dir), settings)
+    assert not r.tools.native and r.tools.format == HERMES
+    assert "[AVAILABLE_TOOLS]" not in r.prompt_text and "<tools>" in r.prompt_text
+    assert "[TOOL_CALLS]" not in r.prompt_text and '<tool_call>\n{"name": "get_weather"' in r.prompt_text
+
+
 PLANTED = [
     (HERMES, 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
              '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', "Let me check.\n\n"),
@@ -78,15 +118,15 @@ PLANTED = [
 
 @pytest.mark.parametrize("fmt,text,content", PLANTED, ids=[p[0] for p in PLANTED])
 def test_planted_calls_parse_whole_and_streamed(fmt, text, content):
-    calls = parse_calls(text, fmt)[1]
+    calls = parse_calls(text, fmt, NAMES)[1]
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}),
                                                                   ("get_time", {})]
-    assert parse_calls(text, fmt)[0] == content
+    assert parse_calls(text, fmt, NAMES)[0] == content
     assert all(c.id.startswith("call_") for c in calls) and calls[0].id != calls[1].id
     stream = ToolStream(ToolPlan([WEATHER, TIME], fmt, native=True))
     released = "".join(stream.feed(ch) for ch in text)  # one character at a time: markers split every way
     rest, streamed = stream.finish()
-    assert released + rest == content.rstrip() or released + rest == content
+    assert released + rest == content
     assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]
 
 
@@ -96,10 +136,49 @@ def test_text_without_calls_streams_as_it_comes_and_broken_calls_stay_content():
     assert stream.feed("box> there") == "<toolbox> there"  # ...and released when it is not one
     assert stream.finish() == ("", [])
     broken = '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>'
-    assert parse_calls(broken, HERMES) == (broken, [])
-    assert parse_calls("The answer is {not json", LLAMA3) == ("The answer is {not json", [])
+    assert parse_calls(broken, HERMES, NAMES) == (broken, [])
+    assert parse_calls("The answer is {not json", LLAMA3, NAMES) == ("The answer is {not json", [])
     stream = ToolStream(ToolPlan([WEATHER], LLAMA3, native=True))
     assert stream.feed("Sunny") == "Sunny" and stream.finish() == ("", [])
+
+
+def test_only_calls_to_declared_tools_count():
+    person = '{"name": "Alice", "age": 30}'
+    assert parse_calls(person, LLAMA3, NAMES) == (person, [])  # a JSON answer, not a call
+    assert parse_calls('{"name": "get_time"}', LLAMA3, NAMES)[1] == []  # Llama 3 calls carry their parameters
+    assert [c.name for c in parse_calls('{"name": "get_time", "parameters": {}}', LLAMA3, NAMES)[1]] == ["get_time"]
+    assert parse_calls('{"name": "Alice", "parameters": {}}', LLAMA3, NAMES)[1] == []
+    undeclared = '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>'
+    assert parse_calls(undeclared, HERMES, NAMES) == (undeclared, [])
+    gemma = "<|tool_call>call:rm_rf{}<tool_call|>"
+    assert parse_calls(gemma, GEMMA4, NAMES) == (gemma, [])
+    not_json = '<tool_call>\n{"name": "get_time", "arguments": "now, please"}\n</tool_call>'
+    assert parse_calls(not_json, HERMES, NAMES) == (not_json, [])  # arguments must be a JSON object
+    text = '<tool_call>\n{"name": "get_time", "arguments": "{}"}\n</tool_call>'
+    assert [c.arguments for c in parse_calls(text, HERMES, NAMES)[1]] == ["{}"]  # or JSON text of one
+
+
+@pytest.mark.parametrize("fmt,head", [(HERMES, "<tool_call>\n"), (GEMMA4, "<|tool_call>call:get_time{a:"),
+                                      (LLAMA3, '{"name": "get_time", "parameters": ')])
+def test_deeply_nested_output_is_no_call(fmt, head):
+    text = head + "[" * 3000
+    assert parse_calls(text, fmt, NAMES) == (text, [])
+    plan = ToolPlan([WEATHER, TIME], fmt, native=True, prefill="P", forced="get_time")
+    assert plan.parse("[" * 3000) == ("P" + "[" * 3000, [])
+
+
+@pytest.mark.parametrize("fmt,piece", [(GEMMA4, "<|tool_call>call:f{}x"), (GEMMA4, "<|tool_call>call:get_time{a:z"),
+                                       (GEMMA4, "<|tool_call>call:get_time{a:z<tool_call|>"),
+                                       (HERMES, "<tool_call>" + " " * 50), (HERMES, "<tool_call>{}</tool_call>")])
+def test_adversarial_outputs_parse_in_linear_time(fmt, piece):
+    text = piece * (200_000 // len(piece) + 1)
+    started = time.perf_counter()
+    content, calls = parse_calls(text, fmt, NAMES)
+    assert time.perf_counter() - started < 0.5 and content == text and calls == []
+    stream = ToolStream(ToolPlan([WEATHER, TIME], fmt, native=True))
+    started = time.perf_counter()
+    released = stream.feed(text)
+    assert time.perf_counter() - started < 0.5 and released + stream.finish()[0] == text
 
 
 def test_gemma_argument_syntax():
@@ -176,15 +255,17 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 ANSWER = "It is 21 C and sunny in Paris."
 
 
-def plant(monkeypatch, engine, answer_for):
-    """engine.stream replaced: its output is answer_for(prompt text), in pieces of a few characters."""
+def plant(monkeypatch, engine, answer_for, cut: bool = False):
+    """engine.stream replaced: its output is answer_for(prompt text), in pieces of a few characters; cut: as if
+    max_tokens ended it."""
     def stream(prompt_ids, params, *args, **kwargs):
         text = answer_for(engine.tokenizer.decode(prompt_ids))
         ids = engine.tokenizer.encode(text, add_special_tokens=False)
         for start in range(0, len(text), 5):
             yield Delta(text[start:start + 5], ids if start == 0 else [])
-        yield GenerationResult(text, ids, "stop", "eos", "", 1, GenerationStats(prompt_n=len(prompt_ids),
-                                                                                predicted_n=len(ids)))
+        reason, stop_type = ("length", "limit") if cut else ("stop", "eos")
+        yield GenerationResult(text, ids, reason, stop_type, "", 1, GenerationStats(prompt_n=len(prompt_ids),
+                                                                                    predicted_n=len(ids)))
 
     monkeypatch.setattr(engine, "stream", stream)
 
@@ -204,6 +285,58 @@ def test_planted_call_becomes_tool_calls_whole_and_streamed(tools_server, monkey
     assert [(tc["index"], tc["function"]["name"], tc["function"]["arguments"]) for tc in streamed] == \
         [(0, "get_weather", '{"city": "Paris"}')]
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+CUT = '<tool_call>\n{"name": "get_weather", "ci'
+
+
+def test_a_reply_cut_by_max_tokens_says_length_and_keeps_the_cut_call_as_content(tools_server, monkeypatch):
+    plant(monkeypatch, tools_server.state.engine, lambda prompt: CALL + "\n" + CUT, cut=True)
+    body = {"messages": ASK, "tools": [WEATHER]}
+    choice = post(tools_server, "/v1/chat/completions", body).json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] == CUT
+    assert [c["function"]["arguments"] for c in choice["message"]["tool_calls"]] == ['{"city": "Paris"}']
+    events = [json.loads(line[6:]) for line in post(tools_server, "/v1/chat/completions", {**body, "stream": True})
+              .text.splitlines() if line.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert "".join(d.get("content") or "" for d in deltas) == "\n" + CUT
+    assert len([tc for d in deltas for tc in d.get("tool_calls", [])]) == 1
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_forced_call_cut_by_max_tokens_is_no_call(tools_server, monkeypatch):
+    plant(monkeypatch, tools_server.state.engine, lambda prompt: '{"city": "Par', cut=True)
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    choice = post(tools_server, "/v1/chat/completions", {"messages": ASK, "tools": [WEATHER],
+                                                         "tool_choice": forced}).json()["choices"][0]
+    assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]
+    assert choice["message"]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+    anthropic = {"max_tokens": 50, "tools": [tool], "tool_choice": {"type": "tool", "name": "get_weather"},
+                 "messages": [{"role": "user", "content": "Weather in Paris?"}]}
+    for stream in (False, True):
+        r = post(tools_server, "/v1/messages", {**anthropic, "stream": stream})
+        assert r.status_code == 200 and "tool_use" not in r.text and "max_tokens" in r.text, r.text
+    r = post(tools_server, "/v1/messages", anthropic).json()
+    assert r["stop_reason"] == "max_tokens" and [b["type"] for b in r["content"]] == ["text"]
+    plant(monkeypatch, tools_server.state.engine, lambda prompt: CALL + CUT, cut=True)
+    r = post(tools_server, "/v1/messages", {**anthropic, "tool_choice": {"type": "auto"}}).json()
+    assert r["stop_reason"] == "max_tokens" and [b["type"] for b in r["content"]] == ["text", "tool_use"]
+    plant(monkeypatch, tools_server.state.engine, lambda prompt: CALL + CUT, cut=True)
+    response = post(tools_server, "/v1/responses", {"input": "Weather?", "tools": [{"type": "function", **{
+        "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}}]}).json()
+    assert response["status"] == "incomplete" and [i["type"] for i in response["output"]] == ["message",
+                                                                                            "function_call"]
+
+
+def test_arguments_that_are_not_json_never_reach_a_500(tools_server, monkeypatch):
+    plant(monkeypatch, tools_server.state.engine,
+          lambda prompt: '<tool_call>\n{"name": "get_weather", "arguments": "city=Paris"}\n</tool_call>')
+    tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+    body = {"max_tokens": 50, "tools": [tool], "messages": [{"role": "user", "content": "Weather in Paris?"}]}
+    for stream in (False, True):
+        r = post(tools_server, "/v1/messages", {**body, "stream": stream})
+        assert r.status_code == 200 and "tool_use" not in r.text and "city=Paris" in r.text
 
 
 def test_openai_client_round_trip(tools_server, monkeypatch):

@@ -13,6 +13,7 @@ import uuid
 from flashdraft.server.errors import APIError
 from flashdraft.server.formats import ChatSplitter, chat_message
 from flashdraft.server.requests import GenerationRequest
+from flashdraft.server.tools import json_object
 
 # Fields refused unless absent (or neutral): what they ask for is not done here.
 REFUSED = {"mcp_servers": (), "container": (), "service_tier": ("auto", "standard_only")}
@@ -61,8 +62,12 @@ def _message(i: int, m) -> list[dict]:
         elif kind == "tool_result" and m["role"] == "user":
             results.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id") or ""),
                             "content": _text(block.get("content", ""), f"{at}.content")})
-        elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
-            thinking.append(block.get("thinking") or "")
+        elif kind == "thinking" and m["role"] == "assistant":
+            if not isinstance(block.get("thinking"), str):
+                raise _bad(f"{at}.thinking", "must be a string")
+            thinking.append(block["thinking"])
+        elif kind == "redacted_thinking" and m["role"] == "assistant":
+            continue  # encrypted by another server: nothing a template can show
         else:
             raise _bad(at, f"is a block of type {str(kind)[:40]!r}: only text, tool_use (assistant), tool_result "
                            "(user) and thinking (assistant) blocks are supported")
@@ -144,7 +149,8 @@ def _usage(result, output_tokens: int | None = None) -> dict:
 
 
 def _stop(result, calls) -> tuple[str, str | None]:
-    if calls:
+    """stop_reason and stop_sequence; max_tokens whenever the output was cut, even after whole calls."""
+    if calls and result.finish_reason != "length":
         return "tool_use", None
     if result.stop_type == "word":
         return "stop_sequence", result.stopping_word
@@ -152,8 +158,10 @@ def _stop(result, calls) -> tuple[str, str | None]:
 
 
 def _tool_use(call) -> dict:
-    return {"type": "tool_use", "id": f"toolu_{call.id[5:]}", "name": call.name, "input": json.loads(call.arguments)
-            if call.arguments.strip().startswith("{") else {}}
+    """A tool_use block. The parsers make only calls whose arguments are a JSON object; anything else would be an
+    empty input, never an error after the work is done."""
+    return {"type": "tool_use", "id": f"toolu_{call.id[5:]}", "name": call.name,
+            "input": json_object(call.arguments) or {}}
 
 
 def _envelope(request: GenerationRequest, message_id: str) -> dict:

@@ -135,7 +135,9 @@ class ChatSplitter:
 
 
 def finish_reason(result: GenerationResult, calls: list) -> str:
-    return "tool_calls" if calls else result.finish_reason
+    """"tool_calls" when calls were made, but "length" whenever max_tokens cut the output: the client must know
+    the reply is incomplete (a call it cut does not parse and stays in the content)."""
+    return "tool_calls" if calls and result.finish_reason != "length" else result.finish_reason
 
 
 class OpenAIFormatter:

@@ -270,7 +270,8 @@ def _logit_bias(body: dict, engine) -> dict[int, float]:
         where = f"logit_bias[{i}]" if isinstance(value, list) else f"logit_bias.{_key_name(str(token))}"
         amount = _bias_value(amount, where)
         if isinstance(token, str) and isinstance(value, dict):
-            if not token.strip().lstrip("-").isdigit():
+            digits = token.strip().lstrip("-")
+            if not (digits.isascii() and digits.isdigit()):  # "²".isdigit(), but int("²") fails
                 raise _bad(where, "must be keyed by a token id (an integer as a string)")
             ids = [int(token)]
         elif isinstance(token, str):

@@ -3,8 +3,8 @@
 The tools reach the model through its own chat template (apply_chat_template(tools=...)); the format of the
 calls it writes back is read off the template's text: Qwen3/Hermes `<tool_call>{json}</tool_call>`, Llama 3.x
 JSON `{"name", "parameters"}` (after an optional `<|python_tag|>`), Gemma 4 `<|tool_call>call:name{...}<tool_call|>`.
-A template that does not use tools gets them in a system message (GENERIC_INSTRUCTIONS), asking for the Hermes
-format. tool_choice "required" and a named function are enforced, not asked for: the prompt is pre-filled up
+A template that does not use tools, or teaches another format, gets them in a system message
+(GENERIC_INSTRUCTIONS), asking for the Hermes format. Only calls to the request's own tools are calls. tool_choice "required" and a named function are enforced, not asked for: the prompt is pre-filled up
 to the call's arguments (or, for "required" in a JSON format, up to the call object) and the output is
 constrained by a JSON schema, so the model can only write a valid call.
 """
@@ -61,24 +61,36 @@ class ToolPlan:
     constraint: Constraint | None = None  # a forced call's JSON schema
     parallel: bool = True
 
+    @property
+    def names(self) -> set[str]:
+        return {t["function"]["name"] for t in self.tools}
+
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        """The output's content and its tool calls (the pre-filled start of a forced call counts as written)."""
+        """The output's content and its tool calls. The pre-filled start of a call counts as written: a forced
+        call whose arguments do not parse (cut by max_tokens) is no call, and its text, pre-fill included, is
+        the content."""
         if self.forced is not None:
-            return "", [ToolCall(self.forced, _json_text(text))] if text.strip() else []
-        content, calls = parse_calls(self.prefill + text, self.format)
+            arguments = json_object(text)
+            if arguments is None:
+                return self.prefill + text, []
+            return "", [ToolCall(self.forced, json.dumps(arguments, ensure_ascii=False))]
+        content, calls = parse_calls(self.prefill + text, self.format, self.names)
         return content, calls if self.parallel else calls[:1]
 
 
 def template_format(template: str) -> str | None:
-    """The call format a chat template's text teaches, or None when the template does not use tools."""
+    """The call format a chat template's text teaches, when it is one of the three parsed here; None for a
+    template that does not use tools or teaches another syntax (Mistral's [TOOL_CALLS], DeepSeek's, Command-R's):
+    those get the tools in a system message, in the Hermes format."""
     if "tools" not in template:
         return None
     if "<|tool_call>" in template:
         return GEMMA4
     if "<tool_call>" in template:
         return HERMES
-    return LLAMA3 if ("<|python_tag|>" in template or "ipython" in template or '"parameters"' in template) \
-        else HERMES
+    if "<|python_tag|>" in template or "ipython" in template:
+        return LLAMA3
+    return None
 
 
 def _check_tools(tools, field_name: str) -> list[dict]:
@@ -138,7 +150,7 @@ def _choice(body: dict, names: list[str]) -> str:
     return name
 
 
-def plan_tools(body: dict, template: str, prompt_opens_thought: bool = False) -> ToolPlan | None:
+def plan_tools(body: dict, template: str) -> ToolPlan | None:
     """The request's tools and tool_choice as a ToolPlan, or None when no tools are in play. Raises ToolError."""
     if body.get("tools") is not None and body.get("functions") is not None:
         raise ToolError("functions", "cannot be sent with tools: send tools only")
@@ -156,9 +168,6 @@ def plan_tools(body: dict, template: str, prompt_opens_thought: bool = False) ->
     plan = ToolPlan(tools, fmt or HERMES, native=fmt is not None, parallel=parallel)
     if choice == "auto":
         return plan
-    if prompt_opens_thought:
-        raise ToolError("tool_choice", f"{choice!r} cannot be enforced while the prompt opens the model's "
-                                       "thinking: turn reasoning off (chat_template_kwargs.enable_thinking: false)")
     if choice == "required":
         if len(tools) == 1:
             choice = tools[0]["function"]["name"]
@@ -183,12 +192,28 @@ def plan_tools(body: dict, template: str, prompt_opens_thought: bool = False) ->
 
 
 def generic_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
-    """Messages for a template that does not use tools: the tools in the system message (GENERIC_INSTRUCTIONS),
-    past calls written into their assistant messages in the format asked for."""
+    """Messages for a template that does not render tools, in the Hermes format GENERIC_INSTRUCTIONS teaches: the
+    tools in the system message, past calls written into their assistant messages, tool results as a user turn
+    of <tool_response> blocks (consecutive results, and a user message after them, in one turn: templates without
+    tools know no `tool` role, and some need the roles to alternate)."""
     listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
     instructions = GENERIC_INSTRUCTIONS.format(tools=listing)
-    out = []
+    out: list[dict] = []
+    results = False  # the last message out is a user turn of tool results
     for m in messages:
+        if m["role"] == "tool":
+            block = f"<tool_response>\n{m['content']}\n</tool_response>"
+            if results:
+                out[-1] = {**out[-1], "content": f"{out[-1]['content']}\n{block}"}
+            else:
+                out.append({"role": "user", "content": block})
+            results = True
+            continue
+        if m["role"] == "user" and results:  # roles still alternate
+            out[-1] = {**out[-1], "content": f"{out[-1]['content']}\n\n{m['content']}"}
+            results = False
+            continue
+        results = False
         calls = m.get("tool_calls")
         if calls:
             written = "".join(f"\n<tool_call>\n{json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']}, ensure_ascii=False)}\n</tool_call>"  # noqa: E501
@@ -204,54 +229,77 @@ def generic_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
 
 
 # --- parsing the output ---------------------------------------------------------------------------------------
+#
+# The parsers scan with str.find and parse each call within its own span (its start marker to its end marker, or
+# to the end of the text), so an output of any shape parses in time linear in its length; a value nested deeper
+# than Python's recursion limit is a call that does not parse, not an error.
+
+PARSE_ERRORS = (ValueError, IndexError, RecursionError)
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+GEMMA_OPEN, GEMMA_CLOSE = "<|tool_call>call:", "<tool_call|>"
+GEMMA_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
 
 
-def _json_text(value) -> str:
-    """Arguments as OpenAI's JSON text: objects re-serialized, text that is not JSON passed on as it is."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            return value
-    return json.dumps(value, ensure_ascii=False)
-
-
-def _call_from_json(obj) -> ToolCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+def json_object(text: str) -> dict | None:
+    """text as a JSON object, or None (not JSON, not an object, nested too deep)."""
+    try:
+        value = json.loads(text)
+    except PARSE_ERRORS:
         return None
-    arguments = obj.get("arguments", obj.get("parameters", {}))
-    return ToolCall(obj["name"], _json_text(arguments))
+    return value if isinstance(value, dict) else None
 
 
-HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
-GEMMA_CALL = re.compile(r"<\|tool_call>call:([A-Za-z0-9_.:-]+)(\{.*?\})?\s*(?:<tool_call\|>|$)", re.S)
+def _arguments(value) -> str | None:
+    """A call's arguments as OpenAI's JSON text of an object (an object, or JSON text of one); None otherwise."""
+    if isinstance(value, str):
+        value = json_object(value)
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
 
 
-def parse_calls(text: str, fmt: str) -> tuple[str, list[ToolCall]]:
-    """(content, tool calls) of an output; a block that does not parse stays in the content."""
+def _call_from_json(obj, names, keys: tuple[str, ...]) -> ToolCall | None:
+    """A call object {"name", one of keys: arguments} naming a declared tool, as a ToolCall; None otherwise."""
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    key = next((k for k in keys if k in obj), None)
+    arguments = _arguments(obj[key]) if key is not None else "{}"
+    return None if arguments is None else ToolCall(obj["name"], arguments)
+
+
+def parse_calls(text: str, fmt: str, names) -> tuple[str, list[ToolCall]]:
+    """(content, tool calls) of an output. Only calls to the declared tools (names) count; a block that does not
+    parse stays in the content."""
     if fmt == LLAMA3:
-        return _parse_llama3(text)
-    pattern = GEMMA_CALL if fmt == GEMMA4 else HERMES_CALL
-    calls, kept, last = [], [], 0
-    for match in pattern.finditer(text):
-        if fmt == GEMMA4:
-            arguments = gemma_arguments(match.group(2) or "{}")
-            call = None if arguments is None else ToolCall(match.group(1), json.dumps(arguments, ensure_ascii=False))
-        else:
-            try:
-                call = _call_from_json(json.loads(match.group(1)))
-            except ValueError:
-                call = None
-        if call is None:
-            continue
-        calls.append(call)
-        kept.append(text[last:match.start()])
-        last = match.end()
+        return _parse_llama3(text, names)
+    opener, closer = (GEMMA_OPEN, GEMMA_CLOSE) if fmt == GEMMA4 else (HERMES_OPEN, HERMES_CLOSE)
+    calls, kept, last, at = [], [], 0, 0
+    while (start := text.find(opener, at)) >= 0:
+        body = start + len(opener)
+        end = text.find(closer, body)
+        body_end, at = (end, end + len(closer)) if end >= 0 else (len(text), len(text))
+        span = text[body:body_end]
+        call = _gemma_call(span, names) if fmt == GEMMA4 else _call_from_json(json_object(span), names,
+                                                                               ("arguments", "parameters"))
+        if call is not None:
+            calls.append(call)
+            kept.append(text[last:start])
+            last = at
     kept.append(text[last:])
     return ("".join(kept) if calls else text), calls
 
 
-def _parse_llama3(text: str) -> tuple[str, list[ToolCall]]:
+def _gemma_call(span: str, names) -> ToolCall | None:
+    """`name{arguments}` (the arguments optional) of a Gemma 4 call."""
+    match = GEMMA_NAME.match(span)
+    if match is None or match.group() not in names:
+        return None
+    rest = span[match.end():].strip()
+    arguments = gemma_arguments(rest) if rest else {}
+    return None if arguments is None else ToolCall(match.group(), json.dumps(arguments, ensure_ascii=False))
+
+
+def _parse_llama3(text: str, names) -> tuple[str, list[ToolCall]]:
+    """Llama 3's calls: the whole output one or more {"name", "parameters"} objects (`;` between them), after an
+    optional <|python_tag|>; anything else is content."""
     body = text.strip()
     if body.startswith("<|python_tag|>"):
         body = body[len("<|python_tag|>"):].strip()
@@ -260,14 +308,14 @@ def _parse_llama3(text: str) -> tuple[str, list[ToolCall]]:
     decoder, calls, at = json.JSONDecoder(), [], 0
     while at < len(body):
         try:
-            obj, end = decoder.raw_decode(body, at)
-        except ValueError:
+            obj, at = decoder.raw_decode(body, at)
+        except PARSE_ERRORS:
             return text, []
-        call = _call_from_json(obj)
+        call = _call_from_json(obj, names, ("parameters", "arguments")) if isinstance(obj, dict) and (
+            "parameters" in obj or "arguments" in obj) else None
         if call is None:
             return text, []
         calls.append(call)
-        at = end
         while at < len(body) and body[at] in " \t\r\n;":
             at += 1
     return "", calls
@@ -278,7 +326,7 @@ def gemma_arguments(text: str):
     does not parse."""
     try:
         value, end = _gemma_value(text, 0)
-    except (ValueError, IndexError):
+    except PARSE_ERRORS:
         return None
     return value if text[end:].strip() == "" and isinstance(value, dict) else None
 
@@ -294,29 +342,8 @@ def _gemma_value(text: str, at: int):
     if text.startswith(GEMMA_QUOTE, at):
         end = text.index(GEMMA_QUOTE, at + len(GEMMA_QUOTE))
         return text[at + len(GEMMA_QUOTE):end], end + len(GEMMA_QUOTE)
-    if text[at] == "{":
-        out, at = {}, _skip(text, at + 1)
-        while text[at] != "}":
-            colon = text.index(":", at)
-            key = text[at:colon].strip().strip('"')
-            out[key], at = _gemma_value(text, colon + 1)
-            at = _skip(text, at)
-            if text[at] == ",":
-                at = _skip(text, at + 1)
-            elif text[at] != "}":
-                raise ValueError("expected , or }")
-        return out, at + 1
-    if text[at] == "[":
-        items, at = [], _skip(text, at + 1)
-        while text[at] != "]":
-            item, at = _gemma_value(text, at)
-            items.append(item)
-            at = _skip(text, at)
-            if text[at] == ",":
-                at = _skip(text, at + 1)
-            elif text[at] != "]":
-                raise ValueError("expected , or ]")
-        return items, at + 1
+    if text[at] in "{[":
+        return _gemma_container(text, at)
     if text[at] == '"':
         return json.JSONDecoder().raw_decode(text, at)
     end = at
@@ -329,6 +356,28 @@ def _gemma_value(text: str, at: int):
         return json.loads(word), end
     except ValueError:
         return word, end
+
+
+def _gemma_container(text: str, at: int):
+    """An object {key: value, ...} (bare or quoted keys) or a list [value, ...] starting at text[at]."""
+    is_object = text[at] == "{"
+    close = "}" if is_object else "]"
+    out: dict | list = {} if is_object else []
+    at = _skip(text, at + 1)
+    while text[at] != close:
+        if is_object:
+            colon = text.index(":", at)
+            key = text[at:colon].strip().strip('"')
+            out[key], at = _gemma_value(text, colon + 1)
+        else:
+            item, at = _gemma_value(text, at)
+            out.append(item)
+        at = _skip(text, at)
+        if text[at] == ",":
+            at = _skip(text, at + 1)
+        elif text[at] != close:
+            raise ValueError(f"expected , or {close}")
+    return out, at + 1
 
 
 class ToolStream:
@@ -376,8 +425,5 @@ class ToolStream:
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The content not yet released, and the calls."""
         content, calls = self.plan.parse(self.text)
-        if not calls:
-            rest = self.text[self.released:] if self.plan.forced is None else ""
-            return rest, []
         released = self.text[:self.released]
-        return content[len(released):] if content.startswith(released) else "", calls
+        return (content[len(released):] if content.startswith(released) else ""), calls

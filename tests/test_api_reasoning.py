@@ -25,15 +25,20 @@ CASES = [
     (GEMMA, "<|channel>thought\nHmm.<channel|>Done.", "Hmm.", "Done."),
     (QWEN, "No thinking here, and a <think> later.", "", "No thinking here, and a <think> later."),
     (QWEN, "<think>\nCut off by max_tokens", "Cut off by max_tokens", ""),
+    (QWEN, "<think>\n\n  Two\n\nparagraphs. \n\n</think>\n\nAnswer.", "Two\n\nparagraphs.", "Answer."),
+    (Reasoning("<think>", "</think>", True), "\nOpened.\n</think>Answer.", "Opened.", "Answer."),
+    (QWEN, "<think>\n\n</think>\n\nNo thought.", "", "No thought."),
+    (QWEN, "<think>\nCut inside a blank \n", "Cut inside a blank", ""),
 ]
 
 
 @pytest.mark.parametrize("reasoning,text,thought,answer", CASES)
 def test_split_whole_and_streamed(reasoning, text, thought, answer):
     assert split_reasoning(text, reasoning) == (thought, answer)
-    splitter = ReasoningSplitter(reasoning)
-    pieces = [splitter.feed(ch) for ch in text] + [splitter.finish()]  # markers split every way
-    assert "".join(r for r, _ in pieces).strip() == thought and "".join(c for _, c in pieces) == answer
+    for size in (1, 2, 3, 7):  # markers and the newlines around them split every way
+        splitter = ReasoningSplitter(reasoning)
+        pieces = [splitter.feed(text[i:i + size]) for i in range(0, len(text), size)] + [splitter.finish()]
+        assert "".join(r for r, _ in pieces) == thought and "".join(c for _, c in pieces) == answer
 
 
 def test_markers_and_formats_come_from_the_template(tmp_path):
@@ -97,7 +102,7 @@ def test_planted_thinking_goes_to_reasoning_content(tools_server, monkeypatch): 
     events = [json.loads(line[6:]) for line in post(tools_server, "/v1/chat/completions", body).text.splitlines()
               if line.startswith("data: {")]
     deltas = [e["choices"][0]["delta"] for e in events]
-    assert "".join(d.get("reasoning_content", "") for d in deltas).strip() == "Look it up."
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Look it up."
     assert "".join(d.get("content") or "" for d in deltas) == "Sunny."
     raw = post(tools_server, "/v1/chat/completions", {"messages": ASK, "reasoning_format": "none"}).json()
     assert raw["choices"][0]["message"]["content"].startswith("<think>")

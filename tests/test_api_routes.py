@@ -68,7 +68,7 @@ def test_anthropic_messages_whole_and_streamed(tools_server, monkeypatch):  # no
     assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
     text = "".join(d["delta"].get("text", "") for n, d in events if n == "content_block_delta")
     thought = "".join(d["delta"].get("thinking", "") for n, d in events if n == "content_block_delta")
-    assert text == ANSWER and thought.strip() == "Hmm."
+    assert text == ANSWER and thought == "Hmm."
     starts = [d["content_block"]["type"] for n, d in events if n == "content_block_start"]
     assert starts == ["thinking", "text"] and names.count("content_block_stop") == 2
 

@@ -29,7 +29,7 @@ def reasoning_for(template: str, prompt: str, fmt: str) -> Reasoning | None:
     for key, (open_, close) in MARKERS.items():
         if key in template:
             tail = prompt.rstrip()
-            return Reasoning(open_, close, tail.endswith(open_) or (key == "<think>" and tail.endswith(key)))
+            return Reasoning(open_, close, tail.endswith(open_))
     return None
 
 
@@ -42,13 +42,25 @@ def _partial_tail(text: str, marker: str) -> int:
 
 
 class ReasoningSplitter:
-    """Splits streamed text into (reasoning, content) pieces; finish() releases what was held back."""
+    """Splits streamed text into (reasoning, content) pieces; finish() releases what was held back.
+
+    The thought comes without the whitespace around it (Qwen3 writes `<think>` and its newline as separate
+    tokens): whitespace at its start is dropped, whitespace inside it is held until more thought follows, so the
+    pieces join to exactly what split_reasoning gives for the whole text, however the text is cut."""
 
     def __init__(self, reasoning: Reasoning):
         self.r = reasoning
         self.state = "inside" if reasoning.starts_inside else "before"
         self.buffer = ""
+        self.thought_started = False  # a thought's first non-blank character was released
         self.strip_content = False  # content right after the thought starts without the blank lines between
+
+    def _thought(self, text: str) -> str:
+        """What of text (a run of the thought) can be released now: none of its leading whitespace."""
+        if not self.thought_started:
+            text = text.lstrip()
+            self.thought_started = bool(text)
+        return text
 
     def feed(self, text: str) -> tuple[str, str]:
         self.buffer += text
@@ -57,7 +69,7 @@ class ReasoningSplitter:
             if self.state == "before":
                 head = self.buffer.lstrip()
                 if head.startswith(self.r.open):
-                    self.buffer = head[len(self.r.open):].lstrip("\n")
+                    self.buffer = head[len(self.r.open):]
                     self.state = "inside"
                     continue
                 if not head or self.r.open.startswith(head):
@@ -67,13 +79,13 @@ class ReasoningSplitter:
             if self.state == "inside":
                 end = self.buffer.find(self.r.close)
                 if end >= 0:
-                    reasoning += self.buffer[:end]
+                    reasoning += self._thought(self.buffer[:end].rstrip())
                     self.buffer = self.buffer[end + len(self.r.close):]
                     self.state, self.strip_content = "after", True
                     continue
-                keep = _partial_tail(self.buffer, self.r.close)
-                reasoning += self.buffer[:len(self.buffer) - keep]
-                self.buffer = self.buffer[len(self.buffer) - keep:]
+                ready = self.buffer[:len(self.buffer) - _partial_tail(self.buffer, self.r.close)].rstrip()
+                reasoning += self._thought(ready)
+                self.buffer = self.buffer[len(ready):]
                 return reasoning, content
             if self.strip_content:
                 self.buffer = self.buffer.lstrip()
@@ -87,7 +99,7 @@ class ReasoningSplitter:
     def finish(self) -> tuple[str, str]:
         rest, self.buffer = self.buffer, ""
         if self.state == "inside":
-            return rest, ""
+            return self._thought(rest.rstrip()), ""
         return "", rest.lstrip() if self.strip_content else rest
 
 
@@ -96,4 +108,4 @@ def split_reasoning(text: str, reasoning: Reasoning) -> tuple[str, str]:
     splitter = ReasoningSplitter(reasoning)
     r1, c1 = splitter.feed(text)
     r2, c2 = splitter.finish()
-    return (r1 + r2).strip(), c1 + c2
+    return r1 + r2, c1 + c2

@@ -207,7 +207,7 @@ class ResponseBuilder:
 
     def _flush_reasoning(self) -> list[bytes]:
         """The thought as one reasoning item, once it is whole (content starts, or the output ends)."""
-        text, self.reasoning = self.reasoning.strip(), ""
+        text, self.reasoning = self.reasoning, ""
         if not text:
             return []
         item = {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex[:24]}", "summary": [],

@@ -214,7 +214,7 @@ def test_grammar_the_engine_cannot_compile_is_a_400_naming_the_field(live, monke
 
     monkeypatch.setattr(engine, "stream", stream)
     for stream_flag in (False, True):
-        r = post(live, "/completion", {"prompt": "def", "grammar": "root ::= ", "stream": stream_flag})
+        r = post(live, "/completion", {"prompt": "def", "grammar": 'root ::= "a"', "stream": stream_flag})
         assert r.status_code == 400 and "'grammar' cannot be used: the grammar does not parse" in r.text
         r = post(live, "/v1/chat/completions", {"messages": MESSAGES, "stream": stream_flag,
                                                 "response_format": {"type": "json_object"}})
@@ -222,17 +222,27 @@ def test_grammar_the_engine_cannot_compile_is_a_400_naming_the_field(live, monke
     assert post(live, "/v1/completions", {"prompt": "def", "max_tokens": 2}).status_code == 200
 
 
+def test_a_grammar_that_does_not_compile_is_refused_before_the_job_is_queued(engine, monkeypatch):
+    """The engine compiles each constraint while the request is parsed: its error is a 400 naming the field the
+    constraint came from, before any generation."""
+    refused(native, engine, "'grammar' cannot be used:", grammar="root ::= ")
+    refused(native, engine, "'grammar' cannot be used:", grammar="root ::= nonesuch")
+    refused(chat, engine, "'json_schema' cannot be used:", json_schema={"type": "nonesuch"})
+    refused(chat, engine, "'response_format' cannot be used:",
+            response_format={"type": "json_schema", "json_schema": {"schema": {"type": "object", "required": 5}}})
+    assert native(engine, grammar='root ::= "a"').params.constraint.kind == "gbnf"
+
+
 def engine_logprobs(engine, ids, k) -> list | None:
     return engine.generate(ids, SamplingParams(max_tokens=6, logprobs=k, ignore_eos=True), draft=0).logprobs
 
 
 def test_logprobs_end_to_end_equal_plain_decoding(live):
-    """Passes once the engine computes logprobs (skipped until then)."""
+    """Each route's log-probabilities are those of plain decoding, whole and streamed."""
     engine = live.state.engine
     ids = engine.encode_prompt("def")
     expected = engine_logprobs(engine, ids, 2)
-    if expected is None:
-        pytest.skip("the engine does not compute logprobs yet")
+    assert len(expected) == 6
     body = {"prompt": "def", "max_tokens": 6, "ignore_eos": True, "logprobs": 2}
     lp = post(live, "/v1/completions", body).json()["choices"][0]["logprobs"]
     assert lp["token_logprobs"] == pytest.approx([e.logprob for e in expected], abs=1e-4)
@@ -253,17 +263,13 @@ SMALL_SCHEMA = {"type": "object", "properties": {"a": {"enum": [1, 2, 3]}}, "req
 
 
 def test_constraints_end_to_end_equal_plain_decoding(live):
-    """Passes once the engine applies constraints (skipped until then): a json_schema and a GBNF grammar give
-    output that follows them, through DFlash (the live server drafts every step) as in plain decoding."""
+    """A json_schema and a GBNF grammar give output that follows them, through DFlash (the live server drafts
+    every step) as in plain decoding."""
     engine = live.state.engine
     ids = engine.encode_prompt(messages=MESSAGES)
     plain = engine.generate(ids, SamplingParams(max_tokens=20, constraint=Constraint(
         "json_schema", json.dumps(SMALL_SCHEMA))), draft=0).text
-    try:
-        value = json.loads(plain)
-    except ValueError:
-        pytest.skip("the engine does not apply constraints yet")
-    assert value["a"] in (1, 2, 3)
+    assert json.loads(plain)["a"] in (1, 2, 3)
     body = {"messages": MESSAGES, "max_tokens": 20, "temperature": 0,
             "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SMALL_SCHEMA}}}
     whole = post(live, "/v1/chat/completions", body).json()
@@ -275,16 +281,10 @@ def test_constraints_end_to_end_equal_plain_decoding(live):
 
 
 def test_openai_client_parse_with_a_pydantic_model(live):
-    """chat.completions.parse sends the model's strict json_schema; the reply parses into the model (once the
-    engine applies constraints: skipped until then)."""
+    """chat.completions.parse sends the model's strict json_schema; the reply parses into the model."""
     class Answer(BaseModel):
         a: Literal[1, 2, 3]
 
-    engine = live.state.engine
-    probe = engine.generate(engine.encode_prompt("def"), SamplingParams(max_tokens=20, constraint=Constraint(
-        "json_schema", json.dumps(SMALL_SCHEMA))), draft=0).text
-    if not probe.startswith("{"):
-        pytest.skip("the engine does not apply constraints yet")
     client = openai.OpenAI(base_url=live.url + "/v1", api_key=AUTH["Authorization"][7:], max_retries=0, timeout=60)
     reply = client.chat.completions.parse(model="m", messages=MESSAGES, response_format=Answer, max_tokens=20,
                                           temperature=0)

@@ -36,9 +36,9 @@ NAMES = {"get_weather", "get_time"}
 
 
 def fake_engine(folder: Path):
-    """What the chat parser reads of an engine, over a tokenizer alone."""
+    """What the chat parser reads of an engine, over a tokenizer alone (every constraint compiles)."""
     return SimpleNamespace(tokenizer=Tokenizer(folder), context_size=4096, check_prompt=lambda ids: None,
-                           name="fake")
+                           compile_constraint=lambda constraint: None, name="fake")
 
 
 @pytest.fixture(scope="module", params=list(FORMATS))

@@ -398,6 +398,18 @@ def _sampling(body: dict, settings: ServerSettings, max_tokens: int, engine, rou
     return params, constraint_field
 
 
+def _compile(engine, params: SamplingParams, field: str) -> None:
+    """The output constraint compiled by the engine while the request is parsed, so a grammar it cannot use is a
+    400 naming the field it came from before any work is queued (the compiled grammar is cached for the
+    generation)."""
+    if params.constraint is None:
+        return
+    try:
+        engine.compile_constraint(params.constraint)
+    except ValueError as e:
+        raise _bad(field or "grammar", f"cannot be used: {e}") from None
+
+
 def _speculative(body: dict, settings: ServerSettings) -> tuple[int | None, int]:
     n_max = _int(body, "speculative.n_max", settings.spec_n_max, minimum=0)
     n_min = _int(body, "speculative.n_min", settings.spec_n_min, minimum=0)
@@ -616,6 +628,7 @@ def parse_chat(body: dict, engine, settings: ServerSettings, templates=None,
             raise _bad(constraint_field, "cannot be combined with a required or named tool_choice (both constrain "
                                          "the output)")
         params, constraint_field = replace(params, constraint=prompt.tools.constraint), "tool_choice"
+    _compile(engine, params, constraint_field)
     return GenerationRequest(prompt.ids, params, n_max, n_min, stream, include_usage, model, prompt.text,
                              timings_per_token=per_token, n=n, tools=prompt.tools, reasoning=prompt.reasoning,
                              constraint_field=constraint_field)
@@ -660,6 +673,7 @@ def parse_completion(body: dict, engine, settings: ServerSettings, templates=Non
     n_max, n_min = _speculative(body, settings)
     model, per_token = _model(body, settings, engine), _bool(body, "timings_per_token")
     ids, text = _prompt_ids(body, engine)
+    _compile(engine, params, constraint_field)
     return GenerationRequest(ids, params, n_max, n_min, stream, include_usage, model, text,
                              timings_per_token=per_token, n=n, echo=echo, constraint_field=constraint_field)
 
@@ -674,5 +688,6 @@ def parse_native(body: dict, engine, settings: ServerSettings, templates=None,
     stream, model = _bool(body, "stream"), _model(body, settings, engine)
     return_tokens, per_token = _bool(body, "return_tokens"), _bool(body, "timings_per_token")
     ids, text = _prompt_ids(body, engine)
+    _compile(engine, params, constraint_field)
     return GenerationRequest(ids, params, n_max, n_min, stream, False, model, text, return_tokens=return_tokens,
                              timings_per_token=per_token, constraint_field=constraint_field)

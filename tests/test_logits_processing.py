@@ -5,6 +5,7 @@ The checks that would fail if a verify block's rows were processed as plain deco
 test (each row of a block equals that row processed alone after its prefix was committed), and the runs with an
 oracle drafter that proposes plain decoding's processed output, so that long runs of guesses are accepted
 against processed rows (an unprocessed row there samples the unprocessed token and the output changes)."""
+import dataclasses
 import json
 import math
 import random
@@ -268,6 +269,8 @@ def test_json_schema_output_validates_and_dflash_equals_plain(demo, demo_prompt)
     base = _check_lossless(demo, demo_prompt, params)
     assert base.finish_reason == "stop" and base.stop_type == "eos"
     jsonschema.validate(json.loads(base.text), SCHEMA)
+    with_logprobs = demo.generate(demo_prompt, dataclasses.replace(params, logprobs=1), draft=demo.max_draft)
+    assert [lp.token for lp in with_logprobs.logprobs] == with_logprobs.tokens == base.tokens  # none for the EOS
     free = demo.generate(demo_prompt, SamplingParams(max_tokens=20), draft=0)
     assert not free.text.startswith("{")  # the constraint, not the model, made it JSON
     for seed in (1, 2):

@@ -47,10 +47,6 @@ class LogitProcessor:
         self.all_counts = self._counts(self.tokens) if self.repeats and params.repeat_last_n < 0 else None
         self.output_counts = torch.zeros(vocab_size, device=device) if self.penalises_output else None
 
-    @property
-    def processes(self) -> bool:
-        return self.params.processes_logits
-
     def _counts(self, tokens: list[int]) -> torch.Tensor:
         counts = torch.zeros(self.vocab_size, device=self.device)
         if tokens:

@@ -163,3 +163,70 @@ def test_responses_and_messages_generate_for_real(tools_server):  # noqa: F811
     m = post(tools_server, "/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": "def"}],
                                             "temperature": 0}).json()
     assert m["stop_reason"] in ("max_tokens", "end_turn") and m["usage"]["output_tokens"] <= 4
+
+
+USER = [{"role": "user", "content": "x"}]
+FUNCTION = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+
+
+@pytest.mark.parametrize("path,body,param,words", [
+    ("/v1/responses", {"input": "x", "max_output_tokens": 0}, "max_output_tokens",
+     "'max_output_tokens' must be >= 1, got 0"),
+    ("/v1/responses", {"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": [1]}}},
+     "text.format.schema", "'text.format.schema' must be a JSON schema object"),
+    ("/v1/responses", {"input": "x", "temperature": "hot"}, "temperature", "'temperature' must be a number"),
+    ("/v1/responses", {"instructions": "Be brief.", "input": [
+        {"role": "user", "content": "x"}, {"type": "function_call", "call_id": "c", "name": "get_weather",
+                                           "arguments": "{x"}]}, "input", "input[1].arguments is not valid JSON"),
+    ("/v1/responses", {"input": "x", "tools": [{**FUNCTION, "strict": True}]}, "tools[0].strict",
+     "'tools[0].strict' is true, but a call's arguments follow the schema only when the call is forced"),
+    ("/v1/messages", {"max_tokens": 0, "messages": USER}, "max_tokens", "'max_tokens' must be >= 1"),
+    ("/v1/messages", {"max_tokens": 5, "messages": USER, "stop_sequences": ["a"] * 17}, "stop_sequences",
+     "'stop_sequences' has 17 strings"),
+    ("/v1/messages", {"max_tokens": 5, "messages": USER, "tools": [{"name": "get_weather", "input_schema": 5}]},
+     "tools[0]", "'tools[0]' has function.parameters that is not a JSON schema object"),
+    ("/v1/messages", {"max_tokens": 5, "messages": USER, "tools": [{"name": "f", "input_schema": {}, "strict": True}]},
+     "tools[0].strict", "'tools[0].strict' is true"),
+])
+def test_errors_name_the_routes_own_fields(tools_server, path, body, param, words):  # noqa: F811
+    r = post(tools_server, path, body)
+    error = r.json()["error"]
+    assert r.status_code == 400 and words in error["message"] and error["param"] == param, r.text
+
+
+@pytest.mark.parametrize("body,words", [
+    ({"top_logprobs": 2}, "'top_logprobs' is not supported"),
+    ({"max_tool_calls": 1}, "'max_tool_calls' is not supported"),
+    ({"truncation": "auto"}, "'truncation' is not supported"),
+    ({"text": {"verbosity": "low"}}, "'text.verbosity' is not supported"),
+    ({"metadata": {"k": 5}}, "'metadata' must be an object of at most 16 strings"),
+    ({"metadata": {str(i): "v" for i in range(17)}}, "'metadata' must be"),
+])
+def test_responses_fields_not_implemented_are_refused_by_name(tools_server, body, words):  # noqa: F811
+    r = post(tools_server, "/v1/responses", {"input": "x", "max_output_tokens": 2, **body})
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
+def test_responses_neutral_values_pass_and_metadata_is_echoed(tools_server, monkeypatch):  # noqa: F811
+    plant(monkeypatch, tools_server.state.engine, lambda prompt: ANSWER)
+    body = {"input": "x", "top_logprobs": 0, "truncation": "disabled", "text": {"verbosity": "medium"},
+            "metadata": {"run": "7"}}
+    r = post(tools_server, "/v1/responses", body)
+    assert r.status_code == 200 and r.json()["metadata"] == {"run": "7"}, r.text
+    events = sse(post(tools_server, "/v1/responses", {**body, "stream": True}))
+    assert events[-1][1]["response"]["metadata"] == {"run": "7"}
+
+
+def test_anthropic_thinking_budget_and_strict_tools(tools_server, monkeypatch):  # noqa: F811
+    plant(monkeypatch, tools_server.state.engine, lambda prompt: '{"city": "Oslo"}')
+    body = {"max_tokens": 2048, "messages": USER}
+    r = post(tools_server, "/v1/messages", {**body, "thinking": {"type": "enabled", "budget_tokens": 1024}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "thinking.budget_tokens"
+    assert "cannot be enforced" in r.json()["error"]["message"]
+    r = post(tools_server, "/v1/messages", {**body, "max_tokens": 64,
+                                            "thinking": {"type": "enabled", "budget_tokens": 64}})
+    assert r.status_code == 200, r.text  # max_tokens bounds the thought to the budget
+    strict = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"], "strict": True}
+    r = post(tools_server, "/v1/messages", {**body, "tools": [strict], "tool_choice": {"type": "tool",
+                                                                                       "name": "get_weather"}})
+    assert r.status_code == 200 and r.json()["content"][-1]["input"] == {"city": "Oslo"}, r.text

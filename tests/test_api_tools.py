@@ -220,11 +220,21 @@ def test_tool_choice_named_and_required_are_enforced_by_prefill_and_schema(famil
      "'response_format' cannot be combined with a required or named tool_choice"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}]},
      "not valid JSON"),
+    ({"tools": [{"type": "function", "function": {**WEATHER["function"], "strict": True}}]},
+     "'tools[0].function.strict' is true, but a call's arguments follow the schema only when the call is forced"),
+    ({"functions": [{**WEATHER["function"], "strict": "yes"}]}, "'functions[0].strict' must be true or false"),
 ])
 def test_bad_tools_are_400s_naming_the_field(qwen3_dir, body, words):
     with pytest.raises(APIError) as e:
         parse_chat({"messages": ASK, **body}, fake_engine(qwen3_dir), SETTINGS)
     assert e.value.status == 400 and words in e.value.message, e.value.message
+
+
+def test_strict_tools_are_honoured_when_the_call_is_forced(qwen3_dir):
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = parse_chat({"messages": ASK, "tools": [strict], "tool_choice": choice}, fake_engine(qwen3_dir), SETTINGS)
+        assert json.loads(r.params.constraint.source) == WEATHER["function"]["parameters"]
 
 
 def test_legacy_functions_map_to_tools(qwen3_dir):

@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import uuid
 
-from flashdraft.server.errors import APIError
+from flashdraft.server.errors import APIError, bad_field, renamed
 from flashdraft.server.formats import ChatSplitter, chat_message
-from flashdraft.server.requests import GenerationRequest
+from flashdraft.server.requests import GenerationRequest, joined_text, parse_chat, refuse_fields
 from flashdraft.server.tools import json_object
 
 # Fields refused unless absent (or neutral): what they ask for is not done here.
@@ -20,34 +20,17 @@ REFUSED = {"mcp_servers": (), "container": (), "service_tier": ("auto", "standar
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 
-def _bad(field: str, message: str) -> APIError:
-    return APIError(400, f"'{field}' {message}", param=field)
-
-
-def _text(content, where: str) -> str:
-    """A string, or text blocks joined."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _bad(where, "must be a string or a list of content blocks")
-    parts = []
-    for j, block in enumerate(content):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            raise _bad(f"{where}[{j}]", "must be a text block: only text (and tool) blocks are supported")
-        parts.append(block["text"])
-    return "".join(parts)
-
-
-def _message(i: int, m) -> list[dict]:
-    """One Anthropic message as OpenAI chat messages (tool results become tool messages)."""
+def _message(i: int, m) -> list[tuple[dict, str]]:
+    """One Anthropic message as OpenAI chat messages (tool results become tool messages), each with the field
+    it came from."""
     where = f"messages[{i}]"
     if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-        raise _bad(f"{where}.role", "must be user or assistant")
+        raise bad_field(f"{where}.role", "must be user or assistant")
     content = m.get("content")
     if isinstance(content, str):
-        return [{"role": m["role"], "content": content}]
+        return [({"role": m["role"], "content": content}, where)]
     if not isinstance(content, list):
-        raise _bad(f"{where}.content", "must be a string or a list of content blocks")
+        raise bad_field(f"{where}.content", "must be a string or a list of content blocks")
     text, calls, results, thinking = [], [], [], []
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
@@ -56,20 +39,20 @@ def _message(i: int, m) -> list[dict]:
             text.append(block["text"])
         elif kind == "tool_use" and m["role"] == "assistant":
             if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
-                raise _bad(at, "must have a name and an input object")
+                raise bad_field(at, "must have a name and an input object")
             calls.append({"id": str(block.get("id") or ""), "type": "function",
                           "function": {"name": block["name"], "arguments": block.get("input", {})}})
         elif kind == "tool_result" and m["role"] == "user":
-            results.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id") or ""),
-                            "content": _text(block.get("content", ""), f"{at}.content")})
+            results.append(({"role": "tool", "tool_call_id": str(block.get("tool_use_id") or ""),
+                             "content": joined_text(block.get("content", ""), f"{at}.content", ("text",))}, at))
         elif kind == "thinking" and m["role"] == "assistant":
             if not isinstance(block.get("thinking"), str):
-                raise _bad(f"{at}.thinking", "must be a string")
+                raise bad_field(f"{at}.thinking", "must be a string")
             thinking.append(block["thinking"])
         elif kind == "redacted_thinking" and m["role"] == "assistant":
             continue  # encrypted by another server: nothing a template can show
         else:
-            raise _bad(at, f"is a block of type {str(kind)[:40]!r}: only text, tool_use (assistant), tool_result "
+            raise bad_field(at, f"is a block of type {str(kind)[:40]!r}: only text, tool_use (assistant), tool_result "
                            "(user) and thinking (assistant) blocks are supported")
     out = list(results)
     if text or calls or not results:
@@ -78,56 +61,75 @@ def _message(i: int, m) -> list[dict]:
             message["tool_calls"] = calls
         if thinking:
             message["reasoning_content"] = "".join(thinking)
-        out.append(message)
+        out.append((message, where))
     return out
 
 
 def _tool_choice(choice):
     if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
-        raise _bad("tool_choice", "must be {'type': 'auto' | 'any' | 'tool' | 'none'}")
+        raise bad_field("tool_choice", "must be {'type': 'auto' | 'any' | 'tool' | 'none'}")
     if choice["type"] == "tool":
         if not isinstance(choice.get("name"), str):
-            raise _bad("tool_choice.name", "is required with type 'tool'")
+            raise bad_field("tool_choice.name", "is required with type 'tool'")
         return {"type": "function", "function": {"name": choice["name"]}}
     if choice.get("disable_parallel_tool_use") not in (None, False):
-        raise _bad("tool_choice.disable_parallel_tool_use", "is not supported")
+        raise bad_field("tool_choice.disable_parallel_tool_use", "is not supported")
     return {"auto": "auto", "any": "required", "none": "none"}[choice["type"]]
 
 
 def _tools(tools) -> list[dict]:
     if not isinstance(tools, list):
-        raise _bad("tools", "must be a list")
+        raise bad_field("tools", "must be a list")
     out = []
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or tool.get("type") not in (None,
                                                                                                             "custom"):
-            raise _bad(f"tools[{i}]", "must be a custom tool with a name and an input_schema: server tools are not "
+            raise bad_field(f"tools[{i}]", "must be a custom tool with a name and an input_schema: server tools are not "
                                       "supported")
         function = {"name": tool["name"], "parameters": tool.get("input_schema", {"type": "object"})}
-        if tool.get("description") is not None:
-            function["description"] = tool["description"]
+        for key in ("description", "strict"):
+            if tool.get(key) is not None:
+                function[key] = tool[key]
         out.append({"type": "function", "function": function})
     return out
 
 
-def chat_body(body: dict) -> dict:
-    """The OpenAI chat body a Messages request stands for."""
-    for key, neutral in REFUSED.items():
-        if body.get(key) not in (None, *neutral) and body.get(key) != []:
-            raise _bad(key, "is not supported by this server")
+def _thinking(body: dict) -> bool | None:
+    """thinking's type as enable_thinking (None: not sent). Its budget_tokens cannot be enforced here (only
+    max_tokens bounds the thought), so a budget below max_tokens is refused."""
     thinking = body.get("thinking")
-    if thinking is not None and (not isinstance(thinking, dict) or thinking.get("type") not in ("enabled",
-                                                                                                "disabled")):
-        raise _bad("thinking", "must be {'type': 'enabled' | 'disabled'}")
+    if thinking is None:
+        return None
+    if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled"):
+        raise bad_field("thinking", "must be {'type': 'enabled' | 'disabled'}")
+    budget = thinking.get("budget_tokens")
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, int):
+            raise bad_field("thinking.budget_tokens", "must be an integer")
+        if isinstance(body["max_tokens"], int) and budget < body["max_tokens"]:
+            raise bad_field("thinking.budget_tokens", f"is {budget}, below max_tokens ({body['max_tokens']}): a "
+                                                      "thinking budget cannot be enforced by this server, only "
+                                                      "max_tokens bounds the thought; leave it out or send one of "
+                                                      "at least max_tokens")
+    return thinking["type"] == "enabled"
+
+
+def chat_body(body: dict) -> tuple[dict, dict[str, str]]:
+    """The OpenAI chat body a Messages request stands for, and the chat's field names mapped to the request's
+    (for the chat parser's errors)."""
+    refuse_fields(body, REFUSED, "by this server")
     if body.get("max_tokens") is None:
-        raise _bad("max_tokens", "is required")
+        raise bad_field("max_tokens", "is required")
+    thinking = _thinking(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise _bad("messages", "must be a non-empty list")
-    chat = [m for i, m in enumerate(messages) for m in _message(i, m)]
+        raise bad_field("messages", "must be a non-empty list")
+    chat = [pair for i, m in enumerate(messages) for pair in _message(i, m)]
     if body.get("system") is not None:
-        chat.insert(0, {"role": "system", "content": _text(body["system"], "system")})
-    out = {"messages": chat, "max_tokens": body["max_tokens"]}
+        chat.insert(0, ({"role": "system", "content": joined_text(body["system"], "system", ("text",))}, "system"))
+    names = {f"messages[{j}]": source for j, (_, source) in enumerate(chat)}
+    names.update({"stop": "stop_sequences", "chat_template_kwargs.enable_thinking": "thinking"})
+    out = {"messages": [m for m, _ in chat], "max_tokens": body["max_tokens"]}
     for key in ("temperature", "top_p", "top_k", "stream", "model"):
         if body.get(key) is not None:
             out[key] = body[key]
@@ -135,11 +137,24 @@ def chat_body(body: dict) -> dict:
         out["stop"] = body["stop_sequences"]
     if body.get("tools"):
         out["tools"] = _tools(body["tools"])
+        for i in range(len(out["tools"])):
+            names.update({f"tools[{i}].function.parameters": f"tools[{i}].input_schema",
+                          f"tools[{i}].function": f"tools[{i}]"})
     if body.get("tool_choice") is not None:
         out["tool_choice"] = _tool_choice(body["tool_choice"])
     if thinking is not None:
-        out["chat_template_kwargs"] = {"enable_thinking": thinking["type"] == "enabled"}
-    return out
+        out["chat_template_kwargs"] = {"enable_thinking": thinking}
+    return out, names
+
+
+def parse(body: dict, *args) -> GenerationRequest:
+    """POST /v1/messages: the chat it stands for, parsed as any chat, its errors in Anthropic's field names
+    (args: parse_chat's after the body)."""
+    chat, names = chat_body(body)
+    try:
+        return parse_chat(chat, *args)
+    except APIError as e:
+        raise renamed(e, names) from None
 
 
 def _usage(result, output_tokens: int | None = None) -> dict:
@@ -252,5 +267,5 @@ class AnthropicStream:
         return out
 
 
-def error_event(e: APIError) -> bytes:
-    return event("error", {"type": "error", "error": {"type": e.error_type, "message": e.message}})
+    def error(self, e: APIError) -> bytes:
+        return event("error", {"type": "error", "error": {"type": e.error_type, "message": e.message}})

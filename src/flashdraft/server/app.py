@@ -28,8 +28,8 @@ from flashdraft.server.jobs import DELTA, ENDED, ERROR, RESULT, Job
 from flashdraft.server.metrics import ServerMetrics
 from flashdraft.server.requests import (MAX_DEPTH, GenerationRequest, check_json, parse_chat, parse_completion,
                                        parse_native)
+from flashdraft.server import responses as responses_api
 from flashdraft.server.responses import ResponseBuilder
-from flashdraft.server.responses import chat_body as responses_chat_body
 from flashdraft.server.settings import ServerSettings
 from flashdraft.server.templates import TemplateSandbox
 
@@ -359,16 +359,6 @@ async def _parse(request: Request, parse, state: ServerState) -> tuple[dict, Gen
     return body, gen, cancelled
 
 
-def parse_messages(body: dict, *args) -> GenerationRequest:
-    """Anthropic's POST /v1/messages, as the chat it stands for."""
-    return parse_chat(anthropic.chat_body(body), *args)
-
-
-def parse_responses(body: dict, *args) -> GenerationRequest:
-    """OpenAI's POST /v1/responses, as the chat it stands for."""
-    return parse_chat(responses_chat_body(body), *args)
-
-
 NOT_IMPLEMENTED = {
     "/v1/embeddings": "embeddings are not supported: this server runs generative models only",
     "/embeddings": "embeddings are not supported: this server runs generative models only",
@@ -454,20 +444,21 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/messages", summary="Anthropic's Messages API (stream or not)")
     async def messages(request: Request):
-        _, gen, job = await submit(request, parse_messages)
+        _, gen, job = await submit(request, anthropic.parse)
         if gen.stream:
             first = await _first_event(job, request)
-            return EventStream(job, _anthropic_stream(job, first), lambda e: [anthropic.error_event(e)])
+            builder = anthropic.AnthropicStream(gen)
+            return EventStream(job, _builder_stream(job, builder, first), lambda e: [builder.error(e)])
         (result,) = await _results(job, request)
         return anthropic.whole(gen, result)
 
     @app.post("/v1/responses", summary="OpenAI's Responses API (stream or not)")
     async def responses(request: Request):
-        body, gen, job = await submit(request, parse_responses)
+        body, gen, job = await submit(request, responses_api.parse)
         builder = ResponseBuilder(gen, body)
         if gen.stream:
             first = await _first_event(job, request)
-            return EventStream(job, _responses_stream(job, builder, first), lambda e: [builder.error(e)])
+            return EventStream(job, _builder_stream(job, builder, first), lambda e: [builder.error(e)])
         (result,) = await _results(job, request)
         return builder.whole(result)
 
@@ -583,18 +574,9 @@ async def _openai_stream(job: Job, fmt: formats.OpenAIFormatter, first: tuple | 
     yield formats.sse("[DONE]")
 
 
-async def _anthropic_stream(job: Job, first: tuple | None):
-    stream = anthropic.AnthropicStream(job.request)
-    for chunk in stream.start():
-        yield chunk
-    async for kind, payload, _ in _events(job, first):
-        chunks = (stream.delta(payload.text) if kind == DELTA else stream.finish(payload) if kind == RESULT
-                  else [anthropic.error_event(_failure(kind, payload))])
-        for chunk in chunks:
-            yield chunk
-
-
-async def _responses_stream(job: Job, builder: ResponseBuilder, first: tuple | None):
+async def _builder_stream(job: Job, builder, first: tuple | None):
+    """A stream of another API's events (Anthropic's, the Responses API's): builder turns the job's text, result
+    and failure into them (start, delta, finish, error)."""
     for chunk in builder.start():
         yield chunk
     async for kind, payload, _ in _events(job, first):

@@ -1,6 +1,8 @@
 """OpenAI-style error bodies ({"error": {"message", "type", "code", "param"}}), with llama-server's types."""
 from __future__ import annotations
 
+import re
+
 # llama-server's error types, by HTTP status.
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -33,3 +35,30 @@ def error_body(status: int, message: str, error_type: str | None = None, param: 
     if param is not None:
         error["param"] = param
     return {"error": error}
+
+
+def bad_field(field: str, message: str) -> APIError:
+    """The 400 for a bad request field, its name first in the message."""
+    return APIError(400, f"'{field}' {message}", param=field)
+
+
+NAMES = re.compile(r"'([^'\s]+)'|(?<![\w.\[])(messages\[\d+\][\w.\[\]]*)")
+
+
+def _rename(path: str, names: dict[str, str]) -> str:
+    """path with its longest prefix found in names (cut at a . or [) replaced."""
+    for cut in [len(path)] + [i for i in range(len(path) - 1, 0, -1) if path[i] in ".["]:
+        new = names.get(path[:cut])
+        if new is not None:
+            return new + path[cut:]
+    return path
+
+
+def renamed(e: APIError, names: dict[str, str]) -> APIError:
+    """e in another API's field names (Anthropic's, the Responses API's) for a request parsed as the chat it
+    stands for: names maps a chat field, or a prefix of one (messages[3], tools[0].function), to the route's."""
+    message = NAMES.sub(lambda m: f"'{_rename(m.group(1), names)}'" if m.group(1) else _rename(m.group(2), names),
+                        e.message)
+    if e.param and e.message.startswith(e.param + " "):  # the sampling checks' messages start with the bare name
+        message = _rename(e.param, names) + message[len(e.param):]
+    return APIError(e.status, message, _rename(e.param, names) if e.param else e.param, e.error_type)

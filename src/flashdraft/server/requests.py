@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, replace
 
 from flashdraft.config import ConfigError, Constraint, SamplingParams
-from flashdraft.server.errors import APIError
+from flashdraft.server.errors import APIError, bad_field
 from flashdraft.server.reasoning import FORMATS as REASONING_FORMATS
 from flashdraft.server.reasoning import Reasoning, reasoning_for
 from flashdraft.server.settings import ServerSettings
@@ -77,10 +77,6 @@ class GenerationRequest:
         return replace(self.params, seed=(self.params.seed + index) % 2**63)
 
 
-def _bad(field: str, message: str) -> APIError:
-    return APIError(400, f"'{field}' {message}", param=field)
-
-
 def _show(value) -> str:
     """A value for an error message, cut short without writing it all out first (it may be megabytes)."""
     return reprlib.repr(value)
@@ -129,23 +125,23 @@ def check_json(body, max_depth: int = MAX_DEPTH) -> None:
     while stack:
         value, node, depth = stack.pop()
         if depth > max_depth:
-            raise _bad(_path(node), f"is nested deeper than {max_depth} levels")
+            raise bad_field(_path(node), f"is nested deeper than {max_depth} levels")
         if isinstance(value, dict):
             for key, item in value.items():
                 if not _encodes(key):
-                    raise _bad(_path((node, key)), "is a key that is not valid UTF-8 text (a lone surrogate)")
+                    raise bad_field(_path((node, key)), "is a key that is not valid UTF-8 text (a lone surrogate)")
                 stack.append((item, (node, key), depth + 1))
         elif isinstance(value, list):
             if not plain_ints(value):
                 stack.extend((item, (node, i), depth + 1) for i, item in enumerate(value))
         elif isinstance(value, str):
             if not _encodes(value):
-                raise _bad(_path(node), "is not valid UTF-8 text (it has a lone surrogate)")
+                raise bad_field(_path(node), "is not valid UTF-8 text (it has a lone surrogate)")
         elif isinstance(value, float):
             if not math.isfinite(value):
-                raise _bad(_path(node), f"must be a finite number, got {value}")
+                raise bad_field(_path(node), f"must be a finite number, got {value}")
         elif isinstance(value, int) and not isinstance(value, bool) and not -INT64 <= value < INT64:
-            raise _bad(_path(node), "is out of range: integers must fit in 64 bits")
+            raise bad_field(_path(node), "is out of range: integers must fit in 64 bits")
 
 
 # --- fields ---------------------------------------------------------------------------------------------------
@@ -157,10 +153,10 @@ def _int(body: dict, key: str, default, minimum: int | None = None):
         return default
     if (isinstance(value, bool) or not isinstance(value, (int, float))
             or (isinstance(value, float) and not (math.isfinite(value) and value.is_integer()))):
-        raise _bad(key, f"must be an integer, got {_show(value)}")
+        raise bad_field(key, f"must be an integer, got {_show(value)}")
     value = int(value)
     if minimum is not None and value < minimum:
-        raise _bad(key, f"must be >= {minimum}, got {value}")
+        raise bad_field(key, f"must be >= {minimum}, got {value}")
     return value
 
 
@@ -169,10 +165,10 @@ def _float(body: dict, key: str, default: float) -> float:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _bad(key, f"must be a number, got {_show(value)}")
+        raise bad_field(key, f"must be a number, got {_show(value)}")
     value = float(value)  # check_json has kept integers within 64 bits, so this is finite
     if not math.isfinite(value):
-        raise _bad(key, f"must be a finite number, got {value}")
+        raise bad_field(key, f"must be a finite number, got {value}")
     return value
 
 
@@ -181,7 +177,7 @@ def _bool(body: dict, key: str, default: bool = False) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise _bad(key, f"must be true or false, got {_show(value)}")
+        raise bad_field(key, f"must be true or false, got {_show(value)}")
     return value
 
 
@@ -192,11 +188,11 @@ def _stop(body: dict) -> list[str]:
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise _bad("stop", "must be a string or a list of strings")
+        raise bad_field("stop", "must be a string or a list of strings")
     if len(stop) > MAX_STOP_STRINGS:
-        raise _bad("stop", f"has {len(stop)} strings, at most {MAX_STOP_STRINGS} are allowed")
+        raise bad_field("stop", f"has {len(stop)} strings, at most {MAX_STOP_STRINGS} are allowed")
     if any(len(s) > MAX_STOP_CHARS for s in stop):
-        raise _bad("stop", f"has a string over the limit of {MAX_STOP_CHARS} characters")
+        raise bad_field("stop", f"has a string over the limit of {MAX_STOP_CHARS} characters")
     return stop
 
 
@@ -211,14 +207,20 @@ def _same(value, neutral) -> bool:
     return type(value) is type(neutral) and value == neutral
 
 
-def _unsupported(body: dict, route: str) -> None:
-    for key, neutral in {**UNSUPPORTED, **NOT_ON_ROUTE[route]}.items():
+def refuse_fields(body: dict, fields: dict[str, tuple], reason: str) -> None:
+    """A 400 naming the first of fields (each with the values that ask for nothing) that the body sets to
+    anything else; an empty list or object asks for nothing too."""
+    for key, neutral in fields.items():
         value = body.get(key)
         if value is None or (isinstance(value, (list, dict)) and not value):
             continue
         if not any(_same(value, n) for n in neutral):
-            where = "by this server" if key in UNSUPPORTED else "on this route"
-            raise _bad(key, f"is not supported {where} (got {_show(value)})")
+            raise bad_field(key, f"is not supported {reason} (got {_show(value)})")
+
+
+def _unsupported(body: dict, route: str) -> None:
+    refuse_fields(body, UNSUPPORTED, "by this server")
+    refuse_fields(body, NOT_ON_ROUTE[route], "on this route")
 
 
 def _max_tokens(body: dict, keys: tuple[str, ...], settings: ServerSettings, context_size: int,
@@ -231,9 +233,9 @@ def _max_tokens(body: dict, keys: tuple[str, ...], settings: ServerSettings, con
     if value == -1 and allow_unlimited:
         return context_size
     if value < 1:
-        raise _bad(key, f"must be >= 1, got {value}")
+        raise bad_field(key, f"must be >= 1, got {value}")
     if value > context_size:
-        raise _bad(key, f"is {value}, more than the context size {context_size}")
+        raise bad_field(key, f"is {value}, more than the context size {context_size}")
     return value
 
 
@@ -246,9 +248,9 @@ def _bias_value(value, where: str) -> float:
     if value is False:
         return -100.0
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _bad(where, f"must be a number in [-100, 100] or false (a ban), got {_show(value)}")
+        raise bad_field(where, f"must be a number in [-100, 100] or false (a ban), got {_show(value)}")
     if not -100 <= value <= 100:
-        raise _bad(where, f"must be in [-100, 100], got {value}")
+        raise bad_field(where, f"must be in [-100, 100], got {value}")
     return float(value)
 
 
@@ -262,9 +264,9 @@ def _logit_bias(body: dict, engine) -> dict[int, float]:
     elif isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value):
         pairs = value
     else:
-        raise _bad("logit_bias", "must be an object of token id -> bias, or a list of [token, bias] pairs")
+        raise bad_field("logit_bias", "must be an object of token id -> bias, or a list of [token, bias] pairs")
     if len(pairs) > MAX_LOGIT_BIAS:
-        raise _bad("logit_bias", f"has {len(pairs)} entries, at most {MAX_LOGIT_BIAS} are allowed")
+        raise bad_field("logit_bias", f"has {len(pairs)} entries, at most {MAX_LOGIT_BIAS} are allowed")
     vocab, bias = _vocab_size(engine), {}
     for i, (token, amount) in enumerate(pairs):
         where = f"logit_bias[{i}]" if isinstance(value, list) else f"logit_bias.{_key_name(str(token))}"
@@ -272,35 +274,35 @@ def _logit_bias(body: dict, engine) -> dict[int, float]:
         if isinstance(token, str) and isinstance(value, dict):
             digits = token.strip().lstrip("-")
             if not (digits.isascii() and digits.isdigit()):  # "²".isdigit(), but int("²") fails
-                raise _bad(where, "must be keyed by a token id (an integer as a string)")
+                raise bad_field(where, "must be keyed by a token id (an integer as a string)")
             ids = [int(token)]
         elif isinstance(token, str):
             if len(token) > MAX_STOP_CHARS:
-                raise _bad(where, f"has a text over the limit of {MAX_STOP_CHARS} characters")
+                raise bad_field(where, f"has a text over the limit of {MAX_STOP_CHARS} characters")
             ids = engine.tokenizer.encode(token, add_special_tokens=False)
         elif isinstance(token, int) and not isinstance(token, bool):
             ids = [token]
         else:
-            raise _bad(where, f"must name a token by id or text, got {_show(token)}")
+            raise bad_field(where, f"must name a token by id or text, got {_show(token)}")
         for t in ids:
             if not 0 <= t < vocab:
-                raise _bad(where, f"names token id {t}, outside the vocabulary (size {vocab})")
+                raise bad_field(where, f"names token id {t}, outside the vocabulary (size {vocab})")
             bias[t] = amount
     return bias
 
 
 def _schema(value, field: str) -> Constraint:
     if isinstance(value, bool) or not isinstance(value, dict):
-        raise _bad(field, f"must be a JSON schema object, got {_show(value)}")
+        raise bad_field(field, f"must be a JSON schema object, got {_show(value)}")
     text = json.dumps(value)
     if len(text) > MAX_GRAMMAR_CHARS:
-        raise _bad(field, f"has {len(text)} characters, over the limit of {MAX_GRAMMAR_CHARS}")
+        raise bad_field(field, f"has {len(text)} characters, over the limit of {MAX_GRAMMAR_CHARS}")
     return Constraint("json_schema", text)
 
 
 def _response_format(value) -> Constraint | None:
     if not isinstance(value, dict):
-        raise _bad("response_format", f"must be an object, got {_show(value)}")
+        raise bad_field("response_format", f"must be an object, got {_show(value)}")
     kind = value.get("type")
     if kind == "text":
         return None
@@ -313,15 +315,15 @@ def _response_format(value) -> Constraint | None:
         if spec is None and value.get("schema") is not None:
             return _schema(value["schema"], "response_format.schema")
         if not isinstance(spec, dict):
-            raise _bad("response_format.json_schema", "must be an object with the schema under 'schema'")
+            raise bad_field("response_format.json_schema", "must be an object with the schema under 'schema'")
         if spec.get("name") is not None and not isinstance(spec["name"], str):
-            raise _bad("response_format.json_schema.name", "must be a string")
+            raise bad_field("response_format.json_schema.name", "must be a string")
         if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
-            raise _bad("response_format.json_schema.strict", "must be true or false")
+            raise bad_field("response_format.json_schema.strict", "must be true or false")
         if spec.get("schema") is None:
             return Constraint("json_object")
         return _schema(spec["schema"], "response_format.json_schema.schema")
-    raise _bad("response_format.type", f"must be text, json_object or json_schema, got {_show(kind)}")
+    raise bad_field("response_format.type", f"must be text, json_object or json_schema, got {_show(kind)}")
 
 
 def _constraint(body: dict) -> tuple[Constraint | None, str]:
@@ -334,16 +336,16 @@ def _constraint(body: dict) -> tuple[Constraint | None, str]:
             constraint = _response_format(value)
         elif key == "grammar":
             if not isinstance(value, str):
-                raise _bad("grammar", f"must be a GBNF grammar as a string, got {_show(value)}")
+                raise bad_field("grammar", f"must be a GBNF grammar as a string, got {_show(value)}")
             if len(value) > MAX_GRAMMAR_CHARS:
-                raise _bad("grammar", f"has {len(value)} characters, over the limit of {MAX_GRAMMAR_CHARS}")
+                raise bad_field("grammar", f"has {len(value)} characters, over the limit of {MAX_GRAMMAR_CHARS}")
             constraint = Constraint("gbnf", value) if value.strip() else None
         else:
             constraint = None if value == {} else _schema(value, "json_schema")
         if constraint is not None:
             found.append((constraint, key))
     if len(found) > 1:
-        raise _bad(found[1][1], f"cannot be combined with {found[0][1]}: send one constraint on the output")
+        raise bad_field(found[1][1], f"cannot be combined with {found[0][1]}: send one constraint on the output")
     return found[0] if found else (None, "")
 
 
@@ -353,16 +355,16 @@ def _logprobs(body: dict, route: str) -> int | None:
         on = _bool(body, "logprobs")
         top = _int(body, "top_logprobs", None, minimum=0)
         if top is not None and top > MAX_TOP_LOGPROBS:
-            raise _bad("top_logprobs", f"must be <= {MAX_TOP_LOGPROBS}, got {top}")
+            raise bad_field("top_logprobs", f"must be <= {MAX_TOP_LOGPROBS}, got {top}")
         if top and not on:
-            raise _bad("top_logprobs", "needs logprobs: true")
+            raise bad_field("top_logprobs", "needs logprobs: true")
         return (top or 0) if on else None
     key = "logprobs" if route == "completions" else "n_probs"
     if body.get(key) is False:
         return None
     k = _int(body, key, None, minimum=0)
     if k is not None and k > MAX_TOP_LOGPROBS:
-        raise _bad(key, f"must be <= {MAX_TOP_LOGPROBS}, got {k}")
+        raise bad_field(key, f"must be <= {MAX_TOP_LOGPROBS}, got {k}")
     return None if route == "native" and not k else k
 
 
@@ -407,7 +409,7 @@ def _compile(engine, params: SamplingParams, field: str) -> None:
     try:
         engine.compile_constraint(params.constraint)
     except ValueError as e:
-        raise _bad(field or "grammar", f"cannot be used: {e}") from None
+        raise bad_field(field or "grammar", f"cannot be used: {e}") from None
 
 
 def _speculative(body: dict, settings: ServerSettings) -> tuple[int | None, int]:
@@ -422,7 +424,7 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     if options is None:
         return stream, False
     if not isinstance(options, dict):
-        raise _bad("stream_options", f"must be an object, got {_show(options)}")
+        raise bad_field("stream_options", f"must be an object, got {_show(options)}")
     return stream, _bool(options, "include_usage")
 
 
@@ -431,19 +433,19 @@ def _model(body: dict, settings: ServerSettings, engine) -> str:
     if model is None:
         return settings.alias or engine.name
     if not isinstance(model, str):
-        raise _bad("model", f"must be a string, got {_show(model)}")
+        raise bad_field("model", f"must be a string, got {_show(model)}")
     if len(model) > MAX_MODEL_CHARS:
-        raise _bad("model", f"has {len(model)} characters, over the limit of {MAX_MODEL_CHARS}")
+        raise bad_field("model", f"has {len(model)} characters, over the limit of {MAX_MODEL_CHARS}")
     return model
 
 
 def _choices(body: dict) -> int:
     n = _int(body, "n", 1, minimum=1)
     if n > MAX_CHOICES:
-        raise _bad("n", f"must be <= {MAX_CHOICES}, got {n}")
+        raise bad_field("n", f"must be <= {MAX_CHOICES}, got {n}")
     best_of = _int(body, "best_of", None)
     if best_of is not None and best_of != n:
-        raise _bad("best_of", f"must equal n ({n}): choices are not ranked here, got {best_of}")
+        raise bad_field("best_of", f"must equal n ({n}): choices are not ranked here, got {best_of}")
     return n
 
 
@@ -451,7 +453,7 @@ def _check_prompt(engine, ids: list[int], field: str) -> None:
     try:
         engine.check_prompt(ids)
     except ValueError as e:
-        raise _bad(field, str(e)) from None
+        raise bad_field(field, str(e)) from None
 
 
 def max_prompt_chars(engine) -> int:
@@ -461,11 +463,25 @@ def max_prompt_chars(engine) -> int:
 def check_chars(n: int, engine, field: str, what: str) -> None:
     limit = max_prompt_chars(engine)
     if n > limit:
-        raise _bad(field, f"{what} {n} characters, over the limit of {limit} ({MAX_CHARS_PER_TOKEN} per token of "
+        raise bad_field(field, f"{what} {n} characters, over the limit of {limit} ({MAX_CHARS_PER_TOKEN} per token of "
                           f"the context size {engine.context_size})")
 
 
 # --- chat -------------------------------------------------------------------------------------------------------
+
+
+def joined_text(content, where: str, kinds: tuple[str, ...]) -> str:
+    """A string, or a list of text parts (of one of kinds) joined: the content of another API's message."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_field(where, "must be a string or a list of text parts")
+    parts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in kinds or not isinstance(part.get("text"), str):
+            raise bad_field(f"{where}[{j}]", f"must be a text part ({' / '.join(kinds)}): only text is supported")
+        parts.append(part["text"])
+    return "".join(parts)
 
 
 def _text_chars(value) -> int:
@@ -484,13 +500,13 @@ def _messages(body: dict, engine) -> list[dict]:
     from flashdraft.loading.tokenizer import normalize_messages  # not at the top: it imports torch
 
     if "messages" not in body:
-        raise _bad("messages", "is required")
+        raise bad_field("messages", "is required")
     try:
         messages = normalize_messages(body["messages"])
     except ValueError as e:
-        raise _bad("messages", str(e)) from None
+        raise bad_field("messages", str(e)) from None
     if len(messages) > engine.context_size:
-        raise _bad("messages", f"has {len(messages)} messages, more than the context size {engine.context_size}")
+        raise bad_field("messages", f"has {len(messages)} messages, more than the context size {engine.context_size}")
     check_chars(_text_chars(messages), engine, "messages", "have")
     return messages
 
@@ -505,14 +521,14 @@ def _request_template(body: dict, kwargs: dict, settings: ServerSettings) -> tup
         return None, ""
     field, template = given[0]
     if not settings.allow_request_template:
-        raise _bad(field, "is refused: this server renders only its own chat template (start it with "
+        raise bad_field(field, "is refused: this server renders only its own chat template (start it with "
                           "--allow-request-chat-template to accept templates from requests)")
     if len(given) > 1:
-        raise _bad(field, "is given twice: send it either at the top level or in chat_template_kwargs")
+        raise bad_field(field, "is given twice: send it either at the top level or in chat_template_kwargs")
     if not isinstance(template, str) or not template:
-        raise _bad(field, "must be a non-empty string")
+        raise bad_field(field, "must be a non-empty string")
     if len(template) > MAX_TEMPLATE_CHARS:
-        raise _bad(field, f"has {len(template)} characters, over the limit of {MAX_TEMPLATE_CHARS}")
+        raise bad_field(field, f"has {len(template)} characters, over the limit of {MAX_TEMPLATE_CHARS}")
     return template, field
 
 
@@ -524,12 +540,12 @@ def _template_kwargs(body: dict, engine, settings: ServerSettings) -> tuple[dict
     if kwargs is None:
         kwargs = {}
     if not isinstance(kwargs, dict):
-        raise _bad("chat_template_kwargs", f"must be an object, got {_show(kwargs)}")
+        raise bad_field("chat_template_kwargs", f"must be an object, got {_show(kwargs)}")
     template, field = _request_template(body, kwargs, settings)
     reserved = engine.tokenizer.template_input_names()
     for key in kwargs:
         if key in reserved and key != "chat_template":
-            raise _bad(f"chat_template_kwargs.{_key_name(key)}",
+            raise bad_field(f"chat_template_kwargs.{_key_name(key)}",
                        "would replace the template's own input of that name: it cannot be set here")
     kwargs = {k: v for k, v in kwargs.items() if k != "chat_template"}
     if settings.reasoning_budget == 0:  # llama-server's: no thinking at all
@@ -549,14 +565,14 @@ def _render(messages: list[dict], kwargs: dict, template: str | None, field: str
         try:
             return engine.tokenizer.render_chat(messages, **kwargs)
         except (ConfigError, ValueError) as e:
-            raise _bad("messages", str(e)) from None
+            raise bad_field("messages", str(e)) from None
     variables = {**engine.tokenizer.special_tokens(), **kwargs, "messages": messages, "add_generation_prompt": True}
     try:
         return templates.render(template, variables, max_prompt_chars(engine), cancelled)
     except TemplateBusy as e:
         raise APIError(503, str(e)) from None
     except TemplateError as e:
-        raise _bad(field, f"failed: {e}") from None
+        raise bad_field(field, f"failed: {e}") from None
 
 
 def template_text(template: str | None, engine, settings: ServerSettings) -> str:
@@ -569,7 +585,7 @@ def _reasoning_format(body: dict, settings: ServerSettings) -> str:
     if value is None:
         return settings.reasoning_format
     if value not in REASONING_FORMATS:
-        raise _bad("reasoning_format", f"must be one of {', '.join(REASONING_FORMATS)}, got {_show(value)}")
+        raise bad_field("reasoning_format", f"must be one of {', '.join(REASONING_FORMATS)}, got {_show(value)}")
     return value
 
 
@@ -591,18 +607,18 @@ def chat_prompt(body: dict, engine, settings: ServerSettings, templates=None,
     try:
         plan = plan_tools(body, source)
     except ToolError as e:
-        raise _bad(e.field, str(e)) from None
+        raise bad_field(e.field, str(e)) from None
     if plan is not None and plan.native:
         kwargs = {**kwargs, "tools": plan.tools}
     elif plan is not None:
         messages = generic_messages(messages, plan.tools)
     text = _render(messages, kwargs, template, field, engine, settings, templates, cancelled)
     if not _encodes(text):
-        raise _bad("messages", "rendered by the chat template into text that is not valid UTF-8")
+        raise bad_field("messages", "rendered by the chat template into text that is not valid UTF-8")
     reasoning = reasoning_for(source, text, _reasoning_format(body, settings))
     if plan is not None and plan.prefill:
         if reasoning is not None and reasoning.starts_inside:
-            raise _bad("tool_choice", "cannot be enforced while the prompt opens the model's thinking: turn "
+            raise bad_field("tool_choice", "cannot be enforced while the prompt opens the model's thinking: turn "
                                       "reasoning off (chat_template_kwargs.enable_thinking: false)")
         text += plan.prefill
     check_chars(len(text), engine, "messages", "rendered into")
@@ -625,7 +641,7 @@ def parse_chat(body: dict, engine, settings: ServerSettings, templates=None,
     prompt = chat_prompt(body, engine, settings, templates, cancelled)
     if prompt.tools is not None and prompt.tools.constraint is not None:
         if params.constraint is not None:
-            raise _bad(constraint_field, "cannot be combined with a required or named tool_choice (both constrain "
+            raise bad_field(constraint_field, "cannot be combined with a required or named tool_choice (both constrain "
                                          "the output)")
         params, constraint_field = replace(params, constraint=prompt.tools.constraint), "tool_choice"
     _compile(engine, params, constraint_field)
@@ -640,13 +656,13 @@ def parse_chat(body: dict, engine, settings: ServerSettings, templates=None,
 def _prompt_ids(body: dict, engine) -> tuple[list[int], str]:
     """A completion prompt: a string, a list of token ids, or a one-element list of either."""
     if "prompt" not in body:
-        raise _bad("prompt", "is required")
+        raise bad_field("prompt", "is required")
     prompt = body["prompt"]
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
-            raise _bad("prompt", "is empty")
+            raise bad_field("prompt", "is empty")
         check_chars(len(prompt), engine, "prompt", "has")
         ids = engine.encode_prompt(prompt)
         _check_prompt(engine, ids, "prompt")
@@ -655,8 +671,8 @@ def _prompt_ids(body: dict, engine) -> tuple[list[int], str]:
         _check_prompt(engine, prompt, "prompt")  # ids outside the vocabulary would fail in the decoder
         return list(prompt), engine.tokenizer.decode(prompt)
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
-        raise _bad("prompt", "has several prompts: send one prompt per request")
-    raise _bad("prompt", "must be a string or a list of token ids")
+        raise bad_field("prompt", "has several prompts: send one prompt per request")
+    raise bad_field("prompt", "must be a string or a list of token ids")
 
 
 def parse_completion(body: dict, engine, settings: ServerSettings, templates=None,
@@ -668,7 +684,7 @@ def parse_completion(body: dict, engine, settings: ServerSettings, templates=Non
     params, constraint_field = _sampling(body, settings, max_tokens, engine, "completions")
     echo = _bool(body, "echo")
     if echo and params.logprobs is not None:
-        raise _bad("echo", "cannot be combined with logprobs: the prompt's log-probabilities are not computed")
+        raise bad_field("echo", "cannot be combined with logprobs: the prompt's log-probabilities are not computed")
     stream, include_usage = _stream_flags(body)
     n_max, n_min = _speculative(body, settings)
     model, per_token = _model(body, settings, engine), _bool(body, "timings_per_token")

@@ -12,71 +12,61 @@ import json
 import time
 import uuid
 
-from flashdraft.server.errors import APIError
+from flashdraft.server.errors import APIError, bad_field, renamed
 from flashdraft.server.formats import ChatSplitter, chat_message
-from flashdraft.server.requests import GenerationRequest
+from flashdraft.server.requests import GenerationRequest, joined_text, parse_chat, refuse_fields
 
+# Fields refused unless absent (or neutral): nothing is stored, there are no reasoning settings, no log
+# probabilities in output items, no cap on the calls, no truncation of the input.
 REFUSED = {"previous_response_id": (), "store": (False,), "background": (False,), "conversation": (),
-           "prompt": (), "include": (), "reasoning": ()}
+           "prompt": (), "include": (), "reasoning": (), "top_logprobs": (0,), "max_tool_calls": (),
+           "truncation": ("disabled",)}
+TEXT_PARTS = ("input_text", "output_text", "text")
+MAX_METADATA = 16
 
 
-def _bad(field: str, message: str) -> APIError:
-    return APIError(400, f"'{field}' {message}", param=field)
-
-
-def _content(content, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _bad(where, "must be a string or a list of content parts")
-    parts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
-                or not isinstance(part.get("text"), str):
-            raise _bad(f"{where}[{j}]", "must be a text part (input_text / output_text): only text is supported")
-        parts.append(part["text"])
-    return "".join(parts)
-
-
-def _messages(items) -> list[dict]:
+def _messages(items) -> list[tuple[dict, str]]:
+    """The input as chat messages, each with the item it came from."""
     if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+        return [({"role": "user", "content": items}, "input")]
     if not isinstance(items, list) or not items:
-        raise _bad("input", "must be a string or a non-empty list of items")
-    out: list[dict] = []
+        raise bad_field("input", "must be a string or a non-empty list of items")
+    out: list[tuple[dict, str]] = []
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message" and item.get("role") in ("user", "assistant", "system", "developer"):
-            out.append({"role": item["role"], "content": _content(item.get("content", ""), f"{where}.content")})
+            content = joined_text(item.get("content", ""), f"{where}.content", TEXT_PARTS)
+            out.append(({"role": item["role"], "content": content}, where))
         elif kind == "function_call" and isinstance(item.get("name"), str):
-            call = {"id": str(item.get("call_id") or ""), "type": "function",
+            call = {"id": str(item.get("call_id") or ""), "type": "function", "item": where,
                     "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
-            if out and out[-1]["role"] == "assistant" and not out[-1]["content"]:
-                out[-1].setdefault("tool_calls", []).append(call)
+            last = out[-1][0] if out else None
+            if last is not None and last["role"] == "assistant" and not last["content"]:
+                last.setdefault("tool_calls", []).append(call)
             else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                out.append(({"role": "assistant", "content": "", "tool_calls": [call]}, where))
         elif kind == "function_call_output":
             output = item.get("output")
-            out.append({"role": "tool", "tool_call_id": str(item.get("call_id") or ""),
-                        "content": output if isinstance(output, str) else json.dumps(output)})
+            out.append(({"role": "tool", "tool_call_id": str(item.get("call_id") or ""),
+                         "content": output if isinstance(output, str) else json.dumps(output)}, where))
         elif kind == "reasoning":
             continue  # a past turn's thinking: templates drop it from the history
         else:
-            raise _bad(where, "must be a message (user, assistant, system, developer), function_call, "
-                              "function_call_output or reasoning item")
+            raise bad_field(where, "must be a message (user, assistant, system, developer), function_call, "
+                                   "function_call_output or reasoning item")
     return out
 
 
 def _tools(tools) -> list[dict]:
     if not isinstance(tools, list):
-        raise _bad("tools", "must be a list")
+        raise bad_field("tools", "must be a list")
     out = []
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
-            raise _bad(f"tools[{i}]", "must be a function tool ({'type': 'function', 'name': ..., 'parameters': "
+            raise bad_field(f"tools[{i}]", "must be a function tool ({'type': 'function', 'name': ..., 'parameters': "
                                       "...}): built-in tools are not supported")
-        function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+        function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
         out.append({"type": "function", "function": function})
     return out
 
@@ -86,37 +76,57 @@ def _tool_choice(choice):
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise _bad("tool_choice", "must be none, auto, required or {'type': 'function', 'name': ...}")
+    raise bad_field("tool_choice", "must be none, auto, required or {'type': 'function', 'name': ...}")
 
 
 def _format(text) -> dict | None:
-    """text.format as a chat response_format."""
+    """text.format as a chat response_format (text.verbosity: only its default, medium)."""
     if not isinstance(text, dict):
-        raise _bad("text", "must be an object")
+        raise bad_field("text", "must be an object")
+    if text.get("verbosity") not in (None, "medium"):
+        raise bad_field("text.verbosity", f"is not supported by this server (got {str(text['verbosity'])[:40]!r}): "
+                                          "answers are as long as the model writes them")
     fmt = text.get("format")
     if fmt is None:
         return None
     if not isinstance(fmt, dict):
-        raise _bad("text.format", "must be an object")
+        raise bad_field("text.format", "must be an object")
     if fmt.get("type") == "json_schema":
         return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
     return {"type": fmt.get("type")}
 
 
-def chat_body(body: dict) -> dict:
-    """The OpenAI chat body a Responses request stands for."""
-    for key, neutral in REFUSED.items():
-        value = body.get(key)
-        if value is not None and value not in neutral and value != [] and value != {}:
-            raise _bad(key, "is not supported by this server (nothing is stored; no reasoning settings)")
+def _metadata(value) -> dict:
+    """metadata: up to 16 string values under keys of at most 64 characters, echoed back (nothing is stored)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > MAX_METADATA or not all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in value.items()):
+        raise bad_field("metadata", f"must be an object of at most {MAX_METADATA} strings (keys up to 64 characters, "
+                                    "values up to 512)")
+    return value
+
+
+def chat_body(body: dict) -> tuple[dict, dict[str, str]]:
+    """The OpenAI chat body a Responses request stands for, and the chat's field names mapped to the request's
+    (for the chat parser's errors)."""
+    refuse_fields(body, REFUSED, "by this server")
+    _metadata(body.get("metadata"))
     if "input" not in body:
-        raise _bad("input", "is required")
+        raise bad_field("input", "is required")
     messages = _messages(body["input"])
     if body.get("instructions") is not None:
         if not isinstance(body["instructions"], str):
-            raise _bad("instructions", "must be a string")
-        messages.insert(0, {"role": "system", "content": body["instructions"]})
-    out = {"messages": messages}
+            raise bad_field("instructions", "must be a string")
+        messages.insert(0, ({"role": "system", "content": body["instructions"]}, "instructions"))
+    names = {f"messages[{j}]": source for j, (_, source) in enumerate(messages)}
+    for j, (message, _) in enumerate(messages):  # a call's own item, when calls were merged into one message
+        names.update({f"messages[{j}].tool_calls[{k}].function": call.pop("item")
+                      for k, call in enumerate(message.get("tool_calls", []))})
+    names.update({"messages": "input", "max_tokens": "max_output_tokens",
+                  "response_format.json_schema.schema": "text.format.schema",
+                  "response_format.json_schema": "text.format", "response_format": "text.format"})
+    out = {"messages": [m for m, _ in messages]}
     for key in ("temperature", "top_p", "stream", "model", "parallel_tool_calls"):
         if body.get(key) is not None:
             out[key] = body[key]
@@ -124,13 +134,24 @@ def chat_body(body: dict) -> dict:
         out["max_tokens"] = body["max_output_tokens"]
     if body.get("tools"):
         out["tools"] = _tools(body["tools"])
+        names.update({f"tools[{i}].function": f"tools[{i}]" for i in range(len(out["tools"]))})
     if body.get("tool_choice") is not None:
         out["tool_choice"] = _tool_choice(body["tool_choice"])
     if body.get("text") is not None:
         response_format = _format(body["text"])
         if response_format is not None:
             out["response_format"] = response_format
-    return out
+    return out, names
+
+
+def parse(body: dict, *args) -> GenerationRequest:
+    """POST /v1/responses: the chat it stands for, parsed as any chat, its errors in the Responses API's field
+    names (args: parse_chat's after the body)."""
+    chat, names = chat_body(body)
+    try:
+        return parse_chat(chat, *args)
+    except APIError as e:
+        raise renamed(e, names) from None
 
 
 def _items(message) -> list[dict]:
@@ -167,7 +188,7 @@ class ResponseBuilder:
                      "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
                      "parallel_tool_calls": body.get("parallel_tool_calls", True),
                      "temperature": request.params.temperature, "top_p": request.params.top_p,
-                     "text": body.get("text") or {"format": {"type": "text"}}}
+                     "text": body.get("text") or {"format": {"type": "text"}}, "metadata": _metadata(body.get("metadata"))}
         self.sequence = 0
         self.splitter = ChatSplitter(request)
         self.text_item: dict | None = None
@@ -177,7 +198,7 @@ class ResponseBuilder:
     def response(self, status: str, output: list[dict], result=None) -> dict:
         body = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "model": self.request.model, "output": output, "error": None, "incomplete_details": None,
-                "metadata": {}, "store": False, **self.echo, "usage": None}
+                "store": False, **self.echo, "usage": None}
         if result is not None:
             s = result.stats
             body["usage"] = {"input_tokens": s.prompt_n, "output_tokens": s.predicted_n,

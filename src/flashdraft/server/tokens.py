@@ -2,13 +2,9 @@
 (sizes bounded, every bad value a 400 naming its field)."""
 from __future__ import annotations
 
-from flashdraft.server.errors import APIError
+from flashdraft.server.errors import bad_field
 from flashdraft.server.requests import check_chars, plain_ints, chat_prompt
 from flashdraft.server.settings import ServerSettings
-
-
-def _bad(field: str, message: str) -> APIError:
-    return APIError(400, f"'{field}' {message}", param=field)
 
 
 def _flag(body: dict, key: str, default: bool) -> bool:
@@ -16,7 +12,7 @@ def _flag(body: dict, key: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise _bad(key, "must be true or false")
+        raise bad_field(key, "must be true or false")
     return value
 
 
@@ -25,7 +21,7 @@ def tokenize(body: dict, engine, settings: ServerSettings, templates=None) -> di
     when it is not whole UTF-8 characters), as llama-server gives them."""
     content = body.get("content")
     if not isinstance(content, str):
-        raise _bad("content", "must be a string")
+        raise bad_field("content", "must be a string")
     check_chars(len(content), engine, "content", "has")
     add_special, with_pieces = _flag(body, "add_special", False), _flag(body, "with_pieces", False)
     ids = engine.tokenizer.encode(content, add_special_tokens=add_special)
@@ -45,13 +41,13 @@ def tokenize(body: dict, engine, settings: ServerSettings, templates=None) -> di
 def detokenize(body: dict, engine, settings: ServerSettings, templates=None) -> dict:
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not plain_ints(tokens):
-        raise _bad("tokens", "must be a list of token ids")
+        raise bad_field("tokens", "must be a list of token ids")
     vocab = engine.decoder.target.config.vocab_size
     bad = [t for t in tokens if not 0 <= t < vocab]
     if bad:
-        raise _bad("tokens", f"has id(s) {bad[:5]} outside the vocabulary (size {vocab})")
+        raise bad_field("tokens", f"has id(s) {bad[:5]} outside the vocabulary (size {vocab})")
     if len(tokens) > engine.context_size:
-        raise _bad("tokens", f"has {len(tokens)} ids, more than the context size {engine.context_size}")
+        raise bad_field("tokens", f"has {len(tokens)} ids, more than the context size {engine.context_size}")
     return {"content": engine.tokenizer.decode(tokens)}
 
 

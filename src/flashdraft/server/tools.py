@@ -4,9 +4,11 @@ The tools reach the model through its own chat template (apply_chat_template(too
 calls it writes back is read off the template's text: Qwen3/Hermes `<tool_call>{json}</tool_call>`, Llama 3.x
 JSON `{"name", "parameters"}` (after an optional `<|python_tag|>`), Gemma 4 `<|tool_call>call:name{...}<tool_call|>`.
 A template that does not use tools, or teaches another format, gets them in a system message
-(GENERIC_INSTRUCTIONS), asking for the Hermes format. Only calls to the request's own tools are calls. tool_choice "required" and a named function are enforced, not asked for: the prompt is pre-filled up
-to the call's arguments (or, for "required" in a JSON format, up to the call object) and the output is
-constrained by a JSON schema, so the model can only write a valid call.
+(GENERIC_INSTRUCTIONS), asking for the Hermes format. Only calls to the request's own tools are calls.
+tool_choice "required" and a named function are enforced, not asked for: the prompt is pre-filled up to the
+call's arguments (or, for "required" in a JSON format, up to the call object) and the output is constrained by a
+JSON schema, so the model can only write a valid call. That is how a tool's strict: true is honoured; with
+tool_choice auto nothing constrains the calls, so strict: true is refused there.
 """
 from __future__ import annotations
 
@@ -121,6 +123,8 @@ def _check_tools(tools, field_name: str) -> list[dict]:
             raise ToolError(where, "has function.parameters that is not a JSON schema object")
         if function.get("description") is not None and not isinstance(function["description"], str):
             raise ToolError(where, "has function.description that is not a string")
+        if function.get("strict") is not None and not isinstance(function["strict"], bool):
+            raise ToolError(f"{where}{'.function' if field_name == 'tools' else ''}.strict", "must be true or false")
         out.append({"type": "function", "function": {**function, "parameters": parameters}})
     return out
 
@@ -167,6 +171,12 @@ def plan_tools(body: dict, template: str) -> ToolPlan | None:
     fmt = template_format(template)
     plan = ToolPlan(tools, fmt or HERMES, native=fmt is not None, parallel=parallel)
     if choice == "auto":
+        strict = next((i for i, t in enumerate(tools) if t["function"].get("strict")), None)
+        if strict is not None:
+            raise ToolError(f"{key}[{strict}]{'.function' if key == 'tools' else ''}.strict", "is true, but a call's arguments follow the "
+                                                                "schema only when the call is forced: send "
+                                                                "tool_choice 'required' or this function, or strict: "
+                                                                "false")
         return plan
     if choice == "required":
         if len(tools) == 1:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import uuid
 
-from flashdraft.server.errors import APIError, bad_field, renamed
+from flashdraft.server.errors import APIError, bad_field
 from flashdraft.server.formats import ChatSplitter, chat_message
-from flashdraft.server.requests import GenerationRequest, joined_text, parse_chat, refuse_fields
+from flashdraft.server.requests import GenerationRequest, joined_text, parse_as_chat, refuse_fields
 from flashdraft.server.tools import json_object
 
 # Fields refused unless absent (or neutral): what they ask for is not done here.
@@ -148,13 +148,8 @@ def chat_body(body: dict) -> tuple[dict, dict[str, str]]:
 
 
 def parse(body: dict, *args) -> GenerationRequest:
-    """POST /v1/messages: the chat it stands for, parsed as any chat, its errors in Anthropic's field names
-    (args: parse_chat's after the body)."""
-    chat, names = chat_body(body)
-    try:
-        return parse_chat(chat, *args)
-    except APIError as e:
-        raise renamed(e, names) from None
+    """POST /v1/messages, parsed as the chat it stands for (args: parse_chat's after the body)."""
+    return parse_as_chat(chat_body, body, *args)
 
 
 def _usage(result, output_tokens: int | None = None) -> dict:

@@ -56,13 +56,20 @@ def _logprob(value: float) -> float:
 # --- log-probabilities, per route's shape --------------------------------------------------------------------
 
 
-def chat_logprobs(tokenizer, entries: list[TokenLogprob]) -> list[dict]:
-    """OpenAI chat's logprobs.content items."""
+def _token_entries(tokenizer, entries: list[TokenLogprob], with_id: bool) -> list[dict]:
+    """Each token's {token, logprob, bytes} (and id) with its top_logprobs alike: OpenAI chat's and llama-server's
+    shape."""
     def one(token_id: int, logprob: float) -> dict:
         raw = tokenizer.token_bytes(token_id)
-        return {"token": raw.decode("utf-8", errors="replace"), "logprob": _logprob(logprob), "bytes": list(raw)}
+        entry = {"token": raw.decode("utf-8", errors="replace"), "logprob": _logprob(logprob), "bytes": list(raw)}
+        return {"id": token_id, **entry} if with_id else entry
 
     return [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
+
+
+def chat_logprobs(tokenizer, entries: list[TokenLogprob]) -> list[dict]:
+    """OpenAI chat's logprobs.content items."""
+    return _token_entries(tokenizer, entries, with_id=False)
 
 
 def completion_logprobs(tokenizer, entries: list[TokenLogprob], offset: int) -> dict:
@@ -79,12 +86,7 @@ def completion_logprobs(tokenizer, entries: list[TokenLogprob], offset: int) -> 
 
 def native_probabilities(tokenizer, entries: list[TokenLogprob]) -> list[dict]:
     """llama-server's completion_probabilities."""
-    def one(token_id: int, logprob: float) -> dict:
-        raw = tokenizer.token_bytes(token_id)
-        return {"id": token_id, "token": raw.decode("utf-8", errors="replace"), "bytes": list(raw),
-                "logprob": _logprob(logprob)}
-
-    return [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
+    return _token_entries(tokenizer, entries, with_id=True)
 
 
 # --- a chat choice's text split into reasoning, content and tool calls -------------------------------------------

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, replace
 
 from flashdraft.config import ConfigError, Constraint, SamplingParams
-from flashdraft.server.errors import APIError, bad_field
+from flashdraft.server.errors import APIError, bad_field, renamed
 from flashdraft.server.reasoning import FORMATS as REASONING_FORMATS
 from flashdraft.server.reasoning import Reasoning, reasoning_for
 from flashdraft.server.settings import ServerSettings
@@ -648,6 +648,17 @@ def parse_chat(body: dict, engine, settings: ServerSettings, templates=None,
     return GenerationRequest(prompt.ids, params, n_max, n_min, stream, include_usage, model, prompt.text,
                              timings_per_token=per_token, n=n, tools=prompt.tools, reasoning=prompt.reasoning,
                              constraint_field=constraint_field)
+
+
+def parse_as_chat(translate, body: dict, *args) -> GenerationRequest:
+    """Another API's request (Anthropic's Messages, OpenAI's Responses) parsed as the chat it stands for:
+    translate(body) gives the chat body and its field names in the request's words, which the chat parser's
+    errors are given in (args: parse_chat's after the body)."""
+    chat, names = translate(body)
+    try:
+        return parse_chat(chat, *args)
+    except APIError as e:
+        raise renamed(e, names) from None
 
 
 # --- completions --------------------------------------------------------------------------------------------------

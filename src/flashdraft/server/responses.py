@@ -12,9 +12,9 @@ import json
 import time
 import uuid
 
-from flashdraft.server.errors import APIError, bad_field, renamed
+from flashdraft.server.errors import APIError, bad_field
 from flashdraft.server.formats import ChatSplitter, chat_message
-from flashdraft.server.requests import GenerationRequest, joined_text, parse_chat, refuse_fields
+from flashdraft.server.requests import GenerationRequest, joined_text, parse_as_chat, refuse_fields
 
 # Fields refused unless absent (or neutral): nothing is stored, there are no reasoning settings, no log
 # probabilities in output items, no cap on the calls, no truncation of the input.
@@ -145,13 +145,8 @@ def chat_body(body: dict) -> tuple[dict, dict[str, str]]:
 
 
 def parse(body: dict, *args) -> GenerationRequest:
-    """POST /v1/responses: the chat it stands for, parsed as any chat, its errors in the Responses API's field
-    names (args: parse_chat's after the body)."""
-    chat, names = chat_body(body)
-    try:
-        return parse_chat(chat, *args)
-    except APIError as e:
-        raise renamed(e, names) from None
+    """POST /v1/responses, parsed as the chat it stands for (args: parse_chat's after the body)."""
+    return parse_as_chat(chat_body, body, *args)
 
 
 def _items(message) -> list[dict]:

@@ -51,7 +51,8 @@ class FixedDraft:
 class GenerationStats:
     """Per-generation statistics, in llama.cpp's names where it has them."""
 
-    prompt_n: int = 0
+    prompt_n: int = 0      # prompt tokens run
+    cache_n: int = 0       # prompt tokens whose cache rows were reused instead (llama-server's cache_n)
     prompt_ms: float = 0.0
     predicted_n: int = 0
     predicted_ms: float = 0.0
@@ -87,7 +88,7 @@ class GenerationStats:
     def timings(self) -> dict:
         """llama-server's `timings` object (draft fields only when drafting ran)."""
         t = {
-            "cache_n": 0,
+            "cache_n": self.cache_n,
             "prompt_n": self.prompt_n,
             "prompt_ms": self.prompt_ms,
             "prompt_per_token_ms": self.prompt_ms / self.prompt_n if self.prompt_n else 0.0,
@@ -265,13 +266,15 @@ class Engine:
 
     def stream(self, prompt_ids: list[int], params: SamplingParams, draft: int | DraftPolicy | None = None,
                sequence: Sequence | None = None, n_min: int = 0, n_max: int | None = None,
-               ) -> Iterator[Delta | GenerationResult]:
+               reuse_prefix: bool = False) -> Iterator[Delta | GenerationResult]:
         """Yield Delta events as tokens are committed, then one GenerationResult.
 
         draft: None = the engine's default policy (kept across requests: default_policy), an int = that fixed
         length (0 = plain decoding), or a DraftPolicy. n_max caps the draft length of this request; a length
-        below n_min drafts nothing (as llama-server's speculative.n_max / n_min). Closing the iterator stops
-        the generation at once.
+        below n_min drafts nothing (as llama-server's speculative.n_max / n_min). reuse_prefix: run only the
+        part of the prompt past the longest prefix the sequence's caches already hold (llama-server's
+        cache_prompt; stats.cache_n says how many tokens were reused). Closing the iterator stops the generation
+        at once.
         """
         grammar = self.check_sampling(params)
         self.check_prompt(prompt_ids)
@@ -284,12 +287,12 @@ class Engine:
                 self._sequence = self.new_sequence()
             sequence = self._sequence
         seed = resolve_seed(params)
-        stats = GenerationStats(prompt_n=len(prompt_ids))
         out = _OutputTracker(self, params)
 
         t0 = time.perf_counter()
-        first = self.decoder.prefill(sequence, prompt_ids, params, seed, grammar)
+        first = self.decoder.prefill(sequence, prompt_ids, params, seed, grammar, reuse=reuse_prefix)
         t1 = time.perf_counter()
+        stats = GenerationStats(prompt_n=len(prompt_ids) - sequence.reused, cache_n=sequence.reused)
         stats.prompt_ms = 1000 * (t1 - t0)
         delta = out.add(first.committed, first.logprobs)
         # Steps launched and not yet collected. Pipelined decoding keeps one queued behind the one being collected,

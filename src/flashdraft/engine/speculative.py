@@ -142,6 +142,7 @@ class Sequence:
     next_host: int = 0
     # The request's logit processing and logprobs (None when it asks for neither).
     processor: LogitProcessor | None = None
+    reused: int = 0  # prompt positions the last prefill found in the caches (prefill's reuse)
 
 
 @dataclass
@@ -230,12 +231,15 @@ class SpeculativeDecoder:
 
     @torch.inference_mode()
     def prefill(self, seq: Sequence, prompt: list[int], params: SamplingParams, seed: int,
-                grammar=None) -> StepResult:
+                grammar=None, reuse: bool = False) -> StepResult:
         """Run the prompt and sample the first new token (appended to seq.tokens); returns it as a step's result.
-        grammar: the compiled grammar of params.constraint (engine.grammar.GrammarCompiler), which it needs."""
+        grammar: the compiled grammar of params.constraint (engine.grammar.GrammarCompiler), which it needs.
+        reuse: keep the cache rows of the longest prefix the prompt shares with what the sequence holds (a chat's
+        earlier turns) and run only the rest; seq.reused says how many."""
         if params.constraint is not None and grammar is None:
             raise ValueError("a constrained request needs its compiled grammar")
-        seq.tokens, seq.draft_len, seq.pending = list(prompt), 0, []
+        reused = self.reusable_rows(seq, prompt) if reuse else 0
+        seq.tokens, seq.draft_len, seq.pending, seq.reused = list(prompt), reused, [], reused
         seq.params, seq.seed = params, seed
         seq.on_device, seq.ahead = False, 0  # a step launched past the last generation's end is dropped
         vocab = self.target.config.vocab_size
@@ -244,8 +248,9 @@ class SpeculativeDecoder:
             matcher = GrammarMatcher(grammar, vocab, self.block_size + 1) if grammar is not None else None
             seq.processor = LogitProcessor(params, prompt, vocab, self.device, matcher)
         P = len(prompt)
-        tokens = torch.tensor(prompt, device=self.device)
-        logits, taps = self.target(tokens, self._positions(0, P), seq.target_cache, P, self.tap_ids, last_only=True)
+        tokens = torch.tensor(prompt[reused:], device=self.device)
+        logits, taps = self.target(tokens, self._positions(reused, P - reused), seq.target_cache, P, self.tap_ids,
+                                   last_only=True)
         rows = seq.processor.process(logits, []) if params.processes_logits else logits
         sampled = sample_tokens(rows, params, seed, self._positions(P, 1))
         first = int(sampled[0])
@@ -259,6 +264,30 @@ class SpeculativeDecoder:
                 logprobs = seq.processor.logprobs(logits, sampled, 1)
             seq.processor.commit([first])
         return StepResult(committed=[first], drafted=0, accepted=0, logprobs=logprobs)
+
+    def reusable_rows(self, seq: Sequence, prompt: list[int]) -> int:
+        """How many leading positions of `prompt` the sequence's caches already hold: the tokens it shares with
+        the sequence's committed ones whose target rows were run (all but the last), whose drafter context is
+        projected, and that each cache still keeps. At least the prompt's last token is left to run, for its
+        logits."""
+        limit = min(len(seq.tokens), len(prompt)) - 1
+        rows = 0
+        while rows < limit and seq.tokens[rows] == prompt[rows]:
+            rows += 1
+        if self.drafter is not None and rows > 0:
+            if rows > seq.draft_len and not seq.on_device:
+                self._flush_context(seq)  # the taps still pending belong to tokens the prompt shares
+            rows = seq.draft_cache.reusable(min(rows, seq.draft_len))
+        return seq.target_cache.reusable(rows)
+
+    def copy_prefix(self, dst: Sequence, src: Sequence, rows: int) -> None:
+        """Give `dst` the caches' first `rows` positions of `src` (at most src's reusable rows for the same
+        tokens), so that a prefill of a prompt starting with src.tokens[:rows] reuses them."""
+        dst.target_cache.copy_prefix(src.target_cache, rows)
+        if self.drafter is not None:
+            dst.draft_cache.copy_prefix(src.draft_cache, rows)
+        dst.tokens, dst.draft_len, dst.pending = src.tokens[:rows + 1], rows, []
+        dst.on_device, dst.ahead, dst.last = False, 0, None
 
     def _last_token(self, seq: Sequence) -> torch.Tensor:
         """[1] on the device: the last committed token."""

@@ -61,3 +61,69 @@ def test_a_shorter_or_different_sequence_is_indexed_afresh():
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="min_n"):
         NgramProposer(min_n=3, max_n=2)
+
+
+# --- n-gram drafting in the engine ------------------------------------------------------------------------------
+
+from flashdraft.config import Constraint, SamplingParams  # noqa: E402
+from flashdraft.demo import DEMO_DIR  # noqa: E402
+from flashdraft.engine.generator import Engine  # noqa: E402
+from flashdraft.engine.ngram import NgramSettings  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def demo_ngram():
+    return Engine.load(DEMO_DIR / "target", None, device="cpu", ngram=NgramSettings())
+
+
+@pytest.fixture(scope="module")
+def demo_plain():
+    return Engine.load(DEMO_DIR / "target", None, device="cpu")
+
+
+def code_prompt(engine):
+    return engine.encode_prompt(messages=[{"role": "user", "content": "Write a Python class Stack with push, pop, "
+                                                                     "peek and is_empty, and tests for each."}])
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=120, ignore_eos=True),
+    SamplingParams(max_tokens=120, temperature=0.7, top_k=64, top_p=0.95, seed=5, ignore_eos=True),
+    SamplingParams(max_tokens=60, presence_penalty=0.5, logprobs=2),
+], ids=["greedy", "sampled", "penalty-logprobs"])
+def test_ngram_drafting_is_lossless_on_the_demo_target(demo_ngram, demo_plain, params):
+    prompt = code_prompt(demo_plain)
+    plain = demo_plain.generate(prompt, params)
+    ngram = demo_ngram.generate(prompt, params)
+    assert ngram.tokens == plain.tokens
+    assert ngram.stats.draft_n > 0 and ngram.stats.draft_n_accepted > 0  # the lookup found repeats and they held
+    assert ngram.stats.steps < len(ngram.tokens)
+    if params.logprobs is not None:
+        assert [(p.token, round(p.logprob, 4)) for p in ngram.logprobs] == \
+            [(p.token, round(p.logprob, 4)) for p in plain.logprobs]
+
+
+def test_ngram_drafting_under_a_grammar(demo_ngram, demo_plain):
+    params = SamplingParams(max_tokens=80, constraint=Constraint("json_object"))
+    prompt = code_prompt(demo_plain)
+    assert demo_ngram.generate(prompt, params).tokens == demo_plain.generate(prompt, params).tokens
+
+
+def test_ngram_drafting_on_a_tiny_model_with_random_prompts(qwen3_dir):
+    rng = random.Random(1)
+    plain = Engine.load(qwen3_dir, None, device="cpu", context_size=256)
+    ngram = Engine.load(qwen3_dir, None, device="cpu", context_size=256, ngram=NgramSettings(1, 2, 5))
+    assert ngram.max_draft == 5 and plain.max_draft == 0
+    vocab = plain.decoder.target.config.vocab_size
+    for _ in range(4):
+        motif = [rng.randrange(vocab) for _ in range(6)]
+        prompt = motif * 4 + [rng.randrange(vocab) for _ in range(3)]  # repeats for the lookup to find
+        params = SamplingParams(max_tokens=40, ignore_eos=True)
+        assert ngram.generate(prompt, params).tokens == plain.generate(prompt, params).tokens
+
+
+def test_ngram_with_a_drafter_model_is_refused(qwen3_dir, drafter_dir):
+    with pytest.raises(ValueError, match="without a drafter model"):
+        Engine.load(qwen3_dir, drafter_dir, device="cpu", context_size=128, ngram=NgramSettings())
+    with pytest.raises(ValueError, match="max_draft"):
+        NgramSettings(max_draft=0)

@@ -15,6 +15,7 @@ from flashdraft.engine.detokenize import IncrementalText
 from flashdraft.engine.grammar import GrammarCompiler
 from flashdraft.engine.logit_processor import TokenLogprob
 from flashdraft.engine.sampling import resolve_seed
+from flashdraft.engine.ngram import NgramSettings
 from flashdraft.engine.speculative import Sequence, SpeculativeDecoder
 from flashdraft.loading import Tokenizer, load_model
 
@@ -144,12 +145,13 @@ class Engine:
                  name: str = "model", adaptive: bool = True, cuda_graphs: bool | None = None,
                  compile: bool | None = None, gemm: str | None = None, attention: str | None = None,
                  cache_type_k: str | None = None, cache_type_v: str | None = None,
-                 draft_cache_type_k: str | None = None, draft_cache_type_v: str | None = None):
+                 draft_cache_type_k: str | None = None, draft_cache_type_v: str | None = None,
+                 ngram: NgramSettings | None = None):
         ctx = context_size or target.config.max_position_embeddings
         self.decoder = SpeculativeDecoder(target, drafter, ctx, cuda_graphs, compile, gemm, attention,
                                           cache_type_k=cache_type_k, cache_type_v=cache_type_v,
                                           draft_cache_type_k=draft_cache_type_k,
-                                          draft_cache_type_v=draft_cache_type_v)
+                                          draft_cache_type_v=draft_cache_type_v, ngram=ngram)
         self.tokenizer = tokenizer
         self.name = name
         self.eos_ids = set(target.config.eos_token_ids)
@@ -165,13 +167,15 @@ class Engine:
     def load(cls, model: str | Path, drafter: str | Path | None = None, device=None, dtype=None,
              context_size: int | None = None, adaptive: bool = True, gemm: str | None = None,
              attention: str | None = None, cache_type_k: str | None = None, cache_type_v: str | None = None,
-             draft_cache_type_k: str | None = None, draft_cache_type_v: str | None = None) -> "Engine":
+             draft_cache_type_k: str | None = None, draft_cache_type_v: str | None = None,
+             ngram: NgramSettings | None = None) -> "Engine":
         """Load a target (and optional drafter) from model folders; the context defaults to min(8192, the model's).
         gemm: "cublas" or "triton" (batch-invariant skinny GEMM for decode/verify/draft, CUDA only);
         attention: "sdpa" or "triton" (batch-invariant split-KV attention for the same passes). None (default):
         "triton" for both on CUDA when Triton is installed, else "cublas" and "sdpa". cache_type_k / _v and
         draft_cache_type_k / _v: KV cache types of the target's and the drafter's caches (f32, f16, bf16, q8_0,
-        q5_1, q5_0, q4_1, q4_0; None: the model's dtype)."""
+        q5_1, q5_0, q4_1, q4_0; None: the model's dtype). ngram: draft by n-gram lookup in the sequence itself
+        (engine.ngram), with no drafter model."""
         loaded = load_model(model, drafter, device=device, dtype=dtype, context_size=context_size,
                             overhang=MAX_BLOCK_SIZE)
         name = DEMO_NAME if _is_demo(model) else loaded.name
@@ -181,7 +185,7 @@ class Engine:
         return cls(loaded.target, loaded.tokenizer, loaded.drafter, loaded.context_size, name=name,
                    adaptive=adaptive, gemm=gemm, attention=attention, cache_type_k=cache_type_k,
                    cache_type_v=cache_type_v, draft_cache_type_k=draft_cache_type_k,
-                   draft_cache_type_v=draft_cache_type_v)
+                   draft_cache_type_v=draft_cache_type_v, ngram=ngram)
 
     @property
     def context_size(self) -> int:
@@ -192,8 +196,13 @@ class Engine:
         return self.decoder.drafter is not None
 
     @property
+    def drafts(self) -> bool:
+        """Whether generation can draft: with a drafter model, or by n-gram lookup."""
+        return self.decoder.drafts
+
+    @property
     def max_draft(self) -> int:
-        return self.decoder.max_draft if self.has_drafter else 0
+        return self.decoder.max_draft if self.drafts else 0
 
     def new_sequence(self) -> Sequence:
         return self.decoder.new_sequence()
@@ -318,7 +327,7 @@ class Engine:
                                      self.context_size - len(sequence.tokens)) - sequence.ahead - 1
                     if queued and max_useful < longest:
                         break
-                    n = max(0, policy.next_length(min(max_useful, cap))) if self.has_drafter else 0
+                    n = max(0, policy.next_length(min(max_useful, cap))) if self.drafts else 0
                     queued.append(self.decoder.launch(sequence, 0 if n < n_min else n))
                 launched = queued.popleft()
                 step = self.decoder.collect(sequence, launched)
@@ -333,7 +342,7 @@ class Engine:
         finally:
             # Steps still queued (past the end, or the stream was closed) are dropped, and so are their lengths.
             unplan = getattr(policy, "unplan", None)
-            if queued and self.has_drafter and unplan is not None:
+            if queued and self.drafts and unplan is not None:
                 unplan(len(queued))
         stats.predicted_n = len(out.tokens)
         stats.predicted_ms = 1000 * (time.perf_counter() - t1)

@@ -10,6 +10,26 @@ costs O(max_n) dictionary lookups, however long the context.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class NgramSettings:
+    """n-gram drafting: suffixes of min_n to max_n tokens are looked up, and up to max_draft tokens proposed."""
+
+    min_n: int = 1
+    max_n: int = 3
+    max_draft: int = 8
+
+    def __post_init__(self):
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {self.min_n} and {self.max_n}")
+        if self.max_draft < 1:
+            raise ValueError(f"n-gram drafting needs max_draft >= 1, got {self.max_draft}")
+
+    def proposer(self) -> "NgramProposer":
+        return NgramProposer(self.min_n, self.max_n)
+
 
 class NgramProposer:
     """Proposals for one sequence. `propose` indexes the sequence as it grows; a sequence that is not the one

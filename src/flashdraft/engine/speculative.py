@@ -33,6 +33,7 @@ from flashdraft.engine.cuda_graphs import GraphCache, bucket, compile_layers, fu
 from flashdraft.engine.grammar import GrammarMatcher
 from flashdraft.engine.kv_cache import KVCache
 from flashdraft.engine.logit_processor import LogitProcessor, TokenLogprob
+from flashdraft.engine.ngram import NgramProposer, NgramSettings
 from flashdraft.engine.sampling import sample_tokens
 from flashdraft.layers.decode_attention import ATTENTION_BACKENDS, route_attention
 from flashdraft.layers.decoder import DecoderLayer, route_fused_layers
@@ -142,6 +143,7 @@ class Sequence:
     next_host: int = 0
     # The request's logit processing and logprobs (None when it asks for neither).
     processor: LogitProcessor | None = None
+    proposer: NgramProposer | None = None  # n-gram drafting's index of this sequence's tokens
     reused: int = 0  # prompt positions the last prefill found in the caches (prefill's reuse)
 
 
@@ -160,8 +162,11 @@ class SpeculativeDecoder:
     def __init__(self, target: DecoderLM, drafter: DFlashDrafter | None, context_size: int,
                  cuda_graphs: bool | None = None, compile: bool | None = None, gemm: str | None = None,
                  attention: str | None = None, cache_type_k: str | None = None, cache_type_v: str | None = None,
-                 draft_cache_type_k: str | None = None, draft_cache_type_v: str | None = None):
-        self.target, self.drafter = target, drafter
+                 draft_cache_type_k: str | None = None, draft_cache_type_v: str | None = None,
+                 ngram: NgramSettings | None = None):
+        if drafter is not None and ngram is not None:
+            raise ValueError("n-gram drafting proposes without a drafter model: load no drafter with it")
+        self.target, self.drafter, self.ngram = target, drafter, ngram
         # KV cache types (flashdraft.quant.kv_formats; None: the model's dtype) of the target's and the drafter's
         # caches; a one-row cache of each fails here on an unknown type or a head size the type cannot take.
         self.cache_types, self.draft_cache_types = (cache_type_k, cache_type_v), (draft_cache_type_k,
@@ -170,7 +175,7 @@ class SpeculativeDecoder:
         if drafter is not None:
             drafter.new_cache(1, *self.draft_cache_types)
         self.context_size = context_size
-        self.block_size = drafter.block_size if drafter is not None else 1
+        self.block_size = drafter.block_size if drafter is not None else ngram.max_draft + 1 if ngram else 1
         # The verify block may run up to block_size rows past the last committed position.
         self.capacity = context_size + self.block_size
         self.tap_ids = drafter.config.target_layer_ids if drafter is not None else None
@@ -221,10 +226,16 @@ class SpeculativeDecoder:
     def max_draft(self) -> int:
         return self.block_size - 1
 
+    @property
+    def drafts(self) -> bool:
+        """Whether steps can verify guesses: from a drafter model or from n-gram lookup."""
+        return self.drafter is not None or self.ngram is not None
+
     def new_sequence(self) -> Sequence:
         return Sequence(target_cache=self.target.new_cache(self.capacity, *self.cache_types),
                         draft_cache=self.drafter.new_cache(self.capacity, *self.draft_cache_types)
-                        if self.drafter is not None else None)
+                        if self.drafter is not None else None,
+                        proposer=self.ngram.proposer() if self.ngram is not None else None)
 
     def _positions(self, start: int, count: int) -> torch.Tensor:
         return torch.arange(start, start + count, device=self.device)
@@ -307,6 +318,9 @@ class SpeculativeDecoder:
         """The drafter's greedy guesses for the n tokens after the last committed one ([n] on the device); with
         candidates > 1, each slot's best candidates, best first ([n, candidates]; an oracle's guess is the one
         candidate of its slot)."""
+        if seq.proposer is not None:  # n-gram lookup: possibly fewer than n, possibly none
+            guesses = torch.tensor(seq.proposer.propose(seq.tokens, n), device=self.device, dtype=torch.long)
+            return guesses[:, None] if candidates > 1 else guesses
         start, B = len(seq.tokens) - 1, self.block_size
         block = torch.cat([self._last_token(seq), self._mask_tail_tokens()])
         if self.graphs is None:
@@ -378,7 +392,7 @@ class SpeculativeDecoder:
                                positions=self._positions(start, T))
 
     def _clamp(self, n: int) -> int:
-        return max(0, min(n, self.max_draft)) if self.drafter is not None else 0
+        return max(0, min(n, self.max_draft)) if self.drafts else 0
 
     def _plain_rows(self) -> int:
         """Rows of a plain step's target pass. On the GPU path with a drafter, two: the second a throwaway at the
@@ -387,14 +401,15 @@ class SpeculativeDecoder:
         a verify step gives it, so greedy DFlash stays equal to plain decoding. At batch 1 a row costs nothing.
         Without a drafter there is no verify step to match, and the fused layer path needs no padding (it is not
         compiled, and its kernels are batch-invariant)."""
-        if self.drafter is None or self.fused_target:
+        if not self.drafts or self.fused_target:
             return 1
         return 2 if self.compiled or self.graphs is not None else 1
 
     def pipelines(self, params: SamplingParams) -> bool:
         """Whether steps of this decoding run pipelined (launch before collect): greedy, with CUDA graphs, and
-        nothing for the host to do between verify and acceptance (logit processing) or after it (logprobs)."""
-        return (self.graphs is not None and params.greedy and not params.processes_logits
+        nothing for the host to do between verify and acceptance (logit processing) or after it (logprobs); n-gram
+        drafting looks its guesses up on the host, so it does not pipeline either."""
+        return (self.graphs is not None and self.ngram is None and params.greedy and not params.processes_logits
                 and params.logprobs is None)
 
     @torch.inference_mode()
@@ -524,7 +539,8 @@ class SpeculativeDecoder:
             guesses = torch.tensor(chosen, device=self.device)
         elif n > 0:
             guesses = self._draft(seq, n)
-            if params.processes_logits:
+            n = guesses.shape[0]  # a lookup may find fewer
+            if n and params.processes_logits:
                 # The host's processing needs the guesses: their copy is queued before the verify pass, which
                 # the host's work then overlaps (and taken now, as the verify graph may reuse their memory).
                 fetch = self._copy_to_host(guesses)

@@ -36,8 +36,8 @@ class LiveServer:
     """The app on a loopback port, in a thread of this process, over the tiny checkpoints (context 64)."""
 
     def __init__(self, model, drafter, **overrides):
-        settings = dict(model=str(model), drafter=str(drafter), alias=None, ctx_size=64, n_predict=4,
-                        api_keys=[KEY], metrics=True, adaptive_draft=False, device="cpu")
+        settings = dict(model=str(model), drafter=str(drafter) if drafter else None, alias=None, ctx_size=64,
+                        n_predict=4, api_keys=[KEY], metrics=True, adaptive_draft=False, device="cpu")
         self.state = ServerState(ServerSettings(**{**settings, **overrides}))
         self.state.load(on_failure=lambda: None)
         assert self.state.load_error is None, self.state.load_error

@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context size in tokens (in-process)")
     p.add_argument("--device", default=None, help="cpu or cuda (in-process; default: cuda if available)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch (in-process; default: torch's)")
+    p.add_argument("--spec-type", choices=("dflash", "ngram"), default="dflash",
+                   help="what drafts against plain decoding: the DFlash drafter (default) or n-gram lookup in the "
+                        "text itself (no drafter model; in-process)")
     p.add_argument("--draft-n", type=int, default=None,
                    help="fixed DFlash draft length (default: the engine's draft policy; with --url: the server's)")
     p.add_argument("--no-adaptive", action="store_true",
@@ -99,6 +102,8 @@ def check_args(args) -> None:
     if args.url:
         local = [flag for flag, value in (("-m", args.model), ("-md", args.drafter), ("-c", args.ctx_size),
                                           ("--device", args.device), ("-t", args.threads)) if value is not None]
+        if args.spec_type != "dflash":
+            local.append("--spec-type")
         if args.no_adaptive:
             local.append("--no-adaptive")
         local += [flags[0] for flags, dest, _ in CACHE_TYPE_FLAGS if getattr(args, dest) is not None]
@@ -129,13 +134,18 @@ def make_backend(args, params):
         return backend, {"mode": "server", "url": backend.url, "baseline_url": backend.baseline_url, **config}
 
     from flashdraft.engine.generator import Engine
+    from flashdraft.engine.ngram import NgramSettings
     set_threads(args.threads)
-    model, drafter = resolve_model_paths(args.model, args.drafter)
-    print(f"{PROG}: loading {model}" + (f" with drafter {drafter}" if drafter else ""), file=sys.stderr)
+    ngram = args.spec_type == "ngram"
+    if ngram and args.drafter:
+        raise ValueError("--spec-type ngram drafts by lookup in the text itself: drop -md")
+    model, drafter = resolve_model_paths(args.model, args.drafter, draft=not ngram)
+    print(f"{PROG}: loading {model}" + (f" with drafter {drafter}" if drafter else "")
+          + (", n-gram drafting" if ngram else ""), file=sys.stderr)
     cache_types = cache_types_from_args(args)
     engine = Engine.load(model, drafter, device=args.device, context_size=args.ctx_size,
-                         adaptive=not args.no_adaptive, **cache_types)
-    if not engine.has_drafter:
+                         adaptive=not args.no_adaptive, ngram=NgramSettings() if ngram else None, **cache_types)
+    if not engine.drafts:
         raise BenchError("bench compares plain decoding with DFlash: pass a drafter with -md DRAFTER_FOLDER")
     if args.draft_n is not None and args.draft_n > engine.max_draft:
         raise ValueError(f"--draft-n must be between 1 and {engine.max_draft} (block size - 1), got {args.draft_n}")
@@ -143,7 +153,8 @@ def make_backend(args, params):
     policy = args.draft_n if args.draft_n is not None else engine.make_policy()
     draft_cost = getattr(policy, "cost", None)
     return InProcessBackend(engine, params, policy), {
-        "mode": "in-process", "model": engine.name, "model_path": str(model), "drafter_path": str(drafter),
+        "mode": "in-process", "spec_type": args.spec_type, "model": engine.name, "model_path": str(model),
+        "drafter_path": str(drafter),
         "device": device, "context_size": engine.context_size, "block_size": engine.decoder.block_size,
         "threads": torch_threads(), "cache_types": cache_types, **config,
         **({"draft_cost": {"fixed": draft_cost.fixed, "per_token": draft_cost.per_token}} if draft_cost else {})}

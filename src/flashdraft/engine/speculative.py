@@ -91,6 +91,15 @@ def accept(verify: torch.Tensor, samples: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([accepted, samples])
 
 
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the prefix two token lists share."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 @dataclass
 class DeviceState:
     """A sequence's loop state on the device, read and advanced by each pipelined step's graph. Allocated once per
@@ -281,10 +290,7 @@ class SpeculativeDecoder:
         the sequence's committed ones whose target rows were run (all but the last), whose drafter context is
         projected, and that each cache still keeps. At least the prompt's last token is left to run, for its
         logits."""
-        limit = min(len(seq.tokens), len(prompt)) - 1
-        rows = 0
-        while rows < limit and seq.tokens[rows] == prompt[rows]:
-            rows += 1
+        rows = max(0, min(shared_prefix(seq.tokens, prompt), len(seq.tokens) - 1, len(prompt) - 1))
         if self.drafter is not None and rows > 0:
             if rows > seq.draft_len and not seq.on_device:
                 self._flush_context(seq)  # the taps still pending belong to tokens the prompt shares

@@ -155,7 +155,7 @@ def parse(body: dict, *args) -> GenerationRequest:
 def _usage(result, output_tokens: int | None = None) -> dict:
     s = result.stats
     return {"input_tokens": s.prompt_n, "output_tokens": s.predicted_n if output_tokens is None else output_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": s.cache_n}
 
 
 def _stop(result, calls) -> tuple[str, str | None]:

@@ -57,14 +57,19 @@ class ServerState:
             import torch
 
             from flashdraft.engine.generator import Engine
+            from flashdraft.engine.ngram import NgramSettings
             from flashdraft.server.scheduler import Scheduler
 
             s = self.settings
             if s.threads:
                 torch.set_num_threads(s.threads)
             started = time.perf_counter()
-            engine = Engine.load(s.model, s.drafter, device=s.device, context_size=s.ctx_size, **s.cache_types)
-            if not (s.drafting and engine.has_drafter):
+            ngram = None
+            if s.ngram:  # --spec-draft-n-max sets how far a lookup proposes
+                ngram = NgramSettings(max_draft=s.spec_n_max) if s.spec_n_max else NgramSettings()
+            engine = Engine.load(s.model, s.drafter, device=s.device, context_size=s.ctx_size, ngram=ngram,
+                                 **s.cache_types)
+            if not (s.drafting and engine.drafts):
                 fixed_draft = 0
             else:
                 fixed_draft = None if s.adaptive_draft else engine.max_draft  # capped per request by n_max
@@ -76,7 +81,8 @@ class ServerState:
             self.metrics.expose_positions(engine.max_draft if self.drafting else 0)
             log.info("model %s loaded in %.1f s: context %d, %d slot(s), %s", engine.name,
                      time.perf_counter() - started, engine.context_size, s.n_slots,
-                     f"DFlash drafting up to {self.max_draft} tokens" if self.drafting else "plain decoding")
+                     (f"{'n-gram' if s.ngram else 'DFlash'} drafting up to {self.max_draft} tokens"
+                      if self.drafting else "plain decoding"))
         except Exception as e:  # any load failure ends the server with its message
             self.load_error = e
             log.error("cannot load the model: %s", e)
@@ -84,7 +90,7 @@ class ServerState:
 
     @property
     def drafting(self) -> bool:
-        return bool(self.settings.drafting and self.engine is not None and self.engine.has_drafter)
+        return bool(self.settings.drafting and self.engine is not None and self.engine.drafts)
 
     @property
     def alias(self) -> str:

@@ -50,7 +50,8 @@ NO_EFFECT_BARE = [
     ("--log-disable",), ("-nkvo", "--no-kv-offload"), ("--no-op-offload",), ("--no-context-shift",),
     ("--context-shift",), ("--no-perf",), ("--check-tensors",),
 ]
-SPEC_TYPES = ("dflash", "draft-dflash", "none")
+SPEC_TYPES = ("dflash", "draft-dflash", "ngram", "ngram-simple", "none")
+NGRAM_TYPES = ("ngram", "ngram-simple")  # n-gram lookup in the text itself (llama.cpp's name is the second)
 DEVICE = re.compile(r"^(cpu|cuda(:\d+)?|CUDA\d+|none)$")
 
 
@@ -152,8 +153,11 @@ def settings_from_args(args) -> ServerSettings:
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
-    drafting = args.spec_type != "none"
-    model, drafter = resolve_model_paths(args.model, args.drafter, draft=drafting)
+    drafting, ngram = args.spec_type != "none", args.spec_type in NGRAM_TYPES
+    if ngram and args.drafter:
+        raise ConfigError(f"--spec-type {args.spec_type} drafts by lookup in the text itself, with no drafter "
+                          "model: drop -md")
+    model, drafter = resolve_model_paths(args.model, args.drafter, draft=drafting and not ngram)
     for folder, flag in ((model, "-m"), (drafter, "-md")):
         if folder is None:
             continue
@@ -178,7 +182,7 @@ def settings_from_args(args) -> ServerSettings:
     settings = ServerSettings(
         model=str(model), drafter=str(drafter) if drafter else None, alias=args.alias,
         host=args.host, port=args.port, ctx_size=args.ctx_size or None, n_slots=args.parallel,
-        drafting=drafter is not None, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
+        drafting=drafter is not None or ngram, ngram=ngram, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, seed=args.seed if args.seed is None or args.seed >= 0 else None,
         n_predict=args.n_predict, spec_n_max=args.spec_n_max, spec_n_min=args.spec_n_min,
         adaptive_draft=args.adaptive and args.spec_dm_controller != "off", api_keys=keys,

@@ -69,6 +69,7 @@ class GenerationRequest:
     tools: ToolPlan | None = None
     reasoning: Reasoning | None = None
     constraint_field: str = ""       # the field the constraint came from, for its errors
+    cache_prompt: bool = True        # llama-server's: reuse the slot's cached prefix of the prompt
 
     def choice_params(self, index: int) -> SamplingParams:
         """Choice index's sampling: the request's, its seed (when given) moved on by the index."""
@@ -647,7 +648,7 @@ def parse_chat(body: dict, engine, settings: ServerSettings, templates=None,
     _compile(engine, params, constraint_field)
     return GenerationRequest(prompt.ids, params, n_max, n_min, stream, include_usage, model, prompt.text,
                              timings_per_token=per_token, n=n, tools=prompt.tools, reasoning=prompt.reasoning,
-                             constraint_field=constraint_field)
+                             constraint_field=constraint_field, cache_prompt=_bool(body, "cache_prompt", True))
 
 
 def parse_as_chat(translate, body: dict, *args) -> GenerationRequest:
@@ -702,7 +703,8 @@ def parse_completion(body: dict, engine, settings: ServerSettings, templates=Non
     ids, text = _prompt_ids(body, engine)
     _compile(engine, params, constraint_field)
     return GenerationRequest(ids, params, n_max, n_min, stream, include_usage, model, text,
-                             timings_per_token=per_token, n=n, echo=echo, constraint_field=constraint_field)
+                             timings_per_token=per_token, n=n, echo=echo, constraint_field=constraint_field,
+                             cache_prompt=_bool(body, "cache_prompt", True))
 
 
 def parse_native(body: dict, engine, settings: ServerSettings, templates=None,
@@ -717,4 +719,5 @@ def parse_native(body: dict, engine, settings: ServerSettings, templates=None,
     ids, text = _prompt_ids(body, engine)
     _compile(engine, params, constraint_field)
     return GenerationRequest(ids, params, n_max, n_min, stream, False, model, text, return_tokens=return_tokens,
-                             timings_per_token=per_token, constraint_field=constraint_field)
+                             timings_per_token=per_token, constraint_field=constraint_field,
+                             cache_prompt=_bool(body, "cache_prompt", True))

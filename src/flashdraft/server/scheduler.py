@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from flashdraft.engine.generator import Delta, GenerationResult
+from flashdraft.engine.speculative import shared_prefix
 from flashdraft.server.errors import APIError
 from flashdraft.server.jobs import DELTA, ENDED, ERROR, RESULT, Job
 
@@ -33,6 +34,7 @@ class Slot:
     requests: int = 0
     choice: int = 0                 # which of the job's n choices is being generated
     choice_events: int = 0          # events the current choice has given
+    last_used: int = 0              # when the slot last took a job (the scheduler's count of jobs started)
 
     def state(self, context_size: int) -> dict:
         job = self.job  # read once: the worker may finish it meanwhile
@@ -54,6 +56,7 @@ class Scheduler:
         self.slots = [Slot(i, engine.new_sequence(), engine.make_policy() if fixed_draft is None else fixed_draft)
                       for i in range(n_slots)]
         self.pending: deque[Job] = deque()
+        self._started = 0  # jobs started, the clock of Slot.last_used
         self._cv = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="flashdraft-worker", daemon=True)
@@ -125,14 +128,33 @@ class Scheduler:
 
     def _assign(self) -> bool:
         """Give queued jobs (oldest first) to free slots; True when any slot has work."""
-        for slot in self.slots:
-            while slot.job is None and self.pending:
-                job = self.pending.popleft()
-                if job.cancelled.is_set():
-                    job.post(ENDED, "cancelled")
-                    continue
-                self._start(slot, job)
+        while self.pending:
+            free = [s for s in self.slots if s.job is None]
+            if not free:
+                break
+            job = self.pending.popleft()
+            if job.cancelled.is_set():
+                job.post(ENDED, "cancelled")
+                continue
+            self._start(self._slot_for(job, free), job)
         return any(s.job is not None for s in self.slots)
+
+    def _slot_for(self, job: Job, free: list[Slot]) -> Slot:
+        """The free slot whose caches hold the longest prefix of the job's prompt (a conversation goes back to
+        its slot), else the one unused longest (its caches the least likely to be asked for again). When another
+        slot, busy or not, holds more of the prompt, its rows are copied over (a system prompt shared by several
+        conversations is run once)."""
+        prompt = job.request.prompt_ids
+        if not job.request.cache_prompt:
+            return min(free, key=lambda s: s.last_used)
+        slot = max(free, key=lambda s: (shared_prefix(s.sequence.tokens, prompt), -s.last_used))
+        donor = max(self.slots, key=lambda s: shared_prefix(s.sequence.tokens, prompt))
+        if donor is not slot and shared_prefix(donor.sequence.tokens, prompt) > shared_prefix(slot.sequence.tokens, prompt):
+            decoder = self.engine.decoder
+            rows = decoder.reusable_rows(donor.sequence, prompt)
+            if rows > decoder.reusable_rows(slot.sequence, prompt):
+                decoder.copy_prefix(slot.sequence, donor.sequence, rows)
+        return slot
 
     def _start(self, slot: Slot, job: Job, choice: int = 0) -> None:
         """Start one of the job's choices (they run one after another on the slot)."""
@@ -142,8 +164,11 @@ class Scheduler:
         if choice == 0:
             slot.n_decoded = 0
             slot.requests += 1
+            self._started += 1
+            slot.last_used = self._started
         slot.iterator = self.engine.stream(r.prompt_ids, r.choice_params(choice), draft=slot.policy,
-                                           sequence=slot.sequence, n_min=r.n_min, n_max=r.n_max)
+                                           sequence=slot.sequence, n_min=r.n_min, n_max=r.n_max,
+                                           reuse_prefix=r.cache_prompt)
 
     def _release(self, slot: Slot) -> None:
         if slot.iterator is not None:
@@ -199,3 +224,4 @@ def _summary(result: GenerationResult) -> str:
     if s.draft_n:
         line += f", tau {s.tau:.2f}, acceptance {100 * s.acceptance_rate:.1f}%"
     return line + f", stop {result.stop_type}"
+

@@ -90,6 +90,7 @@ class Sampling(BaseModel):
     stream: bool | None = None
     ignore_eos: bool | None = None
     timings_per_token: bool | None = Field(None, description="every stream chunk carries the timings so far")
+    cache_prompt: bool | None = Field(None, description="reuse the slot's cached prefix of the prompt (default true)")
     speculative_n_max: int | None = Field(None, alias="speculative.n_max", ge=0, description="longest draft")
     speculative_n_min: int | None = Field(None, alias="speculative.n_min", ge=0,
                                           description="shorter drafts are skipped")

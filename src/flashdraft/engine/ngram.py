@@ -13,6 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def check_sizes(min_n: int, max_n: int) -> None:
+    if not 1 <= min_n <= max_n:
+        raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n} and {max_n}")
+
+
 @dataclass(frozen=True)
 class NgramSettings:
     """n-gram drafting: suffixes of min_n to max_n tokens are looked up, and up to max_draft tokens proposed."""
@@ -22,8 +27,7 @@ class NgramSettings:
     max_draft: int = 8
 
     def __post_init__(self):
-        if not 1 <= self.min_n <= self.max_n:
-            raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {self.min_n} and {self.max_n}")
+        check_sizes(self.min_n, self.max_n)
         if self.max_draft < 1:
             raise ValueError(f"n-gram drafting needs max_draft >= 1, got {self.max_draft}")
 
@@ -37,8 +41,7 @@ class NgramProposer:
     can only make guesses worse, never the output: every guess is verified."""
 
     def __init__(self, min_n: int = 2, max_n: int = 4):
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n} and {max_n}")
+        check_sizes(min_n, max_n)
         self.min_n, self.max_n = min_n, max_n
         self._indexed = 0  # length of the sequence last seen: every n-gram ending before its end is indexed
         self._marks: tuple[int, int] = (-1, -1)  # that sequence's first and last token

@@ -405,7 +405,7 @@ class SpeculativeDecoder:
         next position (its cache row is the next step's to overwrite). torch.compile gives a one-row pass kernels
         of its own, which need not round as the multi-row pass does; padded, a plain step gives its token the bits
         a verify step gives it, so greedy DFlash stays equal to plain decoding. At batch 1 a row costs nothing.
-        Without a drafter there is no verify step to match, and the fused layer path needs no padding (it is not
+        Without drafting there is no verify step to match, and the fused layer path needs no padding (it is not
         compiled, and its kernels are batch-invariant)."""
         if not self.drafts or self.fused_target:
             return 1

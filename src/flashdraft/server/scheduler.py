@@ -147,9 +147,10 @@ class Scheduler:
         prompt = job.request.prompt_ids
         if not job.request.cache_prompt:
             return min(free, key=lambda s: s.last_used)
-        slot = max(free, key=lambda s: (shared_prefix(s.sequence.tokens, prompt), -s.last_used))
-        donor = max(self.slots, key=lambda s: shared_prefix(s.sequence.tokens, prompt))
-        if donor is not slot and shared_prefix(donor.sequence.tokens, prompt) > shared_prefix(slot.sequence.tokens, prompt):
+        shared = {s.id: shared_prefix(s.sequence.tokens, prompt) for s in self.slots}
+        slot = max(free, key=lambda s: (shared[s.id], -s.last_used))
+        donor = max(self.slots, key=lambda s: shared[s.id])
+        if shared[donor.id] > shared[slot.id]:
             decoder = self.engine.decoder
             rows = decoder.reusable_rows(donor.sequence, prompt)
             if rows > decoder.reusable_rows(slot.sequence, prompt):

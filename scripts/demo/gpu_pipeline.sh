@@ -4,6 +4,9 @@
 #   -> package (with several LOSSES, the drafter with the highest held-out tau)
 #
 # usage: scripts/demo/gpu_pipeline.sh OUT_DIR [WORK_DIR]
+#        TARGET_DIR=src/flashdraft/demo/target scripts/demo/gpu_pipeline.sh OUT_DIR [WORK_DIR]
+#   TARGET_DIR: keep this target (and its tokenizer) and rebuild only the drafter; the corpus stage runs as
+#            usual, so with the same seed and machine the held-out projects are those the target was built with.
 #   OUT_DIR  gets target/ and drafter/ (bf16 safetensors: copy them to src/flashdraft/demo/), report.md
 #            (the model card's numbers and samples), eval/ and logs/ (pipeline.log, timings.tsv, stage logs).
 #   WORK_DIR holds the large intermediates (corpus, token streams, response cache); default /tmp/flashdraft-demo-work.
@@ -87,15 +90,23 @@ stage corpus "$CORPUS_CAP" "$PY" -m flashdraft.demo.pipeline.corpus --out "$RUN/
     --workers "$WORKERS" --seed "$SEED" --max-seconds $(( CORPUS_CAP - 30 )) \
     --held-out-percent "$HELD_OUT_PERCENT" --held-out-max-mb "$HELD_OUT_MB"
 
-stage tokenizer "$TOKENIZER_CAP" "$PY" -m flashdraft.demo.pipeline.bpe --corpus "$RUN/corpus" \
-    --out "$RUN/tokenizer" --vocab "$VOCAB" --sample-mb "$BPE_SAMPLE_MB" --model-max-length "$CONTEXT" --seed "$SEED"
-
 rm -f "$RUN/logs/target.jsonl"
-TARGET_S=$(budget "$TARGET_SECONDS" "$(( AFTER_TARGET + 20 ))")
-echo "target: ${TARGET_S}s of training"
-stage target "$TARGET_CAP" "$PY" -m flashdraft.demo.pipeline.pretrain --tokenizer "$RUN/tokenizer" \
-    --out "$RUN/target" --log "$RUN/logs/target.jsonl" $TARGET_SHAPE --seq-len "$CONTEXT" --lr 2e-3 --warmup 100 --device "$DEVICE" \
-    --max-minutes "$(awk "BEGIN {print $TARGET_S / 60}")" --eval-every 200 --seed "$SEED"
+if [ -n "${TARGET_DIR:-}" ]; then
+    echo "target: kept from $TARGET_DIR (no tokenizer or target stage)"
+    rm -rf "$RUN/target" "$RUN/tokenizer"
+    cp -r "$TARGET_DIR" "$RUN/target"
+    mkdir -p "$RUN/tokenizer"
+    cp "$RUN/target/tokenizer.json" "$RUN/tokenizer/"
+else
+    stage tokenizer "$TOKENIZER_CAP" "$PY" -m flashdraft.demo.pipeline.bpe --corpus "$RUN/corpus" \
+        --out "$RUN/tokenizer" --vocab "$VOCAB" --sample-mb "$BPE_SAMPLE_MB" --model-max-length "$CONTEXT" --seed "$SEED"
+
+    TARGET_S=$(budget "$TARGET_SECONDS" "$(( AFTER_TARGET + 20 ))")
+    echo "target: ${TARGET_S}s of training"
+    stage target "$TARGET_CAP" "$PY" -m flashdraft.demo.pipeline.pretrain --tokenizer "$RUN/tokenizer" \
+        --out "$RUN/target" --log "$RUN/logs/target.jsonl" $TARGET_SHAPE --seq-len "$CONTEXT" --lr 2e-3 --warmup 100 \
+        --device "$DEVICE" --max-minutes "$(awk "BEGIN {print $TARGET_S / 60}")" --eval-every 200 --seed "$SEED"
+fi
 
 stage prompts "$PROMPTS_CAP" "$PY" -m flashdraft.demo.pipeline.prompts --corpus "$RUN/corpus" \
     --tokenizer "$RUN/tokenizer" --out "$RUN/prompts" --train "$DRAFT_PROMPTS" --heldout 48 --long-tokens $LONG_TOKENS \
@@ -173,7 +184,8 @@ done
 mkdir -p "$OUT/prompts"  # the evaluation prompts, to measure the pair again elsewhere (e.g. on a CPU)
 cp "$RUN/prompts/heldout_code.jsonl" "$RUN/prompts/prose.jsonl" "$RUN/prompts/seen.jsonl" "$OUT/prompts/"
 cp "$RUN/corpus/stats.json" "$OUT/logs/corpus_stats.json"
-cp "$RUN/tokenizer/tokens/meta.json" "$OUT/logs/tokens_meta.json"
-cp "$RUN/logs/target.jsonl" "$RUN/logs/timings.tsv" "$OUT/logs/"
+cp "$RUN/tokenizer/tokens/meta.json" "$OUT/logs/tokens_meta.json" 2>/dev/null || true  # (none with TARGET_DIR)
+cp "$RUN/logs/target.jsonl" "$OUT/logs/" 2>/dev/null || true
+cp "$RUN/logs/timings.tsv" "$OUT/logs/"
 cp "$RUN/drafter_data/generation.jsonl" "$OUT/logs/generation.jsonl" 2>/dev/null || true
 echo "=== done in $(( $(date +%s) - T0 ))s: $OUT/target, $OUT/drafter, $OUT/report.md"

@@ -6,18 +6,24 @@ it precomputes most of each grammar's token masks at compile time, so the up to 
 cost little. Special tokens (chat markers and the like) decode to no text, so the grammar must never let
 one through as if it were its literal name: they are blanked in the vocabulary xgrammar sees, which makes
 them special to it (never allowed, except the end-of-sequence tokens, which end a complete output).
+xgrammar is imported at the first constrained request: it costs about 1.6 s of start-up that plain generation
+does not need.
 """
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import xgrammar as xgr
 
 from flashdraft.config import Constraint
+
+if TYPE_CHECKING:
+    import xgrammar
 
 # JSON is written on one line with ", " and ": " between items (as json.dumps writes it): free whitespace lets a
 # weak model fill its output with blanks between tokens (the demo target did, until max_tokens).
@@ -29,11 +35,21 @@ CACHE_BYTES = 256 << 20
 _NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
 
+@functools.cache
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise RuntimeError("structured output needs the xgrammar package (pip install xgrammar)") from e
+    return xgrammar
+
+
 class GrammarCompiler:
     """Compiles constraints for one model's tokenizer; compiled grammars are cached by source. Thread-safe (the
     server compiles while checking a request, the worker again when it runs it, from the cache)."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_ids: Iterable[int]):
+        xgr = _xgrammar()
         stop = sorted(eos_ids)
         if not stop:
             raise ValueError("this model has no end-of-sequence token, so a grammar's end could not end the output")
@@ -53,7 +69,7 @@ class GrammarCompiler:
         self._compiler = xgr.GrammarCompiler(self.info, cache_limit_bytes=CACHE_BYTES)
         self._lock = threading.Lock()
 
-    def compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
+    def compile(self, constraint: Constraint) -> xgrammar.CompiledGrammar:
         """The constraint's grammar; ValueError with xgrammar's message when it does not compile."""
         constraint.validate()
         c = self._compiler
@@ -73,7 +89,8 @@ class GrammarCompiler:
 class GrammarMatcher:
     """A request's position in its grammar: the committed tokens, and the masks of a verify block's rows."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int, max_rows: int):
+    def __init__(self, compiled: xgrammar.CompiledGrammar, vocab_size: int, max_rows: int):
+        xgr = _xgrammar()
         self._matcher = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
         self._bitmask = xgr.allocate_token_bitmask(max_rows, vocab_size)

@@ -1,5 +1,5 @@
-"""KV cache types (-ctk / -ctv): llama.cpp's block formats byte for byte, exact dequantization, memory per token,
-the caches and attention paths that store and read them, and lossless DFlash with each type."""
+"""KV cache types (-ctk / -ctv): llama.cpp's blocks (gguf-py's bytes, laid out by field), exact dequantization,
+memory per token, the caches and attention paths that store and read them, and lossless DFlash with each type."""
 from pathlib import Path
 
 import numpy as np
@@ -37,14 +37,35 @@ def _rows(seed: int, shape=(3, 7, 128)) -> torch.Tensor:
     return x
 
 
+def _by_field(blocks: np.ndarray, name: str) -> np.ndarray:
+    """ggml-common.h blocks [rows, n * block_bytes] -> the cache's layout by field (kv_formats' docstring): all
+    quants (int8, or two values a byte: value 2i low, 2i + 1 high), the 5-bit types' high-bit fields, the scales
+    d, the minimums m."""
+    rows = blocks.reshape(blocks.shape[0], -1, BLOCK_BYTES[name])
+    if name == "q8_0":
+        return np.concatenate([rows[:, :, 2:].reshape(len(rows), -1), rows[:, :, :2].reshape(len(rows), -1)], 1)
+    affine, five = name.endswith("_1"), name.startswith("q5")
+    high = 2 + 2 * affine
+    qs = rows[:, :, high + 4 * five:]
+    values = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(len(rows), -1)  # [rows, head_dim] of 0..15
+    fields = [(values[:, 0::2] | (values[:, 1::2] << 4)).astype(np.uint8)]
+    if five:
+        fields.append(rows[:, :, high:high + 4].reshape(len(rows), -1))
+    fields.append(rows[:, :, 0:2].reshape(len(rows), -1))
+    if affine:
+        fields.append(rows[:, :, 2:4].reshape(len(rows), -1))
+    return np.concatenate(fields, 1)
+
+
 @pytest.mark.parametrize("name", BLOCK_TYPES)
 def test_blocks_are_gguf_py_bytes(name, gguf_py):
+    """Every row holds gguf-py's blocks, their fields regrouped (and nibbles paired) as the cache lays them out."""
     quantize, GGMLQuantizationType = gguf_py
     x = _rows(1)
     ours = kf.quantize(x, kf.kv_format(name))
     ref = quantize(x.reshape(-1, 128).numpy(), getattr(GGMLQuantizationType, name.upper()))
     assert ours.dtype == torch.uint8 and ours.shape == (3, 7, 128 // 32 * BLOCK_BYTES[name])
-    assert np.array_equal(ours.reshape(-1, ours.shape[-1]).numpy(), ref)
+    assert np.array_equal(ours.reshape(-1, ours.shape[-1]).numpy(), _by_field(ref, name))
 
 
 def test_float_types_are_rounded_casts(gguf_py):
@@ -73,12 +94,15 @@ def _reference_dequant(blocks: np.ndarray, name: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("name", BLOCK_TYPES)
-def test_dequantize_is_exact(name):
+def test_dequantize_is_exact(name, gguf_py):
+    """The values are those of gguf-py's blocks read as ggml-common.h lays them out, bit for bit."""
+    quantize, GGMLQuantizationType = gguf_py
     fmt = kf.kv_format(name)
-    stored = kf.quantize(_rows(3, (2, 3, 64)), fmt)
+    x = _rows(3, (2, 3, 64))
+    stored = kf.quantize(x, fmt)
     got = kf.dequantize_rows(stored, fmt, torch.float32).double().numpy().reshape(-1, 32)
-    blocks = stored.numpy().reshape(-1, fmt.block_bytes)
-    ref = np.stack([_reference_dequant(b, name) for b in blocks])
+    blocks = quantize(x.reshape(-1, 64).numpy(), getattr(GGMLQuantizationType, name.upper()))
+    ref = np.stack([_reference_dequant(b, name) for b in blocks.reshape(-1, BLOCK_BYTES[name])])
     assert np.array_equal(got, ref)
     bf16 = kf.dequantize_rows(stored, fmt, torch.bfloat16)
     assert torch.equal(bf16, torch.from_numpy(ref).float().reshape(bf16.shape).to(torch.bfloat16))

@@ -31,6 +31,29 @@ def first_divergence(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def kernel_reads_check(log) -> list[dict]:
+    """decode_attention over packed rows against decode_attention over their dequantized values (bf16), per type:
+    the compiled kernel must dequantize as kv_formats does (equal, or within float32 contraction of d * q + m)."""
+    from flashdraft.layers import decode_attention as da
+    from flashdraft.quant import kv_formats as kf
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(32, 4, 128, device="cuda", generator=g).bfloat16()
+    k = torch.randn(8, 3000, 128, device="cuda", generator=g) * 2
+    v = torch.randn(8, 3000, 128, device="cuda", generator=g)
+    mask = torch.ones(4, 3000, dtype=torch.bool, device="cuda")
+    results = []
+    for name in ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0"):
+        fmt = kf.kv_format(name)
+        pk, pv = kf.quantize(k, fmt), kf.quantize(v, fmt)
+        dk, dv = kf.dequantize_rows(pk, fmt, torch.bfloat16), kf.dequantize_rows(pv, fmt, torch.bfloat16)
+        packed, plain = da.launch(q, pk, pv, mask), da.launch(q, dk, dv, mask)
+        diff = (packed.float() - plain.float()).abs().max().item()
+        results.append({"type": name, "equal": torch.equal(packed, plain), "max_abs_diff": diff})
+        log(f"kernel over packed {name} rows vs over their dequantized rows: equal {torch.equal(packed, plain)}, "
+            f"max |diff| {diff:.3g}")
+    return results
+
+
 def demo_pair_check(log) -> list[dict]:
     target_dir, drafter_dir = demo_paths()
     repo = Path(__file__).resolve().parents[2]
@@ -126,7 +149,7 @@ def main() -> int:
         log_file.flush()
 
     log(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}")
-    report = {"demo_pair": demo_pair_check(log)}
+    report = {"kernel_reads": kernel_reads_check(log), "demo_pair": demo_pair_check(log)}
     (args.out / "kv_types.json").write_text(json.dumps(report, indent=1))
     report["long_context"] = long_context_speed(args.context, args.tokens, log)
     (args.out / "kv_types.json").write_text(json.dumps(report, indent=1))

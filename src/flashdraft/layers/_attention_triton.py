@@ -19,7 +19,9 @@ Keys hidden from a row add exact zeros; a key range hidden from a row altogether
 (m = -inf, l = 0, acc = 0), which the combine weighs by exactly 0.
 
 Quantized caches (KV cache types q8_0, q5_1, q5_0, q4_1, q4_0) are read as their packed blocks and dequantized in
-registers (`_load_rows`), so a step reads the cache's bytes, not a dequantized copy of it.
+registers (`_load_rows`), so a step reads the cache's bytes, not a dequantized copy of it. Their rows are laid out
+by field (kv_formats): the quants load as contiguous vectors (ALIGN bytes wide, the rows' alignment) and each
+block's fp16 scale once per row.
 """
 import triton
 import triton.language as tl
@@ -43,7 +45,7 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, count
                      stride_qh, stride_qt, stride_kh, stride_kn, stride_vh, stride_vn, stride_mt, stride_ot,
                      qk_scale, GROUP: tl.constexpr, D: tl.constexpr, HAS_MASK: tl.constexpr,
                      IEEE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                     K_FMT: tl.constexpr, V_FMT: tl.constexpr):
+                     K_FMT: tl.constexpr, V_FMT: tl.constexpr, K_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr):
     kv = tl.program_id(0)
     tile = tl.program_id(1)
     split = tl.program_id(2)
@@ -64,8 +66,8 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, count
         if HAS_MASK:
             visible = visible & (tl.load(mask_ptr + t[:, None] * stride_mt + n[None, :], mask=visible, other=0) != 0)
         # V's load goes out with K's (issued after the scores' softmax, it cost about 1 us more at 512 keys)
-        k = _load_rows(k_ptr, kv * stride_kh + n * stride_kn, n_ok, K_FMT, D, q_ptr.dtype.element_ty)
-        v = _load_rows(v_ptr, kv * stride_vh + n * stride_vn, n_ok, V_FMT, D, q_ptr.dtype.element_ty)
+        k = _load_rows(k_ptr, kv * stride_kh + n * stride_kn, n_ok, K_FMT, D, q_ptr.dtype.element_ty, K_ALIGN)
+        v = _load_rows(v_ptr, kv * stride_vh + n * stride_vn, n_ok, V_FMT, D, q_ptr.dtype.element_ty, V_ALIGN)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -95,59 +97,49 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, count
 
 
 @triton.jit
-def _load_rows(ptr, rows, n_ok, FMT: tl.constexpr, D: tl.constexpr, OUT: tl.constexpr):
+def _load_rows(ptr, rows, n_ok, FMT: tl.constexpr, D: tl.constexpr, OUT: tl.constexpr, ALIGN: tl.constexpr):
     """The cache rows starting at element offsets rows [BLOCK_N] (rows with n_ok False read as zeros) as
     [BLOCK_N, D] values of dtype OUT. FMT (decode_attention.KERNEL_FORMATS): 0 = values of the cache tensor's
-    float dtype; else llama.cpp's blocks in a uint8 row, dequantized here in float32 as the eager path
-    (kv_formats.dequantize_rows) does, so a row reads bitwise the same values on both paths."""
+    float dtype; else llama.cpp's blocks in a uint8 row laid out by field (kv_formats), dequantized here in
+    float32 as kv_formats.dequantize_rows does, so a row reads bitwise the same values on both paths. ALIGN: a
+    power of two that divides every row's byte offset."""
     ok = n_ok[:, None]
     if FMT == 0:
         x = tl.load(ptr + rows[:, None] + tl.arange(0, D)[None, :], mask=ok, other=0.0)
-    elif FMT == 1:  # q8_0: fp16 d, 32 int8
-        x = _q8_0_rows(ptr, rows, ok, D)
-    elif FMT == 2:  # q4_0: fp16 d, 16 bytes of nibbles; (q - 8) * d
-        x = _nibble_rows(ptr, rows, ok, D, 18, 2, 0, 8, False)
-    elif FMT == 3:  # q4_1: fp16 d, fp16 m, nibbles; q * d + m
-        x = _nibble_rows(ptr, rows, ok, D, 20, 4, 0, 0, True)
-    elif FMT == 4:  # q5_0: fp16 d, 4 bytes of high bits, nibbles; (q - 16) * d
-        x = _nibble_rows(ptr, rows, ok, D, 22, 6, 2, 16, False)
-    else:  # q5_1: fp16 d, fp16 m, high bits, nibbles; q * d + m
-        x = _nibble_rows(ptr, rows, ok, D, 24, 8, 4, 0, True)
+    else:
+        row = ptr + tl.multiple_of(rows, ALIGN)[:, None]
+        if FMT == 1:  # q8_0: D int8, then D / 32 fp16 scales; q * d
+            q = tl.load(row + tl.arange(0, D)[None, :], mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            x = _scaled(q, row + D, ok, D, False)
+        else:  # 4/5-bit: D / 2 nibble bytes, [D / 8 high-bit bytes], d, [m]; (q - offset) * d or q * d + m
+            b = tl.load(row + tl.arange(0, D // 2)[None, :], mask=ok, other=0)
+            q = tl.reshape(tl.join(b & 15, b >> 4), (b.shape[0], D)).to(tl.int32)
+            at = D // 2
+            if FMT == 4 or FMT == 5:  # q5_0, q5_1
+                high = tl.load(row + at + tl.arange(0, D // 8)[None, :], mask=ok, other=0).to(tl.int32)
+                bits = (high[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1
+                q = q | (tl.reshape(bits, (b.shape[0], D)) << 4)
+                at = at + D // 8
+            if FMT == 2:  # q4_0
+                q = q - 8
+            elif FMT == 4:  # q5_0
+                q = q - 16
+            x = _scaled(q.to(tl.float32), row + at, ok, D, FMT == 3 or FMT == 5)
     return x.to(OUT)
 
 
 @triton.jit
-def _fp16_at(ptr, at, ok):
-    """The little-endian fp16 at byte offsets `at`, as float32."""
-    lo = tl.load(ptr + at, mask=ok, other=0).to(tl.uint16)
-    hi = tl.load(ptr + at + 1, mask=ok, other=0).to(tl.uint16)
-    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _q8_0_rows(ptr, rows, ok, D: tl.constexpr):
-    d = tl.arange(0, D)
-    at = rows[:, None] + (d // 32 * 34)[None, :]  # each value's block
-    q = tl.load(ptr + at + 2 + (d % 32)[None, :], mask=ok, other=0).to(tl.int8, bitcast=True)
-    return q.to(tl.float32) * _fp16_at(ptr, at, ok)
-
-
-@triton.jit
-def _nibble_rows(ptr, rows, ok, D: tl.constexpr, BLOCK_BYTES: tl.constexpr, QS: tl.constexpr, HIGH: tl.constexpr,
-                 OFFSET: tl.constexpr, AFFINE: tl.constexpr):
-    """4- and 5-bit blocks: value i of a block is the low (i < 16) or high nibble of byte QS + i % 16, with bit i
-    of the 4 bytes at HIGH as its fifth bit (HIGH > 0); (q - OFFSET) * d, or q * d + m (AFFINE, m at byte 2)."""
-    d = tl.arange(0, D)
-    at = rows[:, None] + (d // 32 * BLOCK_BYTES)[None, :]
-    i = (d % 32)[None, :]
-    q = (tl.load(ptr + at + QS + i % 16, mask=ok, other=0).to(tl.int32) >> (i // 16 * 4)) & 15
-    if HIGH > 0:
-        q = q | (((tl.load(ptr + at + HIGH + i // 8, mask=ok, other=0).to(tl.int32) >> (i % 8)) & 1) << 4)
+def _scaled(q, scales, ok, D: tl.constexpr, AFFINE: tl.constexpr):
+    """q [BLOCK_N, D] times its blocks' fp16 scales d (D / 32 of them at byte pointers `scales` [BLOCK_N, 1]), plus
+    the minimums m that follow them (AFFINE), in float32."""
+    nb: tl.constexpr = D // 32
+    d_ptr = scales.to(tl.pointer_type(tl.float16))
+    d = tl.load(d_ptr + tl.arange(0, nb)[None, :], mask=ok, other=0.0).to(tl.float32)
+    x = tl.reshape(q, (q.shape[0], nb, 32)) * d[:, :, None]
     if AFFINE:
-        x = q.to(tl.float32) * _fp16_at(ptr, at, ok) + _fp16_at(ptr, at + 2, ok)
-    else:
-        x = (q - OFFSET).to(tl.float32) * _fp16_at(ptr, at, ok)
-    return x
+        m = tl.load(d_ptr + nb + tl.arange(0, nb)[None, :], mask=ok, other=0.0).to(tl.float32)
+        x = x + m[:, :, None]
+    return tl.reshape(x, (q.shape[0], D))
 
 
 @triton.jit

@@ -112,8 +112,15 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         out.stride(0), math.log2(math.e) / math.sqrt(hd), GROUP=group, D=hd, HAS_MASK=mask is not None,
         IEEE=q.dtype == torch.float32, BLOCK_Q=c.block_q, BLOCK_N=c.block_n, SPLIT=c.split,
         K_FMT=KERNEL_FORMATS.get(k_format.name, 0), V_FMT=KERNEL_FORMATS.get(v_format.name, 0),
-        num_warps=c.num_warps, num_stages=c.num_stages)
+        K_ALIGN=_row_alignment(k), V_ALIGN=_row_alignment(v), num_warps=c.num_warps, num_stages=c.num_stages)
     return out
+
+
+def _row_alignment(rows: torch.Tensor) -> int:
+    """The largest power of two, at most 16, dividing every row's element offset (the kernel's loads of packed
+    rows are that many bytes wide)."""
+    g = math.gcd(rows.stride(0), rows.stride(1), 16)
+    return g & -g
 
 
 _TICKETS: dict[torch.device, torch.Tensor] = {}

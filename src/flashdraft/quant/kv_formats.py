@@ -1,10 +1,19 @@
 """KV cache types (llama.cpp's -ctk / -ctv): how rows of keys or values are stored, written and read back.
 
-A cache row (one position of one kv head, head_dim values) is stored either as floats (f32, f16, bf16) or as
-llama.cpp's 32-value blocks along head_dim (q8_0, q5_1, q5_0, q4_1, q4_0; layouts in ggml-common.h), packed in a
-uint8 row of head_dim / 32 * block_bytes bytes. Quantization follows gguf-py's `gguf.quants` (which reproduces
-llama.cpp's quantize_row_*_ref) operation by operation in float32, so a row's blocks are byte for byte what
-llama.cpp would store; dequantization is flashdraft.quant.dequant's (float32, then rounded to the compute dtype).
+A cache row (one position of one kv head, head_dim values) is stored either as floats (f32, f16, bf16) or in
+one of llama.cpp's block types (q8_0, q5_1, q5_0, q4_1, q4_0): 32-value blocks along head_dim with fp16 scales,
+head_dim / 32 * block_bytes bytes a row, as llama.cpp stores them. Quantization follows gguf-py's `gguf.quants`
+(which reproduces llama.cpp's quantize_row_*_ref) operation by operation in float32, so every block holds the
+values llama.cpp would store, and dequantization computes them as gguf-py does (float32, then rounded once to
+the compute dtype).
+
+The bytes of a row are laid out by field, not block by block as in ggml-common.h: the quants of all its blocks
+first (q8_0: one int8 a value; 4- and 5-bit types: one byte per two values, value 2i in the low nibble of byte
+i and 2i + 1 in the high one), then the 5-bit types' high bits (bit t of byte b is bit 4 of value 8b + t: the
+blocks' 4-byte fields one after another), then the blocks' fp16 scales d, then the affine types' fp16 minimums m.
+The attention kernel then reads a row's quants with wide loads and each block's scale once, where llama.cpp's
+34-, 18- and 22-byte blocks leave the quants unaligned and interleaved with the scales (on the H200 that layout
+made a q8_0 cache half as fast as bf16 at 32K tokens: docs/performance.md).
 
 A cache tensor says its own type: a float tensor holds values in its dtype, and a uint8 one holds blocks whose
 size is its row width over head_dim / 32 (the block sizes 18, 20, 22, 24 and 34 bytes are distinct). So the
@@ -17,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 
-from flashdraft.quant.dequant import dequantize
 from flashdraft.quant.formats import block_format
 
 BLOCK = 32  # values per block of every quantized cache type
@@ -93,8 +101,8 @@ def stored_format(stored: torch.Tensor, head_dim: int) -> KVFormat:
 
 
 def _f16_bytes(x: torch.Tensor) -> torch.Tensor:
-    """float32 [..., 1] -> its fp16 bytes [..., 2] (round to nearest even, as GGML_FP32_TO_FP16)."""
-    return x.to(torch.float16).view(torch.uint8)
+    """float32 [..., n, 1] -> their fp16 bytes [..., 2n] (round to nearest even, as GGML_FP32_TO_FP16)."""
+    return x.to(torch.float16).view(torch.uint8).flatten(-2)
 
 
 def _inverse(d: torch.Tensor) -> torch.Tensor:
@@ -102,13 +110,14 @@ def _inverse(d: torch.Tensor) -> torch.Tensor:
 
 
 def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """[..., 32] of 0..31 -> 16 bytes: value j's low 4 bits in byte j (j < 16) or in byte j - 16's high half."""
-    return (q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4)
+    """[..., head_dim] of 0..31 -> [..., head_dim / 2] bytes: value 2i's low 4 bits in the low half of byte i,
+    value 2i + 1's in the high half."""
+    return (q[..., 0::2] & 0x0F) | ((q[..., 1::2] & 0x0F) << 4)
 
 
 def _pack_high_bits(q: torch.Tensor) -> torch.Tensor:
-    """[..., 32] of 0..31 -> 4 bytes, bit j of the little-endian uint32 = bit 4 of value j."""
-    bits = ((q >> 4) & 1).unflatten(-1, (4, 8))
+    """[..., head_dim] of 0..31 -> [..., head_dim / 8] bytes, bit t of byte b = bit 4 of value 8b + t."""
+    bits = ((q >> 4) & 1).unflatten(-1, (-1, 8))
     return (bits << torch.arange(8, device=q.device, dtype=q.dtype)).sum(-1)
 
 
@@ -138,21 +147,21 @@ def _roundf(x: torch.Tensor) -> torch.Tensor:
     return x.sign() * (floored + (2 * (a - floored)).floor())
 
 
-def _quantize_blocks(x: torch.Tensor, name: str) -> torch.Tensor:
-    """float32 [..., n, 32] -> uint8 [..., n, block_bytes]."""
+def _quantize_rows(x: torch.Tensor, name: str) -> torch.Tensor:
+    """float32 [..., n, 32] (a row's blocks) -> uint8 [..., row_width] in the layout of the module docstring."""
     if name == "q8_0":
         d = x.abs().amax(-1, keepdim=True) / 127
         q = _roundf(x * _inverse(d)).to(torch.int8).view(torch.uint8)
-        return torch.cat([_f16_bytes(d), q], dim=-1)
+        return torch.cat([q.flatten(-2), _f16_bytes(d)], dim=-1)
     if name in ("q4_0", "q5_0"):
         d, q = _symmetric(x, 8 if name == "q4_0" else 16)
-        head = [_f16_bytes(d)]
+        scales = [_f16_bytes(d)]
     else:
         d, m, q = _affine(x, 15 if name == "q4_1" else 31)
-        head = [_f16_bytes(d), _f16_bytes(m)]
-    if name in ("q5_0", "q5_1"):
-        head.append(_pack_high_bits(q).to(torch.uint8))
-    return torch.cat([*head, _pack_nibbles(q).to(torch.uint8)], dim=-1)
+        scales = [_f16_bytes(d), _f16_bytes(m)]
+    q = q.flatten(-2)
+    fields = [_pack_nibbles(q)] + ([_pack_high_bits(q)] if name in ("q5_0", "q5_1") else [])
+    return torch.cat([f.to(torch.uint8) for f in fields] + scales, dim=-1)
 
 
 def quantize(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
@@ -160,16 +169,41 @@ def quantize(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
     if not fmt.blocked:
         return x.to(fmt.storage)
     fmt.row_width(x.shape[-1])  # head_dim check
-    blocks = _quantize_blocks(x.float().unflatten(-1, (-1, BLOCK)), fmt.name)
-    return blocks.flatten(-2)
+    return _quantize_rows(x.float().unflatten(-1, (-1, BLOCK)), fmt.name)
+
+
+def _f16_at(stored: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    """The n fp16 values at byte `start` of every row -> float32 [..., n, 1]."""
+    return stored[..., start:start + 2 * n].contiguous().view(torch.float16).float().unsqueeze(-1)
 
 
 def dequantize_rows(stored: torch.Tensor, fmt: KVFormat, dtype: torch.dtype) -> torch.Tensor:
-    """Storage [..., row_width] in format fmt -> rows [..., head_dim] of dtype (blocks: float32 values, rounded
-    once to dtype)."""
+    """Storage [..., row_width] in format fmt -> rows [..., head_dim] of dtype (blocks: float32 values computed as
+    gguf-py's dequantize does, rounded once to dtype)."""
     if not fmt.blocked:
         return stored.to(dtype)
-    return dequantize(stored, fmt.name.upper()).to(dtype)
+    nb = stored.shape[-1] // fmt.block_bytes
+    head_dim = nb * BLOCK
+    if fmt.name == "q8_0":
+        q = stored[..., :head_dim].contiguous().view(torch.int8).float().unflatten(-1, (nb, BLOCK))
+        return (q * _f16_at(stored, head_dim, nb)).flatten(-2).to(dtype)
+    nibbles = stored[..., :head_dim // 2]
+    q = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=-1).flatten(-2)
+    at = head_dim // 2
+    if fmt.name in ("q5_0", "q5_1"):
+        high = stored[..., at:at + head_dim // 8]
+        shifts = torch.arange(8, dtype=torch.uint8, device=stored.device)
+        q = q | (((high.unsqueeze(-1) >> shifts) & 1) << 4).flatten(-2)
+        at += head_dim // 8
+    q = q.unflatten(-1, (nb, BLOCK))
+    d = _f16_at(stored, at, nb)
+    if fmt.name == "q4_0":
+        x = d * (q.to(torch.int8) - 8).float()
+    elif fmt.name == "q5_0":
+        x = d * (q.to(torch.int8) - 16).float()
+    else:
+        x = d * q.float() + _f16_at(stored, at + 2 * nb, nb)
+    return x.flatten(-2).to(dtype)
 
 
 def write_rows(cache: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:

@@ -110,6 +110,24 @@ def test_rows_do_not_depend_on_the_graph_bucket(config):
     torch.testing.assert_close(short.double(), ref, rtol=1e-4, atol=1e-5)
 
 
+def test_long_caches_take_longer_key_ranges():
+    """The tiling follows the cache's capacity (rows per kv head as allocated), never kv_len or T: over a view of
+    a 7000-row cache the rows get 512-key ranges, still bitwise the same alone or with other tokens, and over a
+    longer kv_len."""
+    assert da.config_for(128, 4112) is da.CONFIG and da.config_for(64, 300) is da.CONFIG
+    assert da.config_for(128, 7000).split == 512 and da.config_for(128, 8208).split == 512
+    assert da.config_for(128, 32912).split == 1024 and da.config_for(256, 40000) is da.WIDE_HEAD_CONFIG
+    k, v = _cache(2, 7000, 64, seed=21)
+    q = _queries(8, 16, 64, seed=22)
+    mask = _causal(250, 16, 300)
+    full = da.launch(q, k[:, :300], v[:, :300], mask)
+    assert torch.equal(da.launch(q[:, :1].contiguous(), k[:, :300], v[:, :300], mask[:1]), full[:1])
+    longer = da.launch(q[:, :1].contiguous(), k[:, :600], v[:, :600], _causal(250, 1, 600))
+    assert torch.equal(longer, full[:1])
+    assert not torch.equal(full, da.launch(q, k[:, :300].contiguous(), v[:, :300].contiguous(), mask))
+    torch.testing.assert_close(full.double(), _reference(q, k[:, :300], v[:, :300], mask), rtol=1e-4, atol=1e-5)
+
+
 def test_another_tiling_changes_the_bits():
     """The invariance checks can fail: a tiling chosen by T (here another key range) changes a token's bits."""
     k, v = _cache(2, 300, 64, seed=3)

@@ -7,7 +7,9 @@ attention shape (32 query heads, 8 kv heads, head_dim 128), against SDPA as the 
 for each of a few tilings (AttentionConfig); OUT_DIR/attention.json names the fastest invariant one ("adopted"),
 which perf_run.py --attention-config=OUT_DIR/attention.json then uses.
 
-Usage (GPU machine, repo root): PYTHONPATH=src python scripts/gpu/attention_run.py OUT_DIR
+Usage (GPU machine, repo root): PYTHONPATH=src python scripts/gpu/attention_run.py OUT_DIR [--long]
+--long: long contexts instead (8K and 32K keys) and tilings with longer key ranges per program, the fastest at
+32K named.
 """
 import dataclasses
 import json
@@ -43,17 +45,23 @@ CONFIGS = [CONFIG, AttentionConfig(), AttentionConfig(split=64),
            AttentionConfig(block_n=64, split=512)]
 # the configuration adopted is the fastest over these (kv_len, T) cases (bench and chat contexts), if invariant
 ADOPT_ON = {(512, 1), (512, 16), (2048, 1), (2048, 16)}
+LONG_CONFIGS = [CONFIG, AttentionConfig(block_n=128, split=512, num_warps=8),
+                AttentionConfig(block_n=128, split=1024, num_warps=8), AttentionConfig(block_n=128, split=2048, num_warps=8),
+                AttentionConfig(block_n=64, split=512), AttentionConfig(block_n=64, split=1024),
+                AttentionConfig(block_n=64, split=2048), AttentionConfig(block_n=128, split=1024, num_warps=4)]
 
 
-def main(out: Path) -> None:
+def main(out: Path, long: bool = False) -> None:
+    configs = LONG_CONFIGS if long else CONFIGS
+    adopt_on = {(32768, 1), (32768, 16)} if long else ADOPT_ON
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HD}, "rows": []}
-    score = {c: 0.0 for c in CONFIGS}
-    invariant = {c: True for c in CONFIGS}
-    for kv_len in (512, 2048, 8192):
+    score = {c: 0.0 for c in configs}
+    invariant = {c: True for c in configs}
+    for kv_len in ((8192, 32768) if long else (512, 2048, 8192)):
         cap = kv_len + 256
         ks = [torch.randn(KV_HEADS, cap, HD, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(LAYERS)]
         vs = [torch.randn(KV_HEADS, cap, HD, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(LAYERS)]
@@ -67,7 +75,7 @@ def main(out: Path) -> None:
             row = {"kv_len": kv_len, "T": T, "err_sdpa_bf16": (sdpa(q, k, v, mask).double() - ref).abs().max().item(),
                    "us_sdpa": graph_us(lambda i: sdpa(q, ks[i][:, :kv_len], vs[i][:, :kv_len], mask), LAYERS),
                    "roofline_us": 2 * KV_HEADS * min(kv_len, start + T) * HD * 2 / 4.2e12 * 1e6, "configs": {}}
-            for c in CONFIGS:
+            for c in configs:
                 ours = launch(q, k, v, mask, c)
                 rec = {"err": (ours.double() - ref).abs().max().item(),
                        "us": graph_us(lambda i: launch(q, ks[i][:, :kv_len], vs[i][:, :kv_len], mask, c), LAYERS)}
@@ -83,26 +91,26 @@ def main(out: Path) -> None:
                     rec["invariant_tokens_longer_kv"] = f"{same_longer}/{T}"
                     invariant[c] &= same == T and same_longer == T
                 invariant[c] &= rec["err"] < 4 * row["err_sdpa_bf16"] + 1e-3
-                if (kv_len, T) in ADOPT_ON:
+                if (kv_len, T) in adopt_on:
                     score[c] += rec["us"]
                 row["configs"][c.name] = rec
             results["rows"].append(row)
             print(json.dumps(row), flush=True)
         del ks, vs
         torch.cuda.empty_cache()
-    ok = [c for c in CONFIGS if invariant[c]]
+    ok = [c for c in configs if invariant[c]]
     best = min(ok, key=lambda c: score[c]) if ok else None
-    results["invariant"] = {c.name: invariant[c] for c in CONFIGS}
-    results["score_us"] = {c.name: score[c] for c in CONFIGS}
+    results["invariant"] = {c.name: invariant[c] for c in configs}
+    results["score_us"] = {c.name: score[c] for c in configs}
     results["adopted"] = dataclasses.asdict(best) if best else None
     (out / "attention.json").write_text(json.dumps(results, indent=2))
-    print(f"\n{'kv_len':>7s} {'T':>3s} {'sdpa us':>8s} {'floor':>6s}  " + " ".join(f"{c.name:>15s}" for c in CONFIGS))
+    print(f"\n{'kv_len':>7s} {'T':>3s} {'sdpa us':>8s} {'floor':>6s}  " + " ".join(f"{c.name:>15s}" for c in configs))
     for r in results["rows"]:
         print(f"{r['kv_len']:7d} {r['T']:3d} {r['us_sdpa']:8.1f} {r['roofline_us']:6.1f}  "
-              + " ".join(f"{r['configs'][c.name]['us']:15.1f}" for c in CONFIGS))
+              + " ".join(f"{r['configs'][c.name]['us']:15.1f}" for c in configs))
     print("invariant and within error:", results["invariant"])
-    print("adopted:", best.name if best else None, f"({score[best]:.1f} us over {sorted(ADOPT_ON)})" if best else "")
+    print("adopted:", best.name if best else None, f"({score[best]:.1f} us over {sorted(adopt_on)})" if best else "")
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), "--long" in sys.argv[2:])

@@ -6,7 +6,8 @@ float rows of any dtype, or packed blocks that the kernel dequantizes as it read
 [T or 1, kv_len] (True = may attend; None = every row visible), and returns [T, heads * head_dim], the layout o_proj reads. The Triton
 kernel (flashdraft.layers._attention_triton) splits the keys into fixed ranges, one program per (kv head, tile of
 query rows, key range), and the last program of each (kv head, tile) adds the ranges' partial softmaxes in a
-fixed order; `CONFIG` holds the tiling.
+fixed order; `config_for` picks the tiling from the head width and the cache's capacity (longer key ranges for
+long caches), never from T or kv_len.
 
 Why not SDPA: at T = 1..16 over a cache of a few hundred rows, cuDNN's flash kernel costs 11-20 us per layer
 on an H200 (docs/performance.md), for about 1-2 MB of keys and values, plus the kernels that turn the boolean
@@ -54,14 +55,27 @@ class AttentionConfig:
 # 2026-11-30, head_dim 128): one step of 128 keys per program, 8 warps; 7.8 us at 512 keys and T = 1, against
 # 9.2 us for the default's two steps of 64 and 10.2-11.2 us before the combine loaded ahead (docs/performance.md).
 CONFIG = AttentionConfig(block_n=128, split=128, num_warps=8)
+# Caches of more rows (a 4096-token context's is 4112, a verify block over it): longer key ranges, fewer partials
+# for the last program to add. At 32K keys and T = 1, 69.8 us per layer with 1024-key ranges against 166.9 with
+# CONFIG's 128 (attention_run.py --long, 2026-12-02); at 8K keys 512-key ranges were fastest (22.1 us against
+# 34.8), at 2K CONFIG (12.0 against 23.6). Short contexts in a long cache pay for it (one or two programs per kv
+# head: 22.7 us at 512 keys with 512-key ranges, against 7.8).
+SHORT_CACHE_ROWS = 6144
+LONG_CONFIGS = ((24576, AttentionConfig(block_n=128, split=512, num_warps=8)),
+                (None, AttentionConfig(block_n=128, split=1024, num_warps=8)))
 # Wider heads (256: Gemma-4) keep steps of 64 keys: a 128-key step would hold 64 KB of keys and 64 KB of values
-# per program at once (not measured at that width).
+# per program at once (not measured at that width, nor longer ranges).
 WIDE_HEAD_CONFIG = AttentionConfig()
 
 
-def config_for(head_dim: int) -> AttentionConfig:
-    """The process's tiling for a head width (fixed per width, never chosen by T or kv_len)."""
-    return CONFIG if head_dim <= 128 else WIDE_HEAD_CONFIG
+def config_for(head_dim: int, capacity: int = 0) -> AttentionConfig:
+    """The tiling for a head width and a cache of `capacity` rows (both fixed for a cache's life; never T or kv_len,
+    so a row's arithmetic is the same in every pass over the same cache)."""
+    if head_dim > 128:
+        return WIDE_HEAD_CONFIG
+    if capacity <= SHORT_CACHE_ROWS:
+        return CONFIG
+    return next(c for limit, c in LONG_CONFIGS if limit is None or capacity <= limit)
 
 
 @functools.cache
@@ -78,9 +92,9 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
            config: AttentionConfig | None = None) -> torch.Tensor:
     """Run the kernel (no custom-op wrapper). q [heads, T, hd]; k, v [kv_heads, kv_len, row] (rows of a KV cache
     type) with unit stride along a row; mask None or bool [T or 1, kv_len]. Returns [T, heads * hd] in q's dtype.
-    config None = config_for(head_dim)."""
+    config None = config_for(head_dim, the cache's capacity: k's rows per kv head as allocated, from its strides)."""
     heads, T, hd = q.shape
-    c = config or config_for(hd)
+    c = config or config_for(hd, k.stride(0) // max(1, k.stride(1)))
     kv_heads, kv_len = k.shape[0], k.shape[1]
     if heads % kv_heads or v.shape[:2] != k.shape[:2] or k.dim() != 3 or v.dim() != 3 or not supports(hd):
         raise ValueError(f"decode_attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} "

@@ -10,6 +10,7 @@ import json
 import math
 import random
 import re
+import sys
 
 import jsonschema
 import pytest
@@ -321,6 +322,21 @@ def test_a_grammar_that_does_not_compile_is_a_value_error(demo, constraint, mess
     assert "/project/" not in str(e.value) and ".cc:" not in str(e.value)
     with pytest.raises(ValueError, match=message):
         demo.generate([5, 6], SamplingParams(constraint=constraint))
+
+
+def test_without_xgrammar_a_constraint_is_a_value_error_naming_it(monkeypatch):
+    """A machine without the grammar engine still decodes; a constrained request gets an error that says what is
+    missing (the server answers it with a 400), not a crash."""
+    from flashdraft.engine import grammar
+    engine = Engine.load(*demo_paths(), device="cpu", context_size=512)
+    monkeypatch.setitem(sys.modules, "xgrammar", None)
+    grammar._xgrammar.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="needs the xgrammar package"):
+            engine.check_sampling(SamplingParams(constraint=Constraint("json_object")))
+        assert engine.generate([5, 6], SamplingParams(max_tokens=3), 0).tokens
+    finally:
+        grammar._xgrammar.cache_clear()
 
 
 def test_bad_processing_parameters_are_value_errors(engine, demo):

@@ -40,7 +40,8 @@ def _xgrammar():
     try:
         import xgrammar
     except ImportError as e:
-        raise RuntimeError("structured output needs the xgrammar package (pip install xgrammar)") from e
+        raise ValueError(f"structured output needs the xgrammar package, which did not import ({e}); "
+                           "pip install xgrammar") from e
     return xgrammar
 
 

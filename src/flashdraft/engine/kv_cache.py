@@ -1,3 +1,5 @@
+import copy
+
 import torch
 
 from flashdraft.config import ModelConfig
@@ -35,6 +37,15 @@ class KVCache:
         check_same_types(self, source)
         for dst, src in zip(self.k + self.v, source.k + source.v):
             dst[:, :rows].copy_(src[:, :rows])
+
+    def snapshot(self, rows: int, device: torch.device | str = "cpu") -> "KVCache":
+        """A copy of positions [0, rows) on `device`, holding only those rows: the host prompt cache keeps
+        evicted prefixes so, and copy_prefix takes one as its source to bring them back."""
+        snap = copy.copy(self)
+        snap.capacity = rows
+        snap.k = [t[:, :rows].to(device, copy=True) for t in self.k]
+        snap.v = [t[:, :rows].to(device, copy=True) for t in self.v]
+        return snap
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

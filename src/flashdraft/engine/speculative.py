@@ -306,6 +306,17 @@ class SpeculativeDecoder:
         dst.tokens, dst.draft_len, dst.pending = src.tokens[:rows + 1], rows, []
         dst.on_device, dst.ahead, dst.last = False, 0, None
 
+    def snapshot(self, seq: Sequence, device: torch.device | str = "cpu") -> Sequence | None:
+        """The positions of seq's caches that a prompt starting with its tokens could reuse, copied to `device`
+        as a Sequence that reusable_rows and copy_prefix take as a source (engine.prompt_cache keeps evicted
+        prefixes so); None when there are none."""
+        rows = self.reusable_rows(seq, seq.tokens)
+        if rows == 0:
+            return None
+        return Sequence(target_cache=seq.target_cache.snapshot(rows, device),
+                        draft_cache=seq.draft_cache.snapshot(rows, device) if self.drafter is not None else None,
+                        tokens=seq.tokens[:rows + 1], draft_len=rows)
+
     def _last_token(self, seq: Sequence) -> torch.Tensor:
         """[1] on the device: the last committed token."""
         if seq.last is not None and seq.last[0] == len(seq.tokens):

@@ -16,6 +16,7 @@ multimodal prefix (model.language_model.) is mapped to model.
 """
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 
@@ -129,6 +130,18 @@ class Gemma4Cache:
                 dst_k[:, :rows].copy_(src_k[:, :rows])
                 dst_v[:, :rows].copy_(src_v[:, :rows])
         self.ring_pos.copy_(source.ring_pos)
+
+    def snapshot(self, rows: int, device: torch.device | str = "cpu") -> Gemma4Cache:
+        """A copy of positions [0, rows) on `device` (KVCache.snapshot): the full layers' first rows and the
+        whole rings with the positions they hold, which copy_prefix takes as a source."""
+        snap = copy.copy(self)
+        snap.capacity = rows
+        snap.k = [t.to(device, copy=True) if sliding else t[:, :rows].to(device, copy=True)
+                  for sliding, t in zip(self._sliding, self.k)]
+        snap.v = [t.to(device, copy=True) if sliding else t[:, :rows].to(device, copy=True)
+                  for sliding, t in zip(self._sliding, self.v)]
+        snap.ring_pos = self.ring_pos.to(device, copy=True)
+        return snap
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

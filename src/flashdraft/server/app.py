@@ -58,6 +58,7 @@ class ServerState:
 
             from flashdraft.engine.generator import Engine
             from flashdraft.engine.ngram import NgramSettings
+            from flashdraft.engine.prompt_cache import PromptCache
             from flashdraft.server.scheduler import Scheduler
 
             s = self.settings
@@ -73,7 +74,10 @@ class ServerState:
                 fixed_draft = 0
             else:
                 fixed_draft = None if s.adaptive_draft else engine.max_draft  # capped per request by n_max
-            scheduler = Scheduler(engine, s.n_slots, fixed_draft, self.metrics)
+            prompt_cache = None
+            if s.cache_ram_mib != 0:  # -1: no limit
+                prompt_cache = PromptCache(engine.decoder, None if s.cache_ram_mib < 0 else s.cache_ram_mib << 20)
+            scheduler = Scheduler(engine, s.n_slots, fixed_draft, self.metrics, prompt_cache)
             scheduler.start()
             if self.templates is not None:
                 self.templates.warm()

@@ -24,7 +24,7 @@ log = logging.getLogger("flashdraft.server")
 # llama.cpp flags with no effect here, by how many values they take. Aliases are grouped per flag.
 NO_EFFECT_WITH_VALUE = [
     ("-ngl", "--gpu-layers", "--n-gpu-layers"), ("-ngld", "--spec-draft-ngl", "--gpu-layers-draft", "--n-gpu-layers-draft"),
-    ("-b", "--batch-size"), ("-ub", "--ubatch-size"), ("-cram", "--cache-ram"),
+    ("-b", "--batch-size"), ("-ub", "--ubatch-size"),
     ("--spec-dflash-cross-ctx",),
     ("-cd", "--spec-draft-ctx-size", "--ctx-size-draft"), ("--spec-draft-p-min", "--draft-p-min"),
     ("--spec-draft-p-split",), ("--spec-branch-budget",), ("--tree-budget",), ("--spec-draft-top-k",),
@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
     p.add_argument("-c", "--ctx-size", type=int, default=0, help="context size in tokens (0 = the model's, capped at 8192)")
     p.add_argument("-np", "--parallel", type=int, default=1, help="slots: requests generated at once (default 1)")
+    p.add_argument("-cram", "--cache-ram", type=int, default=8192, metavar="MiB",
+                   help="host memory for the prompt prefixes slots evict, brought back when a prompt shares more "
+                        "with one than with any slot (default 8192, 0 off, -1 no limit)")
     add_sampling_args(p)
     p.add_argument("-s", dest="seed", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     p.add_argument("-a", "--alias", default=None,
@@ -143,6 +146,7 @@ def settings_from_args(args) -> ServerSettings:
               (args.spec_n_max is None or args.spec_n_max >= 0, f"--spec-draft-n-max must be >= 0, got {args.spec_n_max}"),
               (args.spec_n_min >= 0, f"--spec-draft-n-min must be >= 0, got {args.spec_n_min}"),
               (args.threads is None or args.threads >= 1, f"-t/--threads must be >= 1, got {args.threads}"),
+              (args.cache_ram >= -1, f"-cram/--cache-ram must be -1 (no limit), 0 (off) or MiB, got {args.cache_ram}"),
               (args.device is None or DEVICE.match(args.device), f"--device must be cpu, cuda or cuda:N, got {args.device!r}"),
               (args.reasoning_budget in (-1, 0), f"--reasoning-budget must be -1 (unlimited) or 0 (no thinking): "
                                                  f"other budgets are not supported, got {args.reasoning_budget}"),
@@ -188,7 +192,8 @@ def settings_from_args(args) -> ServerSettings:
         adaptive_draft=args.adaptive and args.spec_dm_controller != "off", api_keys=keys,
         metrics=args.metrics, webui=args.webui, chat_template=template, device=device, threads=args.threads,
         reasoning=args.reasoning, reasoning_format=args.reasoning_format, reasoning_budget=args.reasoning_budget,
-        allow_request_template=args.allow_request_chat_template, cache_types=cache_types_from_args(args))
+        allow_request_template=args.allow_request_chat_template, cache_types=cache_types_from_args(args),
+        cache_ram_mib=args.cache_ram)
     return settings
 
 

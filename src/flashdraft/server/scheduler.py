@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from flashdraft.engine.generator import Delta, GenerationResult
+from flashdraft.engine.prompt_cache import PromptCache
 from flashdraft.engine.speculative import shared_prefix
 from flashdraft.server.errors import APIError
 from flashdraft.server.jobs import DELTA, ENDED, ERROR, RESULT, Job
@@ -48,11 +49,13 @@ class Slot:
 
 
 class Scheduler:
-    def __init__(self, engine, n_slots: int, fixed_draft: int | None, metrics):
+    def __init__(self, engine, n_slots: int, fixed_draft: int | None, metrics, prompt_cache: PromptCache | None = None):
         """fixed_draft: None = each slot gets the engine's default policy (engine.make_policy()); an int = that
-        fixed draft length on every step (0 = plain decoding)."""
+        fixed draft length on every step (0 = plain decoding). prompt_cache: where slots leave the prefixes they
+        are about to lose (--cache-ram), None for none."""
         self.engine = engine
         self.metrics = metrics
+        self.prompt_cache = prompt_cache
         self.slots = [Slot(i, engine.new_sequence(), engine.make_policy() if fixed_draft is None else fixed_draft)
                       for i in range(n_slots)]
         self.pending: deque[Job] = deque()
@@ -143,19 +146,32 @@ class Scheduler:
         """The free slot whose caches hold the longest prefix of the job's prompt (a conversation goes back to
         its slot), else the one unused longest (its caches the least likely to be asked for again). When another
         slot, busy or not, holds more of the prompt, its rows are copied over (a system prompt shared by several
-        conversations is run once)."""
+        conversations is run once). With a prompt cache, the slot's own prefix goes there first if the prompt
+        would overwrite part of it, and a kept prefix sharing more with the prompt than any slot comes back."""
         prompt = job.request.prompt_ids
         if not job.request.cache_prompt:
-            return min(free, key=lambda s: s.last_used)
+            slot = min(free, key=lambda s: s.last_used)
+            self._keep(slot, 0)
+            return slot
         shared = {s.id: shared_prefix(s.sequence.tokens, prompt) for s in self.slots}
         slot = max(free, key=lambda s: (shared[s.id], -s.last_used))
+        self._keep(slot, shared[slot.id])
         donor = max(self.slots, key=lambda s: shared[s.id])
+        decoder = self.engine.decoder
+        have = decoder.reusable_rows(slot.sequence, prompt)
         if shared[donor.id] > shared[slot.id]:
-            decoder = self.engine.decoder
             rows = decoder.reusable_rows(donor.sequence, prompt)
-            if rows > decoder.reusable_rows(slot.sequence, prompt):
+            if rows > have:
                 decoder.copy_prefix(slot.sequence, donor.sequence, rows)
+                have = rows
+        if self.prompt_cache is not None:
+            self.prompt_cache.restore(slot.sequence, prompt, have)
         return slot
+
+    def _keep(self, slot: Slot, shared: int) -> None:
+        """Leave the slot's prefix in the prompt cache when the next prompt keeps only `shared` tokens of it."""
+        if self.prompt_cache is not None and shared < len(slot.sequence.tokens) - 1:
+            self.prompt_cache.save(slot.sequence)
 
     def _start(self, slot: Slot, job: Job, choice: int = 0) -> None:
         """Start one of the job's choices (they run one after another on the slot)."""

@@ -1,0 +1,72 @@
+"""Prefixes evicted from the server's slots, kept in host memory (llama-server's --cache-ram).
+
+A slot holds one conversation's caches; when it takes a prompt that shares less with them than they hold, those
+rows would be lost. With a prompt cache the slot's reusable prefix is first copied to host memory, and a later
+prompt that shares more with a kept prefix than with any slot gets those rows copied back instead of
+recomputing them (a user coming back to an earlier conversation, agents taking turns on one slot). Entries are
+dropped least recently used first to stay within the byte budget; a prefix that another entry already holds is
+not kept twice. Copies go through SpeculativeDecoder.snapshot / copy_prefix, so the rows restored are exactly
+the rows saved: output is what a cold prefill gives (greedy), as with prefix reuse within a slot.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from flashdraft.engine.speculative import Sequence, SpeculativeDecoder, shared_prefix
+
+MIN_ROWS = 16  # shorter prefixes cost more to keep track of than to recompute
+
+
+def _nbytes(seq: Sequence) -> int:
+    return seq.target_cache.nbytes() + (seq.draft_cache.nbytes() if seq.draft_cache is not None else 0)
+
+
+class PromptCache:
+    def __init__(self, decoder: SpeculativeDecoder, max_bytes: int | None):
+        """max_bytes: the budget for the kept prefixes' caches (None: no limit)."""
+        self.decoder = decoder
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[int, Sequence] = OrderedDict()  # least recently used first
+        self._next_id = 0
+        self.bytes = 0
+
+    def save(self, seq: Sequence) -> bool:
+        """Keep seq's reusable prefix (called before the slot's caches are overwritten); True if it was kept."""
+        tokens = seq.tokens
+        if len(tokens) - 1 < MIN_ROWS:
+            return False
+        for key, entry in self.entries.items():
+            if shared_prefix(entry.tokens, tokens) >= len(tokens) - 1:  # already held (or more of it)
+                self.entries.move_to_end(key)
+                return False
+        snap = self.decoder.snapshot(seq)
+        if snap is None or snap.draft_len < MIN_ROWS:
+            return False
+        size = _nbytes(snap)
+        if self.max_bytes is not None and size > self.max_bytes:
+            return False
+        for key in [k for k, e in self.entries.items() if shared_prefix(e.tokens, snap.tokens) >= len(e.tokens) - 1]:
+            self._drop(key)  # held by the new entry as well
+        while self.max_bytes is not None and self.bytes + size > self.max_bytes:
+            self._drop(next(iter(self.entries)))
+        self.entries[self._next_id] = snap
+        self._next_id += 1
+        self.bytes += size
+        return True
+
+    def restore(self, seq: Sequence, prompt: list[int], have: int) -> int:
+        """Copy the kept prefix sharing the most with `prompt` into seq's caches if it holds more than `have`
+        reusable rows; returns the rows restored (0 when none was better)."""
+        best_key, best_rows = None, have
+        for key, entry in self.entries.items():
+            rows = self.decoder.reusable_rows(entry, prompt)
+            if rows > best_rows:
+                best_key, best_rows = key, rows
+        if best_key is None:
+            return 0
+        self.decoder.copy_prefix(seq, self.entries[best_key], best_rows)
+        self.entries.move_to_end(best_key)
+        return best_rows
+
+    def _drop(self, key: int) -> None:
+        self.bytes -= _nbytes(self.entries.pop(key))

@@ -1,0 +1,131 @@
+"""The host prompt cache (--cache-ram): a slot's prefix saved before another prompt overwrites it comes back for a
+prompt that shares it, with the output of a cold run; the byte budget evicts least recently used entries; the
+server uses it with one slot and two conversations, and -cram 0 turns it off."""
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+
+from flashdraft.config import SamplingParams
+from flashdraft.demo import DEMO_DIR
+from flashdraft.engine.generator import Engine
+from flashdraft.engine.prompt_cache import PromptCache
+from flashdraft.server.cli import build_parser, settings_from_args
+from test_gemma4_tiny import build_gemma4_target
+from test_server_hardening import AUTH, LiveServer
+
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+def run(engine, prompt, sequence, reuse=True, draft=None):
+    *_, result = engine.stream(prompt, GREEDY, draft=draft, sequence=sequence, reuse_prefix=reuse)
+    return result
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return Engine.load(DEMO_DIR / "target", DEMO_DIR / "drafter", device="cpu", context_size=1024)
+
+
+def ask(engine, text):
+    return engine.encode_prompt(messages=[{"role": "user", "content": text}])
+
+
+def test_an_evicted_conversation_comes_back_from_host_memory(demo):
+    cache = PromptCache(demo.decoder, None)
+    slot = demo.new_sequence()
+    a = ask(demo, "Write a function that parses a CSV line.")
+    first = run(demo, a, slot, draft=demo.max_draft)
+    assert cache.save(slot) and len(cache.entries) == 1 and cache.bytes > 0
+    run(demo, ask(demo, "Write a class for a bounded queue."), slot, draft=demo.max_draft)  # overwrites the slot
+    follow = a + first.tokens + demo.tokenizer.encode(" Now add type hints.", add_special_tokens=False)
+    have = demo.decoder.reusable_rows(slot, follow)
+    restored = cache.restore(slot, follow, have)
+    assert restored == len(a) + len(first.tokens) - 1 > have
+    warm = run(demo, follow, slot, draft=demo.max_draft)
+    cold = run(demo, follow, demo.new_sequence(), reuse=False, draft=demo.max_draft)
+    assert warm.stats.cache_n == restored and warm.tokens == cold.tokens
+    assert warm.stats.draft_n_accepted == cold.stats.draft_n_accepted  # the drafter's context came back too
+    assert cache.restore(slot, follow, restored) == 0  # nothing better than what the slot holds now
+
+
+def test_the_budget_evicts_the_least_recently_used(demo):
+    slot = demo.new_sequence()
+    prompts = [ask(demo, f"Write a function number {i} that sorts a list of records by a key.") for i in range(3)]
+    run(demo, prompts[0], slot, draft=0)
+    one = demo.decoder.snapshot(slot)
+    size = one.target_cache.nbytes() + one.draft_cache.nbytes()
+    cache = PromptCache(demo.decoder, int(2.5 * size))
+    kept = []
+    for p in prompts:
+        run(demo, p, slot, draft=0)
+        kept.append(list(slot.tokens))
+        assert cache.save(slot)
+    assert len(cache.entries) == 2 and cache.bytes <= cache.max_bytes
+    held = [e.tokens for e in cache.entries.values()]
+    assert all(kept[0][:len(h)] != h for h in held) and any(kept[2][:len(h)] == h for h in held)  # oldest out
+    assert not cache.save(slot)  # already held: not kept twice
+    assert PromptCache(demo.decoder, 10).save(slot) is False  # larger than the whole budget
+
+
+def test_a_longer_run_of_a_conversation_replaces_its_entry(demo):
+    slot, cache = demo.new_sequence(), PromptCache(demo.decoder, None)
+    a = ask(demo, "Write a function that reverses the words of a sentence.")
+    run(demo, a, slot, draft=0)
+    assert cache.save(slot)
+    run(demo, list(slot.tokens) + [5, 6, 7], slot, draft=0)
+    assert cache.save(slot) and len(cache.entries) == 1
+    assert len(next(iter(cache.entries.values())).tokens) == len(slot.tokens)
+
+
+def test_gemma4_rings_survive_the_round_trip(tmp_path):
+    folder, _ = build_gemma4_target(tmp_path / "g", window=8)
+    engine = Engine.load(folder, None, device="cpu", context_size=256)
+    rng = random.Random(1)
+    vocab = engine.decoder.target.config.vocab_size
+    a = [rng.randrange(3, vocab) for _ in range(30)]
+    slot, cache = engine.new_sequence(), PromptCache(engine.decoder, None)
+    first = run(engine, a, slot, draft=0)
+    assert cache.save(slot)
+    run(engine, [rng.randrange(3, vocab) for _ in range(20)], slot, draft=0)
+    follow = a + first.tokens + [7, 8]
+    assert cache.restore(slot, follow, engine.decoder.reusable_rows(slot, follow)) == len(a) + len(first.tokens) - 1
+    assert run(engine, follow, slot, draft=0).tokens == run(engine, follow, engine.new_sequence(), False, 0).tokens
+
+
+def chat(server, messages, **extra) -> dict:
+    body = {"messages": messages, "max_tokens": 12, "temperature": 0, **extra}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize("cache_ram", [8192, 0])
+def test_one_slot_two_conversations(cache_ram):
+    srv = LiveServer(DEMO_DIR / "target", DEMO_DIR / "drafter", ctx_size=1024, n_predict=12, n_slots=1,
+                     cache_ram_mib=cache_ram)
+    try:
+        a = [{"role": "user", "content": "Write a function that parses a CSV line."}]
+        b = [{"role": "user", "content": "Write a class for a bounded queue with a maximum size."}]
+        reply = chat(srv, a)["choices"][0]["message"]["content"]
+        chat(srv, b)
+        a2 = a + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Now add type hints."}]
+        warm, cold = chat(srv, a2), chat(srv, a2, cache_prompt=False)
+        assert warm["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
+        first_prompt = len(srv.state.engine.encode_prompt(messages=a))
+        if cache_ram:
+            assert warm["timings"]["cache_n"] >= first_prompt  # conversation a's turn came back from host memory
+        else:
+            assert warm["timings"]["cache_n"] < first_prompt  # only what b's prompt shares with it
+    finally:
+        srv.stop()
+
+
+def test_cache_ram_flag():
+    args = build_parser().parse_args(["-cram", "512"])
+    assert settings_from_args(args).cache_ram_mib == 512 and not getattr(args, "no_effect", [])
+    assert settings_from_args(build_parser().parse_args([])).cache_ram_mib == 8192  # llama-server's default
+    with pytest.raises(ValueError, match="--cache-ram must be -1"):
+        settings_from_args(build_parser().parse_args(["--cache-ram", "-2"]))

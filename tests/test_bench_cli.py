@@ -105,11 +105,27 @@ def test_table_goes_to_stdout_without_json(capsys, qwen3_dir, drafter_dir, promp
     (["--draft-n", "3", "--no-adaptive"], "pass one of them"),
     (["--url", "http://127.0.0.1:1", "--no-adaptive"], "--no-adaptive apply to in-process runs"),
     (["--plot", "/nonexistent/dir/x.png"], "--plot: folder"),
+    (["--context", "-5"], "--context must be >= 0"),
+    (["--url", "http://127.0.0.1:1", "--context", "100"], "--context apply to in-process runs"),
 ])
 def test_bad_arguments_are_clean_errors(capsys, argv, message):
     assert main(argv) == 1
     last = capsys.readouterr().err.splitlines()[-1]
     assert last.startswith("flashdraft bench: error: ") and message in last
+
+
+def test_context_runs_the_prompts_at_depth(capsys, qwen3_dir, drafter_dir, prompt_file):
+    """--context N puts N tokens of the package's own source before every prompt: each row's prompt is N tokens
+    longer than without, greedy DFlash still equals plain decoding, and the config records N."""
+    argv = ["-m", str(qwen3_dir), "-md", str(drafter_dir), "-c", "512", "--device", "cpu", "-n", "4", "--reps", "1",
+            "--prompts", str(prompt_file)]
+    plain, _ = bench_json(capsys, argv)
+    deep, _ = bench_json(capsys, argv + ["--context", "300"])
+    assert deep["config"]["context"] == 300 and plain["config"]["context"] == 0
+    assert [r["prompt_tokens"] - 300 for r in deep["prompts"][:2]] == [r["prompt_tokens"] for r in plain["prompts"][:2]]
+    assert all(r["identical"] for r in deep["prompts"])
+    assert main(argv + ["--context", "600"]) == 1  # past -c 512: the error names the prompt and the context
+    assert "512" in capsys.readouterr().err
 
 
 def test_no_adaptive_drafts_the_full_block_every_step(capsys, qwen3_dir, drafter_dir, prompt_file):

@@ -20,6 +20,15 @@ def test_synthetic_report_cpu():
     assert rows[8]["tau"] > rows[2]["tau"]
 
 
+def test_synthetic_at_depth_counts_the_cache_in_its_roofline():
+    shallow = run("tiny", device="cpu", tokens=16, taus=(4,), log=lambda s: None)
+    deep = run("tiny", device="cpu", tokens=16, taus=(4,), log=lambda s: None, context=400)
+    assert shallow.context == 32 and deep.context == 400
+    assert deep.kv_gb > 10 * shallow.kv_gb > 0
+    assert deep.baseline_roofline_tok_s < shallow.baseline_roofline_tok_s
+    assert deep.dflash[0]["identical"]
+
+
 def test_synthetic_target_has_large_margins():
     """The random target's greedy next token is a fixed permutation of the current one, with big margins."""
     target, _ = build_synthetic("tiny", torch.device("cpu"), torch.float32, 64)

@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no adaptive draft control: DFlash drafts the full block on every step (in-process)")
     p.add_argument("--prompts", default="code", metavar="code|prose|multiturn|agent|FILE",
                    help="built-in prompt set or a JSONL file of {name, prompt|messages|turns} (default: code)")
+    p.add_argument("--context", type=int, default=0, metavar="N",
+                   help="precede every prompt with N tokens of Python source: the same prompts at a depth of N "
+                        "tokens of context (in-process and --synthetic; default 0)")
     p.add_argument("--reps", type=int, default=DEFAULT_REPS,
                    help=f"timed repetitions per prompt and way, after one untimed warm-up (default {DEFAULT_REPS})")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout (table goes to stderr)")
@@ -60,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.synthetic is not None:
+        if args.context < 0:
+            print(f"{PROG}: error: --context must be >= 0, got {args.context}", file=sys.stderr)
+            return 1
         cache_flags = [dest for dest, value in cache_types_from_args(args).items() if value is not None]
         if cache_flags:
             print(f"{PROG}: error: --synthetic does not take KV cache types yet ({', '.join(cache_flags)})",
@@ -97,11 +103,14 @@ def main(argv: list[str] | None = None) -> int:
 def check_args(args) -> None:
     if args.reps < 1:
         raise ValueError(f"--reps must be >= 1, got {args.reps}")
+    if args.context < 0:
+        raise ValueError(f"--context must be >= 0, got {args.context}")
     if args.baseline_url and not args.url:
         raise ValueError("--baseline-url needs --url (the server with DFlash)")
     if args.url:
         local = [flag for flag, value in (("-m", args.model), ("-md", args.drafter), ("-c", args.ctx_size),
-                                          ("--device", args.device), ("-t", args.threads)) if value is not None]
+                                          ("--device", args.device), ("-t", args.threads),
+                                          ("--context", args.context or None)) if value is not None]
         if args.spec_type != "dflash":
             local.append("--spec-type")
         if args.no_adaptive:
@@ -127,7 +136,7 @@ def make_backend(args, params):
     from flashdraft.bench.runner import BenchError, InProcessBackend, ServerBackend
     config = {"prompt_set": args.prompts, "n_predict": params.max_tokens, "temperature": params.temperature,
               "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p, "seed": params.seed,
-              "reps": args.reps, "warmup": 1,
+              "reps": args.reps, "warmup": 1, "context": args.context,
               "draft": args.draft_n if args.draft_n is not None else "full" if args.no_adaptive else "default"}
     if args.url:
         backend = ServerBackend(args.url, args.baseline_url, params, args.draft_n, args.timeout)
@@ -152,7 +161,7 @@ def make_backend(args, params):
     device = str(engine.decoder.device)
     policy = args.draft_n if args.draft_n is not None else engine.make_policy()
     draft_cost = getattr(policy, "cost", None)
-    return InProcessBackend(engine, params, policy), {
+    return InProcessBackend(engine, params, policy, args.context), {
         "mode": "in-process", "spec_type": args.spec_type, "model": engine.name, "model_path": str(model),
         "drafter_path": str(drafter),
         "device": device, "context_size": engine.context_size, "block_size": engine.decoder.block_size,

@@ -13,6 +13,7 @@ import socket
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Callable, Protocol
 
 from flashdraft.bench.prompts import BenchPrompt
@@ -50,12 +51,17 @@ class InProcessBackend:
     the policy's state at the prompt's start (start_prompt), so the repetitions make the same draft decisions
     (greedy: the same steps) and their spread is the machine's noise; the next prompt goes on from where the last
     repetition left it.
+
+    context > 0 (`--context N`): every prompt is preceded by N tokens of Python source (this package's own
+    files, after the BOS token where the model has one), so the same prompts run at a depth of N tokens of
+    context, as llama-bench's -d does with its filler.
     """
 
-    def __init__(self, engine, params: SamplingParams, draft=None):
+    def __init__(self, engine, params: SamplingParams, draft=None, context: int = 0):
         self.engine, self.params = engine, params
         self.dflash_draft = engine.make_policy() if draft is None else draft
         self._prompt_start = None  # a copy of the policy as the current prompt found it
+        self.context_ids = context_filler(engine.tokenizer, context) if context else []
 
     def start_prompt(self) -> None:
         self._prompt_start = None if isinstance(self.dflash_draft, int) else copy.deepcopy(self.dflash_draft)
@@ -73,6 +79,10 @@ class InProcessBackend:
         try:
             ids = (self.engine.encode_prompt(messages=case.messages) if case.messages is not None
                    else self.engine.encode_prompt(case.prompt))
+            if self.context_ids:
+                bos = getattr(self.engine.tokenizer.hf, "bos_token_id", None)
+                head = 1 if ids and bos is not None and ids[0] == bos else 0
+                ids = ids[:head] + self.context_ids + ids[head:]
             result = self.engine.generate(ids, params, draft)
         except ValueError as e:
             raise BenchError(f"prompt {case.name!r}: {e}") from e
@@ -81,6 +91,18 @@ class InProcessBackend:
                            prompt_ms=s.prompt_ms, text=result.text, draft_n=s.draft_n,
                            draft_n_accepted=s.draft_n_accepted, steps=s.steps,
                            draft_lengths=dict(s.draft_lengths), tokens=list(result.tokens))
+
+
+def context_filler(tokenizer, tokens: int) -> list[int]:
+    """The first `tokens` tokens of this package's Python sources (sorted by path, repeated if too short)."""
+    if tokenizer is None:
+        raise BenchError("--context needs the model's tokenizer")
+    root = Path(__file__).resolve().parents[1]
+    text = "\n".join(path.read_text(encoding="utf-8") for path in sorted(root.rglob("*.py")))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise BenchError("--context: the filler text encodes to no tokens")
+    return (ids * (tokens // len(ids) + 1))[:tokens]
 
 
 def replace_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:

@@ -131,6 +131,8 @@ class SyntheticReport:
     drafter_gb: float
     lm_head_gb: float
     block_size: int
+    context: int = 0              # prompt tokens before decoding (--context; 32 without)
+    kv_gb: float = 0.0            # target KV cache read per step at that depth (in the rooflines)
     baseline_tok_s: float = 0.0
     baseline_gb_s: float = 0.0
     baseline_roofline_tok_s: float = 0.0
@@ -153,26 +155,28 @@ def decode_tok_s(result) -> float:
 
 
 def run(shape: str, device: str | None = None, tokens: int = 256, variants: tuple[str, ...] | None = None,
-        taus: tuple[int, ...] = TAUS, log=print) -> SyntheticReport:
+        taus: tuple[int, ...] = TAUS, log=print, context: int = 0) -> SyntheticReport:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if variants is None:
         variants = (("graphs+compiled", "graphs+compiled+triton+attn") if dev.type == "cuda"
                     else ("eager",))
-    prompt_len = 32
-    context = prompt_len + tokens + 64
-    target, drafter = build_synthetic(shape, dev, dtype, context)
+    prompt_len = max(32, context)
+    capacity = prompt_len + tokens + 64
+    target, drafter = build_synthetic(shape, dev, dtype, capacity)
     lm_head = weight_bytes(target.lm_head)
     report = SyntheticReport(
         shape=shape, device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", variant=variants[-1],
         bandwidth_gb_s=measure_bandwidth(dev) if dev.type == "cuda" else measure_bandwidth(dev, 256 << 20),
         matmul_tflop_s=measure_matmul(dev),
         target_gb=(weight_bytes(target, ("model.embed_tokens",))) / 1e9, drafter_gb=weight_bytes(drafter) / 1e9,
-        lm_head_gb=lm_head / 1e9, block_size=drafter.block_size)
+        lm_head_gb=lm_head / 1e9, block_size=drafter.block_size, context=prompt_len,
+        kv_gb=target.new_cache(1).bytes_per_token() * (prompt_len + tokens / 2) / 1e9)
     log(f"[{shape}] copy bandwidth {report.bandwidth_gb_s:.0f} GB/s, matmul {report.matmul_tflop_s:.0f} TFLOP/s; "
-        f"target {report.target_gb:.2f} GB read per step, drafter {report.drafter_gb:.2f} GB, LM head {report.lm_head_gb:.2f} GB")
-    report.baseline_roofline_tok_s = report.bandwidth_gb_s / report.target_gb
-    prompt = list(range(1, prompt_len + 1))
+        f"target {report.target_gb:.2f} GB read per step, drafter {report.drafter_gb:.2f} GB, LM head {report.lm_head_gb:.2f} GB"
+        f"; {prompt_len} prompt tokens, KV cache {report.kv_gb:.2f} GB read per step (mean over the decode)")
+    report.baseline_roofline_tok_s = report.bandwidth_gb_s / (report.target_gb + report.kv_gb)
+    prompt = [1 + i % (target.config.vocab_size - 1) for i in range(prompt_len)]
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     engine = None
     B = drafter.block_size
@@ -182,7 +186,7 @@ def run(shape: str, device: str | None = None, tokens: int = 256, variants: tupl
         # "attn" = attention of decode/verify/draft passes through layers.decode_attention instead of SDPA.
         # The engine's CUDA default is "graphs+compiled+triton+attn" (the last variant, whose DFlash table is run).
         graphs = "graphs" in variant
-        options = dict(context_size=context, cuda_graphs=graphs, compile="compiled" in variant,
+        options = dict(context_size=capacity, cuda_graphs=graphs, compile="compiled" in variant,
                        gemm="triton" if "triton" in variant else "cublas", attention="triton" if "attn" in variant else "sdpa")
         # The baseline is the target alone (plain decoding with nothing else loaded); DFlash runs the same target
         # with the drafter, each over its own graphs.
@@ -212,7 +216,7 @@ def run(shape: str, device: str | None = None, tokens: int = 256, variants: tupl
     report.draft_step_ms = step_ms(lambda: decoder._draft(seq, B - 1))
     log(f"  decode step {report.decode_step_ms:.3f} ms, verify step ({B} tokens) {report.verify_step_ms:.3f} ms, "
         f"draft step {report.draft_step_ms:.3f} ms")
-    step_bytes = (report.target_gb + report.drafter_gb + report.lm_head_gb)
+    step_bytes = (report.target_gb + report.drafter_gb + report.lm_head_gb + report.kv_gb)
     for tau in taus:
         accept = min(tau - 1, B - 1)
         oracle.replan(lambda s, k=accept: k)  # one oracle object: the graphs captured with it serve every pattern
@@ -238,7 +242,7 @@ def run(shape: str, device: str | None = None, tokens: int = 256, variants: tupl
 def main(args) -> int:
     try:
         report = run(args.synthetic, device=args.device, tokens=args.n_predict,
-                     log=(lambda s: print(s, file=sys.stderr)) if args.json else print)
+                     log=(lambda s: print(s, file=sys.stderr)) if args.json else print, context=args.context)
     except ValueError as e:
         print(f"flashdraft bench: error: {e}", file=sys.stderr)
         return 1

@@ -62,6 +62,7 @@ class GenerationStats:
     steps: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # steps whose guess at position p was accepted
     draft_lengths: dict[int, int] = field(default_factory=dict)     # draft length -> steps that used it
+    context_shifts: int = 0  # times a full context was shifted (stream's context_shift)
 
     def record_step(self, drafted: int, accepted: int) -> None:
         self.steps += 1
@@ -275,15 +276,20 @@ class Engine:
 
     def stream(self, prompt_ids: list[int], params: SamplingParams, draft: int | DraftPolicy | None = None,
                sequence: Sequence | None = None, n_min: int = 0, n_max: int | None = None,
-               reuse_prefix: bool = False) -> Iterator[Delta | GenerationResult]:
+               reuse_prefix: bool = False, context_shift: bool = False,
+               n_keep: int = 0) -> Iterator[Delta | GenerationResult]:
         """Yield Delta events as tokens are committed, then one GenerationResult.
 
         draft: None = the engine's default policy (kept across requests: default_policy), an int = that fixed
         length (0 = plain decoding), or a DraftPolicy. n_max caps the draft length of this request; a length
         below n_min drafts nothing (as llama-server's speculative.n_max / n_min). reuse_prefix: run only the
         part of the prompt past the longest prefix the sequence's caches already hold (llama-server's
-        cache_prompt; stats.cache_n says how many tokens were reused). Closing the iterator stops the generation
-        at once.
+        cache_prompt; stats.cache_n says how many tokens were reused). context_shift (llama-server's
+        --context-shift): when the context is full, keep the prompt's first n_keep tokens (-1: all of the prompt),
+        drop half of the tokens after them and go on (the kept tokens run again at their new positions), instead
+        of finishing with "length"; not with a grammar, whose state the shift would lose. The shift happens at
+        the same token count with and without drafting, so greedy DFlash still equals plain decoding. Closing
+        the iterator stops the generation at once.
         """
         grammar = self.check_sampling(params)
         self.check_prompt(prompt_ids)
@@ -318,7 +324,23 @@ class Engine:
                     delta.predicted_ms = 1000 * (time.perf_counter() - t1)
                     yield delta
                 if out.finished is None and len(sequence.tokens) >= self.context_size:
-                    out.finish("length", "limit")
+                    kept = (_shifted(sequence.tokens, len(prompt_ids) if n_keep < 0 else min(n_keep, len(prompt_ids)))
+                            if context_shift and grammar is None else None)
+                    if kept is None:
+                        out.finish("length", "limit")
+                    else:
+                        # steps queued past the full context are dropped; the kept tokens' next token comes
+                        # from their prefill, as it would from the next step
+                        unplan = getattr(policy, "unplan", None)
+                        if queued and self.drafts and unplan is not None:
+                            unplan(len(queued))
+                        queued.clear()
+                        log.info("context full (%d tokens): shifted to %d, generation goes on", self.context_size,
+                                 len(kept))
+                        stats.context_shifts += 1
+                        step = self.decoder.prefill(sequence, kept, params, seed, grammar, reuse=True)
+                        delta = out.add(step.committed, step.logprobs)
+                        continue
                 if out.finished is not None:
                     break
                 while len(queued) < depth:
@@ -350,6 +372,15 @@ class Engine:
         yield GenerationResult(text=out.text, tokens=list(out.tokens), finish_reason=finish_reason,
                                stop_type=stop_type, stopping_word=out.stopping_word, seed=seed, stats=stats,
                                logprobs=list(out.logprobs) if out.logprobs is not None else None)
+
+
+def _shifted(tokens: list[int], keep: int) -> list[int] | None:
+    """llama-server's context shift: the first `keep` tokens, then those after them less the older half; None
+    when there is nothing to drop."""
+    discard = (len(tokens) - keep) // 2
+    if discard < 1:
+        return None
+    return tokens[:keep] + tokens[keep + discard:]
 
 
 def _is_demo(model: str | Path) -> bool:

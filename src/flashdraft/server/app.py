@@ -77,7 +77,7 @@ class ServerState:
             prompt_cache = None
             if s.cache_ram_mib != 0:  # -1: no limit
                 prompt_cache = PromptCache(engine.decoder, None if s.cache_ram_mib < 0 else s.cache_ram_mib << 20)
-            scheduler = Scheduler(engine, s.n_slots, fixed_draft, self.metrics, prompt_cache)
+            scheduler = Scheduler(engine, s.n_slots, fixed_draft, self.metrics, prompt_cache, s.context_shift)
             scheduler.start()
             if self.templates is not None:
                 self.templates.warm()

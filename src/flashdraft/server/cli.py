@@ -37,7 +37,7 @@ NO_EFFECT_WITH_VALUE = [
     ("-tb", "--threads-batch"), ("-td", "--threads-draft"), ("--numa",), ("-sm", "--split-mode"),
     ("-ts", "--tensor-split"), ("-mg", "--main-gpu"), ("-ot", "--override-tensor"), ("-ncmoe", "--n-cpu-moe"),
     ("-devd", "--device-draft"), ("--cache-reuse",), ("-ctxcp", "--ctx-checkpoints"), ("-dt", "--defrag-thold"),
-    ("--keep",), ("-to", "--timeout"), ("--threads-http",), ("--path",), ("--prio",), ("--poll",),
+    ("-to", "--timeout"), ("--threads-http",), ("--path",), ("--prio",), ("--poll",),
     ("-C", "--cpu-mask"),
     ("--log-file",), ("-lv", "--verbosity", "--log-verbosity"), ("--sleep-idle-seconds",),
 ]
@@ -47,8 +47,8 @@ NO_EFFECT_BARE = [
     ("--log-timestamps",), ("--log-prefix",), ("--no-jinja",), ("-cb", "--cont-batching"),
     ("-nocb", "--no-cont-batching"), ("--no-warmup",), ("--swa-full",), ("-cmoe", "--cpu-moe"),
     ("--slots",), ("--no-slots",), ("--props",), ("-v", "--verbose"),
-    ("--log-disable",), ("-nkvo", "--no-kv-offload"), ("--no-op-offload",), ("--no-context-shift",),
-    ("--context-shift",), ("--no-perf",), ("--check-tensors",),
+    ("--log-disable",), ("-nkvo", "--no-kv-offload"), ("--no-op-offload",),
+    ("--no-perf",), ("--check-tensors",),
 ]
 SPEC_TYPES = ("dflash", "draft-dflash", "ngram", "ngram-simple", "none")
 NGRAM_TYPES = ("ngram", "ngram-simple")  # n-gram lookup in the text itself (llama.cpp's name is the second)
@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
     p.add_argument("-c", "--ctx-size", type=int, default=0, help="context size in tokens (0 = the model's, capped at 8192)")
     p.add_argument("-np", "--parallel", type=int, default=1, help="slots: requests generated at once (default 1)")
+    p.add_argument("--context-shift", dest="context_shift", action="store_true", default=False,
+                   help="when a generation fills the context, drop the older half of the tokens after the kept ones "
+                        "and go on (default off, as llama-server)")
+    p.add_argument("--no-context-shift", dest="context_shift", action="store_false")
+    p.add_argument("--keep", type=int, default=0, metavar="N",
+                   help="prompt tokens a context shift keeps (default 0, -1 all); requests may set n_keep")
     p.add_argument("-cram", "--cache-ram", type=int, default=8192, metavar="MiB",
                    help="host memory for the prompt prefixes slots evict, brought back when a prompt shares more "
                         "with one than with any slot (default 8192, 0 off, -1 no limit)")
@@ -146,6 +152,7 @@ def settings_from_args(args) -> ServerSettings:
               (args.spec_n_max is None or args.spec_n_max >= 0, f"--spec-draft-n-max must be >= 0, got {args.spec_n_max}"),
               (args.spec_n_min >= 0, f"--spec-draft-n-min must be >= 0, got {args.spec_n_min}"),
               (args.threads is None or args.threads >= 1, f"-t/--threads must be >= 1, got {args.threads}"),
+              (args.keep >= -1, f"--keep must be -1 (all of the prompt) or >= 0, got {args.keep}"),
               (args.cache_ram >= -1, f"-cram/--cache-ram must be -1 (no limit), 0 (off) or MiB, got {args.cache_ram}"),
               (args.device is None or DEVICE.match(args.device), f"--device must be cpu, cuda or cuda:N, got {args.device!r}"),
               (args.reasoning_budget in (-1, 0), f"--reasoning-budget must be -1 (unlimited) or 0 (no thinking): "
@@ -193,7 +200,7 @@ def settings_from_args(args) -> ServerSettings:
         metrics=args.metrics, webui=args.webui, chat_template=template, device=device, threads=args.threads,
         reasoning=args.reasoning, reasoning_format=args.reasoning_format, reasoning_budget=args.reasoning_budget,
         allow_request_template=args.allow_request_chat_template, cache_types=cache_types_from_args(args),
-        cache_ram_mib=args.cache_ram)
+        cache_ram_mib=args.cache_ram, context_shift=args.context_shift, keep=args.keep)
     return settings
 
 

@@ -70,6 +70,7 @@ class GenerationRequest:
     reasoning: Reasoning | None = None
     constraint_field: str = ""       # the field the constraint came from, for its errors
     cache_prompt: bool = True        # llama-server's: reuse the slot's cached prefix of the prompt
+    n_keep: int = 0                  # llama-server's: prompt tokens a context shift keeps (-1: all)
 
     def choice_params(self, index: int) -> SamplingParams:
         """Choice index's sampling: the request's, its seed (when given) moved on by the index."""
@@ -235,8 +236,8 @@ def _max_tokens(body: dict, keys: tuple[str, ...], settings: ServerSettings, con
         return context_size
     if value < 1:
         raise bad_field(key, f"must be >= 1, got {value}")
-    if value > context_size:
-        raise bad_field(key, f"is {value}, more than the context size {context_size}")
+    if value > context_size and not settings.context_shift:  # with a context shift, a reply may outgrow it
+        raise bad_field(key, f"is {value}, more than the context size {context_size} (no --context-shift)")
     return value
 
 
@@ -648,7 +649,8 @@ def parse_chat(body: dict, engine, settings: ServerSettings, templates=None,
     _compile(engine, params, constraint_field)
     return GenerationRequest(prompt.ids, params, n_max, n_min, stream, include_usage, model, prompt.text,
                              timings_per_token=per_token, n=n, tools=prompt.tools, reasoning=prompt.reasoning,
-                             constraint_field=constraint_field, cache_prompt=_bool(body, "cache_prompt", True))
+                             constraint_field=constraint_field, cache_prompt=_bool(body, "cache_prompt", True),
+                             n_keep=_int(body, "n_keep", settings.keep, minimum=-1))
 
 
 def parse_as_chat(translate, body: dict, *args) -> GenerationRequest:
@@ -704,7 +706,8 @@ def parse_completion(body: dict, engine, settings: ServerSettings, templates=Non
     _compile(engine, params, constraint_field)
     return GenerationRequest(ids, params, n_max, n_min, stream, include_usage, model, text,
                              timings_per_token=per_token, n=n, echo=echo, constraint_field=constraint_field,
-                             cache_prompt=_bool(body, "cache_prompt", True))
+                             cache_prompt=_bool(body, "cache_prompt", True),
+                             n_keep=_int(body, "n_keep", settings.keep, minimum=-1))
 
 
 def parse_native(body: dict, engine, settings: ServerSettings, templates=None,
@@ -720,4 +723,5 @@ def parse_native(body: dict, engine, settings: ServerSettings, templates=None,
     _compile(engine, params, constraint_field)
     return GenerationRequest(ids, params, n_max, n_min, stream, False, model, text, return_tokens=return_tokens,
                              timings_per_token=per_token, constraint_field=constraint_field,
-                             cache_prompt=_bool(body, "cache_prompt", True))
+                             cache_prompt=_bool(body, "cache_prompt", True),
+                             n_keep=_int(body, "n_keep", settings.keep, minimum=-1))

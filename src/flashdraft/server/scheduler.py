@@ -49,11 +49,14 @@ class Slot:
 
 
 class Scheduler:
-    def __init__(self, engine, n_slots: int, fixed_draft: int | None, metrics, prompt_cache: PromptCache | None = None):
+    def __init__(self, engine, n_slots: int, fixed_draft: int | None, metrics, prompt_cache: PromptCache | None = None,
+                 context_shift: bool = False):
         """fixed_draft: None = each slot gets the engine's default policy (engine.make_policy()); an int = that
         fixed draft length on every step (0 = plain decoding). prompt_cache: where slots leave the prefixes they
-        are about to lose (--cache-ram), None for none."""
+        are about to lose (--cache-ram), None for none. context_shift: a full context drops old tokens and goes on
+        (--context-shift) instead of ending the generation."""
         self.engine = engine
+        self.context_shift = context_shift
         self.metrics = metrics
         self.prompt_cache = prompt_cache
         self.slots = [Slot(i, engine.new_sequence(), engine.make_policy() if fixed_draft is None else fixed_draft)
@@ -185,7 +188,8 @@ class Scheduler:
             slot.last_used = self._started
         slot.iterator = self.engine.stream(r.prompt_ids, r.choice_params(choice), draft=slot.policy,
                                            sequence=slot.sequence, n_min=r.n_min, n_max=r.n_max,
-                                           reuse_prefix=r.cache_prompt)
+                                           reuse_prefix=r.cache_prompt, context_shift=self.context_shift,
+                                           n_keep=r.n_keep)
 
     def _release(self, slot: Slot) -> None:
         if slot.iterator is not None:

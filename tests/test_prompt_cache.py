@@ -129,3 +129,9 @@ def test_cache_ram_flag():
     assert settings_from_args(build_parser().parse_args([])).cache_ram_mib == 8192  # llama-server's default
     with pytest.raises(ValueError, match="--cache-ram must be -1"):
         settings_from_args(build_parser().parse_args(["--cache-ram", "-2"]))
+
+
+def test_cache_reuse_is_refused_unless_off():
+    assert settings_from_args(build_parser().parse_args(["--cache-reuse", "0"]))  # llama-server's default: off
+    with pytest.raises(ValueError, match="--cache-reuse 256: reusing cached chunks by KV shifting is not supported"):
+        settings_from_args(build_parser().parse_args(["--cache-reuse", "256"]))

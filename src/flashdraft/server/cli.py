@@ -36,7 +36,7 @@ NO_EFFECT_WITH_VALUE = [
     ("--spec-dm-profit-warmup",), ("--spec-dm-profit-baseline-interval",),
     ("-tb", "--threads-batch"), ("-td", "--threads-draft"), ("--numa",), ("-sm", "--split-mode"),
     ("-ts", "--tensor-split"), ("-mg", "--main-gpu"), ("-ot", "--override-tensor"), ("-ncmoe", "--n-cpu-moe"),
-    ("-devd", "--device-draft"), ("--cache-reuse",), ("-ctxcp", "--ctx-checkpoints"), ("-dt", "--defrag-thold"),
+    ("-devd", "--device-draft"), ("-ctxcp", "--ctx-checkpoints"), ("-dt", "--defrag-thold"),
     ("-to", "--timeout"), ("--threads-http",), ("--path",), ("--prio",), ("--poll",),
     ("-C", "--cpu-mask"),
     ("--log-file",), ("-lv", "--verbosity", "--log-verbosity"), ("--sleep-idle-seconds",),
@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-context-shift", dest="context_shift", action="store_false")
     p.add_argument("--keep", type=int, default=0, metavar="N",
                    help="prompt tokens a context shift keeps (default 0, -1 all); requests may set n_keep")
+    p.add_argument("--cache-reuse", type=int, default=0, metavar="N",
+                   help="llama-server's reuse of cached chunks by KV shifting: only 0 (off, its default) is "
+                        "supported; the prompt cache reuses exact prefixes (cache_prompt, --cache-ram)")
     p.add_argument("-cram", "--cache-ram", type=int, default=8192, metavar="MiB",
                    help="host memory for the prompt prefixes slots evict, brought back when a prompt shares more "
                         "with one than with any slot (default 8192, 0 off, -1 no limit)")
@@ -152,6 +155,9 @@ def settings_from_args(args) -> ServerSettings:
               (args.spec_n_max is None or args.spec_n_max >= 0, f"--spec-draft-n-max must be >= 0, got {args.spec_n_max}"),
               (args.spec_n_min >= 0, f"--spec-draft-n-min must be >= 0, got {args.spec_n_min}"),
               (args.threads is None or args.threads >= 1, f"-t/--threads must be >= 1, got {args.threads}"),
+              (args.cache_reuse == 0, f"--cache-reuse {args.cache_reuse}: reusing cached chunks by KV shifting is "
+                                      "not supported (only 0, off); the prompt cache reuses exact prefixes of the "
+                                      "prompt (cache_prompt, --cache-ram)"),
               (args.keep >= -1, f"--keep must be -1 (all of the prompt) or >= 0, got {args.keep}"),
               (args.cache_ram >= -1, f"-cram/--cache-ram must be -1 (no limit), 0 (off) or MiB, got {args.cache_ram}"),
               (args.device is None or DEVICE.match(args.device), f"--device must be cpu, cuda or cuda:N, got {args.device!r}"),

@@ -11,7 +11,7 @@ from flashdraft.bench.cli import main
 ROW_KEYS = {"name", "baseline_tok_s", "dflash_tok_s", "speedup", "tau", "acceptance_rate", "identical",
             "draft_n", "draft_n_accepted", "mean_draft_length", "draft_lengths", "prompt_tokens",
             "baseline_tokens", "dflash_tokens", "baseline_gen_s", "dflash_gen_s", "reps", "baseline_spread",
-            "dflash_spread", "noisy", "empty"}
+            "dflash_spread", "noisy", "empty", "baseline_ttft_ms", "dflash_ttft_ms", "cache_n"}
 SUMMARY_KEYS = (ROW_KEYS - {"name", "prompt_tokens", "empty"}
                 | {"prompts", "noisy_prompts", "excluded_prompts"})
 

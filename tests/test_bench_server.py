@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from flashdraft.bench.cli import main
 from flashdraft.bench.runner import WARMUP_TOKENS
@@ -17,8 +17,12 @@ from flashdraft.bench.runner import WARMUP_TOKENS
 N, ACCEPTED, PROPOSED = 9, 6, 14
 
 
+CACHED = 4  # prompt tokens the stub says its prompt cache served
+
+
 def stub_app(drafts=True, ignores_n_max=False, timings=True, fail=False):
-    """A server that answers like llama-server: text, usage and timings; DFlash is 4x as fast as the baseline."""
+    """A server that answers like llama-server: text, usage and timings (streamed: the text in two chunks after a
+    role chunk, the timings in the last); DFlash is 4x as fast as the baseline."""
     app = FastAPI()
     app.state.requests = []
 
@@ -30,9 +34,20 @@ def stub_app(drafts=True, ignores_n_max=False, timings=True, fail=False):
         n = body["max_tokens"]
         drafting = drafts and (ignores_n_max or body.get("speculative.n_max", 16) > 0)
         text = "reply to: " + (body["messages"][-1]["content"] if chat else body["prompt"])
-        t = {"prompt_n": 12, "prompt_ms": 3.0, "predicted_n": n, "predicted_ms": (25.0 if drafting else 100.0) * n}
+        t = {"prompt_n": 12, "prompt_ms": 3.0, "predicted_n": n, "predicted_ms": (25.0 if drafting else 100.0) * n,
+             "cache_n": CACHED}
         if drafting:
             t.update(draft_n=PROPOSED * n // N, draft_n_accepted=ACCEPTED * n // N)
+        if body.get("stream"):
+            def piece(text, last=False):
+                choice = {"delta": {"content": text}} if chat else {"text": text}
+                chunk = {"choices": [{"index": 0, "finish_reason": "length" if last else None, **choice}]}
+                return chunk | ({"timings": t} if last and timings else {})
+
+            chunks = ([{"choices": [{"index": 0, "delta": {"role": "assistant"}}]}] if chat else [])
+            chunks += [piece(text[:5]), piece(text[5:]), piece("", last=True)]
+            lines = [f"data: {json.dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
+            return StreamingResponse(iter(lines), media_type="text/event-stream")
         choice = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
         reply = {"choices": [{"index": 0, "finish_reason": "length", **choice}],
                  "usage": {"prompt_tokens": 12, "completion_tokens": n}}
@@ -97,6 +112,8 @@ def test_one_server_with_per_request_baseline(capsys, prompts):
         assert row["acceptance_rate"] == pytest.approx(ACCEPTED / PROPOSED)
         assert row["draft_lengths"] is None and row["identical"] is None  # sampling
         assert row["baseline_gen_s"] == pytest.approx(0.9) and row["dflash_gen_s"] == pytest.approx(0.225)
+        assert row["cache_n"] == CACHED and row["prompt_tokens"] == 12 + CACHED
+        assert 0 < row["dflash_ttft_ms"] < 10_000 and 0 < row["baseline_ttft_ms"] < 10_000  # measured here
     assert report["summary"]["speedup"] == pytest.approx(4.0) and report["summary"]["prompts"] == 3
     assert report["config"]["mode"] == "server" and report["config"]["url"] == url
 
@@ -105,7 +122,7 @@ def test_one_server_with_per_request_baseline(capsys, prompts):
     baseline = [b for _, b in requests if b.get("speculative.n_max") == 0]
     dflash = [b for _, b in requests if "speculative.n_max" not in b]
     assert len(baseline) == len(dflash) == 7
-    assert all(b["temperature"] == 0.5 and b["seed"] == 11 and b["stream"] is False for b in baseline + dflash)
+    assert all(b["temperature"] == 0.5 and b["seed"] == 11 and b["stream"] is True for b in baseline + dflash)
     assert requests[0][1]["max_tokens"] == min(WARMUP_TOKENS, N)  # the warm-up is short
     assert {path for path, b in requests if "prompt" in b} == {"/v1/completions"}
     # The second turn carries the first turn and the (baseline's) reply as the assistant turn.

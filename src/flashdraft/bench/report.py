@@ -4,10 +4,14 @@ Throughput is tokens over generation time summed across repetitions (a ratio of 
 weighs by its duration); generation time excludes prompt processing, as llama.cpp's predicted_ms does.
 tau is committed tokens per decoding step (accepted guesses + 1), acceptance rate is accepted / proposed.
 A prompt that generated no tokens (the model ended its reply at once) is flagged and left out of the summary;
-repetitions whose tok/s disagree by more than NOISE_LIMIT flag their row as noisy.
+repetitions whose tok/s disagree by more than NOISE_LIMIT flag their row as noisy. Time to first token (TTFT) is
+the median over repetitions: measured by the client on a streamed response from a server, the prompt's
+processing in process (its prefill produces the first token); cached tokens are those a server's prompt cache
+served (llama.cpp's cache_n; 0 in process, where every prompt runs cold).
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 # Repetitions of one prompt and way whose tok/s differ by more than this fraction (max / min - 1) make the row noisy.
@@ -28,6 +32,8 @@ class Measurement:
     steps: int | None = None                    # decoding steps; None when the source does not say (servers)
     draft_lengths: dict[int, int] | None = None  # draft length -> steps; None when the source does not say
     tokens: list[int] | None = None             # token ids; None when the source does not say (servers)
+    ttft_ms: float | None = None                # time to the first token (see the module docstring)
+    cache_n: int = 0                            # prompt tokens the server's prompt cache served
 
     @property
     def decode_steps(self) -> int:
@@ -84,6 +90,11 @@ def mean_draft_length(runs: list[Measurement]) -> float | None:
     return sum(r.draft_n for r in runs) / steps if steps else None
 
 
+def median_ttft(runs: list[Measurement]) -> float | None:
+    values = [r.ttft_ms for r in runs if r.ttft_ms is not None]
+    return statistics.median(values) if values else None
+
+
 def identical(baseline: list[Measurement], dflash: list[Measurement], greedy: bool) -> bool | None:
     """Greedy runs only: every repetition's output equal both ways (token ids when known, else text)."""
     if not greedy:
@@ -125,6 +136,8 @@ def figures(baseline: list[Measurement], dflash: list[Measurement]) -> dict:
         "draft_n_accepted": sum(r.draft_n_accepted for r in dflash),
         "mean_draft_length": mean_draft_length(dflash),
         "draft_lengths": None if lengths is None else {str(k): v for k, v in lengths.items()},
+        "baseline_ttft_ms": median_ttft(baseline),
+        "dflash_ttft_ms": median_ttft(dflash),
     }
 
 
@@ -135,7 +148,8 @@ def prompt_row(result: PromptResult, greedy: bool) -> dict:
         "name": result.name,
         **figures(result.baseline, result.dflash),
         "identical": identical(result.baseline, result.dflash, greedy),
-        "prompt_tokens": result.baseline[0].prompt_n,
+        "prompt_tokens": result.baseline[0].prompt_n + result.baseline[0].cache_n,
+        "cache_n": result.dflash[0].cache_n,
         "baseline_tokens": mean([r.predicted_n for r in result.baseline]),
         "dflash_tokens": mean([r.predicted_n for r in result.dflash]),
         "baseline_gen_s": mean([r.predicted_ms for r in result.baseline]) / 1000.0,
@@ -171,6 +185,7 @@ def summary(results: list[PromptResult], greedy: bool) -> dict:
         "baseline_spread": base_spread,
         "dflash_spread": dflash_spread,
         "noisy": noisy(base_spread, dflash_spread),
+        "cache_n": sum(row["cache_n"] for row in kept_rows),
         "noisy_prompts": [row["name"] for row in kept_rows if row["noisy"]],
         "excluded_prompts": [row["name"] for row in rows if row["empty"]],
     }
@@ -192,6 +207,8 @@ COLUMNS = [  # header, width, key, format
     ("speedup", 7, "speedup", "{:.2f}x"),
     ("base s", 7, "baseline_gen_s", "{:.2f}"),
     ("dflash s", 8, "dflash_gen_s", "{:.2f}"),
+    ("ttft ms", 7, "dflash_ttft_ms", "{:.0f}"),
+    ("cached", 6, "cache_n", "{}"),
     ("tau", 5, "tau", "{:.2f}"),
     ("accept", 6, "acceptance_rate", "{:.1%}"),
     ("same", 4, "identical", None),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import socket
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, replace
@@ -90,7 +91,8 @@ class InProcessBackend:
         return Measurement(predicted_n=s.predicted_n, predicted_ms=s.predicted_ms, prompt_n=s.prompt_n,
                            prompt_ms=s.prompt_ms, text=result.text, draft_n=s.draft_n,
                            draft_n_accepted=s.draft_n_accepted, steps=s.steps,
-                           draft_lengths=dict(s.draft_lengths), tokens=list(result.tokens))
+                           draft_lengths=dict(s.draft_lengths), tokens=list(result.tokens), ttft_ms=s.prompt_ms,
+                           cache_n=s.cache_n)
 
 
 def context_filler(tokenizer, tokens: int) -> list[int]:
@@ -110,11 +112,12 @@ def replace_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParam
 
 
 class ServerBackend:
-    """OpenAI-style HTTP: chat messages to /v1/chat/completions, raw prompts to /v1/completions (non-stream).
+    """OpenAI-style HTTP: chat messages to /v1/chat/completions, raw prompts to /v1/completions, streamed.
 
     The baseline goes to baseline_url if given, else to the same server with "speculative.n_max": 0 (the
-    per-request override of llama-server forks and `flashdraft serve`). Numbers come from the responses'
-    llama.cpp `timings` object; servers return no token ids, so `identical` compares text.
+    per-request override of llama-server forks and `flashdraft serve`). Numbers come from llama.cpp's `timings`
+    object, which the last chunk of a stream carries, and the time to the first chunk with text, measured here;
+    servers return no token ids, so `identical` compares text.
     """
 
     def __init__(self, url: str, baseline_url: str | None, params: SamplingParams, draft_n: int | None = None,
@@ -125,7 +128,7 @@ class ServerBackend:
 
     def request_body(self, case: Case, dflash: bool, max_tokens: int) -> dict:
         p = self.params
-        body = {"model": "bench", "stream": False, "max_tokens": max_tokens, "temperature": p.temperature,
+        body = {"model": "bench", "stream": True, "max_tokens": max_tokens, "temperature": p.temperature,
                 "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p, "seed": p.seed}
         if case.messages is not None:
             body["messages"] = case.messages
@@ -142,8 +145,9 @@ class ServerBackend:
         base = self.url if dflash or self.baseline_url is None else self.baseline_url
         endpoint = "/v1/chat/completions" if case.messages is not None else "/v1/completions"
         n = self.params.max_tokens if max_tokens is None else min(max_tokens, self.params.max_tokens)
-        response = post_json(base + endpoint, self.request_body(case, dflash, n), self.timeout)
-        m = parse_response(response, base + endpoint, chat=case.messages is not None)
+        chat = case.messages is not None
+        chunks, ttft = post_stream(base + endpoint, self.request_body(case, dflash, n), self.timeout, chat)
+        m = parse_stream(chunks, base + endpoint, chat, ttft)
         if not dflash and m.draft_n > 0:
             raise BenchError(f"the baseline request to {base} drafted {m.draft_n} tokens: that server ignores "
                              "\"speculative.n_max\": 0; pass --baseline-url of a server started without a drafter")
@@ -158,22 +162,48 @@ def normalize_url(url: str) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
-def post_json(url: str, body: dict, timeout: float) -> dict:
+def post_stream(url: str, body: dict, timeout: float, chat: bool) -> tuple[list[dict], float | None]:
+    """The chunks of a streamed response (server-sent events) and the milliseconds from sending the request to
+    the first chunk with text (None when none had any)."""
     request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json"})
+    chunks, ttft = [], None
+    start = time.perf_counter()
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            raw = response.read()
+            for raw in response:
+                line = raw.decode("utf-8", errors="replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    break
+                try:
+                    chunk = json.loads(data)
+                except json.JSONDecodeError as e:
+                    raise BenchError(f"{url} streamed a chunk that is not JSON: {data[:200]!r}") from e
+                if isinstance(chunk, dict) and "error" in chunk:
+                    raise BenchError(f"{url} streamed an error: {error_message(data.encode())}")
+                chunks.append(chunk)
+                if ttft is None and chunk_text(chunk, chat):
+                    ttft = 1000 * (time.perf_counter() - start)
     except urllib.error.HTTPError as e:
         raise BenchError(f"{url} answered HTTP {e.code}: {error_message(e.read())}") from e
     except (urllib.error.URLError, ConnectionError) as e:
         raise BenchError(f"cannot reach {url}: {getattr(e, 'reason', e)}") from e
     except (TimeoutError, socket.timeout) as e:
         raise BenchError(f"{url} did not answer within {timeout:g} s (--timeout)") from e
+    return chunks, ttft
+
+
+def chunk_text(chunk: dict, chat: bool) -> str:
+    """A stream chunk's text (chat: the delta's content; completions: the choice's text)."""
     try:
-        return json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise BenchError(f"{url} did not answer with JSON: {raw[:200]!r}") from e
+        choice = chunk["choices"][0]
+        text = choice["delta"].get("content") if chat else choice.get("text")
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return ""
+    return text if isinstance(text, str) else ""
 
 
 def error_message(raw: bytes) -> str:
@@ -185,20 +215,21 @@ def error_message(raw: bytes) -> str:
         return raw[:300].decode(errors="replace")
 
 
-def parse_response(response: dict, url: str, chat: bool) -> Measurement:
-    timings = response.get("timings") if isinstance(response, dict) else None
+def parse_stream(chunks: list[dict], url: str, chat: bool, ttft_ms: float | None) -> Measurement:
+    """A Measurement from a stream's chunks: the text they carry and the last chunk's timings."""
+    timings = next((c["timings"] for c in reversed(chunks) if isinstance(c, dict) and "timings" in c), None)
     if not isinstance(timings, dict):
-        raise BenchError(f"{url}: the response has no 'timings' object; bench needs a server that reports "
+        raise BenchError(f"{url}: the stream has no 'timings' object; bench needs a server that reports "
                          "llama.cpp timings (flashdraft serve, llama-server)")
     try:
-        choice = response["choices"][0]
-        text = choice["message"]["content"] if chat else choice["text"]
         return Measurement(predicted_n=int(timings["predicted_n"]), predicted_ms=float(timings["predicted_ms"]),
                            prompt_n=int(timings["prompt_n"]), prompt_ms=float(timings["prompt_ms"]),
-                           text=text or "", draft_n=int(timings.get("draft_n", 0)),
-                           draft_n_accepted=int(timings.get("draft_n_accepted", 0)))
-    except (KeyError, IndexError, TypeError, ValueError) as e:
-        raise BenchError(f"{url}: unexpected response shape ({type(e).__name__}: {e})") from e
+                           text="".join(chunk_text(c, chat) for c in chunks),
+                           draft_n=int(timings.get("draft_n", 0)),
+                           draft_n_accepted=int(timings.get("draft_n_accepted", 0)), ttft_ms=ttft_ms,
+                           cache_n=int(timings.get("cache_n", 0)))
+    except (KeyError, TypeError, ValueError) as e:
+        raise BenchError(f"{url}: unexpected timings ({type(e).__name__}: {e})") from e
 
 
 def run_bench(backend: Backend, prompts: list[BenchPrompt], reps: int,

@@ -162,3 +162,31 @@ def test_unreachable_server(capsys):
         port = s.getsockname()[1]  # free once closed: nothing listens there
     assert main(["--url", f"http://127.0.0.1:{port}", "-n", "4"]) == 1
     assert f"cannot reach http://127.0.0.1:{port}/v1/chat/completions" in capsys.readouterr().err
+
+
+def test_concurrent_streams(capsys, prompts):
+    app = stub_app()
+    with serving(app) as url:
+        code = main(["--url", url, "--prompts", prompts, "--concurrency", "3", "--reps", "2", "-n", str(N), "--json"])
+        out, err = capsys.readouterr()
+    assert code == 0, err
+    report = json.loads(out)
+    c = report["concurrency"]
+    assert c["streams"] == 3 and report["config"]["concurrency"] == 3
+    for way, rate in (("baseline", 10.0), ("dflash", 40.0)):
+        w = c[way]
+        assert w["requests"] == 3 * 2 * 2 and w["tokens"] == w["requests"] * N  # 3 streams x 2 reps x 2 prompts
+        assert w["per_stream_tok_s"] == pytest.approx(rate)  # each request's own rate, as the server says
+        assert w["total_tok_s"] == pytest.approx(w["tokens"] / w["wall_s"]) and w["ttft_ms"] > 0
+    assert c["dflash"]["draft_n_accepted"] == 12 * ACCEPTED and c["speedup"] > 0
+    assert len(app.state.requests) == 2 + 2 * 12  # the warm-up, then both ways
+    assert "per stream" in err and "DFlash / baseline" in err  # the table went to stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--concurrency", "4"], "--concurrency needs --url"),
+    (["--concurrency", "0"], "--concurrency must be >= 1"),
+])
+def test_concurrency_errors(capsys, argv, message):
+    assert main(argv) == 1
+    assert message in capsys.readouterr().err

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=0, metavar="N",
                    help="precede every prompt with N tokens of Python source: the same prompts at a depth of N "
                         "tokens of context (in-process and --synthetic; default 0)")
+    p.add_argument("--concurrency", type=int, default=1, metavar="N",
+                   help="with --url: N client streams at once, each way in turn; total and per-stream tok/s "
+                        "(default 1: the per-prompt table)")
     p.add_argument("--reps", type=int, default=DEFAULT_REPS,
                    help=f"timed repetitions per prompt and way, after one untimed warm-up (default {DEFAULT_REPS})")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout (table goes to stderr)")
@@ -85,7 +88,10 @@ def main(argv: list[str] | None = None) -> int:
             from flashdraft.engine.sampling import resolve_seed
             params.seed = resolve_seed(params)
         backend, config = make_backend(args, params)
-        report = run(backend, prompts, args, config, greedy=params.greedy)
+        if args.concurrency > 1:
+            report = run_concurrently(backend, prompts, args, config)
+        else:
+            report = run(backend, prompts, args, config, greedy=params.greedy)
         if args.plot:
             from flashdraft.bench.plot import write_plot
             print(f"{PROG}: wrote {write_plot(report, args.plot)}", file=sys.stderr)
@@ -105,6 +111,12 @@ def check_args(args) -> None:
         raise ValueError(f"--reps must be >= 1, got {args.reps}")
     if args.context < 0:
         raise ValueError(f"--context must be >= 0, got {args.context}")
+    if args.concurrency < 1:
+        raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if args.concurrency > 1 and not args.url:
+        raise ValueError("--concurrency needs --url: concurrent streams go to a server's slots (flashdraft serve -np N)")
+    if args.concurrency > 1 and args.plot:
+        raise ValueError("--plot draws the per-prompt table, which --concurrency does not make")
     if args.baseline_url and not args.url:
         raise ValueError("--baseline-url needs --url (the server with DFlash)")
     if args.url:
@@ -189,6 +201,25 @@ def run(backend, prompts, args, config: dict, greedy: bool) -> dict:
     for note in summary_notes(report["summary"]):
         print(note, file=table)
     return report
+
+
+def run_concurrently(backend, prompts, args, config: dict) -> dict:
+    from flashdraft.bench.runner import run_concurrent
+    table = sys.stderr if args.json else sys.stdout
+    total = 2 + 2 * args.concurrency * args.reps * len(prompts)
+    with tqdm(total=total, desc="bench", unit="gen", file=sys.stderr, disable=None, leave=False) as bar:
+        result = run_concurrent(backend, prompts, args.concurrency, args.reps, on_generation=bar.update)
+    print(f"{'way':10s}{'streams':>8s}{'requests':>10s}{'tokens':>8s}{'wall s':>8s}{'total tok/s':>13s}"
+          f"{'per stream':>12s}{'ttft ms':>9s}", file=table)
+    for way in ("baseline", "dflash"):
+        w = result[way]
+        per_stream = "-" if w["per_stream_tok_s"] is None else f"{w['per_stream_tok_s']:.1f}"
+        ttft = "-" if w["ttft_ms"] is None else f"{w['ttft_ms']:.0f}"
+        print(f"{way:10s}{result['streams']:>8d}{w['requests']:>10d}{w['tokens']:>8d}{w['wall_s']:>8.2f}"
+              f"{w['total_tok_s']:>13.1f}{per_stream:>12s}{ttft:>9s}", file=table)
+    if result["speedup"] is not None:
+        print(f"DFlash / baseline, total tok/s: {result['speedup']:.2f}x", file=table)
+    return {"concurrency": result, "config": {**config, "concurrency": args.concurrency}}
 
 
 def run_synthetic(args) -> int:

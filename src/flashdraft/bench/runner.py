@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import socket
+import statistics
 import time
 import urllib.error
 import urllib.request
@@ -246,6 +247,43 @@ def run_bench(backend: Backend, prompts: list[BenchPrompt], reps: int,
             results.append(result)
             on_result(result)
     return results
+
+
+def run_concurrent(backend: Backend, prompts: list[BenchPrompt], streams: int, reps: int,
+                   on_generation: Callable[[], None] = lambda: None) -> dict:
+    """Concurrent streams against a server, each way in turn (baseline, then DFlash): `streams` client threads
+    at once, each sending every prompt's first case (a conversation's first turn) `reps` times, thread i
+    starting at prompt i so that the server's slots hold different prompts. Per way: the wall time of the
+    phase, tokens over it (total tok/s), each request's own generation rate as the server reports it
+    (per-stream tok/s, the mean over requests) and the median time to first token."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = [first_case(p) for p in prompts]
+    for dflash in (False, True):
+        backend.generate(cases[0], dflash, max_tokens=WARMUP_TOKENS, warmup=True)
+        on_generation()
+    ways = {}
+    for name, dflash in (("baseline", False), ("dflash", True)):
+        def stream(i: int, dflash=dflash) -> list[Measurement]:
+            runs = []
+            for k in range(reps * len(cases)):
+                runs.append(backend.generate(cases[(i + k) % len(cases)], dflash))
+                on_generation()
+            return runs
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(streams) as pool:
+            runs = [m for ms in pool.map(stream, range(streams)) for m in ms]
+        wall = time.perf_counter() - start
+        tokens = sum(m.predicted_n for m in runs)
+        rates = [1000.0 * m.predicted_n / m.predicted_ms for m in runs if m.predicted_ms > 0]
+        ttfts = [m.ttft_ms for m in runs if m.ttft_ms is not None]
+        ways[name] = {"requests": len(runs), "tokens": tokens, "wall_s": wall, "total_tok_s": tokens / wall,
+                      "per_stream_tok_s": sum(rates) / len(rates) if rates else None,
+                      "ttft_ms": statistics.median(ttfts) if ttfts else None,
+                      "draft_n": sum(m.draft_n for m in runs), "draft_n_accepted": sum(m.draft_n_accepted for m in runs)}
+    base, fast = ways["baseline"]["total_tok_s"], ways["dflash"]["total_tok_s"]
+    return {"streams": streams, **ways, "speedup": fast / base if base > 0 else None}
 
 
 def first_case(prompt: BenchPrompt) -> Case:

@@ -109,7 +109,7 @@ def test_identical_greedy_generations_repeat_their_draft_lengths_under_random_ti
     """Two identical greedy generations, each with a fresh controller, while the engine's clock returns random
     times: the same draft lengths step by step, so the same tau (and the tokens of plain decoding)."""
     from flashdraft.engine import generator
-    from flashdraft.engine.oracle import PlantedOracle
+    from flashdraft.bench.oracle import PlantedOracle
 
     params = SamplingParams(max_tokens=200, ignore_eos=True)
     prompt = engine.encode_prompt("def add(a, b):")
@@ -434,7 +434,7 @@ def test_engine_keeps_its_default_controller_across_requests(engine):
 
 
 def test_engine_output_with_the_controller_is_lossless(engine):
-    from flashdraft.engine.oracle import PlantedOracle
+    from flashdraft.bench.oracle import PlantedOracle
 
     params = SamplingParams(max_tokens=30, ignore_eos=True, seed=11, temperature=0.8)
     prompt = engine.encode_prompt("def add(a, b):")

@@ -22,7 +22,7 @@ from flashdraft.demo import demo_paths
 from flashdraft.engine.generator import Engine
 from flashdraft.engine.grammar import GrammarCompiler, GrammarMatcher, unpack_bitmask
 from flashdraft.engine.logit_processor import LogitProcessor
-from flashdraft.engine.oracle import PlantedOracle
+from flashdraft.bench.oracle import PlantedOracle
 from test_lossless import InlineGraphs
 from tiny_models import build_drafter
 

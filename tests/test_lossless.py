@@ -9,7 +9,7 @@ import transformers
 from flashdraft.config import SamplingParams
 from flashdraft.engine.cuda_graphs import GraphCache
 from flashdraft.engine.generator import Engine
-from flashdraft.engine.oracle import PlantedOracle
+from flashdraft.bench.oracle import PlantedOracle
 from tiny_models import build_drafter
 
 

@@ -22,7 +22,7 @@ Stages (each one's exceptions are caught and recorded under "errors", and the ru
     drafter (Q5_K blocks, the main type of the walkthrough's Q5_K_M drafter file; --drafter-qtype Q8_0 for
     Q8_0 blocks, --drafter-bf16 for bf16), in the engine with CUDA graphs and an 8K-token context
     allocated. Baseline decode tok/s against its roofline (quantized bytes read per step / bandwidth), then DFlash
-    in synthetic oracle mode (engine/oracle.py: the drafter runs, its guesses are replaced by the target's own
+    in synthetic oracle mode (bench/oracle.py: the drafter runs, its guesses are replaced by the target's own
     continuation with a planted miss) at tau = 2, 4, 6, 8; step times at a short and at an ~8K-token context; peak
     torch.cuda.max_memory_allocated (must stay under 24 GB = 24e9 bytes).
 
@@ -598,7 +598,7 @@ def stage_model(run: Run, bw: float, dev, gen, args) -> None:
 
     from flashdraft.config import SamplingParams
     from flashdraft.engine.generator import Engine
-    from flashdraft.engine.oracle import PlantedOracle
+    from flashdraft.bench.oracle import PlantedOracle
 
     model: dict = {}
     run.result["model"] = model

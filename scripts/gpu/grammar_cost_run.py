@@ -4,7 +4,7 @@ Synthetic Qwen3-8B shape (random bf16 weights, 151,936-token vocabulary) with a 
 that size (random fragments: xgrammar's mask cost grows with the vocabulary, not with the weights). Greedy, up
 to 256 tokens after a 64-token prompt (the schema's 64-item array keeps the constrained output long):
 - plain decoding, unconstrained and constrained;
-- DFlash with a planted oracle (engine.oracle.PlantedOracle: the drafter runs, then its guesses are replaced by
+- DFlash with a planted oracle (bench.oracle.PlantedOracle: the drafter runs, then its guesses are replaced by
   the target's own next tokens with one wrong at a fixed place, so each step commits ACCEPT + 1 tokens),
   unconstrained (the pipelined graphed loop) and constrained (each step's guesses checked and masked on the
   host, the verify rows masked: engine.grammar).
@@ -24,7 +24,7 @@ import torch
 from flashdraft.bench.synthetic import build_synthetic
 from flashdraft.config import Constraint, SamplingParams
 from flashdraft.engine.generator import Engine
-from flashdraft.engine.oracle import PlantedOracle
+from flashdraft.bench.oracle import PlantedOracle
 from flashdraft.loading import Tokenizer
 
 ACCEPT = 5  # guesses accepted per DFlash step: tau 6

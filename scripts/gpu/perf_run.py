@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from flashdraft.bench.synthetic import run  # noqa: E402
 from flashdraft.config import SamplingParams  # noqa: E402
 from flashdraft.engine.generator import Engine  # noqa: E402
-from flashdraft.engine.oracle import PlantedOracle  # noqa: E402
+from flashdraft.bench.oracle import PlantedOracle  # noqa: E402
 
 
 def check_graphed_path_is_lossless(tmp: Path, gemm: str = "cublas", attention: str = "sdpa") -> dict:

@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 from flashdraft.bench.synthetic import build_synthetic
 from flashdraft.config import SamplingParams
 from flashdraft.engine.generator import Engine
-from flashdraft.engine.oracle import PlantedOracle
+from flashdraft.bench.oracle import PlantedOracle
 
 GEMM_NAMES = ("gemm", "gemv", "cutlass", "sm90", "nvjet", "cublas", "split_reduce")
 ATTENTION_NAMES = ("attention", "fmha", "flash", "softmax", "sdpa")  # before GEMM_NAMES: cuDNN's has "sm90"

@@ -9,7 +9,7 @@ llama-bench measures: plain greedy decode of --tokens tokens after a prompt of e
 prompt), prefill of each --prefill length, each after an untimed warm-up run of the same prompt (llama-bench warms
 up too). Prompts are random token ids. Then DFlash at each tau with a random drafter of the target's shape
 (z-lab's Qwen3-8B drafter layout for Llama/Qwen3 targets, its Gemma-4-31B drafter for Gemma 4; Q5_K blocks, the
-walkthrough drafter's type, or bf16) in oracle mode (engine/oracle.py: the drafter runs, its guesses are replaced
+walkthrough drafter's type, or bf16) in oracle mode (bench/oracle.py: the drafter runs, its guesses are replaced
 by the target's own continuation with a planted miss, so tau is chosen), after a --dflash-prompt-token prompt (512),
 compared token
 for token with plain decoding of the same prompt. Every stage records its exception and the run goes on; the JSON
@@ -190,7 +190,7 @@ def measure(args) -> int:
 
 def dflash(target, tokenizer, rec: Record, base, args, dev, context: int) -> None:
     from flashdraft.engine.generator import Engine
-    from flashdraft.engine.oracle import PlantedOracle
+    from flashdraft.bench.oracle import PlantedOracle
 
     ref = target.model.norm.weight
     gen = torch.Generator(device=dev).manual_seed(0)

@@ -2,7 +2,7 @@
 
 The target and drafter have the shapes of published checkpoints and random weights, so no download is needed.
 In oracle mode the drafter really runs (its cost is real) but its guesses are replaced by the target's own
-greedy continuation with a planted mismatch (engine.oracle.PlantedOracle), so acceptance, and with it tau,
+greedy continuation with a planted mismatch (bench.oracle.PlantedOracle), so acceptance, and with it tau,
 follows a chosen pattern: tau = k + 1 when k guesses are accepted per step.
 
 The random target is built so that its greedy continuation has huge logit margins: the LM head is a permuted
@@ -23,7 +23,7 @@ import torch
 
 from flashdraft.config import DrafterConfig, ModelConfig, SamplingParams, default_tap_ids
 from flashdraft.engine.generator import Engine
-from flashdraft.engine.oracle import PlantedOracle
+from flashdraft.bench.oracle import PlantedOracle
 from flashdraft.models import DecoderLM, DFlashDrafter
 
 QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,

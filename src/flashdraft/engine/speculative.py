@@ -192,7 +192,7 @@ class SpeculativeDecoder:
         # Optional replacement of the drafter's guesses (benchmarks with a chosen acceptance pattern): called
         # as oracle(start, guesses) after the drafter has run, so the drafter's cost stays real. In pipelined steps
         # it runs inside the step's graph with start a device scalar, so it must be capturable (no host syncs):
-        # engine.oracle.PlantedOracle is.
+        # bench.oracle.PlantedOracle is.
         self.oracle = None
         # Decode, verify and draft passes replayed as CUDA graphs (default on CUDA); prefill stays eager.
         # On CUDA by default, also fused projections, and the fused layer path (both Triton backends) or compiled

@@ -14,8 +14,8 @@ from flashdraft.engine.adaptive import AdaptiveDraft
 from flashdraft.engine.detokenize import IncrementalText
 from flashdraft.engine.grammar import GrammarCompiler
 from flashdraft.engine.logit_processor import TokenLogprob
-from flashdraft.engine.sampling import resolve_seed
 from flashdraft.engine.ngram import NgramSettings
+from flashdraft.engine.sampling import resolve_seed
 from flashdraft.engine.speculative import Sequence, SpeculativeDecoder
 from flashdraft.loading import Tokenizer, load_model
 
@@ -317,6 +317,14 @@ class Engine:
         # Near the end the next step waits for the queued one, so that it drafts only as far as is really left.
         longest = min(policy.length, cap) if isinstance(policy, FixedDraft) else cap
         queued: deque = deque()
+
+        def drop_queued() -> None:
+            """Steps queued and never to be collected are dropped, and so are their planned lengths."""
+            unplan = getattr(policy, "unplan", None)
+            if queued and self.drafts and unplan is not None:
+                unplan(len(queued))
+            queued.clear()
+
         last_collect = t1
         try:
             while True:
@@ -324,17 +332,16 @@ class Engine:
                     delta.predicted_ms = 1000 * (time.perf_counter() - t1)
                     yield delta
                 if out.finished is None and len(sequence.tokens) >= self.context_size:
-                    kept = (_shifted(sequence.tokens, len(prompt_ids) if n_keep < 0 else min(n_keep, len(prompt_ids)))
-                            if context_shift and grammar is None else None)
+                    kept = None
+                    if context_shift and grammar is None:
+                        keep = len(prompt_ids) if n_keep < 0 else min(n_keep, len(prompt_ids))
+                        kept = _shifted(sequence.tokens, keep)
                     if kept is None:
                         out.finish("length", "limit")
                     else:
                         # steps queued past the full context are dropped; the kept tokens' next token comes
                         # from their prefill, as it would from the next step
-                        unplan = getattr(policy, "unplan", None)
-                        if queued and self.drafts and unplan is not None:
-                            unplan(len(queued))
-                        queued.clear()
+                        drop_queued()
                         log.info("context full (%d tokens): shifted to %d, generation goes on", self.context_size,
                                  len(kept))
                         stats.context_shifts += 1
@@ -362,10 +369,7 @@ class Engine:
                 stats.record_step(step.drafted, step.accepted)
                 delta = out.add(step.committed, step.logprobs)
         finally:
-            # Steps still queued (past the end, or the stream was closed) are dropped, and so are their lengths.
-            unplan = getattr(policy, "unplan", None)
-            if queued and self.drafts and unplan is not None:
-                unplan(len(queued))
+            drop_queued()  # steps queued past the end, or the stream was closed
         stats.predicted_n = len(out.tokens)
         stats.predicted_ms = 1000 * (time.perf_counter() - t1)
         finish_reason, stop_type = out.finished

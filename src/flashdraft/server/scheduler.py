@@ -245,4 +245,3 @@ def _summary(result: GenerationResult) -> str:
     if s.draft_n:
         line += f", tau {s.tau:.2f}, acceptance {100 * s.acceptance_rate:.1f}%"
     return line + f", stop {result.stop_type}"
-

@@ -87,6 +87,11 @@ class GenerationStats:
     def predicted_per_second(self) -> float:
         return 1000.0 * self.predicted_n / self.predicted_ms if self.predicted_ms > 0 else 0.0
 
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt's length: the tokens run and those whose rows came from the cache."""
+        return self.prompt_n + self.cache_n
+
     def timings(self) -> dict:
         """llama-server's `timings` object (draft fields only when drafting ran)."""
         t = {

@@ -43,7 +43,7 @@ def speculative(result: GenerationResult) -> dict:
 def usage(results: list[GenerationResult]) -> dict:
     """Token counts: the prompt once (its tokens found in the cache among them), the completions of every choice."""
     first = results[0].stats
-    prompt = first.prompt_n + first.cache_n
+    prompt = first.prompt_tokens
     completion = sum(r.stats.predicted_n for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": first.cache_n}}
@@ -284,7 +284,7 @@ def native_whole(request: GenerationRequest, result: GenerationResult, slot_id: 
         "stop": True,
         "model": request.model,
         "tokens_predicted": s.predicted_n,
-        "tokens_evaluated": s.prompt_n + s.cache_n,
+        "tokens_evaluated": s.prompt_tokens,
         "generation_settings": {
             "n_predict": p.max_tokens, "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
             "min_p": p.min_p, "seed": result.seed, "stop": list(p.stop), "ignore_eos": p.ignore_eos,
@@ -298,7 +298,7 @@ def native_whole(request: GenerationRequest, result: GenerationResult, slot_id: 
         "truncated": False,
         "stop_type": result.stop_type,
         "stopping_word": result.stopping_word,
-        "tokens_cached": s.cache_n + s.prompt_n + s.predicted_n,
+        "tokens_cached": s.prompt_tokens + s.predicted_n,
         "timings": s.timings(),
         "speculative_decoding": speculative(result),
     }

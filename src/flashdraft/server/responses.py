@@ -196,9 +196,8 @@ class ResponseBuilder:
                 "store": False, **self.echo, "usage": None}
         if result is not None:
             s = result.stats
-            prompt = s.prompt_n + s.cache_n
-            body["usage"] = {"input_tokens": prompt, "output_tokens": s.predicted_n,
-                             "total_tokens": prompt + s.predicted_n, "input_tokens_details": {"cached_tokens": s.cache_n},
+            body["usage"] = {"input_tokens": s.prompt_tokens, "output_tokens": s.predicted_n,
+                             "total_tokens": s.prompt_tokens + s.predicted_n, "input_tokens_details": {"cached_tokens": s.cache_n},
                              "output_tokens_details": {"reasoning_tokens": 0}}
             if result.finish_reason == "length":
                 body["status"], body["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}

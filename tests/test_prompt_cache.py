@@ -135,3 +135,15 @@ def test_cache_reuse_is_refused_unless_off():
     assert settings_from_args(build_parser().parse_args(["--cache-reuse", "0"]))  # llama-server's default: off
     with pytest.raises(ValueError, match="--cache-reuse 256: reusing cached chunks by KV shifting is not supported"):
         settings_from_args(build_parser().parse_args(["--cache-reuse", "256"]))
+
+
+def test_n_tokens_max_counts_the_cached_prompt_tokens():
+    """/metrics' n_tokens_max is the context a generation filled: its prompt's tokens from the cache count too."""
+    from flashdraft.engine.generator import GenerationResult, GenerationStats
+    from flashdraft.server.metrics import ServerMetrics
+    metrics = ServerMetrics()
+    stats = GenerationStats(prompt_n=5, cache_n=100, predicted_n=10, steps=9)
+    metrics.on_result(GenerationResult(text="", tokens=[], finish_reason="length", stop_type="limit",
+                                       stopping_word="", seed=0, stats=stats))
+    assert b"llamacpp:n_tokens_max 115.0" in metrics.render()
+    assert b"llamacpp:prompt_tokens_total 5.0" in metrics.render()  # the tokens processed, as llama-server's

@@ -75,7 +75,7 @@ class ServerMetrics:
         for position, count in enumerate(s.accepted_per_position):
             self.accepted_per_pos.labels(position=str(position)).inc(count)
         with self._lock:
-            self._max_tokens_seen = max(self._max_tokens_seen, s.prompt_n + s.predicted_n)
+            self._max_tokens_seen = max(self._max_tokens_seen, s.prompt_tokens + s.predicted_n)
             for key, value in (("prompt_n", s.prompt_n), ("prompt_s", s.prompt_ms / 1000),
                                ("predicted_n", s.predicted_n), ("predicted_s", s.predicted_ms / 1000)):
                 self._totals[key] += value

@@ -414,6 +414,12 @@ def _compile(engine, params: SamplingParams, field: str) -> None:
         raise bad_field(field or "grammar", f"cannot be used: {e}") from None
 
 
+def _slot_fields(body: dict, settings: ServerSettings) -> dict:
+    """llama-server's fields of how a request uses its slot, the same on every generation route."""
+    return {"cache_prompt": _bool(body, "cache_prompt", True),
+            "n_keep": _int(body, "n_keep", settings.keep, minimum=-1)}
+
+
 def _speculative(body: dict, settings: ServerSettings) -> tuple[int | None, int]:
     n_max = _int(body, "speculative.n_max", settings.spec_n_max, minimum=0)
     n_min = _int(body, "speculative.n_min", settings.spec_n_min, minimum=0)
@@ -649,8 +655,7 @@ def parse_chat(body: dict, engine, settings: ServerSettings, templates=None,
     _compile(engine, params, constraint_field)
     return GenerationRequest(prompt.ids, params, n_max, n_min, stream, include_usage, model, prompt.text,
                              timings_per_token=per_token, n=n, tools=prompt.tools, reasoning=prompt.reasoning,
-                             constraint_field=constraint_field, cache_prompt=_bool(body, "cache_prompt", True),
-                             n_keep=_int(body, "n_keep", settings.keep, minimum=-1))
+                             constraint_field=constraint_field, **_slot_fields(body, settings))
 
 
 def parse_as_chat(translate, body: dict, *args) -> GenerationRequest:
@@ -706,8 +711,7 @@ def parse_completion(body: dict, engine, settings: ServerSettings, templates=Non
     _compile(engine, params, constraint_field)
     return GenerationRequest(ids, params, n_max, n_min, stream, include_usage, model, text,
                              timings_per_token=per_token, n=n, echo=echo, constraint_field=constraint_field,
-                             cache_prompt=_bool(body, "cache_prompt", True),
-                             n_keep=_int(body, "n_keep", settings.keep, minimum=-1))
+                             **_slot_fields(body, settings))
 
 
 def parse_native(body: dict, engine, settings: ServerSettings, templates=None,
@@ -723,5 +727,4 @@ def parse_native(body: dict, engine, settings: ServerSettings, templates=None,
     _compile(engine, params, constraint_field)
     return GenerationRequest(ids, params, n_max, n_min, stream, False, model, text, return_tokens=return_tokens,
                              timings_per_token=per_token, constraint_field=constraint_field,
-                             cache_prompt=_bool(body, "cache_prompt", True),
-                             n_keep=_int(body, "n_keep", settings.keep, minimum=-1))
+                             **_slot_fields(body, settings))

@@ -65,10 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.context < 0:  # both modes take it
+        print(f"{PROG}: error: --context must be >= 0, got {args.context}", file=sys.stderr)
+        return 1
     if args.synthetic is not None:
-        if args.context < 0:
-            print(f"{PROG}: error: --context must be >= 0, got {args.context}", file=sys.stderr)
-            return 1
         cache_flags = [dest for dest, value in cache_types_from_args(args).items() if value is not None]
         if cache_flags:
             print(f"{PROG}: error: --synthetic does not take KV cache types yet ({', '.join(cache_flags)})",
@@ -109,8 +109,6 @@ def main(argv: list[str] | None = None) -> int:
 def check_args(args) -> None:
     if args.reps < 1:
         raise ValueError(f"--reps must be >= 1, got {args.reps}")
-    if args.context < 0:
-        raise ValueError(f"--context must be >= 0, got {args.context}")
     if args.concurrency < 1:
         raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
     if args.concurrency > 1 and not args.url:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import json
 import socket
-import statistics
 import time
 import urllib.error
 import urllib.request
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from flashdraft.bench.prompts import BenchPrompt
-from flashdraft.bench.report import Measurement, PromptResult
+from flashdraft.bench.report import Measurement, PromptResult, median_ttft
 from flashdraft.config import SamplingParams
 
 # Tokens each way for the warm-up generation: enough to touch every code path (prefill, drafting, verify).
@@ -237,16 +236,20 @@ def run_bench(backend: Backend, prompts: list[BenchPrompt], reps: int,
               on_generation: Callable[[], None] = lambda: None,
               on_result: Callable[[PromptResult], None] = lambda r: None) -> list[PromptResult]:
     """Warm up once each way, then every prompt (every turn) reps times each way, alternating."""
-    first = first_case(prompts[0])
-    for dflash in (False, True):
-        backend.generate(first, dflash, max_tokens=WARMUP_TOKENS, warmup=True)
-        on_generation()
+    warm_up(backend, first_case(prompts[0]), on_generation)
     results = []
     for prompt in prompts:
         for result in run_prompt(backend, prompt, reps, on_generation):
             results.append(result)
             on_result(result)
     return results
+
+
+def warm_up(backend: Backend, case: Case, on_generation: Callable[[], None]) -> None:
+    """One short untimed generation each way (compiles, graph captures, a server's first request)."""
+    for dflash in (False, True):
+        backend.generate(case, dflash, max_tokens=WARMUP_TOKENS, warmup=True)
+        on_generation()
 
 
 def run_concurrent(backend: Backend, prompts: list[BenchPrompt], streams: int, reps: int,
@@ -259,9 +262,7 @@ def run_concurrent(backend: Backend, prompts: list[BenchPrompt], streams: int, r
     from concurrent.futures import ThreadPoolExecutor
 
     cases = [first_case(p) for p in prompts]
-    for dflash in (False, True):
-        backend.generate(cases[0], dflash, max_tokens=WARMUP_TOKENS, warmup=True)
-        on_generation()
+    warm_up(backend, cases[0], on_generation)
     ways = {}
     for name, dflash in (("baseline", False), ("dflash", True)):
         def stream(i: int, dflash=dflash) -> list[Measurement]:
@@ -277,10 +278,8 @@ def run_concurrent(backend: Backend, prompts: list[BenchPrompt], streams: int, r
         wall = time.perf_counter() - start
         tokens = sum(m.predicted_n for m in runs)
         rates = [1000.0 * m.predicted_n / m.predicted_ms for m in runs if m.predicted_ms > 0]
-        ttfts = [m.ttft_ms for m in runs if m.ttft_ms is not None]
         ways[name] = {"requests": len(runs), "tokens": tokens, "wall_s": wall, "total_tok_s": tokens / wall,
-                      "per_stream_tok_s": sum(rates) / len(rates) if rates else None,
-                      "ttft_ms": statistics.median(ttfts) if ttfts else None,
+                      "per_stream_tok_s": sum(rates) / len(rates) if rates else None, "ttft_ms": median_ttft(runs),
                       "draft_n": sum(m.draft_n for m in runs), "draft_n_accepted": sum(m.draft_n_accepted for m in runs)}
     base, fast = ways["baseline"]["total_tok_s"], ways["dflash"]["total_tok_s"]
     return {"streams": streams, **ways, "speedup": fast / base if base > 0 else None}

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashdraft.bench.oracle import PlantedOracle
 from flashdraft.config import DrafterConfig, ModelConfig, SamplingParams, default_tap_ids
 from flashdraft.engine.generator import Engine
-from flashdraft.bench.oracle import PlantedOracle
 from flashdraft.models import DecoderLM, DFlashDrafter
 
 QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,

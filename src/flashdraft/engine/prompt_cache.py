@@ -17,6 +17,11 @@ from flashdraft.engine.speculative import Sequence, SpeculativeDecoder, shared_p
 MIN_ROWS = 16  # shorter prefixes cost more to keep track of than to recompute
 
 
+def _holds(tokens: list[int], other: list[int]) -> bool:
+    """Whether a prefix kept for `tokens` holds every row a sequence of `other` could reuse (all but its last)."""
+    return shared_prefix(tokens, other) >= len(other) - 1
+
+
 def _nbytes(seq: Sequence) -> int:
     return seq.target_cache.nbytes() + (seq.draft_cache.nbytes() if seq.draft_cache is not None else 0)
 
@@ -36,7 +41,7 @@ class PromptCache:
         if len(tokens) - 1 < MIN_ROWS:
             return False
         for key, entry in self.entries.items():
-            if shared_prefix(entry.tokens, tokens) >= len(tokens) - 1:  # already held (or more of it)
+            if _holds(entry.tokens, tokens):  # already kept (or more of it)
                 self.entries.move_to_end(key)
                 return False
         snap = self.decoder.snapshot(seq)
@@ -45,8 +50,8 @@ class PromptCache:
         size = _nbytes(snap)
         if self.max_bytes is not None and size > self.max_bytes:
             return False
-        for key in [k for k, e in self.entries.items() if shared_prefix(e.tokens, snap.tokens) >= len(e.tokens) - 1]:
-            self._drop(key)  # held by the new entry as well
+        for key in [k for k, e in self.entries.items() if _holds(snap.tokens, e.tokens)]:
+            self._drop(key)  # the new entry holds it too
         while self.max_bytes is not None and self.bytes + size > self.max_bytes:
             self._drop(next(iter(self.entries)))
         self.entries[self._next_id] = snap

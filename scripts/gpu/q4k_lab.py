@@ -1,0 +1,236 @@
+"""Issue #18 lab: where does a Q4_K matmul for 1-16 rows spend its time on the H200, and which formulation
+streams the weights fastest? Times each candidate kernel on the Gemma-4-31B Q4_K shapes (random valid blocks,
+weight copies that defeat the L2, one CUDA graph per candidate), checks it against dequantize + matmul and for
+bitwise batch invariance (rows at M = 1 equal those at M = 16), and prints one table.
+
+Candidates:
+- `adopted`: flashdraft.quant.triton_kernels.launch as it stands (decode each weight to fp32 with its scale and
+  min, cast to bf16, tl.dot; x permuted once per call).
+- `load`: the same bytes read in the factored kernel's pattern, with only a byte sum (the memory ceiling of that
+  access pattern under Triton).
+- `fact`: factored scales. Per 32-weight sub-block j the kernel forms bf16 (128 + q) by OR-ing the nibble into the
+  bits of 128.0 (exact, no int-to-float conversion), takes s_j = x_j . (128 + q) with the tensor cores (fp32), and
+  adds d sc_j s_j - (128 d sc_j + dmin m_j) sum(x_j): per weight one mask, one OR and the products; the scales
+  apply once per sub-block and row instead of once per weight. x is read in K order (no permutation).
+- `fact_a`: the same with the weights as the dot's first operand ([BLOCK_N, 32] x [32, 16]).
+- `int8`: x quantized per 32 values to int8 (as llama.cpp's q8_1; the quantization itself is not timed here), the
+  nibbles as int8, integer tensor-core dots (exact int32 sub-block sums), scales in fp32.
+
+Usage: PYTHONPATH=src python scripts/gpu/q4k_lab.py OUT [--tiny] [--only NAMES] [--ncu]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gguf_run import bench_ms, copies_for, random_blocks, rel_err  # noqa: E402
+
+from flashdraft.quant import dequantize  # noqa: E402
+from flashdraft.quant import triton_kernels as tk  # noqa: E402
+
+SHAPES = {"gate/up": (21504, 5376), "down": (5376, 21504), "sliding q": (8192, 5376), "sliding k/v": (4096, 5376)}
+SMOKE_SHAPES = {"smoke": (128, 1024)}
+
+
+@triton.jit
+def _scales(sc_w, mn_w, hi_w, d, dmin, J: tl.constexpr):
+    """d * sc_J and dmin * m_J (float32 [BLOCK_N]) from the header words of a Q4_K super-block."""
+    if J < 4:
+        sc = (sc_w >> (8 * J)) & 0x3F
+        mn = (mn_w >> (8 * J)) & 0x3F
+    else:
+        sc = ((hi_w >> (8 * (J - 4))) & 0x0F) | (((sc_w >> (8 * (J - 4) + 6)) & 0x03) << 4)
+        mn = ((hi_w >> (8 * (J - 4) + 4)) & 0x0F) | (((mn_w >> (8 * (J - 4) + 6)) & 0x03) << 4)
+    return d * sc.to(tl.float32), dmin * mn.to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["M"])
+def q4k_lab_kernel(x_ptr, xq_ptr, xd_ptr, w_ptr, p_ptr, M, N, row_bytes, K: tl.constexpr, MODE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SB_PER_SPLIT: tl.constexpr):
+    """MODE 0 load-only, 1 factored (weights second operand), 2 factored (weights first), 3 int8.
+    Writes fp32 partials p[pid_k, m, n]."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    row = w_ptr + rn.to(tl.int64) * row_bytes
+    i32 = tl.arange(0, 32)
+    if MODE == 2:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    bsum = tl.zeros((BLOCK_N,), dtype=tl.int32)
+    for t in range(SB_PER_SPLIT):
+        sb = pid_k * SB_PER_SPLIT + t
+        base = row + sb * 144
+        hdr = base.to(tl.pointer_type(tl.int32))
+        w0 = tl.load(hdr)
+        sc_w = tl.load(hdr + 1)
+        mn_w = tl.load(hdr + 2)
+        hi_w = tl.load(hdr + 3)
+        d = (w0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = ((w0 >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        for g in tl.static_range(4):
+            b = tl.load(base[:, None] + 16 + 32 * g + i32[None, :])          # uint8 [BLOCK_N, 32]
+            if MODE == 0:
+                bsum += tl.sum(b.to(tl.int32), axis=1) + (w0 ^ sc_w ^ mn_w ^ hi_w)
+            else:
+                for h in tl.static_range(2):
+                    dl, ml = _scales(sc_w, mn_w, hi_w, d, dmin, 2 * g + h)
+                    if h == 0:
+                        q = b & 0x0F
+                    else:
+                        q = b >> 4
+                    koff = sb * 256 + 32 * (2 * g + h)
+                    if MODE == 3:
+                        xq = tl.load(xq_ptr + rm[:, None] * K + koff + i32[None, :], mask=m_ok[:, None], other=0)
+                        xd = tl.load(xd_ptr + rm * (K // 32) + koff // 32, mask=m_ok, other=0.0)   # [BLOCK_M]
+                        xs = tl.sum(xq.to(tl.int32), axis=1).to(tl.float32) * xd
+                        part = tl.dot(xq, tl.trans(q.to(tl.int8)))                         # int32 [M, N]
+                        acc += (part.to(tl.float32) * xd[:, None]) * dl[None, :] - xs[:, None] * ml[None, :]
+                    else:
+                        wq = (q.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True).to(x_ptr.dtype.element_ty)  # 128 + q
+                        x = tl.load(x_ptr + rm[:, None] * K + koff + i32[None, :], mask=m_ok[:, None], other=0.0)
+                        xs = tl.sum(x.to(tl.float32), axis=1)
+                        corr = 128.0 * dl + ml
+                        if MODE == 1:
+                            part = tl.dot(x, tl.trans(wq))                                  # [M, N]
+                            acc += part * dl[None, :] - xs[:, None] * corr[None, :]
+                        else:
+                            part = tl.dot(wq, tl.trans(x))                                  # [N, M]
+                            acc += part * dl[:, None] - corr[:, None] * xs[None, :]
+    out = p_ptr + pid_k.to(tl.int64) * M * N
+    n_ok = rn < N
+    if MODE == 0:
+        tl.store(out + rn, bsum.to(tl.float32), mask=n_ok)
+    elif MODE == 2:
+        tl.store(out + rm[None, :] * N + rn[:, None], acc, mask=m_ok[None, :] & n_ok[:, None])
+    else:
+        tl.store(out + rm[:, None] * N + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+MODES = {"load": 0, "fact": 1, "fact_a": 2, "int8": 3}
+
+
+def quantize_x(x: torch.Tensor):
+    """x [M, K] -> int8 [M, K] and float32 scales [M, K // 32] (amax / 127 per 32 values, round to nearest)."""
+    xb = x.float().reshape(x.shape[0], -1, 32)
+    d = xb.abs().amax(-1) / 127.0
+    q = torch.where(d[..., None] > 0, torch.round(xb / d[..., None].clamp_min(1e-30)), torch.zeros_like(xb))
+    return q.to(torch.int8).reshape(x.shape), d.contiguous()
+
+
+def lab_launch(mode: str, x, xq, xd, blocks, n, block_n, warps, stages, split):
+    m, k = x.shape
+    nsb = k // 256
+    assert nsb % split == 0
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    q4k_lab_kernel[(triton.cdiv(n, block_n), split)](
+        x, xq, xd, blocks, part, m, n, blocks.shape[1], K=k, MODE=MODES[mode], BLOCK_M=16, BLOCK_N=block_n,
+        SB_PER_SPLIT=nsb // split, num_warps=warps, num_stages=stages)
+    return part.sum(0) if split > 1 else part[0]
+
+
+def candidates(n: int, k: int, only: set | None):
+    sms = 132
+    out = []
+    for mode in ("load", "fact", "fact_a", "int8"):
+        for bn, warps, stages in ((64, 4, 3), (128, 4, 3), (128, 8, 3), (64, 4, 4), (128, 8, 2)):
+            if mode == "load" and (bn, warps, stages) not in ((64, 4, 3), (128, 8, 3)):
+                continue
+            if mode == "int8" and (bn, warps, stages) not in ((64, 4, 3), (128, 8, 3)):
+                continue
+            split = tk.split_for(n, k, bn, 256, sms)
+            out.append((mode, bn, warps, stages, split))
+    return [c for c in out if only is None or c[0] in only]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--tiny", action="store_true", help="CPU interpreter smoke run (set TRITON_INTERPRET=1)")
+    ap.add_argument("--only", default=None)
+    ap.add_argument("--shapes", default=None, help="comma-separated names of SHAPES")
+    ap.add_argument("--ncu", default=None, help="launch one candidate (mode,bn,warps,stages) a few times and exit")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cpu" if args.tiny else "cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    only = set(args.only.split(",")) if args.only else None
+    shapes = SMOKE_SHAPES if args.tiny else SHAPES
+    if args.shapes:
+        shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
+    bw = 4300.0
+    if not args.tiny and not args.ncu:
+        a = torch.empty(1 << 30, dtype=torch.bfloat16, device=dev).normal_()
+        b = torch.empty_like(a)
+        ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=10, rep=50, return_mode="median")
+        bw = 2 * a.numel() * 2 / (ms / 1000) / 1e9
+        del a, b
+        print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
+    if args.ncu:
+        mode, bn, warps, stages = args.ncu.split(",")
+        n, k = SHAPES["gate/up"]
+        blocks = random_blocks("Q4_K", n, k, gen, dev)
+        x = torch.randn(16, k, device=dev, dtype=torch.bfloat16, generator=gen)
+        xq, xd = quantize_x(x)
+        for _ in range(3):
+            if mode == "adopted":
+                tk.launch(x, blocks, n, "Q4_K")
+            else:
+                lab_launch(mode, x, xq, xd, blocks, n, int(bn), int(warps), int(stages),
+                           tk.split_for(n, k, int(bn), 256, 132))
+        torch.cuda.synchronize()
+        return 0
+    rows = []
+    t0 = time.time()
+    for shape, (n, k) in shapes.items():
+        nbytes = n * k // 256 * 144
+        copies = copies_for(nbytes, args.tiny)
+        ws = [random_blocks("Q4_K", n, k, gen, dev) for _ in range(copies)]
+        x16 = torch.randn(16, k, device=dev, dtype=torch.bfloat16 if not args.tiny else torch.float32, generator=gen)
+        ref = (x16.double() @ dequantize(ws[0], "Q4_K").double().T)
+        xq16, xd16 = quantize_x(x16)
+        roof_us = nbytes / (bw * 1e3)
+        cands = [("adopted", 0, 0, 0, 0)] + candidates(n, k, only) if (only is None or "adopted" in only) \
+            else candidates(n, k, only)
+        for mode, bn, warps, stages, split in cands:
+            def call(w, mm, mode=mode, bn=bn, warps=warps, stages=stages, split=split):
+                if mode == "adopted":
+                    return tk.launch(x16[:mm], w, n, "Q4_K")
+                return lab_launch(mode, x16[:mm], xq16[:mm], xd16[:mm], w, n, bn, warps, stages, split)
+            try:
+                y16 = call(ws[0], 16)
+                y1 = call(ws[0], 1)
+                err = rel_err(y16, ref) if mode != "load" else float("nan")
+                inv = bool(torch.equal(y16[:1], y1)) if mode != "load" else None
+                us = {}
+                for mm in (1, 16):
+                    us[mm] = 1000 * bench_ms([lambda w=w, mm=mm: call(w, mm) for w in ws], args.tiny)
+            except Exception as e:  # noqa: BLE001 - a failing candidate is reported, the others still run
+                print(f"{shape} {mode} n{bn} w{warps} s{stages}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            r = {"shape": shape, "n": n, "k": k, "mode": mode, "block_n": bn, "warps": warps, "stages": stages,
+                 "split": split, "us_m1": us[1], "us_m16": us[16], "roofline_us": roof_us,
+                 "pct_roofline_m1": 100 * roof_us / us[1], "rel_err": err, "invariant": inv}
+            rows.append(r)
+            print(f"{shape:12s} {mode:8s} n{bn:<3d} w{warps} s{stages} split{split}: {us[1]:7.1f} / {us[16]:7.1f} us"
+                  f"  roofline {roof_us:5.1f} ({r['pct_roofline_m1']:4.1f}%)  err {err:.2e}  inv {inv}", flush=True)
+        del ws
+        torch.cuda.empty_cache() if not args.tiny else None
+    (args.out / "q4k_lab.json").write_text(json.dumps({"bandwidth_gb_s": bw, "rows": rows,
+                                                       "elapsed_s": time.time() - t0}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

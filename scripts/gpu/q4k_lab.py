@@ -118,6 +118,125 @@ def q4k_lab_kernel(x_ptr, xq_ptr, xd_ptr, w_ptr, p_ptr, M, N, row_bytes, K: tl.c
         tl.store(out + rm[:, None] * N + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
+_NIBBLES_ASM = """
+{
+.reg .b32 t, u, c;
+mov.b32 c, 0x43434343;
+and.b32 t, $4, 0x0F0F0F0F;
+shr.u32 u, $4, 4;
+and.b32 u, u, 0x0F0F0F0F;
+prmt.b32 $0, t, c, 0x4140;
+prmt.b32 $1, t, c, 0x4342;
+prmt.b32 $2, u, c, 0x4140;
+prmt.b32 $3, u, c, 0x4342;
+}
+"""
+
+
+@triton.jit
+def _nibbles_bf16(b, ASM: tl.constexpr):
+    """uint8 bytes -> (bf16 128 + low nibble, bf16 128 + high nibble), exactly. ASM: 4 bytes per 32-bit register,
+    one AND (and one shift) per 4 bytes and one byte permute per 2 weights (prmt places each nibble under the
+    exponent byte 0x43 of 128.0); else per-element ops (the interpreter's path)."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(_NIBBLES_ASM, "=r,=r,=r,=r,r", [b], dtype=(tl.bfloat16, tl.bfloat16),
+                                           is_pure=True, pack=4)
+    else:
+        lo = ((b & 0x0F).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
+        hi = ((b >> 4).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _load_sb(w_ptr, rn, row_bytes, N, sb, SB_MAJOR: tl.constexpr):
+    """Header words and the four 32-byte quant runs of super-block sb for rows rn."""
+    if SB_MAJOR:
+        base = w_ptr + (sb * N + rn).to(tl.int64) * 144
+    else:
+        base = w_ptr + rn.to(tl.int64) * row_bytes + sb * 144
+    hdr = base.to(tl.pointer_type(tl.int32))
+    i32 = tl.arange(0, 32)
+    w0 = tl.load(hdr)
+    sc_w = tl.load(hdr + 1)
+    mn_w = tl.load(hdr + 2)
+    hi_w = tl.load(hdr + 3)
+    b0 = tl.load(base[:, None] + 16 + i32[None, :])
+    b1 = tl.load(base[:, None] + 48 + i32[None, :])
+    b2 = tl.load(base[:, None] + 80 + i32[None, :])
+    b3 = tl.load(base[:, None] + 112 + i32[None, :])
+    return w0, sc_w, mn_w, hi_w, b0, b1, b2, b3
+
+
+@triton.jit
+def _sb_pair(acc, x_ptr, rm, m_ok, K: tl.constexpr, sb, b, sc_w, mn_w, hi_w, d, dmin, G: tl.constexpr,
+             ASM: tl.constexpr, W_AS_A: tl.constexpr):
+    i32 = tl.arange(0, 32)
+    lo, hi = _nibbles_bf16(b, ASM)
+    for h in tl.static_range(2):
+        dl, ml = _scales(sc_w, mn_w, hi_w, d, dmin, 2 * G + h)
+        if h == 0:
+            wq = lo.to(x_ptr.dtype.element_ty)
+        else:
+            wq = hi.to(x_ptr.dtype.element_ty)
+        koff = sb * 256 + 32 * (2 * G + h)
+        x = tl.load(x_ptr + rm[:, None] * K + koff + i32[None, :], mask=m_ok[:, None], other=0.0)
+        xs = tl.sum(x.to(tl.float32), axis=1)
+        corr = 128.0 * dl + ml
+        if W_AS_A:
+            part = tl.dot(wq, tl.trans(x))
+            acc += part * dl[:, None] - corr[:, None] * xs[None, :]
+        else:
+            part = tl.dot(x, tl.trans(wq))
+            acc += part * dl[None, :] - xs[:, None] * corr[None, :]
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def q4k_lab2_kernel(x_ptr, w_ptr, p_ptr, M, N, row_bytes, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, SB_PER_SPLIT: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
+                    SB_MAJOR: tl.constexpr, W_AS_A: tl.constexpr, LOAD_ONLY: tl.constexpr):
+    """Factored Q4_K with the nibble conversion in inline PTX (ASM), the next super-block's bytes loaded before
+    the current one is used (PREFETCH), and optionally blocks stored super-block-major (SB_MAJOR: the BLOCK_N
+    rows of one super-block are contiguous)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    if W_AS_A:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    bsum = tl.zeros((BLOCK_N,), dtype=tl.int32)
+    sb0 = pid_k * SB_PER_SPLIT
+    w0, sc_w, mn_w, hi_w, b0, b1, b2, b3 = _load_sb(w_ptr, rn, row_bytes, N, sb0, SB_MAJOR)
+    for t in range(SB_PER_SPLIT):
+        sb = sb0 + t
+        if PREFETCH:  # this super-block's words were loaded last iteration; load the next one's now
+            c0, c_sc, c_mn, c_hi, cb0, cb1, cb2, cb3 = w0, sc_w, mn_w, hi_w, b0, b1, b2, b3
+            nxt = tl.minimum(sb + 1, sb0 + SB_PER_SPLIT - 1)
+            w0, sc_w, mn_w, hi_w, b0, b1, b2, b3 = _load_sb(w_ptr, rn, row_bytes, N, nxt, SB_MAJOR)
+        else:
+            c0, c_sc, c_mn, c_hi, cb0, cb1, cb2, cb3 = _load_sb(w_ptr, rn, row_bytes, N, sb, SB_MAJOR)
+        if LOAD_ONLY:
+            bsum += tl.sum(cb0.to(tl.int32) + cb1 + cb2 + cb3, axis=1) + (c0 ^ c_sc ^ c_mn ^ c_hi)
+        else:
+            d = (c0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            dmin = ((c0 >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            acc = _sb_pair(acc, x_ptr, rm, m_ok, K, sb, cb0, c_sc, c_mn, c_hi, d, dmin, 0, ASM, W_AS_A)
+            acc = _sb_pair(acc, x_ptr, rm, m_ok, K, sb, cb1, c_sc, c_mn, c_hi, d, dmin, 1, ASM, W_AS_A)
+            acc = _sb_pair(acc, x_ptr, rm, m_ok, K, sb, cb2, c_sc, c_mn, c_hi, d, dmin, 2, ASM, W_AS_A)
+            acc = _sb_pair(acc, x_ptr, rm, m_ok, K, sb, cb3, c_sc, c_mn, c_hi, d, dmin, 3, ASM, W_AS_A)
+    out = p_ptr + pid_k.to(tl.int64) * M * N
+    n_ok = rn < N
+    if LOAD_ONLY:
+        tl.store(out + rn, bsum.to(tl.float32), mask=n_ok)
+    elif W_AS_A:
+        tl.store(out + rm[None, :] * N + rn[:, None], acc, mask=m_ok[None, :] & n_ok[:, None])
+    else:
+        tl.store(out + rm[:, None] * N + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
 MODES = {"load": 0, "fact": 1, "fact_a": 2, "int8": 3}
 
 
@@ -140,6 +259,31 @@ def lab_launch(mode: str, x, xq, xd, blocks, n, block_n, warps, stages, split):
     return part.sum(0) if split > 1 else part[0]
 
 
+def lab2_launch(x, blocks_any, n, block_n, warps, stages, split, asm, prefetch, sb_major, w_as_a, load_only=False):
+    m, k = x.shape
+    nsb = k // 256
+    asm = asm and x.device.type == "cuda"   # the interpreter runs no inline PTX
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    q4k_lab2_kernel[(triton.cdiv(n, block_n), split)](
+        x, blocks_any, part, m, n, k // 256 * 144, K=k, BLOCK_M=16, BLOCK_N=block_n, SB_PER_SPLIT=nsb // split,
+        ASM=asm, PREFETCH=prefetch, SB_MAJOR=sb_major, W_AS_A=w_as_a, LOAD_ONLY=load_only, num_warps=warps,
+        num_stages=stages)
+    return part.sum(0) if split > 1 else part[0]
+
+
+# name -> (asm, prefetch, sb_major, w_as_a, load_only), with the tilings (block_n, warps, stages) to time
+LAB2 = {
+    "asm": ((1, 0, 0, 1, 0), ((64, 4, 2), (128, 8, 2), (128, 4, 2))),
+    "asm_b": ((1, 0, 0, 0, 0), ((64, 4, 2), (128, 8, 2))),
+    "asm_pf": ((1, 1, 0, 1, 0), ((64, 4, 1), (128, 8, 1), (128, 4, 1), (64, 4, 2))),
+    "asm_sbm": ((1, 0, 1, 1, 0), ((64, 4, 2), (128, 8, 2))),
+    "asm_pf_sbm": ((1, 1, 1, 1, 0), ((64, 4, 1), (128, 8, 1), (128, 4, 1), (64, 2, 1), (32, 2, 1))),
+    "pf_sbm": ((0, 1, 1, 1, 0), ((128, 8, 1), (64, 4, 1))),
+    "load_pf": ((0, 1, 0, 1, 1), ((128, 8, 1), (64, 4, 1))),
+    "load_pf_sbm": ((0, 1, 1, 1, 1), ((128, 8, 1), (64, 4, 1))),
+}
+
+
 def candidates(n: int, k: int, only: set | None):
     sms = 132
     out = []
@@ -151,6 +295,9 @@ def candidates(n: int, k: int, only: set | None):
                 continue
             split = tk.split_for(n, k, bn, 256, sms)
             out.append((mode, bn, warps, stages, split))
+    for mode, (_, tilings) in LAB2.items():
+        for bn, warps, stages in tilings:
+            out.append((mode, bn, warps, stages, tk.split_for(n, k, bn, 256, sms)))
     return [c for c in out if only is None or c[0] in only]
 
 
@@ -186,6 +333,10 @@ def main(argv=None) -> int:
         for _ in range(3):
             if mode == "adopted":
                 tk.launch(x, blocks, n, "Q4_K")
+            elif mode in LAB2:
+                flags = LAB2[mode][0]
+                wl = blocks.view(n, k // 256, 144).transpose(0, 1).contiguous() if flags[2] else blocks
+                lab2_launch(x, wl, n, int(bn), int(warps), int(stages), tk.split_for(n, k, int(bn), 256, 132), *flags)
             else:
                 lab_launch(mode, x, xq, xd, blocks, n, int(bn), int(warps), int(stages),
                            tk.split_for(n, k, int(bn), 256, 132))
@@ -197,6 +348,8 @@ def main(argv=None) -> int:
         nbytes = n * k // 256 * 144
         copies = copies_for(nbytes, args.tiny)
         ws = [random_blocks("Q4_K", n, k, gen, dev) for _ in range(copies)]
+        # the same bytes, super-block-major: [K / 256, N, 144]
+        sbm = {id(w): w.view(n, k // 256, 144).transpose(0, 1).contiguous() for w in ws}
         x16 = torch.randn(16, k, device=dev, dtype=torch.bfloat16 if not args.tiny else torch.float32, generator=gen)
         ref = (x16.double() @ dequantize(ws[0], "Q4_K").double().T)
         xq16, xd16 = quantize_x(x16)
@@ -207,12 +360,17 @@ def main(argv=None) -> int:
             def call(w, mm, mode=mode, bn=bn, warps=warps, stages=stages, split=split):
                 if mode == "adopted":
                     return tk.launch(x16[:mm], w, n, "Q4_K")
+                if mode in LAB2:
+                    flags = LAB2[mode][0]
+                    wl = sbm[id(w)] if flags[2] else w
+                    return lab2_launch(x16[:mm], wl, n, bn, warps, stages, split, *flags)
                 return lab_launch(mode, x16[:mm], xq16[:mm], xd16[:mm], w, n, bn, warps, stages, split)
             try:
                 y16 = call(ws[0], 16)
                 y1 = call(ws[0], 1)
-                err = rel_err(y16, ref) if mode != "load" else float("nan")
-                inv = bool(torch.equal(y16[:1], y1)) if mode != "load" else None
+                loads = mode.startswith("load")
+                err = rel_err(y16, ref) if not loads else float("nan")
+                inv = bool(torch.equal(y16[:1], y1)) if not loads else None
                 us = {}
                 for mm in (1, 16):
                     us[mm] = 1000 * bench_ms([lambda w=w, mm=mm: call(w, mm) for w in ws], args.tiny)

@@ -118,7 +118,7 @@ def q4k_lab_kernel(x_ptr, xq_ptr, xd_ptr, w_ptr, p_ptr, M, N, row_bytes, K: tl.c
         tl.store(out + rm[:, None] * N + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
-_NIBBLES_ASM = """
+_NIBBLES_ASM = tl.constexpr("""
 {
 .reg .b32 t, u, c;
 mov.b32 c, 0x43434343;
@@ -130,17 +130,17 @@ prmt.b32 $1, t, c, 0x4342;
 prmt.b32 $2, u, c, 0x4140;
 prmt.b32 $3, u, c, 0x4342;
 }
-"""
+""")
 
 
 @triton.jit
-def _nibbles_bf16(b, ASM: tl.constexpr):
+def _nibbles_bf16(b, ASM: tl.constexpr, PURE: tl.constexpr = True):
     """uint8 bytes -> (bf16 128 + low nibble, bf16 128 + high nibble), exactly. ASM: 4 bytes per 32-bit register,
     one AND (and one shift) per 4 bytes and one byte permute per 2 weights (prmt places each nibble under the
     exponent byte 0x43 of 128.0); else per-element ops (the interpreter's path)."""
     if ASM:
         lo, hi = tl.inline_asm_elementwise(_NIBBLES_ASM, "=r,=r,=r,=r,r", [b], dtype=(tl.bfloat16, tl.bfloat16),
-                                           is_pure=True, pack=4)
+                                           is_pure=PURE, pack=4)
     else:
         lo = ((b & 0x0F).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
         hi = ((b >> 4).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
@@ -171,7 +171,7 @@ def _load_sb(w_ptr, rn, row_bytes, N, sb, SB_MAJOR: tl.constexpr):
 def _sb_pair(acc, x_ptr, rm, m_ok, K: tl.constexpr, sb, b, sc_w, mn_w, hi_w, d, dmin, G: tl.constexpr,
              ASM: tl.constexpr, W_AS_A: tl.constexpr):
     i32 = tl.arange(0, 32)
-    lo, hi = _nibbles_bf16(b, ASM)
+    lo, hi = _nibbles_bf16(b, ASM > 0, ASM < 2)
     for h in tl.static_range(2):
         dl, ml = _scales(sc_w, mn_w, hi_w, d, dmin, 2 * G + h)
         if h == 0:
@@ -237,6 +237,72 @@ def q4k_lab2_kernel(x_ptr, w_ptr, p_ptr, M, N, row_bytes, K: tl.constexpr, BLOCK
         tl.store(out + rm[:, None] * N + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _u6_f32(v, magic):
+    """float32 of a small non-negative integer without I2F (quarter rate): OR its bits under 2**23, subtract."""
+    return (v | magic).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _scales_fast(sc_w, mn_w, hi_w, d, dmin, magic, J: tl.constexpr):
+    if J < 4:
+        sc = (sc_w >> (8 * J)) & 0x3F
+        mn = (mn_w >> (8 * J)) & 0x3F
+    else:
+        sc = ((hi_w >> (8 * (J - 4))) & 0x0F) | (((sc_w >> (8 * (J - 4) + 6)) & 0x03) << 4)
+        mn = ((hi_w >> (8 * (J - 4) + 4)) & 0x0F) | (((mn_w >> (8 * (J - 4) + 6)) & 0x03) << 4)
+    return d * _u6_f32(sc, magic), dmin * _u6_f32(mn, magic)
+
+
+@triton.jit(do_not_specialize=["M"])
+def q4k_lab3_kernel(x_ptr, xs_ptr, w_ptr, p_ptr, M, N, row_bytes, magic, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, SB_PER_SPLIT: tl.constexpr, ASM: tl.constexpr, SB_MAJOR: tl.constexpr,
+                    XS: tl.constexpr):
+    """Factored Q4_K, weights as the dot's first operand, fma epilogue, scales without I2F. XS 1: the sums of x
+    per 32 values come precomputed (xs [M, K / 32] float32), 0: summed in the kernel per sub-block."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    i32 = tl.arange(0, 32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for t in range(SB_PER_SPLIT):
+        sb = pid_k * SB_PER_SPLIT + t
+        w0, sc_w, mn_w, hi_w, b0, b1, b2, b3 = _load_sb(w_ptr, rn, row_bytes, N, sb, SB_MAJOR)
+        d = (w0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = ((w0 >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        for g in tl.static_range(4):
+            if g == 0:
+                b = b0
+            elif g == 1:
+                b = b1
+            elif g == 2:
+                b = b2
+            else:
+                b = b3
+            lo, hi = _nibbles_bf16(b, ASM > 0, ASM < 2)
+            for h in tl.static_range(2):
+                j = 2 * g + h
+                dl, ml = _scales_fast(sc_w, mn_w, hi_w, d, dmin, magic, j)
+                if h == 0:
+                    wq = lo.to(x_ptr.dtype.element_ty)
+                else:
+                    wq = hi.to(x_ptr.dtype.element_ty)
+                koff = sb * 256 + 32 * j
+                x = tl.load(x_ptr + rm[:, None] * K + koff + i32[None, :], mask=m_ok[:, None], other=0.0)
+                if XS:
+                    xs = tl.load(xs_ptr + rm * (K // 32) + sb * 8 + j, mask=m_ok, other=0.0)
+                else:
+                    xs = tl.sum(x.to(tl.float32), axis=1)
+                part = tl.dot(wq, tl.trans(x))
+                acc = tl.fma(part, dl[:, None], acc)
+                acc = tl.fma(-(128.0 * dl + ml)[:, None], xs[None, :], acc)
+    out = p_ptr + pid_k.to(tl.int64) * M * N
+    n_ok = rn < N
+    tl.store(out + rm[None, :] * N + rn[:, None], acc, mask=m_ok[None, :] & n_ok[:, None])
+
+
 MODES = {"load": 0, "fact": 1, "fact_a": 2, "int8": 3}
 
 
@@ -284,6 +350,30 @@ LAB2 = {
 }
 
 
+def lab3_launch(x, xs, blocks_any, n, block_n, warps, stages, split, asm, sb_major, use_xs):
+    m, k = x.shape
+    nsb = k // 256
+    asm = asm if x.device.type == "cuda" else 0
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    q4k_lab3_kernel[(triton.cdiv(n, block_n), split)](
+        x, xs, blocks_any, part, m, n, k // 256 * 144, 0x4B000000, K=k, BLOCK_M=16, BLOCK_N=block_n,
+        SB_PER_SPLIT=nsb // split, ASM=asm, SB_MAJOR=sb_major, XS=use_xs, num_warps=warps, num_stages=stages)
+    return part.sum(0) if split > 1 else part[0]
+
+
+def x_sums(x):
+    return x.float().reshape(x.shape[0], -1, 32).sum(-1)
+
+
+# name -> (asm, sb_major, xs precomputed, xs timed), tilings
+LAB3 = {
+    "f3": ((2, 0, 0, 0), ((128, 8, 2), (64, 4, 2), (128, 4, 2), (32, 1, 2), (64, 2, 2), (32, 2, 3))),
+    "f3_xs": ((2, 0, 1, 0), ((128, 8, 2), (64, 4, 2), (128, 4, 2), (32, 1, 2), (64, 2, 2), (32, 2, 3))),
+    "f3_xs_sbm": ((2, 1, 1, 0), ((128, 4, 2), (32, 1, 2), (64, 2, 2))),
+    "f3_xs_timed": ((2, 0, 1, 1), ((128, 4, 2), (32, 1, 2))),
+}
+
+
 def candidates(n: int, k: int, only: set | None):
     sms = 132
     out = []
@@ -295,7 +385,7 @@ def candidates(n: int, k: int, only: set | None):
                 continue
             split = tk.split_for(n, k, bn, 256, sms)
             out.append((mode, bn, warps, stages, split))
-    for mode, (_, tilings) in LAB2.items():
+    for mode, (_, tilings) in list(LAB2.items()) + list(LAB3.items()):
         for bn, warps, stages in tilings:
             out.append((mode, bn, warps, stages, tk.split_for(n, k, bn, 256, sms)))
     return [c for c in out if only is None or c[0] in only]
@@ -333,6 +423,11 @@ def main(argv=None) -> int:
         for _ in range(3):
             if mode == "adopted":
                 tk.launch(x, blocks, n, "Q4_K")
+            elif mode in LAB3:
+                asm, sbm_, use_xs, timed = LAB3[mode][0]
+                wl = blocks.view(n, k // 256, 144).transpose(0, 1).contiguous() if sbm_ else blocks
+                lab3_launch(x, x_sums(x), wl, n, int(bn), int(warps), int(stages),
+                            tk.split_for(n, k, int(bn), 256, 132), asm, sbm_, use_xs)
             elif mode in LAB2:
                 flags = LAB2[mode][0]
                 wl = blocks.view(n, k // 256, 144).transpose(0, 1).contiguous() if flags[2] else blocks
@@ -353,6 +448,7 @@ def main(argv=None) -> int:
         x16 = torch.randn(16, k, device=dev, dtype=torch.bfloat16 if not args.tiny else torch.float32, generator=gen)
         ref = (x16.double() @ dequantize(ws[0], "Q4_K").double().T)
         xq16, xd16 = quantize_x(x16)
+        xs16 = x_sums(x16)
         roof_us = nbytes / (bw * 1e3)
         cands = [("adopted", 0, 0, 0, 0)] + candidates(n, k, only) if (only is None or "adopted" in only) \
             else candidates(n, k, only)
@@ -360,6 +456,11 @@ def main(argv=None) -> int:
             def call(w, mm, mode=mode, bn=bn, warps=warps, stages=stages, split=split):
                 if mode == "adopted":
                     return tk.launch(x16[:mm], w, n, "Q4_K")
+                if mode in LAB3:
+                    asm, sbm_, use_xs, timed = LAB3[mode][0]
+                    wl = sbm[id(w)] if sbm_ else w
+                    xs = x_sums(x16[:mm]) if timed else xs16[:mm]
+                    return lab3_launch(x16[:mm], xs, wl, n, bn, warps, stages, split, asm, sbm_, use_xs)
                 if mode in LAB2:
                     flags = LAB2[mode][0]
                     wl = sbm[id(w)] if flags[2] else w

@@ -6,7 +6,7 @@ NCU=${NCU:-asm_pf_sbm,128,4,1 asm,128,8,2}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv
 timeout 420 python scripts/gpu/q4k_lab.py $OUT --only "$ONLY" --shapes "$SHAPES" 2>&1 | tee $OUT/lab.log
 for c in $NCU; do
-  timeout 60 ncu --clock-control none -k regex:"q4k_lab|_quant_matmul" --launch-skip 1 --launch-count 1 --section SpeedOfLight --section WarpStateStats --section InstructionStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --metrics smsp__pcsamp_warps_issue_stalled_long_scoreboard,smsp__pcsamp_warps_issue_stalled_short_scoreboard,smsp__pcsamp_warps_issue_stalled_barrier,smsp__pcsamp_warps_issue_stalled_mio_throttle,smsp__pcsamp_warps_issue_stalled_wait,smsp__pcsamp_warps_issue_stalled_math_pipe_throttle,smsp__pcsamp_warps_issue_stalled_lg_throttle python scripts/gpu/q4k_lab.py $OUT --ncu $c > $OUT/ncu_${c//,/_}.txt 2>&1
+  timeout 60 ncu --clock-control none -k regex:"q4k_lab|_quant_matmul" --launch-skip 1 --launch-count 1 --section SpeedOfLight --section WarpStateStats --section InstructionStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section SchedulerStats --print-details all python scripts/gpu/q4k_lab.py $OUT --ncu $c > $OUT/ncu_${c//,/_}.txt 2>&1
 done
 c=${NCU%% *}
 TRITON_KERNEL_DUMP=1 TRITON_DUMP_DIR=/tmp/dump TRITON_ALWAYS_COMPILE=1 timeout 60 python scripts/gpu/q4k_lab.py $OUT --ncu $c >/dev/null 2>&1

@@ -87,7 +87,7 @@ import dataclasses, sys
 import torch
 sys.path.insert(0, sys.argv[1])
 from flashdraft.quant import QUANT_FORMATS, dequantize
-from flashdraft.quant import triton_kernels as tk
+from flashdraft.quant import gpu_kernels, triton_kernels as tk
 from test_gguf_quant import random_blocks
 
 assert tk._interpreting()
@@ -142,7 +142,7 @@ for qtype in ["Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]:
         outs.append(yb)
     if not torch.equal(outs[0], outs[1]):
         failures.append((qtype, "2-D vs 3-D decode differ"))
-    if tuple(tk.KERNELS[qtype](xb[:3], blocks, n).shape) != (3, n):
+    if tuple(gpu_kernels.KERNELS[qtype](xb[:3], blocks, n).shape) != (3, n):
         failures.append((qtype, "KERNELS shape"))
 packed = tk.heuristic_config("Q6_K", 40, 512, packed=True)
 if not (packed.packed and packed.block_k == 256 and packed.name.endswith("q")):

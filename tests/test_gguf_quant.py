@@ -122,7 +122,7 @@ def test_bad_blocks_and_types_are_named():
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_triton_kernel_matches_dequantized_matmul_and_is_batch_invariant(qtype):
     pytest.importorskip("triton")
-    from flashdraft.quant.triton_kernels import KERNELS
+    from flashdraft.quant.gpu_kernels import KERNELS
 
     fmt = QUANT_FORMATS[qtype]
     n, k = 200, 512  # n is not a multiple of the N-tile, so the edge masking runs too

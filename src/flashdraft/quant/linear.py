@@ -19,12 +19,12 @@ from flashdraft.quant.formats import block_format
 
 @functools.cache
 def _gpu_kernels() -> dict:
-    """qtype -> matmul(x, blocks, out_features) from the Triton kernels; empty when Triton is unavailable."""
+    """qtype -> matmul(x, blocks, out_features) (flashdraft.quant.gpu_kernels); empty when Triton is unavailable."""
     try:
-        from flashdraft.quant import triton_kernels
+        from flashdraft.quant import gpu_kernels
     except ImportError:
         return {}
-    return triton_kernels.KERNELS
+    return gpu_kernels.KERNELS
 
 
 def gpu_matmul(qtype: str, device: torch.device):

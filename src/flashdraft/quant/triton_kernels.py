@@ -635,25 +635,3 @@ def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str,
         split_reduce_kernel[(triton.cdiv(n, block), m)](part, y, y, m, n, y.stride(0), HAS_BIAS=False,
                                                         UPCAST=_interpreting(), SPLIT_K=split, BLOCK=block, num_warps=4)
     return y.reshape(*lead, n)
-
-
-# The custom op: torch.compile'd code sees one opaque call with a known output shape (no tracing into Triton).
-@torch.library.custom_op("flashdraft::quant_matmul", mutates_args=())
-def _quant_matmul_op(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str) -> torch.Tensor:
-    return launch(x, blocks, out_features, qtype)
-
-
-@_quant_matmul_op.register_fake
-def _(x, blocks, out_features, qtype):
-    return x.new_empty((*x.shape[:-1], out_features))
-
-
-def _matmul(qtype: str):
-    def matmul(x: torch.Tensor, blocks: torch.Tensor, out_features: int) -> torch.Tensor:
-        return _quant_matmul_op(x, blocks, out_features, qtype)
-
-    matmul.qtype = qtype
-    return matmul
-
-
-KERNELS = {name: _matmul(name) for name in QTYPE_CODES}

@@ -1,0 +1,31 @@
+"""The GPU product of x with GGUF blocks that QuantLinear calls: one custom op, so that torch.compile'd code sees
+an opaque call with a known output shape, which takes the CUDA tensor-core kernel where it applies (Q4_K, bf16 x of
+at most 16 rows: decoding and speculative verify) and the Triton kernels otherwise (other types, prefill, fp32)."""
+from __future__ import annotations
+
+import torch
+
+from flashdraft.quant import mma_kernels, triton_kernels
+
+
+@torch.library.custom_op("flashdraft::quant_matmul", mutates_args=())
+def _quant_matmul_op(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str) -> torch.Tensor:
+    if qtype == "Q4_K" and mma_kernels.supported(x, blocks, out_features):
+        return mma_kernels.launch(x, blocks, out_features)
+    return triton_kernels.launch(x, blocks, out_features, qtype)
+
+
+@_quant_matmul_op.register_fake
+def _(x, blocks, out_features, qtype):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _matmul(qtype: str):
+    def matmul(x: torch.Tensor, blocks: torch.Tensor, out_features: int) -> torch.Tensor:
+        return _quant_matmul_op(x, blocks, out_features, qtype)
+
+    matmul.qtype = qtype
+    return matmul
+
+
+KERNELS = {name: _matmul(name) for name in triton_kernels.QTYPE_CODES}

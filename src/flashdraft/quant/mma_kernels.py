@@ -1,0 +1,132 @@
+"""Q4_K weights times 1-16 rows of bf16 x with a CUDA kernel written against the tensor cores' register fragments
+(q4k_mma.cu), compiled at first use by NVRTC through torch.cuda._compile_kernel: no build step and no nvcc.
+
+Why a hand-written kernel: Triton's tl.dot takes decoded weights through shared memory (2-byte reads, byte
+permutes and barriers per K step; scripts/gpu/q4k_lab.py measured every formulation at 16-24% of the bandwidth
+roofline on the H200). Here each lane loads exactly the bytes of its own MMA fragments, so nothing but the
+weights' and x's loads touch memory, and the scales apply per 32-weight sub-block in fp32 on exact integer-valued
+products: 2.3x faster at one row and 1.8x at 16 than the Triton kernel on Gemma-4-31B's Q4_K shapes, and the
+weights are never rounded (docs/performance.md, issue #18).
+
+Used by flashdraft.quant.linear for Q4_K when x is bf16 with at most MAX_ROWS rows, K a multiple of 256 and N of
+16, on a GPU of compute capability 8.0 or newer; anything else, or a failed compile (warned once), goes to the
+Triton kernels. Rows are bitwise the same for every M <= 16 (batch invariance: the kernel's header says why).
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+MAX_ROWS = 16
+SOURCE = Path(__file__).with_name("q4k_mma.cu")
+
+
+@dataclass(frozen=True)
+class MmaTiling:
+    """Work per warp and grid shape; chosen per (N, K) and the SM count, never per M."""
+
+    r_tiles: int = 2      # 16-row tiles per warp
+    warps: int = 2        # warps per block
+    split: int = 1        # K ranges, each a program column; a divisor of K / 256
+    min_blocks: int = 1   # __launch_bounds__ blocks per SM (caps the registers a thread may use)
+
+
+# (N, K) -> the tiling measured fastest at 16 rows for Gemma-4-31B's Q4_K shapes (scripts/gpu/q4k_cuda_lab.py on an
+# H200, 2026-12-02; docs/performance.md); other shapes get default_tiling.
+TILINGS: dict[tuple[int, int], MmaTiling] = {
+    (21504, 5376): MmaTiling(2, 2, 7, 6),    # gate/up: 31.7 / 42.9 us at M = 1 / 16
+    (5376, 21504): MmaTiling(2, 4, 12, 1),   # down: 36.8 / 44.6 us
+    (8192, 5376): MmaTiling(2, 2, 7, 1),     # sliding q: 18.3 / 22.2 us
+    (4096, 5376): MmaTiling(2, 2, 7, 1),     # sliding k/v: 11.8 / 13.8 us
+}
+MAX_SPLIT = 16
+BLOCKS_PER_SM = 12   # enough warps in flight to cover the loads' latency (the measured tilings give 10-18)
+
+
+def default_tiling(n: int, k: int, sms: int = 132) -> MmaTiling:
+    """Two 16-row tiles per warp, two warps per block, and the smallest K split (a divisor of K / 256, at most
+    MAX_SPLIT) giving BLOCKS_PER_SM blocks per multiprocessor, else the largest such divisor: the measured best
+    split on every timed shape."""
+    tiling = MmaTiling()
+    blocks = -(-n // (16 * tiling.r_tiles * tiling.warps))
+    splits = [d for d in range(1, MAX_SPLIT + 1) if (k // 256) % d == 0]
+    split = next((d for d in splits if blocks * d >= BLOCKS_PER_SM * sms), splits[-1])
+    return MmaTiling(tiling.r_tiles, tiling.warps, split, tiling.min_blocks)
+
+
+def tiling_for(n: int, k: int, sms: int = 132) -> MmaTiling:
+    return TILINGS.get((n, k)) or default_tiling(n, k, sms)
+
+
+def supported(x: torch.Tensor, blocks: torch.Tensor, out_features: int) -> bool:
+    """Whether launch() takes this product (otherwise the Triton kernels do)."""
+    k = x.shape[-1]
+    return (x.is_cuda and x.dtype == torch.bfloat16 and x.numel() // max(k, 1) <= MAX_ROWS and k % 256 == 0
+            and out_features % 16 == 0 and blocks.shape == (out_features, k // 256 * 144)
+            and _available(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+
+
+@functools.cache
+def _available(device_index: int) -> bool:
+    """Compute capability >= 8.0 (bf16 mma.sync) and NVRTC compiles the kernels (warned once if it does not)."""
+    if torch.cuda.get_device_capability(device_index) < (8, 0) or not hasattr(torch.cuda, "_compile_kernel"):
+        return False
+    try:
+        _compiled(MmaTiling(), 1)
+    except Exception as e:  # noqa: BLE001 - any failure (no NVRTC, a driver error) means: use the Triton kernels
+        warnings.warn(f"flashdraft: the CUDA Q4_K kernel did not compile ({type(e).__name__}: {e}); using the "
+                      f"Triton kernels", RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
+@functools.cache
+def _compiled(tiling: MmaTiling, nt: int):
+    """(matmul kernel, split-reduce kernel) for this tiling and NT 8-token tiles, compiled by NVRTC."""
+    head = (f"#define R_TILES {tiling.r_tiles}\n#define NT {nt}\n#define WARPS {tiling.warps}\n"
+            f"#define MINB {tiling.min_blocks}\n")
+    src = head + SOURCE.read_text()
+    return (torch.cuda._compile_kernel(src, "q4k_mma"), torch.cuda._compile_kernel(src, "q_split_reduce"))
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, tiling: MmaTiling | None = None) -> torch.Tensor:
+    """y = x @ W^T for W [out_features, K] held as Q4_K blocks; x bf16 [..., K] with at most MAX_ROWS rows.
+    No host sync; allocates only the output and the fp32 partial sums: safe in CUDA graphs."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) != k):
+        x2 = x2.contiguous()
+    if blocks.stride(1) != 1 or blocks.stride(0) != blocks.shape[1]:
+        blocks = blocks.contiguous()
+    if blocks.data_ptr() % 16:  # 16-byte loads of headers and x
+        blocks = blocks.clone()
+    if x2.data_ptr() % 16:
+        x2 = x2.clone()
+    m, n = x2.shape[0], out_features
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y.reshape(*lead, n)
+    if tiling is None:
+        tiling = tiling_for(n, k, _sm_count(x.device.index if x.device.index is not None
+                                            else torch.cuda.current_device()))
+    nsb = k // 256
+    if nsb % tiling.split:
+        raise ValueError(f"split {tiling.split} does not divide the {nsb} super-blocks of K = {k}")
+    # both builds at the first call of a tiling, so that a later M never compiles during CUDA-graph capture
+    kernels = [_compiled(tiling, nt) for nt in (1, 2)]
+    matmul, reduce = kernels[0] if m <= 8 else kernels[1]
+    part = torch.empty((tiling.split, m, n), dtype=torch.float32, device=x.device)
+    rows_per_block = 16 * tiling.r_tiles * tiling.warps
+    matmul(grid=(-(-n // rows_per_block), tiling.split, 1), block=(32 * tiling.warps, 1, 1),
+           args=[blocks, x2, part, m, n, nsb, nsb // tiling.split])
+    reduce(grid=(-(-(m * n) // 256), 1, 1), block=(256, 1, 1), args=[part, y, tiling.split, m * n])
+    return y.reshape(*lead, n)

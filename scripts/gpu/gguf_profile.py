@@ -1,0 +1,99 @@
+"""Where the Q4_K_S-shaped Gemma-4-31B's decode step spends its time (issue #18, item 2): per-kernel CUDA time of
+one plain step (T = 1) and one verify step (T = 16), eager (no graphs, so every kernel is its own record), grouped
+by kernel family, next to the graphed step's wall time.
+
+Usage (GPU machine, repo root): PYTHONPATH=src python scripts/gpu/gguf_profile.py OUT
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gguf_run  # noqa: E402
+
+from flashdraft.engine.generator import Engine  # noqa: E402
+from flashdraft.config import SamplingParams  # noqa: E402
+
+FAMILIES = (("q4k mma", ("q4k_mma",)), ("split reduce", ("split_reduce",)),
+            ("triton quant matmul", ("_quant_matmul",)), ("attention", ("attention", "attn", "flash", "sdpa")),
+            ("norm", ("norm", "rms")), ("gemm (float)", ("gemm", "gemv", "nvjet", "cutlass", "sm90")),
+            ("copy / cat / index", ("copy", "cat", "index", "gather", "scatter")),
+            ("elementwise", ("elementwise", "vectorized", "unrolled", "reduce")))
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    for fam, keys in FAMILIES:
+        if any(k in low for k in keys):
+            return fam
+    return "other"
+
+
+def main() -> int:
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    run = gguf_run.Run(out, 600.0, False)
+    target, drafter, info = gguf_run.build_models(run, dev, torch.bfloat16, gen, 1024, False, "Q5_K")
+    result = {"info": {k: v for k, v in info.items() if isinstance(v, (int, float, str))}}
+    for graphs in (True, False):
+        engine = Engine(target, None, drafter, context_size=1024, cuda_graphs=graphs, compile=False)
+        seq = engine.new_sequence()
+        engine._sequence = seq
+        prompt = list(range(10, 42))
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        engine.generate(prompt, params, 0)
+        decoder = engine.decoder
+        decoder.prefill(seq, prompt, params, 0)
+        start = len(prompt)
+        for t_len in (1, 16):
+            tokens = torch.arange(1, t_len + 1, device=dev)
+            step = lambda: decoder._verify(seq, tokens, start)  # noqa: E731
+            with torch.inference_mode():
+                for _ in range(3):
+                    step()
+            torch.cuda.synchronize()
+            if graphs:
+                ms = 1000 * gguf_run.median_s(step, dev, 20)
+                result[f"graphed_T{t_len}_ms"] = ms
+                print(f"graphed step T={t_len}: {ms:.2f} ms", flush=True)
+                continue
+            with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.inference_mode():
+                for _ in range(3):
+                    step()
+                torch.cuda.synchronize()
+            fams: dict = defaultdict(float)
+            names: dict = defaultdict(float)
+            counts: dict = defaultdict(int)
+            for ev in prof.events():
+                if ev.device_type == torch.autograd.DeviceType.CUDA:
+                    us = ev.device_time_total / 3
+                    fams[family(ev.name)] += us
+                    names[ev.name[:90]] += us
+                    counts[family(ev.name)] += 1
+            total = sum(fams.values())
+            print(f"eager step T={t_len}: kernel time {total / 1000:.2f} ms in {sum(counts.values()) // 3} kernels",
+                  flush=True)
+            for fam, us in sorted(fams.items(), key=lambda kv: -kv[1]):
+                print(f"  {fam:22s} {us / 1000:7.2f} ms  {counts[fam] // 3:5d} kernels", flush=True)
+            print("  top kernels:", flush=True)
+            for name, us in sorted(names.items(), key=lambda kv: -kv[1])[:14]:
+                print(f"    {us / 1000:7.3f} ms  {name}", flush=True)
+            result[f"eager_T{t_len}"] = {"kernel_ms": total / 1000, "families_ms": {k: v / 1000 for k, v in fams.items()},
+                                         "kernels": {k: v // 3 for k, v in counts.items()},
+                                         "top": {k: v / 1000 for k, v in sorted(names.items(), key=lambda kv: -kv[1])[:30]}}
+        del engine, seq
+        torch.cuda.empty_cache()
+    (out / "gguf_profile.json").write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -35,13 +35,17 @@ class MmaTiling:
     min_blocks: int = 1   # __launch_bounds__ blocks per SM (caps the registers a thread may use)
 
 
-# (N, K) -> the tiling measured fastest at 16 rows for Gemma-4-31B's Q4_K shapes (scripts/gpu/q4k_cuda_lab.py on an
-# H200, 2026-12-02; docs/performance.md); other shapes get default_tiling.
+# (N, K) -> the tiling with the lowest M = 1 plus M = 16 time for Gemma-4-31B's Q4_K shapes (scripts/gpu/mma_tilings.py
+# on an H200, 2026-12-02; docs/performance.md); other shapes get default_tiling.
 TILINGS: dict[tuple[int, int], MmaTiling] = {
-    (21504, 5376): MmaTiling(2, 2, 7, 6),    # gate/up: 31.7 / 42.9 us at M = 1 / 16
-    (5376, 21504): MmaTiling(2, 4, 12, 1),   # down: 36.8 / 44.6 us
-    (8192, 5376): MmaTiling(2, 2, 7, 1),     # sliding q: 18.3 / 22.2 us
-    (4096, 5376): MmaTiling(2, 2, 7, 1),     # sliding k/v: 11.8 / 13.8 us
+    (21504, 5376): MmaTiling(1, 2, 3, 6),    # gate/up: 31.0 / 50.9 us at M = 1 / 16
+    (5376, 21504): MmaTiling(1, 2, 14, 6),   # down: 32.8 / 48.6 us
+    (8192, 5376): MmaTiling(1, 2, 3, 6),     # sliding q: 15.5 / 20.3 us
+    (4096, 5376): MmaTiling(2, 4, 7, 1),     # sliding k/v: 11.7 / 13.5 us
+    (5376, 8192): MmaTiling(1, 2, 4, 6),     # sliding o: 16.7 / 22.0 us
+    (16384, 5376): MmaTiling(1, 2, 3, 6),    # full q: 26.2 / 38.0 us
+    (2048, 5376): MmaTiling(1, 4, 7, 1),     # full k: 8.0 / 9.9 us
+    (5376, 16384): MmaTiling(1, 2, 16, 6),   # full o: 26.2 / 41.6 us
 }
 MAX_SPLIT = 16
 BLOCKS_PER_SM = 12   # enough warps in flight to cover the loads' latency (the measured tilings give 10-18)

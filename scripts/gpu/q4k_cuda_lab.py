@@ -36,32 +36,19 @@ def kernel(name: str, r_tiles: int, nt: int, warps: int, minb: int):
     return _KERNELS[key]
 
 
-def fp16_scaled(x):
-    """x / 2**e per row in fp16, 2**e the power of two that brings max |x| to [2**14, 2**15): exact for bf16 x (up
-    to underflow of values 2**-28 of the row's largest), and no overflow."""
-    amax = x.float().abs().amax(-1, keepdim=True).clamp_min(1e-30)
-    e = torch.ceil(torch.log2(amax)) - 15
-    return (x.float() * torch.exp2(-e)).half(), torch.exp2(e).reshape(-1).contiguous()
-
-
-def launch(x, w, n, r_tiles, warps, split, tiled, chain=False, minb=1, prepared=None):
+def launch(x, w, n, r_tiles, warps, split, tiled, minb=1):
     m, k = x.shape
     nsb = k // 256
     nt = 1 if m <= 8 else 2
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     rows_per_block = 16 * r_tiles * warps
-    scale = None
-    if chain:
-        xk, scale = prepared if prepared is not None else fp16_scaled(x)
-    else:
-        xk = x
-    kernel("q4k_mma_chain" if chain else "q4k_mma", r_tiles, nt, warps, minb)(
+    kernel("q4k_mma", r_tiles, nt, warps, minb)(
         grid=((n + rows_per_block - 1) // rows_per_block, split, 1), block=(32 * warps, 1, 1),
-        args=[w, xk, part, m, n, nsb, nsb // split, int(tiled)])
+        args=[w, x, part, m, n, nsb, nsb // split, int(tiled)])
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     reduce = kernel("q_split_reduce", 1, 1, 1, 1)
     reduce(grid=((m * n + 255) // 256, 1, 1), block=(256, 1, 1),
-           args=[part, y, scale if scale is not None else torch.ones(m, device=x.device), split, m, n])
+           args=[part, y, split, m, n])
     return y
 
 
@@ -84,7 +71,7 @@ def main(argv=None) -> int:
         w = tiled_copy(random_blocks("Q4_K", n, k, gen, dev), n, k)
         x = torch.randn(int(mm), k, device=dev, dtype=torch.bfloat16, generator=gen)
         for _ in range(3):
-            launch(x, w, n, int(r_tiles), int(warps), int(split), 1, name == "chain", int(minb))
+            launch(x, w, n, int(r_tiles), int(warps), int(split), 1, int(minb))
         torch.cuda.synchronize()
         return 0
     a = torch.empty(1 << 30, dtype=torch.bfloat16, device=dev).normal_()
@@ -107,17 +94,15 @@ def main(argv=None) -> int:
         ref = x16.double() @ dequantize(ws[0], "Q4_K").double().T
         roof_us = nbytes / (bw * 1e3)
         splits = [s for s in (1, 2, 3, 4, 7, 12) if nsb % s == 0]
-        prepared = {mm: fp16_scaled(x16[:mm]) for mm in (1, 16)}
         cands = [("triton", 0, 0, 0, 1, 1)]
         for name, (r_tiles, warps, minb), split in itertools.product(
-                ("mma", "chain"), ((1, 2, 1), (1, 4, 1), (2, 2, 1), (2, 4, 1), (2, 4, 3), (2, 2, 6)), splits):
+                ("mma",), ((1, 2, 1), (1, 4, 1), (2, 2, 1), (2, 4, 1), (2, 4, 3), (2, 2, 6)), splits):
             cands.append((name, r_tiles, warps, split, 1, minb))
         for name, r_tiles, warps, split, tl_, minb in cands:
             def call(w, mm, name=name, r_tiles=r_tiles, warps=warps, split=split, tl_=tl_, minb=minb):
                 if name == "triton":
                     return tk.launch(x16[:mm], w, n, "Q4_K")
-                return launch(x16[:mm], tiled[id(w)] if tl_ else w, n, r_tiles, warps, split, tl_, name == "chain",
-                              minb, prepared[mm] if name == "chain" else None)
+                return launch(x16[:mm], tiled[id(w)] if tl_ else w, n, r_tiles, warps, split, tl_, minb)
             try:
                 y16 = call(ws[0], 16)
                 y1 = call(ws[0], 1)

@@ -1,5 +1,7 @@
-// Issue #18 lab: Q4_K matrix times 1-16 rows of x with mma.sync, no shared memory.
-// Compiled at run time by NVRTC (torch.cuda._compile_kernel) with R_TILES, NT, WARPS defined in front.
+// Issue #18 lab: Q4_K matrix times 1-16 rows of x with mma.sync, no shared memory. The lab copy of
+// src/flashdraft/quant/q4k_mma.cu, with one more option: `tiled` blocks ([N / 16][K / 256][16][144], a tile's 16 rows
+// of a super-block contiguous), measured 3-15% faster than the row-major blocks the engine keeps (docs/performance.md).
+// Compiled at run time by NVRTC (torch.cuda._compile_kernel) with R_TILES, NT, WARPS, MINB defined in front.
 //
 // Each warp owns R_TILES tiles of 16 weight rows and one K range (a split). Per 32-weight sub-block, the tensor
 // cores form s = x . (128 + q) for NT tiles of 8 tokens (exact bf16 operands, fp32 sums); the warp then adds
@@ -177,190 +179,12 @@ q4k_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *_
     }
 }
 
-// ---------------------------------------------------------------------------------------------------------------
-// Variant "chain": x in fp16 (scaled per token by a power of two so that it cannot overflow), weights formed as the
-// exact fp16 integers sc_j * q (<= 63 * 15) with one fma per pair ((1024 + q) * sc - 1024 sc), so the tensor cores
-// sum a whole super-block in one chain: y += d * x.(sc q) - dmin * sum_j m_j sum(x_j). The mins term is an fp32
-// fma per row, token and sub-block, with sum(x_j) from a ones-MMA.
-
-__device__ __forceinline__ void mma_f16_16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
-    u32 d;
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-
-__device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
-    u32 d;
-    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-    return d;
-}
-
-extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)
-q4k_mma_chain(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__restrict__ P, int M, int N,
-              int nsb, int sb_per_split, int tiled) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, c = lane & 3;
-    const int tile0 = (blockIdx.x * WARPS + warp) * R_TILES;
-    if (tile0 * 16 >= N) return;
-    const int sb0 = blockIdx.y * sb_per_split;
-    const int K = nsb * 256;
-
-    float tot[R_TILES][NT][4];
-#pragma unroll
-    for (int r = 0; r < R_TILES; ++r)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) tot[r][nt][i] = 0.0f;
-    const u16 *xrow[NT];
-    bool xok[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        int n = g + 8 * nt;
-        xok[nt] = n < M;
-        xrow[nt] = X + (size_t)(xok[nt] ? n : 0) * K + 8 * c;
-    }
-    int rows[R_TILES][2];
-#pragma unroll
-    for (int r = 0; r < R_TILES; ++r) {
-        int base = (tile0 + r) * 16;
-        rows[r][0] = min(base + g, N - 1);
-        rows[r][1] = min(base + g + 8, N - 1);
-    }
-    for (int sb = sb0; sb < sb0 + sb_per_split; ++sb) {
-        uint4 hdr[R_TILES][2];
-        uint2 q[R_TILES][2][4];
-#pragma unroll
-        for (int r = 0; r < R_TILES; ++r)
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const unsigned char *blk = q4k_block(W, rows[r][hh], sb, nsb, tiled);
-                hdr[r][hh] = __ldg((const uint4 *)blk);
-#pragma unroll
-                for (int gq = 0; gq < 4; ++gq) q[r][hh][gq] = __ldg((const uint2 *)(blk + 16 + 32 * gq + 8 * c));
-            }
-        u32 scp[R_TILES][2][2], mnp[R_TILES][2][2];
-#pragma unroll
-        for (int r = 0; r < R_TILES; ++r)
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                uint4 h = hdr[r][hh];
-                scp[r][hh][0] = h.y & 0x3F3F3F3Fu;
-                mnp[r][hh][0] = h.z & 0x3F3F3F3Fu;
-                scp[r][hh][1] = (h.w & 0x0F0F0F0Fu) | ((h.y >> 2) & 0x30303030u);
-                mnp[r][hh][1] = ((h.w >> 4) & 0x0F0F0F0Fu) | ((h.z >> 2) & 0x30303030u);
-            }
-        float accw[R_TILES][NT][4], accm[R_TILES][NT][4];
-#pragma unroll
-        for (int r = 0; r < R_TILES; ++r)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) { accw[r][nt][i] = 0.0f; accm[r][nt][i] = 0.0f; }
-#pragma unroll
-        for (int gq = 0; gq < 4; ++gq) {
-            uint4 xv[NT][2];
-            float xs[NT][2][2];
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    int j = 2 * gq + h;
-                    xv[nt][h] = xok[nt] ? __ldg((const uint4 *)(xrow[nt] + sb * 256 + 32 * j))
-                                        : make_uint4(0, 0, 0, 0);
-                    float ones[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                    mma_f16_16816(ones, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u, xv[nt][h].x, xv[nt][h].y);
-                    mma_f16_16816(ones, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u, xv[nt][h].z, xv[nt][h].w);
-                    xs[nt][h][0] = ones[0];
-                    xs[nt][h][1] = ones[1];
-                }
-#pragma unroll
-            for (int r = 0; r < R_TILES; ++r)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int j = 2 * gq + h;
-                    const u32 selh = 0x4444u | ((j & 3) << 8) | (j & 3);  // byte j % 4 into both low bytes
-                    u32 scv[2], cneg[2];
-                    float mn[2];
-#pragma unroll
-                    for (int hh = 0; hh < 2; ++hh) {
-                        u32 s1024 = __byte_perm(scp[r][hh][j >> 2], 0x64646464u, (selh & 0x0F0F) | 0x5040);
-                        scv[hh] = hsub2(s1024, 0x64006400u);           // {sc, sc}
-                        cneg[hh] = hfma2(scv[hh], 0xE400E400u, 0u);     // {-1024 sc, -1024 sc}
-                        mn[hh] = __uint_as_float(__byte_perm(mnp[r][hh][j >> 2], 0x4B000000u, 0x7440u | (j & 3)))
-                                 - 8388608.0f;
-                    }
-#pragma unroll
-                    for (int s = 0; s < 2; ++s) {
-                        u32 w0 = s ? q[r][0][gq].y : q[r][0][gq].x;
-                        u32 w1 = s ? q[r][1][gq].y : q[r][1][gq].x;
-                        u32 t0 = (h ? (w0 >> 4) : w0) & 0x0F0F0F0Fu;
-                        u32 t1 = (h ? (w1 >> 4) : w1) & 0x0F0F0F0Fu;
-                        u32 a0 = hfma2(__byte_perm(t0, 0x64646464u, 0x4140), scv[0], cneg[0]);
-                        u32 a1 = hfma2(__byte_perm(t1, 0x64646464u, 0x4140), scv[1], cneg[1]);
-                        u32 a2 = hfma2(__byte_perm(t0, 0x64646464u, 0x4342), scv[0], cneg[0]);
-                        u32 a3 = hfma2(__byte_perm(t1, 0x64646464u, 0x4342), scv[1], cneg[1]);
-#pragma unroll
-                        for (int nt = 0; nt < NT; ++nt) {
-                            u32 b0 = s ? xv[nt][h].z : xv[nt][h].x;
-                            u32 b1 = s ? xv[nt][h].w : xv[nt][h].y;
-                            mma_f16_16816(accw[r][nt], a0, a1, a2, a3, b0, b1);
-                        }
-                    }
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) accm[r][nt][i] = fmaf(mn[i >> 1], xs[nt][h][i & 1], accm[r][nt][i]);
-                }
-        }
-#pragma unroll
-        for (int r = 0; r < R_TILES; ++r) {
-            float d[2], dmin[2];
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                d[hh] = f16_bits_to_f32(hdr[r][hh].x & 0xFFFF);
-                dmin[hh] = f16_bits_to_f32(hdr[r][hh].x >> 16);
-            }
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    float t = fmaf(accw[r][nt][i], d[i >> 1], tot[r][nt][i]);
-                    tot[r][nt][i] = fmaf(-dmin[i >> 1], accm[r][nt][i], t);
-                }
-        }
-    }
-    float *out = P + (size_t)blockIdx.y * M * N;
-#pragma unroll
-    for (int r = 0; r < R_TILES; ++r) {
-        if ((tile0 + r) * 16 >= N) continue;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                int token = 8 * nt + 2 * c + (i & 1);
-                int row = (tile0 + r) * 16 + g + 8 * (i >> 1);
-                if (token < M) out[(size_t)token * N + row] = tot[r][nt][i];
-            }
-    }
-}
-
-// y[m][n] = bf16(scale[m] * (p[0][m][n] + p[1][m][n] + ...)), always in split order (scale: 1 when null).
-extern "C" __global__ void q_split_reduce(const float *__restrict__ P, u16 *__restrict__ Y,
-                                          const float *__restrict__ scale, int split, int M, int N) {
+// y[m][n] = bf16(p[0][m][n] + p[1][m][n] + ...), always in split order.
+extern "C" __global__ void q_split_reduce(const float *__restrict__ P, u16 *__restrict__ Y, int split, int M, int N) {
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= M * N) return;
     float v = P[idx];
     for (int s = 1; s < split; ++s) v += P[(size_t)s * M * N + idx];
-    if (scale) v *= scale[idx / N];
     u32 bits = __float_as_uint(v);
     bits += 0x7FFFu + ((bits >> 16) & 1u);
     Y[idx] = (u16)(bits >> 16);

@@ -173,3 +173,36 @@ def test_greedy_dflash_equals_target_alone(tmp_path, dense, target_dir, drafter_
         engine.decoder.oracle = None
         assert drafted.tokens == plain.tokens
         assert drafted.stats.draft_n_accepted > 0
+
+
+@pytest.mark.parametrize("window", [3, 10])
+def test_window_cache_gives_what_the_last_n_positions_give(drafter_dir, target, window):
+    """--spec-dflash-cross-ctx: a Gemma drafter over a ring of the last N context positions (its sliding layers
+    causal and windowed by the positions the ring's rows hold) gives what a full cache gives with the older
+    positions hidden."""
+    drafter = load_drafter(drafter_dir, target, 64)
+    g = torch.Generator().manual_seed(1)
+    n, B = 30, drafter.block_size
+    taps = torch.randn(n, len(drafter.config.target_layer_ids) * target.config.hidden_size, generator=g)
+    ring = drafter.new_cache(n + B + 16, window=window)
+    assert type(ring).__name__ == "WindowKVCache" and ring.capacity == window + B
+    drafter.add_context(taps, torch.arange(n), ring)
+    full = drafter.new_cache(n + B + 16)
+    drafter.add_context(taps[n - window:], torch.arange(n - window, n), full)
+    block = torch.tensor([7] + [4] * (B - 1))
+    positions = torch.arange(n, n + B)
+    with torch.no_grad():
+        got = drafter(target.embed(block), positions, ring, ring.kv_len(n + B))
+        keys = torch.arange(n + B)
+        want = drafter(target.embed(block), positions, full, n + B, (keys >= n - window)[None, :])
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_greedy_dflash_with_a_drafter_window_equals_target_alone(target_dir, drafter_dir):
+    engine = Engine.load(target_dir, drafter_dir, device="cpu", dtype=torch.float32, context_size=256,
+                         draft_window=4)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for prompt in _prompts(engine):
+        plain = engine.generate(prompt, params, draft=0)
+        drafted = engine.generate(prompt, params, draft=engine.max_draft)
+        assert drafted.tokens == plain.tokens and drafted.stats.draft_n > 0

@@ -338,10 +338,12 @@ def test_serve_takes_the_cache_type_flags(tmp_path, capsys):
 
     (tmp_path / "config.json").write_text("{}")  # only the flags are parsed; no model is loaded
     args = build_parser().parse_args(["-m", str(tmp_path), "-ctk", "q5_0", "--cache-type-v", "q4_1",
-                                      "-ctkd", "q8_0", "--spec-draft-type-v", "f16", "-ngl", "99"])
-    assert settings_from_args(args).cache_types == {"cache_type_k": "q5_0", "cache_type_v": "q4_1",
-                                                    "draft_cache_type_k": "q8_0", "draft_cache_type_v": "f16"}
-    assert args.no_effect == ["-ngl 99"]  # the cache types are not among the flags that do nothing
+                                      "-ctkd", "q8_0", "--spec-draft-type-v", "f16", "-ngl", "99",
+                                      "--spec-dflash-cross-ctx", "1024"])
+    assert settings_from_args(args).cache_options == {"cache_type_k": "q5_0", "cache_type_v": "q4_1",
+                                                      "draft_cache_type_k": "q8_0", "draft_cache_type_v": "f16",
+                                                      "draft_window": 1024}
+    assert args.no_effect == ["-ngl 99"]  # the cache flags are not among the flags that do nothing
     assert serve_main(["-m", str(tmp_path), "-ctk", "q3_k"]) == 2
     err = capsys.readouterr().err
     assert "-ctk" in err and "q4_0" in err  # argparse names the flag and the supported types

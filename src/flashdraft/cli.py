@@ -85,7 +85,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="no adaptive draft control: draft the full block (block size - 1) unless --draft-n")
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context size in tokens")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    add_cache_type_args(p)
+    add_cache_args(p)
     add_hub_refusals(p)
 
 
@@ -98,18 +98,29 @@ CACHE_TYPE_FLAGS = [(("-ctk", "--cache-type-k"), "cache_type_k", "the target's k
                      "the drafter's context values")]
 
 
-def add_cache_type_args(p: argparse.ArgumentParser) -> None:
-    """-ctk/-ctv/-ctkd/-ctvd: KV cache types (flashdraft.quant.kv_formats); an unknown type is an error naming the
-    supported ones."""
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text}")
+    return value
+
+
+def add_cache_args(p: argparse.ArgumentParser) -> None:
+    """-ctk/-ctv/-ctkd/-ctvd: KV cache types (flashdraft.quant.kv_formats; an unknown type is an error naming the
+    supported ones); --spec-dflash-cross-ctx: the drafter's context window."""
     from flashdraft.quant.kv_formats import KV_FORMATS
     for flags, dest, whose in CACHE_TYPE_FLAGS:
         p.add_argument(*flags, dest=dest, default=None, choices=list(KV_FORMATS), metavar="TYPE",
                        help=f"KV cache type of {whose}: {', '.join(KV_FORMATS)} (default: the model's dtype)")
+    p.add_argument("--spec-dflash-cross-ctx", "-cd", "--spec-draft-ctx-size", "--ctx-size-draft", dest="draft_window",
+                   type=_positive_int, default=None, metavar="N",
+                   help="the drafter sees only the last N committed tokens (its context cache a ring of N + block "
+                        "rows), so its memory and time stay constant as the context grows (default: all of them)")
 
 
-def cache_types_from_args(args) -> dict[str, str | None]:
-    """The cache type flags as Engine.load's keyword arguments."""
-    return {dest: getattr(args, dest) for _, dest, _ in CACHE_TYPE_FLAGS}
+def cache_args_from_args(args) -> dict[str, str | int | None]:
+    """The cache flags as Engine.load's keyword arguments."""
+    return {**{dest: getattr(args, dest) for _, dest, _ in CACHE_TYPE_FLAGS}, "draft_window": args.draft_window}
 
 
 def resolve_model_paths(model: str | None, drafter: str | None, draft: bool = True) -> tuple[str, str | None]:
@@ -155,7 +166,7 @@ def generate_main(argv: list[str]) -> int:
         set_threads(args.threads)
         model, drafter = resolve_model_paths(args.model, args.drafter, draft=not args.no_draft)
         engine = Engine.load(model, drafter, device=args.device, context_size=args.ctx_size,
-                             adaptive=not args.no_adaptive, **cache_types_from_args(args))
+                             adaptive=not args.no_adaptive, **cache_args_from_args(args))
         params = sampling_from_args(args)
         params.validate()
         prompt_ids = (engine.encode_prompt(messages=[{"role": "user", "content": args.prompt}]) if args.chat

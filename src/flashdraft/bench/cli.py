@@ -12,8 +12,8 @@ import sys
 
 from tqdm import tqdm
 
-from flashdraft.cli import (CACHE_TYPE_FLAGS, add_cache_type_args, add_hub_refusals, add_sampling_args,
-                            cache_types_from_args, resolve_model_paths, sampling_from_args, set_threads)
+from flashdraft.cli import (CACHE_TYPE_FLAGS, add_cache_args, add_hub_refusals, add_sampling_args,
+                            cache_args_from_args, resolve_model_paths, sampling_from_args, set_threads)
 
 PROG = "flashdraft bench"
 # Timed repetitions per prompt and way: enough to see whether they agree (the table's spread), and the
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--synthetic", metavar="SHAPE", default=None,
                    help="synthetic benchmark of a model shape (flashdraft.bench.synthetic)")
     add_sampling_args(p)
-    add_cache_type_args(p)
+    add_cache_args(p)
     return p
 
 
@@ -69,9 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: --context must be >= 0, got {args.context}", file=sys.stderr)
         return 1
     if args.synthetic is not None:
-        cache_flags = [dest for dest, value in cache_types_from_args(args).items() if value is not None]
+        cache_flags = [dest for dest, value in cache_args_from_args(args).items() if value is not None]
         if cache_flags:
-            print(f"{PROG}: error: --synthetic does not take KV cache types yet ({', '.join(cache_flags)})",
+            print(f"{PROG}: error: --synthetic does not take KV cache options yet ({', '.join(cache_flags)})",
                   file=sys.stderr)
             return 1
         return run_synthetic(args)
@@ -161,7 +161,7 @@ def make_backend(args, params):
     model, drafter = resolve_model_paths(args.model, args.drafter, draft=not ngram)
     print(f"{PROG}: loading {model}" + (f" with drafter {drafter}" if drafter else "")
           + (", n-gram drafting" if ngram else ""), file=sys.stderr)
-    cache_types = cache_types_from_args(args)
+    cache_types = cache_args_from_args(args)
     engine = Engine.load(model, drafter, device=args.device, context_size=args.ctx_size,
                          adaptive=not args.no_adaptive, ngram=NgramSettings() if ngram else None, **cache_types)
     if not engine.drafts:

@@ -152,12 +152,13 @@ class Engine:
                  compile: bool | None = None, gemm: str | None = None, attention: str | None = None,
                  cache_type_k: str | None = None, cache_type_v: str | None = None,
                  draft_cache_type_k: str | None = None, draft_cache_type_v: str | None = None,
-                 ngram: NgramSettings | None = None):
+                 ngram: NgramSettings | None = None, draft_window: int | None = None):
         ctx = context_size or target.config.max_position_embeddings
         self.decoder = SpeculativeDecoder(target, drafter, ctx, cuda_graphs, compile, gemm, attention,
                                           cache_type_k=cache_type_k, cache_type_v=cache_type_v,
                                           draft_cache_type_k=draft_cache_type_k,
-                                          draft_cache_type_v=draft_cache_type_v, ngram=ngram)
+                                          draft_cache_type_v=draft_cache_type_v, ngram=ngram,
+                                          draft_window=draft_window)
         self.tokenizer = tokenizer
         self.name = name
         self.eos_ids = set(target.config.eos_token_ids)
@@ -174,14 +175,15 @@ class Engine:
              context_size: int | None = None, adaptive: bool = True, gemm: str | None = None,
              attention: str | None = None, cache_type_k: str | None = None, cache_type_v: str | None = None,
              draft_cache_type_k: str | None = None, draft_cache_type_v: str | None = None,
-             ngram: NgramSettings | None = None) -> "Engine":
+             ngram: NgramSettings | None = None, draft_window: int | None = None) -> "Engine":
         """Load a target (and optional drafter) from model folders; the context defaults to min(8192, the model's).
         gemm: "cublas" or "triton" (batch-invariant skinny GEMM for decode/verify/draft, CUDA only);
         attention: "sdpa" or "triton" (batch-invariant split-KV attention for the same passes). None (default):
         "triton" for both on CUDA when Triton is installed, else "cublas" and "sdpa". cache_type_k / _v and
         draft_cache_type_k / _v: KV cache types of the target's and the drafter's caches (f32, f16, bf16, q8_0,
         q5_1, q5_0, q4_1, q4_0; None: the model's dtype). ngram: draft by n-gram lookup in the sequence itself
-        (engine.ngram), with no drafter model."""
+        (engine.ngram), with no drafter model. draft_window: the drafter sees only the last N committed tokens
+        (--spec-dflash-cross-ctx; None: all of them)."""
         loaded = load_model(model, drafter, device=device, dtype=dtype, context_size=context_size,
                             overhang=MAX_BLOCK_SIZE)
         name = DEMO_NAME if _is_demo(model) else loaded.name
@@ -191,7 +193,7 @@ class Engine:
         return cls(loaded.target, loaded.tokenizer, loaded.drafter, loaded.context_size, name=name,
                    adaptive=adaptive, gemm=gemm, attention=attention, cache_type_k=cache_type_k,
                    cache_type_v=cache_type_v, draft_cache_type_k=draft_cache_type_k,
-                   draft_cache_type_v=draft_cache_type_v, ngram=ngram)
+                   draft_cache_type_v=draft_cache_type_v, ngram=ngram, draft_window=draft_window)
 
     @property
     def context_size(self) -> int:

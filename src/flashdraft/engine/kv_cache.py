@@ -27,6 +27,21 @@ class KVCache:
         self.k = [new_rows(self.k_format, heads, capacity, hd, device) for _ in range(layers)]
         self.v = [new_rows(self.v_format, heads, capacity, hd, device) for _ in range(layers)]
 
+    def rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """The rows that hold these positions: the positions themselves."""
+        return positions
+
+    def record(self, positions: torch.Tensor) -> None:
+        """Note that rows(positions) now hold these positions (nothing to note: rows are positions)."""
+
+    def key_positions(self, kv_len: int) -> torch.Tensor:
+        """[kv_len] the position each of the first kv_len rows holds (attention masks by these)."""
+        return torch.arange(kv_len, device=self.k[0].device)
+
+    def kv_len(self, rows: int) -> int:
+        """How many rows a pass that needs positions [0, rows) reads."""
+        return rows
+
     def reusable(self, rows: int) -> int:
         """How many of the first `rows` positions a new sequence that shares them can keep: all of them, since
         rows are stored at their absolute positions and nothing past the owner's length overwrites them."""
@@ -53,6 +68,57 @@ class KVCache:
     def bytes_per_token(self) -> int:
         """Cache bytes each position of context takes (all layers, keys and values)."""
         return bytes_per_token(self.layer_shapes, self.k_format, self.v_format)
+
+
+class WindowKVCache(KVCache):
+    """A drafter's context cache that keeps only the last `window` positions (--spec-dflash-cross-ctx): a ring of
+    window + block rows, row = position % ring, so its memory and a draft pass's reads stay constant however long
+    the context grows. The block's own rows follow the last window context positions in the ring, so a pass
+    overwrites only positions older than the window. `ring_pos` records the position each row holds (-1: none)
+    and attention masks by it: rows at or past the block's end are stale (a shorter sequence's, after prefix reuse)
+    and hidden. Keys carry RoPE of their absolute positions, so where a row sits in the ring does not matter."""
+
+    def __init__(self, cfg: ModelConfig, window: int, block: int, device: torch.device, dtype: torch.dtype,
+                 k_type: str | None = None, v_type: str | None = None):
+        super().__init__(cfg, window + block, device, dtype, k_type, v_type)
+        self.window = window
+        self.ring_pos = torch.full((self.capacity,), -1, dtype=torch.long, device=device)
+
+    def rows(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions % self.capacity
+
+    def record(self, positions: torch.Tensor) -> None:
+        self.ring_pos.index_copy_(0, self.rows(positions), positions)
+
+    def key_positions(self, kv_len: int) -> torch.Tensor:
+        return self.ring_pos[:kv_len]
+
+    def kv_len(self, rows: int) -> int:
+        return min(rows, self.capacity)
+
+    def reusable(self, rows: int) -> int:
+        """All `rows` if the ring still holds the window of positions before `rows`, else none (a row a later
+        position overwrote cannot be rebuilt without the target's taps)."""
+        if rows == 0:
+            return 0
+        wanted = torch.arange(max(0, rows - self.window), rows, device=self.ring_pos.device)
+        return rows if bool((self.ring_pos[wanted % self.capacity] == wanted).all()) else 0
+
+    def copy_prefix(self, source: "WindowKVCache", rows: int) -> None:
+        """Take the ring of another sequence's cache for which source.reusable(rows) == rows: rows it holds at or
+        past `rows` are stale here, and hidden until overwritten."""
+        check_same_types(self, source)
+        for dst, src in zip(self.k + self.v, source.k + source.v):
+            dst.copy_(src)
+        self.ring_pos.copy_(source.ring_pos)
+
+    def snapshot(self, rows: int, device: torch.device | str = "cpu") -> "WindowKVCache":
+        """The whole ring and the positions it holds, on `device` (copy_prefix takes it as a source)."""
+        snap = copy.copy(self)
+        snap.k = [t.to(device, copy=True) for t in self.k]
+        snap.v = [t.to(device, copy=True) for t in self.v]
+        snap.ring_pos = self.ring_pos.to(device, copy=True)
+        return snap
 
 
 def check_same_types(cache, source) -> None:

@@ -31,7 +31,7 @@ import torch
 from flashdraft.config import SamplingParams
 from flashdraft.engine.cuda_graphs import GraphCache, bucket, compile_layers, fuse_projections
 from flashdraft.engine.grammar import GrammarMatcher
-from flashdraft.engine.kv_cache import KVCache
+from flashdraft.engine.kv_cache import KVCache, WindowKVCache
 from flashdraft.engine.logit_processor import LogitProcessor, TokenLogprob
 from flashdraft.engine.ngram import NgramProposer, NgramSettings
 from flashdraft.engine.sampling import sample_tokens
@@ -172,9 +172,14 @@ class SpeculativeDecoder:
                  cuda_graphs: bool | None = None, compile: bool | None = None, gemm: str | None = None,
                  attention: str | None = None, cache_type_k: str | None = None, cache_type_v: str | None = None,
                  draft_cache_type_k: str | None = None, draft_cache_type_v: str | None = None,
-                 ngram: NgramSettings | None = None):
+                 ngram: NgramSettings | None = None, draft_window: int | None = None):
         if drafter is not None and ngram is not None:
             raise ValueError("n-gram drafting proposes without a drafter model: load no drafter with it")
+        if draft_window is not None and (draft_window < 1 or drafter is None):
+            raise ValueError(f"--spec-dflash-cross-ctx limits a drafter's context to its last N tokens: it needs a "
+                             f"drafter and N >= 1, got {draft_window}" + ("" if drafter else " without a drafter"))
+        # the drafter sees only the last draft_window committed positions (None: all of them)
+        self.draft_window = draft_window
         self.target, self.drafter, self.ngram = target, drafter, ngram
         # KV cache types (flashdraft.quant.kv_formats; None: the model's dtype) of the target's and the drafter's
         # caches; a one-row cache of each fails here on an unknown type or a head size the type cannot take.
@@ -242,7 +247,8 @@ class SpeculativeDecoder:
 
     def new_sequence(self) -> Sequence:
         return Sequence(target_cache=self.target.new_cache(self.capacity, *self.cache_types),
-                        draft_cache=self.drafter.new_cache(self.capacity, *self.draft_cache_types)
+                        draft_cache=self.drafter.new_cache(self.capacity, *self.draft_cache_types,
+                                                           window=self.draft_window)
                         if self.drafter is not None else None,
                         proposer=self.ngram.proposer() if self.ngram is not None else None)
 
@@ -342,7 +348,8 @@ class SpeculativeDecoder:
         block = torch.cat([self._last_token(seq), self._mask_tail_tokens()])
         if self.graphs is None:
             self._flush_context(seq)
-            hidden = self.drafter(self.target.embed(block), self._positions(start, B), seq.draft_cache, start + B)
+            hidden = self.drafter(self.target.embed(block), self._positions(start, B), seq.draft_cache,
+                                  seq.draft_cache.kv_len(start + B))
             guesses = _best(self.target.logits(hidden[1:n + 1]), candidates)
         else:
             guesses = self._draft_graphed(seq, block, start, candidates)[:n]
@@ -359,8 +366,8 @@ class SpeculativeDecoder:
             self._ctx_taps = self._new_ctx_taps()
         taps = self._ctx_taps
         rows = self._stage_pending(seq, taps)
-        kv_len = bucket(start + B, self.capacity)
         cache = seq.draft_cache
+        kv_len = cache.kv_len(bucket(start + B, self.capacity))
 
         def draft_pass(ctx_taps, ctx_positions, block, block_positions):
             return self._draft_pass(cache, kv_len, ctx_taps, ctx_positions, block, block_positions, candidates)
@@ -390,7 +397,9 @@ class SpeculativeDecoder:
         """Project the context rows, run the block: the drafter's greedy guesses for block slots 1..B-1 (or
         their best candidates: _best)."""
         self.drafter.add_context(ctx_taps, ctx_positions, cache)
-        mask = torch.arange(kv_len, device=block.device)[None, :] <= block_positions[-1:, None]
+        # rows past the block hidden (a window cache masks by the positions its rows hold, itself)
+        mask = None if isinstance(cache, WindowKVCache) else (
+            torch.arange(kv_len, device=block.device)[None, :] <= block_positions[-1:, None])
         hidden = self.drafter(self.target.embed(block), block_positions, cache, kv_len, mask)
         return _best(self.target.logits(hidden[1:]), candidates)
 
@@ -444,7 +453,7 @@ class SpeculativeDecoder:
         # more cache rows than needed is harmless: the position mask hides them).
         start_max = len(seq.tokens) - 1 + seq.ahead
         kv_len = bucket(start_max + T, self.capacity)
-        draft_kv_len = bucket(start_max + self.block_size, self.capacity) if n > 0 else 0
+        draft_kv_len = seq.draft_cache.kv_len(bucket(start_max + self.block_size, self.capacity)) if n > 0 else 0
         # GraphCache.tie: a graph replays the cache's and the oracle's tensors' addresses, so their graphs go
         # when they do (an id() alone could come back on a new object while the old graph stays).
         key = ("step", self.graphs.tie(seq.target_cache), n, T, kv_len, draft_kv_len, self.graphs.tie(self.oracle))

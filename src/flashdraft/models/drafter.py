@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from flashdraft.config import DrafterConfig
-from flashdraft.engine.kv_cache import KVCache
+from flashdraft.engine.kv_cache import KVCache, WindowKVCache
 from flashdraft.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from flashdraft.layers.skinny_gemm import fold_norm_weight, skinny_linear
 from flashdraft.quant.kv_formats import write_rows
@@ -33,9 +33,14 @@ class DFlashDrafter(nn.Module):
     def block_size(self) -> int:
         return self.config.block_size
 
-    def new_cache(self, capacity: int, k_type: str | None = None, v_type: str | None = None) -> KVCache:
-        """The context cache, `capacity` positions; k_type / v_type: KV cache types (None: the compute dtype)."""
+    def new_cache(self, capacity: int, k_type: str | None = None, v_type: str | None = None,
+                  window: int | None = None) -> KVCache:
+        """The context cache, `capacity` positions; k_type / v_type: KV cache types (None: the compute dtype).
+        window: keep only the last `window` context positions (a ring of window + block rows), when smaller than
+        the capacity less a block."""
         p = self.norm.weight  # a float parameter even when fc is quantized
+        if window is not None and window + self.block_size < capacity:
+            return WindowKVCache(self.config.layers, window, self.block_size, p.device, p.dtype, k_type, v_type)
         return KVCache(self.config.layers, capacity, p.device, p.dtype, k_type, v_type)
 
     def add_context(self, taps: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> None:
@@ -43,14 +48,19 @@ class DFlashDrafter(nn.Module):
 
         The context is shared by all layers and is not updated by them; each layer has its own k/v projections.
         """
+        if isinstance(cache, WindowKVCache) and taps.shape[0] > cache.capacity:
+            # rows a ring's length apart would share a row in one write; the older ones are out of the window
+            taps, positions = taps[-cache.capacity:], positions[-cache.capacity:]
+        cache.record(positions)
         if 0 < taps.shape[0] <= self.context_fused_max_t:
             return self._add_context_fused(taps, positions, cache)
         ctx = self.hidden_norm(self.fc(taps))
         cos, sin = self.rope(positions)
+        rows = cache.rows(positions)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.project_kv(ctx, cos, sin)
-            write_rows(cache.k[i], positions, k)
-            write_rows(cache.v[i], positions, v)
+            write_rows(cache.k[i], rows, k)
+            write_rows(cache.v[i], rows, v)
 
     @torch.no_grad()
     def fuse_context_projection(self, max_t: int) -> None:
@@ -74,23 +84,29 @@ class DFlashDrafter(nn.Module):
     def _add_context_fused(self, taps: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> None:
         fc_out = self.fc(taps)
         cos, sin = self.rope(positions)
+        rows = cache.rows(positions)
         for i, (layer, (weight, bias)) in enumerate(zip(self.layers, self.context_kv)):
             kv = skinny_linear(fc_out, weight, bias, rms_norm_eps=self.hidden_norm.eps)
-            layer.self_attn.write_context_kv(kv, cos, sin, positions, cache.k[i], cache.v[i])
+            layer.self_attn.write_context_kv(kv, cos, sin, rows, cache.k[i], cache.v[i])
 
     def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """Block embeddings [B, hidden] at positions start..start+B-1 -> normed hidden states [B, hidden].
 
-        kv_len = start + B. The block attends to all cached context (positions < start) and to itself,
-        bidirectionally, so no mask is needed. Its own keys land in the cache at the block positions and
+        kv_len = cache.kv_len(start + B). The block attends to all cached context (positions < start) and to
+        itself, bidirectionally, so no mask is needed. Its own keys land in the cache at the block positions and
         are overwritten by context rows later. A caller reading more rows (a graph captured for a longer
-        kv_len) passes a mask hiding the rows past the block.
+        kv_len) passes a mask hiding the rows past the block; a window cache masks its stale rows itself.
         """
         cos, sin = self.rope(positions)
+        cache.record(positions)
+        if mask is None and isinstance(cache, WindowKVCache):
+            keys = cache.key_positions(kv_len)
+            mask = ((keys >= 0) & (keys <= positions[-1]))[None, :]
+        rows = cache.rows(positions)
         h = block_embeds
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, cache.k[i], cache.v[i], positions, kv_len, mask)
+            h = layer(h, cos, sin, cache.k[i], cache.v[i], rows, kv_len, mask)
         return self.norm(h)
 
     def forward_train(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, taps: torch.Tensor,

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from flashdraft.config_gemma4 import Gemma4DrafterConfig
-from flashdraft.engine.kv_cache import KVCache
+from flashdraft.engine.kv_cache import KVCache, WindowKVCache
 from flashdraft.loading.checkpoint import assign_tensors, check_drafter_fits, model_folder, read_tensors
 from flashdraft.models.drafter import DFlashDrafter
 from flashdraft.models.gemma4 import Gemma4LM
@@ -32,27 +32,34 @@ class Gemma4DFlashDrafter(DFlashDrafter):
     def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """Block embeddings [B, hidden] (from target.embed) at positions start..start+B-1 -> normed hidden [B, hidden].
-
         Cache rows below start hold projected context. Without `mask`, kv_len = start + B and a sliding layer
         reads only the rows its window can reach, so its cost stays bounded as the context grows. A caller reading
-        more rows (a CUDA graph captured for a longer kv_len) passes a mask hiding the rows past the block.
+        more rows (a CUDA graph captured for a longer kv_len) passes a mask hiding the rows past the block. A
+        window cache (WindowKVCache) holds positions out of order: every layer reads its whole ring and masks by the
+        positions its rows hold.
         """
         cfg = self.config
         h = block_embeds
         if self.block_factor != 1.0:
             h = (h.float() * self.block_factor).to(h.dtype)
         cos, sin = self.rope(positions)
+        cache.record(positions)
+        rows = cache.rows(positions)
+        ring = isinstance(cache, WindowKVCache)
+        if ring:
+            held = cache.key_positions(kv_len)
+            mask = _and(mask, ((held >= 0) & (held <= positions[-1]))[None, :])
         q = positions[:, None]
         for i, layer in enumerate(self.layers):
             sliding = cfg.layer_types[i] == "sliding_attention"
             lo = max(0, kv_len - positions.shape[0] - cfg.sliding_window + 1) if sliding and mask is None else 0
-            keys = torch.arange(lo, kv_len, device=positions.device)[None, :]
+            keys = held[None, :] if ring else torch.arange(lo, kv_len, device=positions.device)[None, :]
             layer_mask = None if mask is None else mask[..., lo:]
             if sliding:
                 layer_mask = _and(layer_mask, q - keys < cfg.sliding_window)
             if cfg.layer_causal[i]:
                 layer_mask = _and(layer_mask, keys <= q)
-            h = layer(h, cos, sin, cache.k[i][:, lo:], cache.v[i][:, lo:], positions - lo, kv_len - lo, layer_mask)
+            h = layer(h, cos, sin, cache.k[i][:, lo:], cache.v[i][:, lo:], rows - lo, kv_len - lo, layer_mask)
         return self.norm(h)
 
 

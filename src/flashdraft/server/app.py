@@ -69,7 +69,7 @@ class ServerState:
             if s.ngram:  # --spec-draft-n-max sets how far a lookup proposes
                 ngram = NgramSettings(max_draft=s.spec_n_max) if s.spec_n_max else NgramSettings()
             engine = Engine.load(s.model, s.drafter, device=s.device, context_size=s.ctx_size, ngram=ngram,
-                                 **s.cache_types)
+                                 **s.cache_options)
             if not (s.drafting and engine.drafts):
                 fixed_draft = 0
             else:

@@ -12,7 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from flashdraft.cli import (add_cache_type_args, add_hub_refusals, add_sampling_args, cache_types_from_args,
+from flashdraft.cli import (add_cache_args, add_hub_refusals, add_sampling_args, cache_args_from_args,
                            resolve_model_paths)
 from flashdraft.config import ConfigError, is_gguf_path
 from flashdraft.server.chat_templates import BUILTIN_TEMPLATES, resolve_chat_template
@@ -25,8 +25,7 @@ log = logging.getLogger("flashdraft.server")
 NO_EFFECT_WITH_VALUE = [
     ("-ngl", "--gpu-layers", "--n-gpu-layers"), ("-ngld", "--spec-draft-ngl", "--gpu-layers-draft", "--n-gpu-layers-draft"),
     ("-b", "--batch-size"), ("-ub", "--ubatch-size"),
-    ("--spec-dflash-cross-ctx",),
-    ("-cd", "--spec-draft-ctx-size", "--ctx-size-draft"), ("--spec-draft-p-min", "--draft-p-min"),
+    ("--spec-draft-p-min", "--draft-p-min"),
     ("--spec-draft-p-split",), ("--spec-branch-budget",), ("--tree-budget",), ("--spec-draft-top-k",),
     ("--spec-draft-temp",), ("--spec-dflash-max-slots",), ("--spec-draft-batch-size",), ("--spec-draft-ubatch-size",),
     ("--spec-dm-probe-interval",), ("--spec-dm-probe-fraction",),
@@ -132,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     p.add_argument("--device", "-dev", default=None,
                    help="cpu, cuda or cuda:N (llama.cpp's CUDA0 and none are understood); default cuda if available")
-    add_cache_type_args(p)
+    add_cache_args(p)
     add_hub_refusals(p)
     for group in NO_EFFECT_WITH_VALUE:
         p.add_argument(*group, action=_NoEffect, dest="no_effect", default=argparse.SUPPRESS,
@@ -205,7 +204,7 @@ def settings_from_args(args) -> ServerSettings:
         adaptive_draft=args.adaptive and args.spec_dm_controller != "off", api_keys=keys,
         metrics=args.metrics, webui=args.webui, chat_template=template, device=device, threads=args.threads,
         reasoning=args.reasoning, reasoning_format=args.reasoning_format, reasoning_budget=args.reasoning_budget,
-        allow_request_template=args.allow_request_chat_template, cache_types=cache_types_from_args(args),
+        allow_request_template=args.allow_request_chat_template, cache_options=cache_args_from_args(args),
         cache_ram_mib=args.cache_ram, context_shift=args.context_shift, keep=args.keep)
     return settings
 

@@ -32,7 +32,7 @@ class ServerSettings:
     reasoning: str = "auto"             # --reasoning: on/off set the templates' enable_thinking, auto leaves it
     reasoning_format: str = "auto"      # --reasoning-format: none leaves thinking in content, else reasoning_content
     reasoning_budget: int = -1          # --reasoning-budget: -1 unlimited, 0 no thinking (enable_thinking=false)
-    cache_types: dict[str, str | None] = field(default_factory=dict)  # -ctk/-ctv/-ctkd/-ctvd, Engine.load's keywords
+    cache_options: dict[str, str | int | None] = field(default_factory=dict)  # -ctk/-ctv/-ctkd/-ctvd/-cd: Engine.load keywords
     cache_ram_mib: int = 8192           # --cache-ram: host memory for prefixes the slots evict (0 off, -1 no limit)
     context_shift: bool = False         # --context-shift: a full context drops old tokens instead of ending
     keep: int = 0                       # --keep: prompt tokens a context shift keeps (-1: all); requests' n_keep

@@ -1,0 +1,137 @@
+"""--spec-dflash-cross-ctx N: the drafter sees only the last N committed tokens, its context cache a ring of
+N + block rows (engine.kv_cache.WindowKVCache)."""
+import pytest
+import torch
+
+from flashdraft.config import SamplingParams
+from flashdraft.engine.generator import Engine
+from flashdraft.engine.kv_cache import KVCache, WindowKVCache
+from flashdraft.bench.oracle import PlantedOracle
+from test_lossless import InlineGraphs, _prompts
+from tiny_models import build_drafter
+
+BLOCK = 8
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, qwen3_dir):
+    return qwen3_dir, build_drafter(tmp_path_factory.mktemp("window") / "d", qwen3_dir, block_size=BLOCK, seed=3)
+
+
+def _engine(pair, window, graphed=False):
+    target, drafter = pair
+    engine = Engine.load(target, drafter, device="cpu", context_size=256, draft_window=window)
+    if graphed:
+        engine.decoder.graphs = InlineGraphs()
+    return engine
+
+
+def _own_guesses(engine, prompt, params, reuse_prefix=False):
+    """The drafter's own guesses at every drafted step (start, guesses), through the oracle hook."""
+    log = []
+    engine.decoder.oracle = lambda start, guesses: log.append((int(start), guesses.tolist())) or guesses
+    try:
+        result = [e for e in engine.stream(prompt, params, BLOCK - 1, reuse_prefix=reuse_prefix)][-1]
+    finally:
+        engine.decoder.oracle = None
+    return result.tokens, log
+
+
+@pytest.mark.parametrize("window", [5, 24])
+def test_window_drafter_sees_exactly_the_last_n_positions(pair, window):
+    """After a prompt longer than the window, the windowed drafter's block outputs equal those of an unlimited
+    cache holding only positions [start - N, start) of the same context (rows hidden by a mask)."""
+    engine = _engine(pair, window)
+    dec = engine.decoder
+    prompt = [t for p in _prompts(dec.target.config.vocab_size, 16, seed=2) for t in p][:80]  # past the window
+    assert len(prompt) > window + BLOCK
+    seq = dec.new_sequence()
+    with torch.inference_mode():
+        dec.prefill(seq, prompt, SamplingParams(max_tokens=4), 0)
+        dec._flush_context(seq)
+        start = len(seq.tokens) - 1
+        assert isinstance(seq.draft_cache, WindowKVCache) and seq.draft_len == start == len(prompt)
+        block = torch.cat([torch.tensor(seq.tokens[-1:]), dec._mask_tail_tokens()])
+        positions = torch.arange(start, start + BLOCK)
+        embeds = dec.target.embed(block)
+        ring = seq.draft_cache
+        got = dec.drafter(embeds, positions, ring, ring.kv_len(start + BLOCK))
+        assert ring.capacity == window + BLOCK and ring.kv_len(start + BLOCK) == window + BLOCK
+
+        _, taps = dec.target(torch.tensor(prompt), torch.arange(len(prompt)), dec.target.new_cache(300), len(prompt),
+                             dec.tap_ids)
+        full = dec.drafter.new_cache(300)
+        assert type(full) is KVCache
+        dec.drafter.add_context(taps[start - window:], torch.arange(start - window, start), full)
+        keys = torch.arange(start + BLOCK)
+        mask = (keys >= start - window)[None, :]
+        want = dec.drafter(embeds, positions, full, start + BLOCK, mask)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [1, 3, 16, 10_000])
+@pytest.mark.parametrize("graphed", [False, True])
+def test_greedy_dflash_with_a_window_equals_plain_decoding(pair, window, graphed):
+    """Any window, smaller than a block or larger than the context, eager or through the graphed paths: the
+    target's tokens, and the drafter still drafts (an oracle's planted guesses are all accepted)."""
+    engine = _engine(pair, window, graphed)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    seq = engine.decoder.new_sequence()
+    assert isinstance(seq.draft_cache, WindowKVCache) == (window < 256)
+    if window < 256:
+        assert seq.draft_cache.nbytes() < engine.decoder.drafter.new_cache(engine.decoder.capacity).nbytes()
+    for prompt in _prompts(engine.decoder.target.config.vocab_size, 2, seed=7):
+        base = engine.generate(prompt, params, draft=0).tokens
+        tokens, guesses = _own_guesses(engine, prompt, params)
+        assert tokens == base and len(guesses) > 3
+        vocab = engine.decoder.target.config.vocab_size
+        engine.decoder.oracle = PlantedOracle(prompt + base, lambda s: BLOCK - 1, vocab, "cpu")
+        try:
+            out = engine.generate(prompt, params, draft=BLOCK - 1)
+        finally:
+            engine.decoder.oracle = None
+        assert out.tokens == base and out.stats.draft_n_accepted == out.stats.draft_n > 0
+
+
+def test_the_graphed_paths_draft_what_the_eager_loop_drafts(pair):
+    """The ring through the graphed draft pass and the pipelined step (context rows projected inside the graph,
+    padding rows on the block's positions) gives the eager loop's guesses at every step, wrapping many times."""
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    eager, graphed = _engine(pair, 6), _engine(pair, 6, graphed=True)
+    prompt = _prompts(eager.decoder.target.config.vocab_size, 1, seed=9)[0]
+    assert _own_guesses(graphed, prompt, params) == _own_guesses(eager, prompt, params)
+
+
+def test_prefix_reuse_keeps_the_ring_only_while_it_holds_the_window(pair):
+    """A conversation's next turn (the prompt extends the last one) reuses the ring, and drafts exactly what a fresh
+    sequence drafts; a prompt that leaves the conversation before the ring's window reuses none of it."""
+    engine = _engine(pair, 6)
+    dec = engine.decoder
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    first = _prompts(dec.target.config.vocab_size, 1, seed=4)[0]
+    out = engine.generate(first, params, draft=BLOCK - 1).tokens
+    follow = first + out + [5, 6, 7]
+    fresh = _engine(pair, 6)
+    want = _own_guesses(fresh, follow, params)
+    got = _own_guesses(engine, follow, params, reuse_prefix=True)
+    assert engine._sequence.reused > len(first) and got == want
+    seq = engine._sequence
+    assert seq.draft_cache.reusable(seq.draft_len) == seq.draft_len
+    early = seq.draft_len - 6 - BLOCK - 2  # its window's rows were overwritten since
+    assert seq.draft_cache.reusable(early) == 0
+    assert dec.reusable_rows(seq, seq.tokens[:early] + [1, 2, 3]) == 0
+
+
+def test_a_window_needs_a_drafter_and_a_positive_size(qwen3_dir, pair):
+    with pytest.raises(ValueError, match="cross-ctx"):
+        Engine.load(qwen3_dir, None, device="cpu", context_size=64, draft_window=8)
+    with pytest.raises(ValueError, match="cross-ctx"):
+        _engine(pair, 0)
+
+
+def test_generate_refuses_a_window_of_zero(capsys):
+    from flashdraft.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["generate", "-p", "x", "--spec-dflash-cross-ctx", "0"])
+    assert "--spec-dflash-cross-ctx" in capsys.readouterr().err

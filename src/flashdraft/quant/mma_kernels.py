@@ -80,7 +80,7 @@ def _available(device_index: int) -> bool:
     if torch.cuda.get_device_capability(device_index) < (8, 0) or not hasattr(torch.cuda, "_compile_kernel"):
         return False
     try:
-        _compiled(MmaTiling(), 1)
+        _compiled(MmaTiling(), 1, device_index)
     except Exception as e:  # noqa: BLE001 - any failure (no NVRTC, a driver error) means: use the Triton kernels
         warnings.warn(f"flashdraft: the CUDA Q4_K kernel did not compile ({type(e).__name__}: {e}); using the "
                       f"Triton kernels", RuntimeWarning, stacklevel=2)
@@ -89,12 +89,14 @@ def _available(device_index: int) -> bool:
 
 
 @functools.cache
-def _compiled(tiling: MmaTiling, nt: int):
-    """(matmul kernel, split-reduce kernel) for this tiling and NT 8-token tiles, compiled by NVRTC."""
+def _compiled(tiling: MmaTiling, nt: int, device_index: int):
+    """(matmul kernel, split-reduce kernel) for this tiling and NT 8-token tiles, compiled by NVRTC for and loaded
+    on that GPU (a module is loaded per device)."""
     head = (f"#define R_TILES {tiling.r_tiles}\n#define NT {nt}\n#define WARPS {tiling.warps}\n"
             f"#define MINB {tiling.min_blocks}\n")
     src = head + SOURCE.read_text()
-    return (torch.cuda._compile_kernel(src, "q4k_mma"), torch.cuda._compile_kernel(src, "q_split_reduce"))
+    with torch.cuda.device(device_index):
+        return (torch.cuda._compile_kernel(src, "q4k_mma"), torch.cuda._compile_kernel(src, "q_split_reduce"))
 
 
 @functools.cache
@@ -119,18 +121,19 @@ def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, tiling: Mma
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*lead, n)
+    device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if tiling is None:
-        tiling = tiling_for(n, k, _sm_count(x.device.index if x.device.index is not None
-                                            else torch.cuda.current_device()))
+        tiling = tiling_for(n, k, _sm_count(device_index))
     nsb = k // 256
     if nsb % tiling.split:
         raise ValueError(f"split {tiling.split} does not divide the {nsb} super-blocks of K = {k}")
     # both builds at the first call of a tiling, so that a later M never compiles during CUDA-graph capture
-    kernels = [_compiled(tiling, nt) for nt in (1, 2)]
+    kernels = [_compiled(tiling, nt, device_index) for nt in (1, 2)]
     matmul, reduce = kernels[0] if m <= 8 else kernels[1]
     part = torch.empty((tiling.split, m, n), dtype=torch.float32, device=x.device)
     rows_per_block = 16 * tiling.r_tiles * tiling.warps
+    stream = torch.cuda.current_stream(x.device)
     matmul(grid=(-(-n // rows_per_block), tiling.split, 1), block=(32 * tiling.warps, 1, 1),
-           args=[blocks, x2, part, m, n, nsb, nsb // tiling.split])
-    reduce(grid=(-(-(m * n) // 256), 1, 1), block=(256, 1, 1), args=[part, y, tiling.split, m * n])
+           args=[blocks, x2, part, m, n, nsb, nsb // tiling.split], stream=stream)
+    reduce(grid=(-(-(m * n) // 256), 1, 1), block=(256, 1, 1), args=[part, y, tiling.split, m * n], stream=stream)
     return y.reshape(*lead, n)

@@ -164,8 +164,8 @@ def _run_attention(ours, layer: int, x: torch.Tensor, cache):
     T = x.shape[0]
     pos = torch.arange(T)
     kind = ours.config.layer_types[layer]
-    return ours.model.layers[layer].self_attn(x, *ours._rope(pos)[kind], cache, layer, pos, T,
-                                              ours._masks(pos, cache, T)[kind])
+    return ours.model.layers[layer].self_attn(x, *ours._rope(pos)[kind], cache.k[layer], cache.v[layer], cache.ring,
+                                              pos, T, ours._masks(pos, cache, T)[kind])
 
 
 @pytest.mark.parametrize("layer", [0, 2], ids=["sliding", "full"])
@@ -302,3 +302,25 @@ def test_unsupported_gemma4_variants_are_refused(dense):
     bad["text_config"]["layer_types"] = ["sliding_attention"] * 5
     with pytest.raises(ConfigError, match="layer_types has 5 entries"):
         Gemma4Config.from_dict(bad)
+
+
+def test_compiled_layers_share_one_graph_per_layer_kind(dense):
+    """A layer takes its own cache tensors (not the cache and its index), so torch.compile'd layers of one kind
+    share their compiled graphs instead of compiling once per layer (a layer index read in forward is a guard:
+    one compile per layer and token-count class, 12 here); the logits stay the eager ones."""
+    folder, _, eager = dense
+    compiled = load_target(folder, 0, device="cpu", dtype=torch.float32)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for layer in compiled.model.layers:
+        layer.compile(dynamic=True)
+    ids = _ids(24, eager.config.vocab_size, seed=4)
+    caches = eager.new_cache(64), compiled.new_cache(64)
+    with torch.no_grad():
+        for lo, hi in ((0, 16), (16, 17), (17, 18), (18, 24)):
+            want, got = (m(ids[lo:hi], torch.arange(lo, hi), c, hi)[0] for m, c in zip((eager, compiled), caches))
+            assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    kinds = len(set(eager.config.layer_types))
+    # per kind: one graph for one-token calls (Dynamo specializes size 1) and one for longer calls; plus the first
+    # call's trace before the sizes were marked dynamic
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2 * kinds + 1 < 2 * len(compiled.model.layers)

@@ -167,7 +167,9 @@ class Gemma4Attention(nn.Module):
         self.k_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.v_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps, with_weight=False)
 
-    def forward(self, x, cos, sin, cache: Gemma4Cache, layer: int, positions, kv_len: int, mask) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache_k, cache_v, ring: int, positions, kv_len: int, mask) -> torch.Tensor:
+        """cache_k / cache_v: this layer's rows of the cache (a ring of `ring` rows on a sliding layer). The layer's
+        own tensors, not the cache and an index, so that one compiled graph serves every layer of a kind."""
         T = x.shape[0]
         q = apply_rope(self.q_norm(self.q_proj(x).view(T, self.n_heads, self.head_dim)), cos, sin)
         raw_k = self.k_proj(x).view(T, self.n_kv, self.head_dim)
@@ -175,15 +177,14 @@ class Gemma4Attention(nn.Module):
         v = self.v_norm(raw_k if self.v_proj is None else self.v_proj(x).view(T, self.n_kv, self.head_dim))
         k = apply_rope(self.k_norm(raw_k), cos, sin)
         k, v = k.transpose(0, 1), v.transpose(0, 1)
-        cache_k, cache_v = cache.k[layer], cache.v[layer]
         hd, dtype = self.head_dim, q.dtype
         if self.sliding:
             # Attend over [ring rows | this call's rows as the ring will hold them], then keep this call's last
             # `ring` rows in the ring.
             keys = torch.cat([read_rows(cache_k, hd, dtype), as_stored(k, cache_k)], dim=1)
             values = torch.cat([read_rows(cache_v, hd, dtype), as_stored(v, cache_v)], dim=1)
-            keep = min(T, cache.ring)
-            slots = positions[-keep:] % cache.ring
+            keep = min(T, ring)
+            slots = positions[-keep:] % ring
             write_rows(cache_k, slots, k[:, -keep:])
             write_rows(cache_v, slots, v[:, -keep:])
         else:
@@ -280,7 +281,6 @@ class Gemma4DecoderLayer(nn.Module):
     def __init__(self, cfg: Gemma4Config, layer: int):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.layer = layer
         self.self_attn = Gemma4Attention(cfg, layer)
         self.mlp = Gemma4MLP(h, cfg.intermediate_size)
         self.input_layernorm = Gemma4RMSNorm(h, eps)
@@ -297,8 +297,8 @@ class Gemma4DecoderLayer(nn.Module):
             self.post_feedforward_layernorm_1 = Gemma4RMSNorm(h, eps)
             self.post_feedforward_layernorm_2 = Gemma4RMSNorm(h, eps)
 
-    def forward(self, h, cos, sin, cache, positions, kv_len: int, mask) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(h), cos, sin, cache, self.layer, positions, kv_len, mask)
+    def forward(self, h, cos, sin, cache_k, cache_v, ring: int, positions, kv_len: int, mask) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(h), cos, sin, cache_k, cache_v, ring, positions, kv_len, mask)
         h = h + self.post_attention_layernorm(attn)
         ff = self.mlp(self.pre_feedforward_layernorm(h))
         if self.moe:
@@ -396,7 +396,7 @@ class Gemma4LM(nn.Module):
         taps, wanted = {}, set(tap_ids or ())
         for i, layer in enumerate(self.model.layers):
             kind = self.config.layer_types[i]
-            h = layer(h, *rope[kind], cache, positions, kv_len, masks[kind])
+            h = layer(h, *rope[kind], cache.k[i], cache.v[i], cache.ring, positions, kv_len, masks[kind])
             if i in wanted:
                 taps[i] = h
         if SLIDING in self.config.layer_types:

@@ -265,7 +265,7 @@ def kernel_case(run: Run, qtype: str, shape: str, n: int, k: int, bw: float, dev
     rec: dict = {"qtype": qtype, "shape": shape, "n": n, "k": k}
     blocks = random_blocks(qtype, n, k, gen, dev)
     nbytes = blocks.numel()
-    cfg = tk.config_for(qtype, n, k, tk._sm_count(dev.index if dev.type == "cuda" else None))
+    cfg = tk.config_for(qtype, n, k, tk.sm_count(dev.index if dev.type == "cuda" else None))
     rec.update(bytes=nbytes, config=cfg.name, roofline_ms=nbytes / (bw * GB) * 1000)
     w = dequantize(blocks, qtype)
     wb = w.to(torch.bfloat16)
@@ -303,7 +303,7 @@ def kernel_case(run: Run, qtype: str, shape: str, n: int, k: int, bw: float, dev
         rec["variants"] = {}
         ref16 = x16.float() @ wb.float().T
         best, best_ms = cfg, ms["16"]
-        for var in tk_variants(tk, cfg, qtype, n, k, tk._sm_count(dev.index if dev.type == "cuda" else None)):
+        for var in tk_variants(tk, cfg, qtype, n, k, tk.sm_count(dev.index if dev.type == "cuda" else None)):
             try:
                 v = rec["variants"][var.name] = {str(m): bench_ms(
                     [lambda c=c, xm=x16[:m].contiguous(), var=var: tk.launch(xm, c, n, qtype, var) for c in copies],
@@ -527,7 +527,7 @@ def adopt_tilings(run: Run, dev, *models) -> dict:
     for rec in run.result.get("kernels", []):
         if "adopted_config" in rec:
             families.setdefault(rec["qtype"], rec["adopted_config"])
-    sms = tk._sm_count(dev.index if dev.type == "cuda" else None)
+    sms = tk.sm_count(dev.index if dev.type == "cuda" else None)
     used = {}
     for model in models:
         for m in model.modules():

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from flashdraft.quant.triton_kernels import sm_count
+
 MAX_ROWS = 16
 SOURCE = Path(__file__).with_name("q4k_mma.cu")
 
@@ -99,11 +101,6 @@ def _compiled(tiling: MmaTiling, nt: int, device_index: int):
         return (torch.cuda._compile_kernel(src, "q4k_mma"), torch.cuda._compile_kernel(src, "q_split_reduce"))
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, tiling: MmaTiling | None = None) -> torch.Tensor:
     """y = x @ W^T for W [out_features, K] held as Q4_K blocks; x bf16 [..., K] with at most MAX_ROWS rows.
     No host sync; allocates only the output and the fp32 partial sums: safe in CUDA graphs."""
@@ -123,7 +120,7 @@ def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, tiling: Mma
         return y.reshape(*lead, n)
     device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if tiling is None:
-        tiling = tiling_for(n, k, _sm_count(device_index))
+        tiling = tiling_for(n, k, sm_count(device_index))
     nsb = k // 256
     if nsb % tiling.split:
         raise ValueError(f"split {tiling.split} does not divide the {nsb} super-blocks of K = {k}")

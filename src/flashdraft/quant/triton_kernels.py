@@ -545,7 +545,8 @@ def _interpreting() -> bool:
 
 
 @functools.cache
-def _sm_count(device_index: int | None) -> int:
+def sm_count(device_index: int | None) -> int:
+    """Multiprocessors of that GPU (tilings depend on it, never on M); 132 without one."""
     if device_index is None or not torch.cuda.is_available():
         return 132  # an H100/H200: the interpreter tiles as the GPU does
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -603,7 +604,7 @@ def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str,
     if m == 0:
         return y.reshape(*lead, n)
     if config is None:
-        config = config_for(qtype, n, k, _sm_count(x.device.index if x.device.type == "cuda" else None))
+        config = config_for(qtype, n, k, sm_count(x.device.index if x.device.type == "cuda" else None))
     bk, split = config.block_k, config.split_k
     steps = -(-k // bk)
     if steps % split:

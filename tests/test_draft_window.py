@@ -135,3 +135,42 @@ def test_generate_refuses_a_window_of_zero(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "-p", "x", "--spec-dflash-cross-ctx", "0"])
     assert "--spec-dflash-cross-ctx" in capsys.readouterr().err
+
+
+def test_an_evicted_conversation_brings_its_ring_back_from_host_memory(pair):
+    """The host prompt cache (--cache-ram) keeps a window cache's whole ring and the positions it holds: a
+    conversation that comes back drafts what a fresh sequence drafts."""
+    from flashdraft.engine.prompt_cache import PromptCache
+
+    engine = _engine(pair, 6)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    vocab = engine.decoder.target.config.vocab_size
+    first, other = _prompts(vocab, 2, seed=12)
+    slot, cache = engine.new_sequence(), PromptCache(engine.decoder, None)
+    out = [e for e in engine.stream(first, params, BLOCK - 1, sequence=slot)][-1].tokens
+    assert cache.save(slot)
+    [e for e in engine.stream(other + other, params, BLOCK - 1, sequence=slot)]  # overwrites the slot's ring
+    follow = first + out + [9, 10]
+    restored = cache.restore(slot, follow, engine.decoder.reusable_rows(slot, follow))
+    assert restored == len(first) + len(out) - 1
+    engine._sequence = slot
+    want = _own_guesses(_engine(pair, 6), follow, params)
+    assert _own_guesses(engine, follow, params, reuse_prefix=True) == want and slot.reused == restored
+
+
+@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
+def test_a_quantized_draft_cache_in_a_ring(kv_type):
+    """-ctkd/-ctvd with a window (the demo pair: its head size takes the block types): quantized rows written at
+    ring rows, and greedy DFlash still equals plain decoding while the ring wraps, with drafts accepted."""
+    from flashdraft.demo import DEMO_DIR
+
+    engine = Engine.load(DEMO_DIR / "target", DEMO_DIR / "drafter", device="cpu", context_size=512, draft_window=24,
+                         draft_cache_type_k=kv_type, draft_cache_type_v=kv_type)
+    seq = engine.decoder.new_sequence()
+    assert isinstance(seq.draft_cache, WindowKVCache) and seq.draft_cache.k[0].dtype == torch.uint8
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    prompt = engine.encode_prompt(prompt="def fibonacci(n):\n")
+    plain = engine.generate(prompt, params, draft=0)
+    drafted = engine.generate(prompt, params, draft=engine.max_draft)
+    assert drafted.tokens == plain.tokens and drafted.stats.draft_n_accepted > 0
+    assert len(prompt) + len(plain.tokens) > 24 + engine.decoder.block_size  # the ring wrapped

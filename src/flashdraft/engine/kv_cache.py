@@ -34,10 +34,6 @@ class KVCache:
     def record(self, positions: torch.Tensor) -> None:
         """Note that rows(positions) now hold these positions (nothing to note: rows are positions)."""
 
-    def key_positions(self, kv_len: int) -> torch.Tensor:
-        """[kv_len] the position each of the first kv_len rows holds (attention masks by these)."""
-        return torch.arange(kv_len, device=self.k[0].device)
-
     def kv_len(self, rows: int) -> int:
         """How many rows a pass that needs positions [0, rows) reads."""
         return rows
@@ -91,7 +87,13 @@ class WindowKVCache(KVCache):
         self.ring_pos.index_copy_(0, self.rows(positions), positions)
 
     def key_positions(self, kv_len: int) -> torch.Tensor:
+        """[kv_len] the position each of the first kv_len rows holds (-1: none)."""
         return self.ring_pos[:kv_len]
+
+    def visible(self, kv_len: int, last: torch.Tensor) -> torch.Tensor:
+        """[1, kv_len] the rows a pass ending at position `last` may read: those holding a position up to it."""
+        held = self.key_positions(kv_len)
+        return ((held >= 0) & (held <= last))[None, :]
 
     def kv_len(self, rows: int) -> int:
         return min(rows, self.capacity)

@@ -100,9 +100,9 @@ class DFlashDrafter(nn.Module):
         """
         cos, sin = self.rope(positions)
         cache.record(positions)
-        if mask is None and isinstance(cache, WindowKVCache):
-            keys = cache.key_positions(kv_len)
-            mask = ((keys >= 0) & (keys <= positions[-1]))[None, :]
+        if isinstance(cache, WindowKVCache):
+            visible = cache.visible(kv_len, positions[-1])
+            mask = visible if mask is None else mask & visible
         rows = cache.rows(positions)
         h = block_embeds
         for i, layer in enumerate(self.layers):

@@ -48,7 +48,7 @@ class Gemma4DFlashDrafter(DFlashDrafter):
         ring = isinstance(cache, WindowKVCache)
         if ring:
             held = cache.key_positions(kv_len)
-            mask = _and(mask, ((held >= 0) & (held <= positions[-1]))[None, :])
+            mask = _and(mask, cache.visible(kv_len, positions[-1]))
         q = positions[:, None]
         for i, layer in enumerate(self.layers):
             sliding = cfg.layer_types[i] == "sliding_attention"

@@ -71,18 +71,26 @@ def tiling_for(n: int, k: int, sms: int = 132) -> MmaTiling:
 def supported(x: torch.Tensor, blocks: torch.Tensor, out_features: int) -> bool:
     """Whether launch() takes this product (otherwise the Triton kernels do)."""
     k = x.shape[-1]
-    return (x.is_cuda and x.dtype == torch.bfloat16 and x.numel() // max(k, 1) <= MAX_ROWS and k % 256 == 0
-            and out_features % 16 == 0 and blocks.shape == (out_features, k // 256 * 144)
-            and _available(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and x.numel() // max(k, 1) <= MAX_ROWS and k % 256 == 0
+            and out_features % 16 == 0 and blocks.shape == (out_features, k // 256 * 144)):
+        return False
+    device_index = _device_index(x)
+    return _builds(tiling_for(out_features, k, sm_count(device_index)), device_index)
+
+
+def _device_index(x: torch.Tensor) -> int:
+    return x.device.index if x.device.index is not None else torch.cuda.current_device()
 
 
 @functools.cache
-def _available(device_index: int) -> bool:
-    """Compute capability >= 8.0 (bf16 mma.sync) and NVRTC compiles the kernels (warned once if it does not)."""
+def _builds(tiling: MmaTiling, device_index: int) -> bool:
+    """Compute capability >= 8.0 (bf16 mma.sync) and NVRTC builds this tiling's kernels (warned if it does not)."""
     if torch.cuda.get_device_capability(device_index) < (8, 0) or not hasattr(torch.cuda, "_compile_kernel"):
         return False
     try:
-        _compiled(MmaTiling(), 1, device_index)
+        _reduce_kernel(device_index)
+        for nt in (1, 2):
+            _matmul_kernel(tiling, nt, device_index)
     except Exception as e:  # noqa: BLE001 - any failure (no NVRTC, a driver error) means: use the Triton kernels
         warnings.warn(f"flashdraft: the CUDA Q4_K kernel did not compile ({type(e).__name__}: {e}); using the "
                       f"Triton kernels", RuntimeWarning, stacklevel=2)
@@ -91,14 +99,20 @@ def _available(device_index: int) -> bool:
 
 
 @functools.cache
-def _compiled(tiling: MmaTiling, nt: int, device_index: int):
-    """(matmul kernel, split-reduce kernel) for this tiling and NT 8-token tiles, compiled by NVRTC for and loaded
-    on that GPU (a module is loaded per device)."""
+def _matmul_kernel(tiling: MmaTiling, nt: int, device_index: int):
+    """q4k_mma for this tiling and NT 8-token tiles, compiled by NVRTC for and loaded on that GPU (a module is
+    loaded per device)."""
     head = (f"#define R_TILES {tiling.r_tiles}\n#define NT {nt}\n#define WARPS {tiling.warps}\n"
             f"#define MINB {tiling.min_blocks}\n")
-    src = head + SOURCE.read_text()
     with torch.cuda.device(device_index):
-        return (torch.cuda._compile_kernel(src, "q4k_mma"), torch.cuda._compile_kernel(src, "q_split_reduce"))
+        return torch.cuda._compile_kernel(head + SOURCE.read_text(), "q4k_mma")
+
+
+@functools.cache
+def _reduce_kernel(device_index: int):
+    """q_split_reduce, the same for every tiling: compiled once per GPU."""
+    with torch.cuda.device(device_index):
+        return torch.cuda._compile_kernel(SOURCE.read_text(), "q_split_reduce")
 
 
 def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, tiling: MmaTiling | None = None) -> torch.Tensor:
@@ -118,15 +132,16 @@ def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, tiling: Mma
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*lead, n)
-    device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    device_index = _device_index(x)
     if tiling is None:
         tiling = tiling_for(n, k, sm_count(device_index))
     nsb = k // 256
     if nsb % tiling.split:
         raise ValueError(f"split {tiling.split} does not divide the {nsb} super-blocks of K = {k}")
     # both builds at the first call of a tiling, so that a later M never compiles during CUDA-graph capture
-    kernels = [_compiled(tiling, nt, device_index) for nt in (1, 2)]
-    matmul, reduce = kernels[0] if m <= 8 else kernels[1]
+    builds = [_matmul_kernel(tiling, nt, device_index) for nt in (1, 2)]
+    matmul = builds[0] if m <= 8 else builds[1]
+    reduce = _reduce_kernel(device_index)
     part = torch.empty((tiling.split, m, n), dtype=torch.float32, device=x.device)
     rows_per_block = 16 * tiling.r_tiles * tiling.warps
     stream = torch.cuda.current_stream(x.device)

@@ -1,6 +1,6 @@
 // Q4_K weights times 1-16 rows of bf16 x on the tensor cores, straight from registers (no shared memory, no
-// barriers). Compiled at first use by NVRTC (flashdraft.quant.mma_kernels), with R_TILES, NT, WARPS and MINB
-// defined in front of this text.
+// barriers). Compiled at first use by NVRTC (flashdraft.quant.mma_kernels): q4k_mma with R_TILES, NT, WARPS and
+// MINB defined in front of this text, once per tiling; q_split_reduce, which depends on none of them, without.
 //
 // W: GGUF Q4_K blocks, row-major uint8 [N, K / 256 * 144]. X: bf16 [M, K], M <= 8 * NT. P: float32 partial sums
 // [split, M, N], one K range (a split) each, added in split order by q_split_reduce.
@@ -43,6 +43,7 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], u32 a0, u32 a1, u3
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+#ifdef R_TILES
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)
 q4k_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__restrict__ P, int M, int N,
         int nsb, int sb_per_split) {
@@ -171,6 +172,7 @@ q4k_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *_
             }
     }
 }
+#endif
 
 // y[m][n] = bf16(p[0][m][n] + p[1][m][n] + ...), always in split order, rounded to nearest even (NaN kept).
 extern "C" __global__ void q_split_reduce(const float *__restrict__ P, u16 *__restrict__ Y, int split, int MN) {

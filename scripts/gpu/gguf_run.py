@@ -559,9 +559,9 @@ def other_tensors(dev, *models, top: int = 8) -> dict:
             if not isinstance(obj, torch.Tensor) or obj.device != dev or obj.is_meta:
                 continue
             storage = obj.untyped_storage()
-        except Exception:  # noqa: BLE001 - objects that only look like tensors
+            ptr = storage.data_ptr()
+        except Exception:  # noqa: BLE001 - objects that only look like tensors, and torch.compile's fake tensors
             continue
-        ptr = storage.data_ptr()
         if ptr not in owned and storage.nbytes() > seen.get(ptr, (0,))[0]:
             seen[ptr] = (storage.nbytes(), list(obj.shape), str(obj.dtype).replace("torch.", ""))
     largest = sorted(seen.values(), reverse=True)[:top]
@@ -826,8 +826,8 @@ def main(argv=None) -> int:
     ap.add_argument("--drafter-bf16", action="store_true", help="bf16 drafter weights instead of quant blocks")
     ap.add_argument("--drafter-qtype", default="Q5_K", choices=["Q5_K", "Q8_0", "Q4_K", "Q6_K"],
                     help="quant type of the drafter's blocks (default Q5_K, as the walkthrough's Q5_K_M file)")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the drafter layers (the CUDA default "
-                                                           "of Engine; off here to save compile time)")
+    ap.add_argument("--no-compile", dest="compile", action="store_false",
+                    help="leave the target's and the drafter's layers uncompiled (Engine compiles them on CUDA)")
     ap.add_argument("--configs", type=Path, default=None,
                     help="gguf_sweep.py's gguf_configs.json: measured tilings for the shapes it lists")
     ap.add_argument("--gemm", default=None, help="Engine's gemm backend for float layers, where supported")

@@ -88,11 +88,13 @@ def fuse_projections(*models: nn.Module) -> None:
 
 
 def compile_layers(*models: nn.Module) -> None:
-    """torch.compile each decoder layer (regional compilation: the layers share one compiled graph, so compile
-    time does not grow with depth); fuses every elementwise op of a layer around its GEMMs and attention."""
+    """torch.compile each decoder layer (regional compilation: the layers of a kind share one compiled graph, so
+    compile time does not grow with depth); fuses every elementwise op of a layer around its GEMMs and attention.
+    Gemma 4's layers are the costliest case left uncompiled: about 60 small norm/RoPE/cache kernels each."""
     from flashdraft.layers import DecoderLayer
+    from flashdraft.models.gemma4 import Gemma4DecoderLayer
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for model in models:
         for m in model.modules():
-            if isinstance(m, DecoderLayer) and getattr(m, "_compiled_call_impl", None) is None:
+            if isinstance(m, (DecoderLayer, Gemma4DecoderLayer)) and getattr(m, "_compiled_call_impl", None) is None:
                 m.compile(dynamic=True)

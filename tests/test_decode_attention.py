@@ -201,3 +201,78 @@ def test_resolve_attention(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="needs Triton and a CUDA device"):
         resolve_attention("triton", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("hd, scale", [(512, 1.0), (64, 0.37)])
+def test_head_width_512_and_a_given_scale(hd, scale):
+    """Gemma 4's full layers: 512-wide heads and scores scaled by 1.0, not 1/sqrt(head_dim)."""
+    k, v = _cache(1, 150, hd, seed=hd)
+    q = _queries(8, 3, hd, seed=3) / hd ** 0.5
+    mask = _causal(140, 3, 150)
+    out = da.decode_attention(q, k, v, mask, scale=scale)
+    # SDPA's default scale is 1/sqrt(hd): the same scores come from q * scale * sqrt(hd)
+    ref = _reference(q.double() * scale * hd ** 0.5, k, v, mask)
+    assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+def _gemma4_decode(model, ids, block):
+    cache, parts = model.new_cache(len(ids) + 8), []
+    with torch.no_grad():
+        parts.append(model(ids[:20], torch.arange(20, device=ids.device), cache, 20)[0])
+        for i in range(20, len(ids), block):  # through the static caches and around the sliding layers' ring
+            j = min(i + block, len(ids))
+            parts.append(model(ids[i:j], torch.arange(i, j, device=ids.device), cache, j)[0])
+    return torch.cat(parts)
+
+
+def test_gemma4_routes_to_the_kernel(tmp_path):
+    """Gemma 4's sliding (ring read in place) and full layers take decode_attention for few-row passes, with the
+    logits of the SDPA path; longer passes stay on SDPA."""
+    from test_gemma4_target import LONG, WINDOW
+    from test_gemma4_tiny import build_gemma4_target
+
+    from flashdraft.loading import load_target
+
+    folder, _ = build_gemma4_target(tmp_path, window=WINDOW)
+    sdpa = load_target(folder, 0, device=DEVICE, dtype=torch.float32)
+    routed = load_target(folder, 0, device=DEVICE, dtype=torch.float32)
+    assert da.route_attention(routed, max_t=16) == routed.config.num_hidden_layers
+    ids = torch.randint(0, routed.config.vocab_size, (LONG,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    calls = []
+    real = da.launch
+    da.launch = lambda *a, **kw: calls.append(a[0].shape[1]) or real(*a, **kw)
+    try:
+        got = _gemma4_decode(routed, ids, 7)
+    finally:
+        da.launch = real
+    assert (got - _gemma4_decode(sdpa, ids, 7)).abs().max().item() < 1e-4
+    assert set(calls) == {7, (LONG - 20) % 7 or 7}  # the 20-token prefill went to SDPA (more than max_t rows)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="bitwise batch invariance is the GPU kernels' property")
+def test_gemma4_target_rows_are_bitwise_independent_of_the_block(tmp_path):
+    """What lossless greedy DFlash rests on for Gemma 4: a token's logits are the same bits verified inside a
+    16-token block as decoded alone, in bf16 with the engine's CUDA settings (Triton GEMMs and attention, compiled
+    layers)."""
+    from test_gemma4_target import WINDOW
+    from test_gemma4_tiny import build_gemma4_target
+
+    from flashdraft.engine.cuda_graphs import compile_layers
+    from flashdraft.layers.skinny_gemm import route_linears
+    from flashdraft.loading import load_target
+
+    folder, _ = build_gemma4_target(tmp_path, window=WINDOW)
+    model = load_target(folder, 0, device="cuda", dtype=torch.bfloat16)
+    route_linears(model, gemm="triton", max_m=16)
+    da.route_attention(model, max_t=16)
+    compile_layers(model)
+    vocab, start = model.config.vocab_size, 3 * WINDOW + 5  # past the window and around the ring
+    ids = torch.randint(0, vocab, (start + 16,), generator=torch.Generator().manual_seed(2)).cuda()
+    cache = model.new_cache(start + 64)
+    kv = start + 32  # both passes over the same (graph-bucket) length, as the engine runs them
+    with torch.no_grad():
+        model(ids[:start], torch.arange(start, device="cuda"), cache, start)
+        block = model(ids[start:], torch.arange(start, start + 16, device="cuda"), cache, kv)[0]
+        alone = [model(ids[start + i:start + i + 1], torch.tensor([start + i], device="cuda"), cache, kv)[0]
+                 for i in range(16)]
+    assert all(torch.equal(block[i], row[0]) for i, row in enumerate(alone))

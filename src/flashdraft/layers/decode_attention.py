@@ -1,9 +1,10 @@
 """Batch-invariant split-KV attention for the few query rows of a decode, verify or draft step.
 
-`decode_attention(q, k, v, mask)` attends q [heads, T, head_dim] over the first kv_len rows of one layer's cache,
+`decode_attention(q, k, v, mask, scale)` attends q [heads, T, head_dim] over the first kv_len rows of one layer's cache,
 k / v [kv_heads, kv_len, row] (views of the static cache; rows of any KV cache type, flashdraft.quant.kv_formats:
 float rows of any dtype, or packed blocks that the kernel dequantizes as it reads them), under a boolean mask
-[T or 1, kv_len] (True = may attend; None = every row visible), and returns [T, heads * head_dim], the layout o_proj reads. The Triton
+[T or 1, kv_len] (True = may attend; None = every row visible), scaling scores by `scale` (None: 1/sqrt(head_dim);
+Gemma 4 uses 1.0), and returns [T, heads * head_dim], the layout o_proj reads. The Triton
 kernel (flashdraft.layers._attention_triton) splits the keys into fixed ranges, one program per (kv head, tile of
 query rows, key range), and the last program of each (kv head, tile) adds the ranges' partial softmaxes in a
 fixed order; `config_for` picks the tiling from the head width and the cache's capacity (longer key ranges for
@@ -30,7 +31,7 @@ import torch
 
 from flashdraft.quant.kv_formats import stored_format
 
-HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two (tl.arange), at least tl.dot's 16
+HEAD_DIMS = (16, 32, 64, 128, 256, 512)  # powers of two (tl.arange), at least tl.dot's 16; 512: Gemma 4's full layers
 # The kernel's codes for quantized cache rows (_attention_triton._load_rows); float rows of any dtype are 0.
 KERNEL_FORMATS = {"q8_0": 1, "q4_0": 2, "q4_1": 3, "q5_0": 4, "q5_1": 5}
 ATTENTION_BACKENDS = ("sdpa", "triton")
@@ -66,11 +67,15 @@ LONG_CONFIGS = ((24576, AttentionConfig(block_n=128, split=512, num_warps=8)),
 # Wider heads (256: Gemma-4) keep steps of 64 keys: a 128-key step would hold 64 KB of keys and 64 KB of values
 # per program at once (not measured at that width, nor longer ranges).
 WIDE_HEAD_CONFIG = AttentionConfig()
+# 512-wide heads (Gemma 4's full layers): steps of 32 keys, so a step's keys and values stay at 32 KB each.
+WIDEST_HEAD_CONFIG = AttentionConfig(block_n=32, num_warps=8)
 
 
 def config_for(head_dim: int, capacity: int = 0) -> AttentionConfig:
     """The tiling for a head width and a cache of `capacity` rows (both fixed for a cache's life; never T or kv_len,
     so a row's arithmetic is the same in every pass over the same cache)."""
+    if head_dim > 256:
+        return WIDEST_HEAD_CONFIG
     if head_dim > 128:
         return WIDE_HEAD_CONFIG
     if capacity <= SHORT_CACHE_ROWS:
@@ -89,9 +94,10 @@ def supports(head_dim: int) -> bool:
 
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-           config: AttentionConfig | None = None) -> torch.Tensor:
+           config: AttentionConfig | None = None, scale: float | None = None) -> torch.Tensor:
     """Run the kernel (no custom-op wrapper). q [heads, T, hd]; k, v [kv_heads, kv_len, row] (rows of a KV cache
-    type) with unit stride along a row; mask None or bool [T or 1, kv_len]. Returns [T, heads * hd] in q's dtype.
+    type) with unit stride along a row; mask None or bool [T or 1, kv_len]; scale: of the scores (None:
+    1/sqrt(hd)). Returns [T, heads * hd] in q's dtype.
     config None = config_for(head_dim, the cache's capacity: k's rows per kv head as allocated, from its strides)."""
     heads, T, hd = q.shape
     c = config or config_for(hd, k.stride(0) // max(1, k.stride(1)))
@@ -123,7 +129,7 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     _kernels().attention_kernel[(kv_heads, tiles, splits)](
         q, k, v, mask if mask is not None else q, m, l_sum, acc, _tickets(q.device, kv_heads * tiles), out, T,
         kv_len, splits, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), stride_mt,
-        out.stride(0), math.log2(math.e) / math.sqrt(hd), GROUP=group, D=hd, HAS_MASK=mask is not None,
+        out.stride(0), math.log2(math.e) * (1 / math.sqrt(hd) if scale is None else scale), GROUP=group, D=hd, HAS_MASK=mask is not None,
         IEEE=q.dtype == torch.float32, BLOCK_Q=c.block_q, BLOCK_N=c.block_n, SPLIT=c.split,
         K_FMT=KERNEL_FORMATS.get(k_format.name, 0), V_FMT=KERNEL_FORMATS.get(v_format.name, 0),
         K_ALIGN=_row_alignment(k), V_ALIGN=_row_alignment(v), num_warps=c.num_warps, num_stages=c.num_stages)
@@ -159,30 +165,32 @@ def _tickets(device: torch.device, count: int) -> torch.Tensor:
 
 @torch.library.custom_op("flashdraft::decode_attention", mutates_args=())
 def _decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         mask: torch.Tensor | None) -> torch.Tensor:
-    return launch(q, k, v, mask)
+                         mask: torch.Tensor | None, scale: float | None = None) -> torch.Tensor:
+    return launch(q, k, v, mask, scale=scale)
 
 
 @_decode_attention_op.register_fake
-def _(q, k, v, mask):
+def _(q, k, v, mask, scale=None):
     return q.new_empty((q.shape[1], q.shape[0] * q.shape[2]))
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float | None = None) -> torch.Tensor:
     """Attention of q [heads, T, hd] over k, v [kv_heads, kv_len, hd] under mask [T or 1, kv_len] (True = may
-    attend; None = all), -> [T, heads * hd]; each token's row is bitwise independent of T (module docstring)."""
-    return _decode_attention_op(q, k, v, mask)
+    attend; None = all), scores scaled by `scale` (None: 1/sqrt(hd)), -> [T, heads * hd]; each token's row is
+    bitwise independent of T (module docstring)."""
+    return _decode_attention_op(q, k, v, mask, scale)
 
 
 def route_attention(*models: torch.nn.Module, on: bool = True, max_t: int = 16) -> int:
     """Send the models' cached attention passes of at most max_t tokens to decode_attention (on=True) or back to
-    SDPA (on=False). Applies to Attention modules whose head_dim the kernel takes; returns how many were routed.
-    Call it before torch.compile or CUDA graph capture."""
-    from flashdraft.layers.attention import Attention
+    SDPA (on=False). Applies to the attention modules that declare `decode_attention_max_t` (Attention,
+    Gemma4Attention) whose head_dim the kernel takes; returns how many were routed. Call it before torch.compile
+    or CUDA graph capture."""
     routed = 0
     for model in models:
         for mod in model.modules():
-            if isinstance(mod, Attention) and supports(mod.head_dim):
+            if hasattr(type(mod), "decode_attention_max_t") and supports(mod.head_dim):
                 mod.decode_attention_max_t = max_t if on else 0
                 routed += on
     return routed

@@ -28,6 +28,7 @@ from torch import nn
 from flashdraft.config import read_json
 from flashdraft.config_gemma4 import FULL, SLIDING, Gemma4Config, RopeSpec
 from flashdraft.engine.kv_cache import check_same_types
+from flashdraft.layers.decode_attention import decode_attention
 from flashdraft.loading.checkpoint import CheckpointError, assign_tensors, default_device_dtype, safetensors_files
 from flashdraft.quant.kv_formats import as_stored, bytes_per_token, cache_format, new_rows, read_rows, write_rows
 
@@ -35,6 +36,10 @@ from flashdraft.quant.kv_formats import as_stored, bytes_per_token, cache_format
 # any of its positions still finds every row its window needs while T <= RING_OVERHANG + 2. The engine's verify
 # blocks are at most generator.MAX_BLOCK_SIZE (64) rows; a test pins RING_OVERHANG >= it.
 RING_OVERHANG = 64
+# Passes of at most this many tokens write their rows into the ring before attending and read the ring in place:
+# a row written overwrites a position at least window + RING_OVERHANG - T + 1 > window older than any query of the
+# call, so nothing a query needs is lost. Longer passes (prefill) attend over [ring | their own rows].
+RING_IN_PLACE_MAX_T = RING_OVERHANG
 # Stored position of a ring row never written: far enough below any query that the window excludes it.
 _EMPTY = -(2 ** 40)
 
@@ -153,6 +158,8 @@ class Gemma4Cache:
 
 
 class Gemma4Attention(nn.Module):
+    decode_attention_max_t = 0  # > 0: passes of up to this many tokens run decode_attention (route_attention)
+
     def __init__(self, cfg: Gemma4Config, layer: int):
         super().__init__()
         self.sliding = cfg.is_sliding(layer)
@@ -178,7 +185,7 @@ class Gemma4Attention(nn.Module):
         k = apply_rope(self.k_norm(raw_k), cos, sin)
         k, v = k.transpose(0, 1), v.transpose(0, 1)
         hd, dtype = self.head_dim, q.dtype
-        if self.sliding:
+        if self.sliding and T > RING_IN_PLACE_MAX_T:
             # Attend over [ring rows | this call's rows as the ring will hold them], then keep this call's last
             # `ring` rows in the ring.
             keys = torch.cat([read_rows(cache_k, hd, dtype), as_stored(k, cache_k)], dim=1)
@@ -188,9 +195,16 @@ class Gemma4Attention(nn.Module):
             write_rows(cache_k, slots, k[:, -keep:])
             write_rows(cache_v, slots, v[:, -keep:])
         else:
-            write_rows(cache_k, positions, k)
-            write_rows(cache_v, positions, v)
-            keys, values = read_rows(cache_k[:, :kv_len], hd, dtype), read_rows(cache_v[:, :kv_len], hd, dtype)
+            # Rows written first and read in place (the ring whole, the full layers' first kv_len rows): a token's
+            # keys sit at the same places whether it comes alone or in a verify block, so with decode_attention
+            # its output bits are the same (batch invariance), and nothing is copied.
+            rows = positions % ring if self.sliding else positions
+            write_rows(cache_k, rows, k)
+            write_rows(cache_v, rows, v)
+            keys, values = (cache_k, cache_v) if self.sliding else (cache_k[:, :kv_len], cache_v[:, :kv_len])
+            if T <= self.decode_attention_max_t:  # the kernel reads every cache type itself
+                return self.o_proj(decode_attention(q.transpose(0, 1), keys, values, mask, scale=1.0))
+            keys, values = read_rows(keys, hd, dtype), read_rows(values, hd, dtype)
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
                                              scale=1.0, enable_gqa=self.n_heads != self.n_kv)
         return self.o_proj(out[0].transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
@@ -370,16 +384,22 @@ class Gemma4LM(nn.Module):
         return out
 
     def _masks(self, positions: torch.Tensor, cache: Gemma4Cache, kv_len: int) -> dict[str, torch.Tensor]:
-        """Boolean masks per layer type. kv_len may exceed the last position + 1 (a CUDA graph captured for a
-        longer length): full layers hide rows past each query, sliding layers decide by stored positions."""
+        """Boolean masks [T, keys] per layer type. kv_len may exceed the last position + 1 (a CUDA graph captured for
+        a longer length): full layers hide rows past each query, sliding layers decide by stored positions: over
+        the ring as this call leaves it (few rows, Gemma4Attention writes first), or over [ring | this call's
+        rows], where ring rows at or after the call's first position are stale."""
         q = positions[:, None]
         masks = {FULL: torch.arange(kv_len, device=positions.device)[None, :] <= q}
         if SLIDING in self.config.layer_types:
             w = cache.window
-            stored = cache.ring_pos[None, :]
-            ring = (stored < positions[:1, None]) & (q - stored < w)
-            new = (positions[None, :] <= q) & (q - positions[None, :] < w)
-            masks[SLIDING] = torch.cat([ring, new], dim=1)
+            if positions.shape[0] <= RING_IN_PLACE_MAX_T:
+                stored = cache.ring_pos.index_copy(0, positions % cache.ring, positions)[None, :]
+                masks[SLIDING] = (stored <= q) & (q - stored < w)
+            else:
+                stored = cache.ring_pos[None, :]
+                ring = (stored < positions[:1, None]) & (q - stored < w)
+                new = (positions[None, :] <= q) & (q - positions[None, :] < w)
+                masks[SLIDING] = torch.cat([ring, new], dim=1)
         return masks
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Gemma4Cache, kv_len: int,

@@ -1,0 +1,147 @@
+"""Is a Gemma 4 target pass batch-invariant? The question lossless greedy DFlash rests on: does a token's logit
+row come out bitwise the same when the token is verified inside a 16-token block as when it is decoded alone?
+
+Builds a Gemma-4-31B-wide target (hidden 5376, real head shapes, random Q4_K/Q5_K projections and Q6_K tied
+embedding, as scripts/gpu/gguf_run.py) with 6 layers (5 sliding, 1 full) and ordinary norm weights, prefills 100
+random tokens, then for each way of running the layers (eager with SDPA; the engine's CUDA settings, with
+decode_attention, uncompiled and compiled) compares the logits and the last hidden state of a 16-token pass
+with 16 one-token passes at the same positions and attention length (as the engine's graphs use: the length
+rounded up to 256). Also the parts alone: Gemma4RMSNorm rows, SDPA rows (sliding mask and full), eager and
+compiled.
+
+Usage (repo root): PYTHONPATH=src python scripts/gpu/gemma4_invariance.py OUT_DIR [--tiny]
+Writes OUT_DIR/gemma4_invariance.json. --tiny: small shapes on the CPU (for a syntax check, not for findings).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch  # noqa: E402
+
+import gguf_run  # noqa: E402
+
+
+def rows_report(block: torch.Tensor, singles: list[torch.Tensor]) -> dict:
+    """block [T, ...] against T single-row results: how many rows differ at all, and the largest difference."""
+    unequal = sum(int(not torch.equal(block[i], s.reshape(block[i].shape))) for i, s in enumerate(singles))
+    diff = max(float((block[i].float() - s.reshape(block[i].shape).float()).abs().max()) for i, s in enumerate(singles))
+    return {"rows": len(singles), "rows_unequal": unequal, "max_abs_diff": diff}
+
+
+def model_check(target, dev, prompt_len: int, T: int, gen) -> dict:
+    from flashdraft.engine.cuda_graphs import bucket
+
+    vocab = target.config.vocab_size
+    cache = target.new_cache(prompt_len + T + 64)
+    prompt = torch.randint(0, vocab, (prompt_len,), device=dev, generator=gen)
+    block = torch.randint(0, vocab, (T,), device=dev, generator=gen)
+    kv = bucket(prompt_len + T, cache.capacity)
+    taps = [len(target.model.layers) - 1]
+    target(prompt, torch.arange(prompt_len, device=dev), cache, prompt_len)
+    logits16, h16 = target(block, torch.arange(prompt_len, prompt_len + T, device=dev), cache, kv, tap_ids=taps)
+    singles, hs = [], []
+    for i in range(T):
+        logits, h = target(block[i:i + 1], torch.tensor([prompt_len + i], device=dev), cache, kv, tap_ids=taps)
+        singles.append(logits)
+        hs.append(h)
+    return {"logits": rows_report(logits16, singles), "hidden": rows_report(h16, hs)}
+
+
+def parts_check(target, dev, compiled: bool, gen, dtype) -> dict:
+    """RMSNorm and SDPA alone, the same rows inside a 16-row call and alone."""
+    import torch.nn.functional as F
+
+    from flashdraft.models.gemma4 import Gemma4RMSNorm
+
+    H = target.config.hidden_size
+    out = {}
+    norm = Gemma4RMSNorm(H).to(dev)
+    norm.weight.data.normal_(1.0, 0.1, generator=gen)
+    fn = torch.compile(norm, dynamic=True) if compiled else norm
+    x = torch.randn(16, H, device=dev, generator=gen).to(dtype)
+    out["rms_norm"] = rows_report(fn(x), [fn(x[i:i + 1]) for i in range(16)])
+
+    def sdpa(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=True)
+
+    sd = torch.compile(sdpa, dynamic=True) if compiled else sdpa
+    cfg = target.config
+    full_layer = cfg.layer_types.index(gguf_run.FULL)
+    for kind, layer in (("sliding", 0), ("full", full_layer)):
+        heads, kv_heads, hd = cfg.num_attention_heads, cfg.layer_kv_heads[layer], cfg.layer_head_dims[layer]
+        L = 512
+        q = torch.randn(1, heads, 16, hd, device=dev, generator=gen).to(dtype)
+        k = torch.randn(1, kv_heads, L, hd, device=dev, generator=gen).to(dtype) / hd ** 0.5
+        v = torch.randn(1, kv_heads, L, hd, device=dev, generator=gen).to(dtype)
+        pos = torch.arange(400, 416, device=dev)
+        mask = torch.arange(L, device=dev)[None, :] <= pos[:, None]
+        full = sd(q, k, v, mask[None, None])[0].transpose(0, 1)
+        alone = [sd(q[:, :, i:i + 1], k, v, mask[None, None, i:i + 1])[0].transpose(0, 1) for i in range(16)]
+        out[f"sdpa_{kind}"] = rows_report(full, alone)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--tiny", action="store_true")
+    args = ap.parse_args(argv)
+    if args.tiny or not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the Triton kernels are imported
+    args.out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    base = gguf_run.GEMMA4_TINY if dev.type == "cpu" else gguf_run.GEMMA4_31B
+    layers = 6
+    gguf_run.GEMMA4_31B = gguf_run.GEMMA4_TINY = dict(
+        base, num_hidden_layers=layers,
+        layer_types=[gguf_run.FULL if (i + 1) % 6 == 0 else gguf_run.SLIDING for i in range(layers)])
+    run = gguf_run.Run(args.out, 600.0, dev.type == "cpu")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    target, _, _ = gguf_run.build_models(run, dev, dtype, gen, 256, drafter_bf16=True)
+    for name, p in target.named_parameters():  # ordinary norms, not gguf_run's embedding-dominated residual
+        if name.endswith("layernorm.weight") or name == "model.norm.weight":
+            p.data.normal_(1.0, 0.1, generator=gen)
+    result = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "variants": {}}
+    from flashdraft.models.gemma4 import Gemma4DecoderLayer
+
+    from flashdraft.engine.cuda_graphs import compile_layers
+    from flashdraft.layers.decode_attention import route_attention
+
+    # eager SDPA (no routing, as before decode_attention took Gemma 4); the engine's CUDA settings without and with
+    # compiled layers (route_attention as SpeculativeDecoder does; the projections are quantized, so their
+    # kernels are the engine's already)
+    variants = [("eager_sdpa", False, False), ("engine_eager", True, False), ("engine", True, True)]
+    for name, routed, compiled in variants:
+        t = time.time()
+        torch._dynamo.reset()
+        for m in target.modules():
+            if isinstance(m, Gemma4DecoderLayer):
+                m._compiled_call_impl = None
+        route_attention(target, on=routed, max_t=16)
+        if compiled:
+            compile_layers(target)
+        try:
+            with torch.inference_mode():
+                rec = model_check(target, dev, 100, 16, gen)
+                if name != "engine_eager":
+                    rec.update(parts_check(target, dev, compiled, gen, dtype))
+        except Exception as e:  # noqa: BLE001
+            rec = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        rec["seconds"] = round(time.time() - t, 1)
+        result["variants"][name] = rec
+        print(name, json.dumps(rec), flush=True)
+        (args.out / "gemma4_invariance.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -20,7 +20,8 @@ import gguf_run  # noqa: E402
 from flashdraft.engine.generator import Engine  # noqa: E402
 from flashdraft.config import SamplingParams  # noqa: E402
 
-FAMILIES = (("q4k mma", ("q4k_mma",)), ("split reduce", ("split_reduce",)),
+FAMILIES = (("q4k mma", ("q4k_mma",)), ("compiled layer ops", ("triton_poi", "triton_red", "triton_per")),
+            ("split reduce", ("split_reduce",)),
             ("triton quant matmul", ("_quant_matmul",)), ("attention", ("attention", "attn", "flash", "sdpa")),
             ("norm", ("norm", "rms")), ("gemm (float)", ("gemm", "gemv", "nvjet", "cutlass", "sm90")),
             ("copy / cat / index", ("copy", "cat", "index", "gather", "scatter")),
@@ -44,7 +45,7 @@ def main() -> int:
     target, drafter, info = gguf_run.build_models(run, dev, torch.bfloat16, gen, 1024, False, "Q5_K")
     result = {"info": {k: v for k, v in info.items() if isinstance(v, (int, float, str))}}
     for graphs in (True, False):
-        engine = Engine(target, None, drafter, context_size=1024, cuda_graphs=graphs, compile=False)
+        engine = Engine(target, None, drafter, context_size=1024, cuda_graphs=graphs)  # compiled layers on CUDA
         seq = engine.new_sequence()
         engine._sequence = seq
         prompt = list(range(10, 42))

@@ -201,7 +201,10 @@ class Gemma4Attention(nn.Module):
             rows = positions % ring if self.sliding else positions
             write_rows(cache_k, rows, k)
             write_rows(cache_v, rows, v)
-            keys, values = (cache_k, cache_v) if self.sliding else (cache_k[:, :kv_len], cache_v[:, :kv_len])
+            # Every position is below kv_len, so a ring longer than kv_len holds rows only below kv_len: the
+            # sliding layers of a short context read that many.
+            n = min(kv_len, ring) if self.sliding else kv_len
+            keys, values, mask = cache_k[:, :n], cache_v[:, :n], mask[:, :n]
             if T <= self.decode_attention_max_t:  # the kernel reads every cache type itself
                 return self.o_proj(decode_attention(q.transpose(0, 1), keys, values, mask, scale=1.0))
             keys, values = read_rows(keys, hd, dtype), read_rows(values, hd, dtype)

@@ -143,6 +143,32 @@ def test_grammar_masks_follow_the_guesses_and_stop_at_a_forbidden_one(demo):
     assert unpack_bitmask(done.masks([]), vocab, "cpu")[0].nonzero().flatten().tolist() == sorted(demo.eos_ids)
 
 
+def test_grammar_draft_takes_the_first_allowed_candidate_or_a_forced_token(demo):
+    """Each slot's guess is its first candidate that the grammar allows after the guesses before it (checked
+    against the masks), else the token the grammar forces there; a slot with neither ends the guesses; the matcher
+    does not move."""
+    compiled = demo.compile_constraint(Constraint("json_schema", json.dumps(SCHEMA)))
+    vocab = demo.decoder.target.config.vocab_size
+    enc = demo.tokenizer.encode
+    text = enc('{"name": "x", "kind": "class", "li', add_special_tokens=False)
+    bad = min(set(demo.tokenizer.hf.all_special_ids) - demo.eos_ids)  # a special token: never allowed
+    matcher = GrammarMatcher(compiled, vocab, 32)
+    start = unpack_bitmask(matcher.masks([]), vocab, "cpu").clone()
+    # the right token second or third behind forbidden ones, and the forced opening '{' behind only forbidden ones
+    candidates = [[bad, vocab + 5, bad]] + [[bad, t] if i % 2 else [bad, vocab + 5, t] for i, t in enumerate(text[1:])]
+    guesses = matcher.draft(candidates)
+    allowed = unpack_bitmask(matcher.masks(guesses), vocab, "cpu")
+    assert start[0].sum() == 1  # '{' is forced at the start of a JSON object
+    assert guesses[0] == int(start[0].nonzero())
+    for i, (slot, pick) in enumerate(zip(candidates, guesses)):
+        expected = next((t for t in slot if t < vocab and allowed[i, t]), None)
+        assert pick == (expected if expected is not None else int(allowed[i].nonzero()))
+    assert guesses[1:] == text[1:len(guesses)]
+    # a slot with no allowed candidate where several tokens are allowed ends the guesses
+    assert matcher.draft([[t] for t in text[:5]] + [[bad]] + [[t] for t in text[5:]]) == text[:5]
+    assert torch.equal(unpack_bitmask(matcher.masks([]), vocab, "cpu"), start)
+
+
 # --- bias and penalties in the loop (tiny model, random drafter) ---
 
 def test_a_banned_token_is_never_emitted_and_dflash_agrees(engine):

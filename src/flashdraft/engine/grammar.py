@@ -115,29 +115,26 @@ class GrammarMatcher:
             m.rollback(advanced)
         return self._bitmask[:rows]
 
-    def draft(self, candidates: list[list[int]]) -> tuple[list[int], torch.Tensor]:
+    def draft(self, candidates: list[list[int]]) -> list[int]:
         """Guesses for a block's slots: each the first of its slot's candidates (best first) that the grammar
-        allows after the guesses before it, else the one token the grammar allows there if it allows only one;
-        a slot with neither ends the guesses. Returns them and the bitmasks of the rows after each prefix of them
-        (as masks() gives them; valid until the next call). The matcher is left where it was."""
-        m, guesses, rows = self._matcher, [], 0
-        for slot in candidates + [None]:  # None: the row after the last guess
+        accepts after the guesses before it, else the one token the grammar allows there if it allows only one;
+        a slot with neither ends the guesses. Tried by accepting tokens, not by filling masks (a mask is filled
+        only to find a forced token): the verify rows' masks (masks()) are filled afterwards, while the GPU runs
+        the verify pass. The matcher is left where it was."""
+        m, guesses = self._matcher, []
+        for slot in candidates:
             if m.is_terminated():
                 break
-            m.fill_next_token_bitmask(self._bitmask, rows)
-            words = self._words[rows]
-            rows += 1
-            if slot is None:
-                break
-            pick = next((t for t in slot if 0 <= t < self.vocab_size and int(words[t >> 5]) >> (t & 31) & 1), None)
+            pick = next((t for t in slot if 0 <= t < self.vocab_size and m.accept_token(t)), None)
             if pick is None:
-                pick = _only_token(words)
-            if pick is None or not m.accept_token(pick):
-                break
+                m.fill_next_token_bitmask(self._bitmask, 0)
+                pick = _only_token(self._words[0])
+                if pick is None or not m.accept_token(pick):
+                    break
             guesses.append(pick)
         if guesses:
             m.rollback(len(guesses))
-        return guesses, self._bitmask[:rows]
+        return guesses
 
     def commit(self, tokens: list[int]) -> None:
         """Advance over committed tokens (tokens after an end of sequence are past the output: ignored)."""

@@ -75,9 +75,10 @@ class LogitProcessor:
         return torch.zeros(rows, self.vocab_size, device=self.device).scatter_add_(
             1, ids.expand(rows, -1), inside.float())
 
-    def process(self, logits: torch.Tensor, guesses: list[int], masks: torch.Tensor | None = None) -> torch.Tensor:
+    def process(self, logits: torch.Tensor, guesses: list[int]) -> torch.Tensor:
         """Rows [T, V] (T <= len(guesses) + 1) after the committed tokens and after each guesses[:i], processed
-        (float32, a new tensor). masks: the rows' grammar bitmasks when already computed (GrammarMatcher.draft)."""
+        (float32, a new tensor). The grammar's masks are filled on the host after the GPU work on `logits` is
+        queued, so on a GPU they overlap it."""
         p = self.params
         rows = logits.shape[0]
         x = logits.float().clone()
@@ -94,9 +95,7 @@ class LogitProcessor:
             counts = self.output_counts + self._guess_counts(guesses, rows)
             x -= counts * p.frequency_penalty + (counts > 0).float() * p.presence_penalty
         if self.grammar is not None:
-            if masks is None:
-                masks = self.grammar.masks(guesses[:rows - 1])
-            masks = masks[:rows]
+            masks = self.grammar.masks(guesses[:rows - 1])[:rows]
             if masks.shape[0]:
                 allowed = unpack_bitmask(masks, self.vocab_size, x.device)
                 x[:masks.shape[0]] = x[:masks.shape[0]].masked_fill(~allowed, float("-inf"))

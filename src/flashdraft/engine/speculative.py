@@ -556,11 +556,12 @@ class SpeculativeDecoder:
         last = self._last_token(seq)
         params, processor = seq.params, seq.processor
         grammar = processor.grammar if processor is not None else None
-        guesses, chosen, fetch, masks = None, [], None, None
+        guesses, chosen, fetch = None, [], None
         if n > 0 and grammar is not None:
-            # Guesses the grammar allows, chosen on the host from the drafter's candidates; the masks that chose
-            # them are the verify rows' masks. A slot with no allowed candidate ends the draft there.
-            chosen, masks = grammar.draft(self._draft(seq, n, DRAFT_CANDIDATES).tolist())
+            # Guesses the grammar allows, chosen on the host from the drafter's candidates (a slot with no allowed
+            # candidate ends the draft there); the verify rows' masks are filled by processor.process below, on
+            # the host while the GPU runs the verify pass queued before it.
+            chosen = grammar.draft(self._draft(seq, n, DRAFT_CANDIDATES).tolist())
             n = len(chosen)
             guesses = torch.tensor(chosen, device=self.device)
         elif n > 0:
@@ -575,7 +576,7 @@ class SpeculativeDecoder:
             verify = torch.cat([last, last])
         logits, taps = self._verify(seq, verify, start)
         logits = logits[:n + 1]
-        rows = processor.process(logits, fetch() if fetch else chosen, masks) if params.processes_logits else logits
+        rows = processor.process(logits, fetch() if fetch else chosen) if params.processes_logits else logits
         samples = sample_tokens(rows, params, seq.seed, self._positions(start + 1, n + 1))
         result = accept(verify, samples, n)
         # The one host sync of the step: acceptance count and the target's samples together.

@@ -1,0 +1,130 @@
+import copy
+
+import torch
+
+from flashdraft.config import ModelConfig
+from flashdraft.quant.kv_formats import bytes_per_token, cache_format, new_rows
+
+
+class KVCache:
+    """Preallocated keys and values, one [kv_heads, capacity, row] pair per layer.
+
+    The cache holds no length of its own: the owner of a sequence knows how many rows are valid, and
+    attention masks by position. Rolling back to any earlier length is therefore just a smaller
+    length on the owner's side: O(1), nothing copied or cleared.
+
+    k_type / v_type are KV cache types (flashdraft.quant.kv_formats: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1,
+    q4_0); None keeps the compute dtype. A row is head_dim values of that dtype or a packed uint8 row of blocks,
+    which attention quantizes on write and dequantizes on read.
+    """
+
+    def __init__(self, cfg: ModelConfig, capacity: int, device: torch.device, dtype: torch.dtype,
+                 k_type: str | None = None, v_type: str | None = None):
+        self.capacity = capacity
+        self.k_format, self.v_format = cache_format(k_type, dtype), cache_format(v_type, dtype)
+        heads, hd, layers = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
+        self.layer_shapes = [(heads, hd)] * layers
+        self.k = [new_rows(self.k_format, heads, capacity, hd, device) for _ in range(layers)]
+        self.v = [new_rows(self.v_format, heads, capacity, hd, device) for _ in range(layers)]
+
+    def rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """The rows that hold these positions: the positions themselves."""
+        return positions
+
+    def record(self, positions: torch.Tensor) -> None:
+        """Note that rows(positions) now hold these positions (nothing to note: rows are positions)."""
+
+    def kv_len(self, rows: int) -> int:
+        """How many rows a pass that needs positions [0, rows) reads."""
+        return rows
+
+    def reusable(self, rows: int) -> int:
+        """How many of the first `rows` positions a new sequence that shares them can keep: all of them, since
+        rows are stored at their absolute positions and nothing past the owner's length overwrites them."""
+        return rows
+
+    def copy_prefix(self, source: "KVCache", rows: int) -> None:
+        """Take positions [0, rows) from another sequence's cache (one that shares those tokens and cache types)."""
+        check_same_types(self, source)
+        for dst, src in zip(self.k + self.v, source.k + source.v):
+            dst[:, :rows].copy_(src[:, :rows])
+
+    def snapshot(self, rows: int, device: torch.device | str = "cpu") -> "KVCache":
+        """A copy of positions [0, rows) on `device`, holding only those rows: the host prompt cache keeps
+        evicted prefixes so, and copy_prefix takes one as its source to bring them back."""
+        snap = copy.copy(self)
+        snap.capacity = rows
+        snap.k = [t[:, :rows].to(device, copy=True) for t in self.k]
+        snap.v = [t[:, :rows].to(device, copy=True) for t in self.v]
+        return snap
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def bytes_per_token(self) -> int:
+        """Cache bytes each position of context takes (all layers, keys and values)."""
+        return bytes_per_token(self.layer_shapes, self.k_format, self.v_format)
+
+
+class WindowKVCache(KVCache):
+    """A drafter's context cache that keeps only the last `window` positions (--spec-dflash-cross-ctx): a ring of
+    window + block rows, row = position % ring, so its memory and a draft pass's reads stay constant however long
+    the context grows. The block's own rows follow the last window context positions in the ring, so a pass
+    overwrites only positions older than the window. `ring_pos` records the position each row holds (-1: none)
+    and attention masks by it: rows at or past the block's end are stale (a shorter sequence's, after prefix reuse)
+    and hidden. Keys carry RoPE of their absolute positions, so where a row sits in the ring does not matter."""
+
+    def __init__(self, cfg: ModelConfig, window: int, block: int, device: torch.device, dtype: torch.dtype,
+                 k_type: str | None = None, v_type: str | None = None):
+        super().__init__(cfg, window + block, device, dtype, k_type, v_type)
+        self.window = window
+        self.ring_pos = torch.full((self.capacity,), -1, dtype=torch.long, device=device)
+
+    def rows(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions % self.capacity
+
+    def record(self, positions: torch.Tensor) -> None:
+        self.ring_pos.index_copy_(0, self.rows(positions), positions)
+
+    def key_positions(self, kv_len: int) -> torch.Tensor:
+        """[kv_len] the position each of the first kv_len rows holds (-1: none)."""
+        return self.ring_pos[:kv_len]
+
+    def visible(self, kv_len: int, last: torch.Tensor) -> torch.Tensor:
+        """[1, kv_len] the rows a pass ending at position `last` may read: those holding a position up to it."""
+        held = self.key_positions(kv_len)
+        return ((held >= 0) & (held <= last))[None, :]
+
+    def kv_len(self, rows: int) -> int:
+        return min(rows, self.capacity)
+
+    def reusable(self, rows: int) -> int:
+        """All `rows` if the ring still holds the window of positions before `rows`, else none (a row a later
+        position overwrote cannot be rebuilt without the target's taps)."""
+        if rows == 0:
+            return 0
+        wanted = torch.arange(max(0, rows - self.window), rows, device=self.ring_pos.device)
+        return rows if bool((self.ring_pos[wanted % self.capacity] == wanted).all()) else 0
+
+    def copy_prefix(self, source: "WindowKVCache", rows: int) -> None:
+        """Take the ring of another sequence's cache for which source.reusable(rows) == rows: rows it holds at or
+        past `rows` are stale here, and hidden until overwritten."""
+        check_same_types(self, source)
+        for dst, src in zip(self.k + self.v, source.k + source.v):
+            dst.copy_(src)
+        self.ring_pos.copy_(source.ring_pos)
+
+    def snapshot(self, rows: int, device: torch.device | str = "cpu") -> "WindowKVCache":
+        """The whole ring and the positions it holds, on `device` (copy_prefix takes it as a source)."""
+        snap = copy.copy(self)
+        snap.k = [t.to(device, copy=True) for t in self.k]
+        snap.v = [t.to(device, copy=True) for t in self.v]
+        snap.ring_pos = self.ring_pos.to(device, copy=True)
+        return snap
+
+
+def check_same_types(cache, source) -> None:
+    """Rows copied between caches must be stored alike (a copy would otherwise cast or fail on the row width)."""
+    if (cache.k_format, cache.v_format) != (source.k_format, source.v_format):
+        raise ValueError(f"cannot copy a prefix from a {source.k_format.name}/{source.v_format.name} cache into a "
+                         f"{cache.k_format.name}/{cache.v_format.name} one")

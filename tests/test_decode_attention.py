@@ -231,7 +231,7 @@ def test_gemma4_routes_to_the_kernel(tmp_path):
     from test_gemma4_target import LONG, WINDOW
     from test_gemma4_tiny import build_gemma4_target
 
-    from flashdraft.loading import load_target
+    from flashdraft.models import load_target
 
     folder, _ = build_gemma4_target(tmp_path, window=WINDOW)
     sdpa = load_target(folder, 0, device=DEVICE, dtype=torch.float32)
@@ -259,7 +259,7 @@ def test_gemma4_target_rows_are_bitwise_independent_of_the_block(tmp_path):
 
     from flashdraft.engine.cuda_graphs import compile_layers
     from flashdraft.layers.skinny_gemm import route_linears
-    from flashdraft.loading import load_target
+    from flashdraft.models import load_target
 
     folder, _ = build_gemma4_target(tmp_path, window=WINDOW)
     model = load_target(folder, 0, device="cuda", dtype=torch.bfloat16)

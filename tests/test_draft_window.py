@@ -5,7 +5,7 @@ import torch
 
 from flashdraft.config import SamplingParams
 from flashdraft.engine.generator import Engine
-from flashdraft.engine.kv_cache import KVCache, WindowKVCache
+from flashdraft.models.kv_cache import KVCache, WindowKVCache
 from flashdraft.bench.oracle import PlantedOracle
 from test_lossless import InlineGraphs, _prompts
 from tiny_models import build_drafter

@@ -17,7 +17,7 @@ from flashdraft.engine.cuda_graphs import fuse_projections  # noqa: E402
 from flashdraft.engine.generator import Engine  # noqa: E402
 from flashdraft.layers import decode_attention, qkv_prep, skinny_gemm  # noqa: E402
 from flashdraft.layers.decoder import DecoderLayer, route_fused_layers  # noqa: E402
-from flashdraft.loading import load_model  # noqa: E402
+from flashdraft.models import load_model  # noqa: E402
 from test_lossless import InlineGraphs  # noqa: E402
 from tiny_models import build_drafter, build_target  # noqa: E402
 

@@ -7,7 +7,7 @@ from test_gemma4_tiny import build_gemma4_target, build_gemma_drafter
 
 from flashdraft.config import ConfigError, SamplingParams
 from flashdraft.engine.generator import Engine
-from flashdraft.loading import load_drafter, load_target
+from flashdraft.models import load_drafter, load_target
 from flashdraft.models.gemma4 import RING_OVERHANG
 from flashdraft.models.gemma4_drafter import Gemma4DFlashDrafter
 

@@ -11,7 +11,7 @@ from test_gemma4_tiny import build_gemma4_target, reference_logits
 
 from flashdraft.config import ConfigError
 from flashdraft.config_gemma4 import Gemma4Config
-from flashdraft.loading import load_target
+from flashdraft.models import load_target
 from flashdraft.models.gemma4 import (Gemma4MLP, Gemma4RMSNorm, RING_OVERHANG, embedding_scale,
                                       rope_inverse_frequencies)
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from flashdraft.config import ConfigError, ModelConfig, SamplingParams
 from flashdraft.engine.generator import Engine
-from flashdraft.loading import load_model, load_target
+from flashdraft.models import load_model, load_target
 from flashdraft.loading.checkpoint import CheckpointError
 from flashdraft.quant import QuantEmbedding, QuantLinear, UnsupportedQuantType
 from tiny_models import build_drafter, build_target

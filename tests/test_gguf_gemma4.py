@@ -20,9 +20,10 @@ from tiny_models import CORPUS
 from flashdraft.config import ConfigError, SamplingParams
 from flashdraft.config_gemma4 import FULL, SLIDING
 from flashdraft.engine.generator import Engine
-from flashdraft.loading import Tokenizer, load_drafter, load_model, load_target
+from flashdraft.loading import Tokenizer
+from flashdraft.models import load_drafter, load_model, load_target
 from flashdraft.loading.checkpoint import CheckpointError
-from flashdraft.loading.gguf_gemma4 import QuantGemma4Experts
+from flashdraft.models.gemma4_gguf import QuantGemma4Experts
 from flashdraft.models.gemma4 import RING_OVERHANG, Gemma4Experts, Gemma4LM, embedding_scale
 from flashdraft.models.gemma4_drafter import Gemma4DFlashDrafter
 from flashdraft.quant import QuantEmbedding, QuantLinear

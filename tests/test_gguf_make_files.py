@@ -15,7 +15,7 @@ import torch
 
 from flashdraft.config import SamplingParams
 from flashdraft.engine.generator import Engine
-from flashdraft.loading.gguf_loader import GGUFFile
+from flashdraft.loading.gguf import GGUFFile
 from flashdraft.quant import QuantEmbedding, QuantLinear, dequantize
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -110,7 +110,7 @@ def test_random_drafter_for_a_qwen3_target(tmp_path, qtype):
 
     from flashdraft.config import SamplingParams
     from flashdraft.engine.generator import Engine
-    from flashdraft.loading import load_target
+    from flashdraft.models import load_target
     from flashdraft.quant import QuantLinear
     from tiny_models import build_target
 

@@ -8,7 +8,7 @@ import transformers
 
 from flashdraft.config import ConfigError
 from flashdraft.engine.generator import Engine
-from flashdraft.loading import load_target
+from flashdraft.models import load_target
 from flashdraft.loading.checkpoint import CheckpointError
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flashdraft.config import SamplingParams
-from flashdraft.loading import load_drafter, load_target
+from flashdraft.models import load_drafter, load_target
 from flashdraft.train.blocks import make_blocks, sample_anchors, slot_weights
 from flashdraft.train.data import collate, load_prompts, TrainSequence
 from flashdraft.train.drafter_setup import resolve_mask_token

@@ -84,7 +84,7 @@ class ModelConfig:
             attention_bias=bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            eos_token_ids=_as_id_list(eos),
+            eos_token_ids=as_id_list(eos),
             bos_token_id=raw.get("bos_token_id"),
         )
 
@@ -265,7 +265,7 @@ def read_json(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: invalid JSON ({e})") from e
 
 
-def _as_id_list(value: Any) -> list[int]:
+def as_id_list(value: Any) -> list[int]:
     if value is None:
         return []
     if isinstance(value, int):

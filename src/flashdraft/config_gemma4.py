@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flashdraft.config import ConfigError, DrafterConfig, _as_id_list, read_json
+from flashdraft.config import ConfigError, DrafterConfig, as_id_list, read_json
 
 GEMMA4_MODEL_TYPES = ("gemma4", "gemma4_text")
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -95,7 +95,7 @@ class Gemma4Config:
         experts = int(text.get("num_experts") or 0) if text.get("enable_moe_block") else 0
         if experts and not (text.get("top_k_experts") and text.get("moe_intermediate_size")):
             raise ConfigError(f"{source}: enable_moe_block needs top_k_experts and moe_intermediate_size")
-        eos = _as_id_list(text.get("eos_token_id", raw.get("eos_token_id", 1)))
+        eos = as_id_list(text.get("eos_token_id", raw.get("eos_token_id", 1)))
         return cls(
             vocab_size=int(text["vocab_size"]), hidden_size=int(text["hidden_size"]),
             intermediate_size=int(text["intermediate_size"]), num_hidden_layers=n,
@@ -120,7 +120,7 @@ class Gemma4Config:
         extra = []
         gen = folder / "generation_config.json"
         if gen.is_file():
-            extra += _as_id_list(read_json(gen).get("eos_token_id"))
+            extra += as_id_list(read_json(gen).get("eos_token_id"))
         extra += stop_token_ids(folder)
         cfg.eos_token_ids = list(dict.fromkeys(cfg.eos_token_ids + extra))
         return cfg

@@ -15,6 +15,9 @@ from typing import Callable
 import torch
 from torch import nn
 
+from flashdraft.layers import DecoderLayer, RMSNorm
+from flashdraft.models.gemma4 import Gemma4DecoderLayer
+
 KV_BUCKET = 256
 
 
@@ -78,7 +81,6 @@ class GraphCache:
 
 def fuse_projections(*models: nn.Module) -> None:
     """Fused q/k/v and gate/up weights: fewer, larger GEMMs per layer (views, so no memory is added)."""
-    from flashdraft.layers import RMSNorm
     for model in models:
         for m in model.modules():
             if hasattr(m, "fuse_projections") and getattr(m, "qkv_weight", None) is None \
@@ -91,8 +93,6 @@ def compile_layers(*models: nn.Module) -> None:
     """torch.compile each decoder layer (regional compilation: the layers of a kind share one compiled graph, so
     compile time does not grow with depth); fuses every elementwise op of a layer around its GEMMs and attention.
     Gemma 4's layers are the costliest case left uncompiled: about 60 small norm/RoPE/cache kernels each."""
-    from flashdraft.layers import DecoderLayer
-    from flashdraft.models.gemma4 import Gemma4DecoderLayer
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for model in models:
         for m in model.modules():

@@ -17,9 +17,10 @@ from flashdraft.engine.logit_processor import TokenLogprob
 from flashdraft.engine.ngram import NgramSettings
 from flashdraft.engine.sampling import resolve_seed
 from flashdraft.engine.speculative import Sequence, SpeculativeDecoder
-from flashdraft.loading import Tokenizer, load_model
+from flashdraft.loading import Tokenizer
 
 # Caches get this many rows past the context so that any supported block can overhang the last position.
+from flashdraft.models import load_model
 MAX_BLOCK_SIZE = 64
 # The embedded demo pair's name: its folders are called target/ and drafter/, which say nothing in /v1/models.
 DEMO_NAME = "flashdraft-demo-code"

@@ -31,7 +31,7 @@ import torch
 from flashdraft.config import SamplingParams
 from flashdraft.engine.cuda_graphs import GraphCache, bucket, compile_layers, fuse_projections
 from flashdraft.engine.grammar import GrammarMatcher
-from flashdraft.engine.kv_cache import KVCache, WindowKVCache
+from flashdraft.models.kv_cache import KVCache, WindowKVCache
 from flashdraft.engine.logit_processor import LogitProcessor, TokenLogprob
 from flashdraft.engine.ngram import NgramProposer, NgramSettings
 from flashdraft.engine.sampling import sample_tokens

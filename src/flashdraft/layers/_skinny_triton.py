@@ -1,5 +1,5 @@
-"""The Triton kernels behind flashdraft.layers.skinny_gemm (imported lazily, on first use, by that module); the
-split-K reduce and the interpreter's rounding also serve flashdraft.quant.triton_kernels.
+"""The Triton kernels behind flashdraft.layers.skinny_gemm (imported lazily, on first use, by that module), with
+the split-K reduce (flashdraft.kernels.split_reduce_triton) that its launch calls as split_reduce_kernel.
 
 Kept apart so that importing flashdraft never needs Triton, and so that TRITON_INTERPRET (read by triton.jit
 when these functions are decorated, i.e. when this module is first imported) can still be set by a CPU test.
@@ -23,6 +23,8 @@ so the model uses measured tilings (skinny_gemm.GATED_CONFIGS) and GPU scripts c
 """
 import triton
 import triton.language as tl
+
+from flashdraft.kernels.split_reduce_triton import split_reduce_kernel  # noqa: F401 (skinny_gemm launches it)
 
 # Only Triton builtins below, none of triton.language's own @triton.jit helpers (tl.zeros, tl.cdiv, ...): those
 # are decorated when Triton is first imported, so under the interpreter they would only work if TRITON_INTERPRET
@@ -149,43 +151,6 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, r_ptr, M, N, stride_xm
 
 
 @triton.jit
-def round_like(v, dtype: tl.constexpr):
-    """float32 v rounded to `dtype` (nearest, ties to even) and returned as float32 (interpreter use only:
-    its own bf16 casts truncate)."""
-    if dtype == tl.bfloat16:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    elif dtype == tl.float16:
-        return v.to(tl.float16).to(tl.float32)
-    else:
-        return v
-
-
-@triton.jit
 def _add(a, b):
     """tl.reduce's combine function for a sum (tl.sum itself is one of triton.language's @triton.jit helpers)."""
     return a + b
-
-
-# Also the second kernel of flashdraft.quant.triton_kernels' split-K matmuls (without a residual).
-@triton.jit(do_not_specialize=["M"])
-def split_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
-                        SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, r_ptr=None, stride_rm=0,
-                        HAS_RESIDUAL: tl.constexpr = False):
-    """y[m, n] = ((p[0, m, n] + p[1, m, n]) + p[2, m, n]) + ... (+ bias[n]) (+ r[m, n]): always the same order.
-    UPCAST: round to y's dtype by hand (round_like) before the store, for the interpreter."""
-    m = tl.program_id(1)
-    rn = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = rn < N
-    row = p_ptr + m.to(tl.int64) * N + rn
-    acc = tl.load(row, mask=ok, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(row + s * M.to(tl.int64) * N, mask=ok, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=ok, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        acc += tl.load(r_ptr + m.to(tl.int64) * stride_rm + rn, mask=ok, other=0.0).to(tl.float32)
-    if UPCAST:
-        acc = round_like(acc, y_ptr.dtype.element_ty)
-    tl.store(y_ptr + m.to(tl.int64) * stride_ym + rn, acc.to(y_ptr.dtype.element_ty), mask=ok)

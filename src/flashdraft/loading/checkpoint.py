@@ -1,4 +1,5 @@
-"""Load HF model folders (config.json + single or sharded safetensors) into our own modules."""
+"""HF model folders: config.json and single or sharded safetensors, read and assigned to a module's parameters
+by name (the models' loaders use these), and the checks that name what does not fit."""
 from __future__ import annotations
 
 import json
@@ -8,9 +9,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from flashdraft.config import ConfigError, DrafterConfig, ModelConfig, read_json
-from flashdraft.config_gemma4 import GEMMA4_MODEL_TYPES, is_gemma4_folder
-from flashdraft.models import DecoderLM, DFlashDrafter
+from flashdraft.config import ConfigError, DrafterConfig, ModelConfig
 
 
 class CheckpointError(ConfigError):
@@ -75,53 +74,6 @@ def default_device_dtype(device: str | torch.device | None, dtype: torch.dtype |
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return device, dtype
-
-
-def target_max_positions(folder: Path) -> int:
-    if is_gemma4_folder(folder):
-        from flashdraft.models.gemma4 import gemma4_max_positions  # imported here: it builds on this module
-        return gemma4_max_positions(folder)
-    return ModelConfig.from_file(folder / "config.json").max_position_embeddings
-
-
-def load_target(path: str | Path, max_positions: int, device=None, dtype=None) -> DecoderLM:
-    folder = model_folder(path, "model")
-    if is_gemma4_folder(folder):
-        from flashdraft.models.gemma4 import load_gemma4_target  # imported here: it builds on this module
-        return load_gemma4_target(folder, device, dtype)
-    cfg = ModelConfig.from_file(folder / "config.json")
-    gen_cfg = folder / "generation_config.json"
-    if gen_cfg.is_file():
-        eos = read_json(gen_cfg).get("eos_token_id")
-        if eos is not None:
-            extra = [eos] if isinstance(eos, int) else list(eos)
-            cfg.eos_token_ids = list(dict.fromkeys(cfg.eos_token_ids + [int(e) for e in extra]))
-    device, dtype = default_device_dtype(device, dtype)
-    with torch.device("meta"):
-        model = DecoderLM(cfg, max_positions)
-    tensors = read_tensors(folder)
-    if "lm_head.weight" not in tensors:
-        if not cfg.tie_word_embeddings and "model.embed_tokens.weight" not in tensors:
-            raise CheckpointError(f"{folder}: missing tensor 'lm_head.weight'")
-        tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight")
-    assign_tensors(model, tensors, folder, device, dtype)
-    model.rope = model.rope.__class__(cfg, max_positions).to(device)
-    return model.eval().requires_grad_(False)
-
-
-def load_drafter(path: str | Path, target: DecoderLM, max_positions: int) -> DFlashDrafter:
-    if getattr(target.config, "model_type", None) in GEMMA4_MODEL_TYPES:
-        from flashdraft.models.gemma4_drafter import load_gemma4_drafter  # imported here: it builds on this module
-        return load_gemma4_drafter(path, target, max_positions)
-    folder = model_folder(path, "drafter")
-    cfg = DrafterConfig.from_file(folder / "config.json")
-    check_drafter_fits(cfg, target.config, folder)
-    p = target.model.norm.weight  # the target's device and dtype (a float parameter even in GGUF models)
-    with torch.device("meta"):
-        drafter = DFlashDrafter(cfg, max_positions)
-    assign_tensors(drafter, read_tensors(folder), folder, p.device, p.dtype)
-    drafter.rope = drafter.rope.__class__(cfg.layers, max_positions).to(p.device)
-    return drafter.eval().requires_grad_(False)
 
 
 def check_drafter_fits(cfg: DrafterConfig, target: ModelConfig, source: Path) -> None:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from flashdraft.config import ConfigError
 
 if TYPE_CHECKING:
-    from flashdraft.loading.gguf_loader import GGUFFile
+    from flashdraft.loading.gguf import GGUFFile
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
 NORMAL_TOKEN, UNKNOWN_TOKEN, CONTROL_TOKEN, USER_DEFINED_TOKEN, UNUSED_TOKEN, BYTE_TOKEN = 1, 2, 3, 4, 5, 6

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from flashdraft.config import ModelConfig
-from flashdraft.engine.kv_cache import KVCache
+from flashdraft.models.kv_cache import KVCache
 from flashdraft.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from flashdraft.config import DrafterConfig
-from flashdraft.engine.kv_cache import KVCache, WindowKVCache
+from flashdraft.models.kv_cache import KVCache, WindowKVCache
 from flashdraft.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from flashdraft.layers.skinny_gemm import fold_norm_weight, skinny_linear
 from flashdraft.quant.kv_formats import write_rows

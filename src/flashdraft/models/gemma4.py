@@ -27,7 +27,7 @@ from torch import nn
 
 from flashdraft.config import read_json
 from flashdraft.config_gemma4 import FULL, SLIDING, Gemma4Config, RopeSpec
-from flashdraft.engine.kv_cache import check_same_types
+from flashdraft.models.kv_cache import check_same_types
 from flashdraft.layers.decode_attention import decode_attention
 from flashdraft.loading.checkpoint import CheckpointError, assign_tensors, default_device_dtype, safetensors_files
 from flashdraft.quant.kv_formats import as_stored, bytes_per_token, cache_format, new_rows, read_rows, write_rows

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from flashdraft.config_gemma4 import Gemma4DrafterConfig
-from flashdraft.engine.kv_cache import KVCache, WindowKVCache
+from flashdraft.models.kv_cache import KVCache, WindowKVCache
 from flashdraft.loading.checkpoint import assign_tensors, check_drafter_fits, model_folder, read_tensors
 from flashdraft.models.drafter import DFlashDrafter
 from flashdraft.models.gemma4 import Gemma4LM

@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashdraft.layers._skinny_triton import round_like, split_reduce_kernel
+from flashdraft.kernels.split_reduce_triton import round_like, split_reduce_kernel
 
 QTYPE_CODES = {"Q4_0": 0, "Q5_0": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5, "Q4_1": 6, "Q5_1": 7}
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # 256-weight super-blocks; the others have 32-weight blocks

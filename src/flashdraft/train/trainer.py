@@ -19,7 +19,8 @@ import torch
 from tqdm import tqdm
 
 from flashdraft.config import ModelConfig, SamplingParams
-from flashdraft.loading import Tokenizer, load_target
+from flashdraft.loading import Tokenizer
+from flashdraft.models import load_target
 from flashdraft.loading.checkpoint import default_device_dtype, model_folder
 from flashdraft.train.blocks import block_loss, default_gamma, make_blocks, sample_anchors, slot_weights
 from flashdraft.train.data import (ResponseCache, TrainSequence, collate, encode_prompts, generate_responses,

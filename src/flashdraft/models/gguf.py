@@ -1,36 +1,30 @@
-"""Load llama.cpp GGUF files (`-m file.gguf`, `-md file.gguf`) into our own modules.
+"""Llama and Qwen3 models and DFlash drafters from llama.cpp GGUF files (flashdraft.loading.gguf reads them).
 
-The gguf package memory-maps the file. Float tensors (F32/F16/BF16) become ordinary parameters in the model
-dtype; quantized tensors stay in their GGUF blocks (flashdraft.quant.QuantLinear / QuantEmbedding), so a
-Q4_K file takes about as much memory as it does on disk. Metadata gives the config, the tokenizer (built by
-gguf_tokenizer.py, with its chat template and EOS ids) and, for DFlash drafters, the block/tap settings in both
-the legacy "dflash-draft" and the upstream "dflash" layouts. The drafter's embedding and LM head come from the target.
-Llama and Qwen3 are mapped here; Gemma 4 (targets, and drafters for Gemma 4 targets) in gguf_gemma4.py.
+Float tensors (F32/F16/BF16) become ordinary parameters in the model dtype; quantized tensors stay in their GGUF
+blocks (flashdraft.quant.QuantLinear / QuantEmbedding), so a Q4_K file takes about as much memory as it does on
+disk. Metadata gives the config and, for DFlash drafters, the block/tap settings in both the legacy "dflash-draft"
+and the upstream "dflash" layouts. The drafter's embedding and LM head come from the target. Gemma 4 (targets,
+and drafters for Gemma 4 targets) is gemma4_gguf.py's; flashdraft.models.registry picks by architecture.
 """
 from __future__ import annotations
 
-import re
-from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
 from flashdraft.config import ConfigError, DrafterConfig, ModelConfig
-from flashdraft.config import is_gguf_path  # noqa: F401 (flashdraft.loading imports it from here)
-from flashdraft.config_gemma4 import GEMMA4_MODEL_TYPES
-from flashdraft.loading.checkpoint import CheckpointError, check_drafter_fits
-from flashdraft.loading.gguf_tokenizer import build_hf_tokenizer, special_token_id
-from flashdraft.loading.tokenizer import Tokenizer
 from flashdraft.layers.rope import RotaryEmbedding
-from flashdraft.models import DecoderLM, DFlashDrafter
-from flashdraft.quant import QuantEmbedding, QuantLinear, UnsupportedQuantType, block_format
+from flashdraft.loading.checkpoint import CheckpointError, check_drafter_fits
+from flashdraft.loading.gguf import FLOAT_TYPES, GGUFFile, eos_ids, f32, single_value
+from flashdraft.loading.gguf_tokenizer import special_token_id
+from flashdraft.models.decoder_lm import DecoderLM
+from flashdraft.models.drafter import DFlashDrafter
+from flashdraft.quant import QuantEmbedding, QuantLinear, UnsupportedQuantType
 
-FLOAT_TYPES = ("F32", "F16", "BF16")
 # general.architecture -> our model_type. llama.cpp stores Llama's q/k rows permuted for its interleaved RoPE.
 TARGET_ARCHS = {"llama": "llama", "qwen3": "qwen3"}
 PERMUTED_QK_ARCHS = ("llama",)
-GEMMA4_ARCH = "gemma4"  # loaded by gguf_gemma4.py into flashdraft.models.gemma4.Gemma4LM
+GEMMA4_ARCH = "gemma4"  # loaded by gemma4_gguf.py into flashdraft.models.gemma4.Gemma4LM
 SUPPORTED_TARGET_ARCHS = (*TARGET_ARCHS, GEMMA4_ARCH)
 DRAFTER_ARCHS = ("dflash-draft", "dflash")
 
@@ -56,83 +50,6 @@ DRAFTER_LAYER_RENAMES = {"post_attention_norm": "ffn_norm"}
 # A drafter file may carry copies of the target's embedding/head; the target's are used.
 DRAFTER_IGNORED = ("token_embd.weight", "output.weight")
 
-class GGUFFile:
-    """A memory-mapped GGUF file: metadata by key and tensors by name."""
-
-    def __init__(self, path: str | Path, what: str = "model"):
-        from gguf import GGUFReader
-
-        self.path = Path(path).expanduser()
-        if not self.path.is_file():
-            raise ConfigError(f"{what} GGUF file not found: {self.path}")
-        try:
-            # Copy-on-write mapping: tensors share the file's pages and torch gets writable arrays.
-            self.reader = GGUFReader(self.path, "c")
-        except Exception as e:  # the reader raises ValueError/struct errors/... on a damaged file
-            raise ConfigError(f"{self.path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        self._values: dict = {}  # decoded metadata (the token list of a large vocabulary is slow to decode)
-        self.arch = self.get("general.architecture")
-        if not isinstance(self.arch, str):
-            raise ConfigError(f"{self.path}: missing general.architecture")
-
-    def get(self, key: str, default=None):
-        field = self.reader.fields.get(key)
-        if field is None:
-            return default
-        if key not in self._values:
-            self._values[key] = field.contents()
-        return self._values[key]
-
-    def arch_get(self, key: str, default=None):
-        return self.get(f"{self.arch}.{key}", default)
-
-    def require(self, key: str):
-        value = self.arch_get(key)
-        if value is None:
-            raise ConfigError(f"{self.path}: missing metadata {self.arch}.{key}")
-        return value
-
-    def qtype(self, name: str) -> str:
-        from gguf import GGMLQuantizationType
-
-        return GGMLQuantizationType(self.tensors[name].tensor_type).name
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """The logical shape in torch order ([out_features, in_features] for a matrix)."""
-        return tuple(int(d) for d in reversed(self.tensors[name].shape.tolist()))
-
-    def raw(self, name: str) -> torch.Tensor:
-        """Float tensors in their own dtype and logical shape; quantized ones as uint8 [rows, row_bytes]."""
-        data = torch.from_numpy(self.tensors[name].data)
-        qtype = self.qtype(name)
-        if qtype == "BF16":
-            return data.view(torch.bfloat16)
-        if qtype not in FLOAT_TYPES:
-            block_format(qtype)  # names an unsupported type
-        return data
-
-
-def f32(value) -> float:
-    """A float32 metadata value as the shortest decimal that rounds to it (1e-06, not 9.99999997e-07), i.e. the
-    value the converter was given, so that arithmetic with it matches the original config's."""
-    return float(str(np.float32(value)))
-
-
-def _single(value, key: str, source: Path):
-    """A per-layer metadata array must be uniform here (we have no per-layer head counts)."""
-    if isinstance(value, list):
-        if len(set(value)) != 1:
-            raise ConfigError(f"{source}: per-layer values for {key} ({value}) are not supported")
-        return value[0]
-    return value
-
-
-def _eos_ids(g: GGUFFile) -> list[int]:
-    ids = (special_token_id(g, k) for k in ("eos", "eot", "eom"))
-    return list(dict.fromkeys(i for i in ids if i is not None))
-
-
 def _rope_scaling(g: GGUFFile) -> dict | None:
     kind = g.arch_get("rope.scaling.type", "none")
     if kind == "none":
@@ -145,13 +62,13 @@ def _rope_scaling(g: GGUFFile) -> dict | None:
 
 def _layer_stack_config(g: GGUFFile, model_type: str, vocab_size: int, **extra) -> ModelConfig:
     hidden = int(g.require("embedding_length"))
-    heads = int(_single(g.require("attention.head_count"), "attention.head_count", g.path))
-    kv_heads = _single(g.arch_get("attention.head_count_kv", heads), "attention.head_count_kv", g.path)
+    heads = int(single_value(g.require("attention.head_count"), "attention.head_count", g.path))
+    kv_heads = single_value(g.arch_get("attention.head_count_kv", heads), "attention.head_count_kv", g.path)
     raw = {
         "model_type": model_type,
         "vocab_size": vocab_size,
         "hidden_size": hidden,
-        "intermediate_size": int(_single(g.require("feed_forward_length"), "feed_forward_length", g.path)),
+        "intermediate_size": int(single_value(g.require("feed_forward_length"), "feed_forward_length", g.path)),
         "num_hidden_layers": int(g.require("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(kv_heads),
@@ -167,11 +84,8 @@ def _layer_stack_config(g: GGUFFile, model_type: str, vocab_size: int, **extra) 
     return cfg
 
 
-def gguf_target_config(g: GGUFFile):
-    """The target's config: a ModelConfig (llama, qwen3) or a Gemma4Config (gemma4)."""
-    if g.arch == GEMMA4_ARCH:
-        from flashdraft.loading.gguf_gemma4 import gemma4_gguf_config  # imported here: it builds on this module
-        return gemma4_gguf_config(g)
+def llama_target_config(g: GGUFFile) -> ModelConfig:
+    """A llama or qwen3 target's config."""
     if g.arch not in TARGET_ARCHS:
         hint = " (a DFlash drafter: pass it as the drafter)" if g.arch in DRAFTER_ARCHS else ""
         raise ConfigError(f"{g.path}: unsupported GGUF architecture {g.arch!r}{hint}; "
@@ -184,7 +98,7 @@ def gguf_target_config(g: GGUFFile):
         g, TARGET_ARCHS[g.arch], g.shape("token_embd.weight")[0],
         max_position_embeddings=int(g.arch_get("context_length", 4096)),
         tie_word_embeddings="output.weight" not in g.tensors,
-        eos_token_id=_eos_ids(g), bos_token_id=bos)
+        eos_token_id=eos_ids(g), bos_token_id=bos)
 
 
 def _drafter_settings(g: GGUFFile) -> tuple[int, int, list[int]]:
@@ -234,7 +148,7 @@ def _submodule(root: nn.Module, path: str) -> tuple[nn.Module, str]:
     return (root.get_submodule(parent) if parent else root), attr
 
 
-class _Installer:
+class TensorInstaller:
     """Puts GGUF tensors into a model built on the meta device, checking names, shapes and types."""
 
     def __init__(self, g: GGUFFile, model: nn.Module, device: torch.device, dtype: torch.dtype):
@@ -327,14 +241,11 @@ def tie_lm_head(model: nn.Module, hidden_size: int, dtype: torch.dtype) -> None:
         model.lm_head.weight = emb.weight
 
 
-def load_gguf_target(g: GGUFFile, max_positions: int, device: torch.device, dtype: torch.dtype) -> DecoderLM:
-    if g.arch == GEMMA4_ARCH:
-        from flashdraft.loading.gguf_gemma4 import load_gemma4_gguf_target  # imported here: it builds on this module
-        return load_gemma4_gguf_target(g, device, dtype)
-    cfg = gguf_target_config(g)
+def load_llama_target(g: GGUFFile, max_positions: int, device: torch.device, dtype: torch.dtype) -> DecoderLM:
+    cfg = llama_target_config(g)
     with torch.device("meta"):
         model = DecoderLM(cfg, max_positions)
-    inst = _Installer(g, model, device, dtype)
+    inst = TensorInstaller(g, model, device, dtype)
     for gguf_base, ours in TARGET_TENSORS.items():
         name = f"{gguf_base}.weight"
         if name in g.tensors:
@@ -350,12 +261,9 @@ def load_gguf_target(g: GGUFFile, max_positions: int, device: torch.device, dtyp
     return model.eval().requires_grad_(False)
 
 
-def load_gguf_drafter(path: str | Path, target: DecoderLM, max_positions: int) -> DFlashDrafter:
-    g = GGUFFile(path, "drafter")
+def load_llama_drafter(g: GGUFFile, target: DecoderLM, max_positions: int) -> DFlashDrafter:
+    """A DFlash drafter (either layout) for a llama or qwen3 target."""
     target_type = getattr(target.config, "model_type", None)
-    if target_type in GEMMA4_MODEL_TYPES:
-        from flashdraft.loading.gguf_gemma4 import load_gemma4_gguf_drafter  # imported here: it builds on this module
-        return load_gemma4_gguf_drafter(g, target, max_positions)
     if target_type not in TARGET_ARCHS.values():
         raise ConfigError(f"{g.path}: GGUF drafters are supported for "
                           f"{', '.join((*TARGET_ARCHS.values(), GEMMA4_ARCH))} targets, not {target_type!r}")
@@ -370,7 +278,7 @@ def install_drafter(g: GGUFFile, drafter: DFlashDrafter, target, max_positions: 
     """Load a drafter built on the meta device from g (either layout), on the target's device and dtype."""
     cfg = drafter.config
     ref = target.model.norm.weight  # a float parameter: the target's device and compute dtype
-    inst = _Installer(g, drafter, ref.device, ref.dtype)
+    inst = TensorInstaller(g, drafter, ref.device, ref.dtype)
     for gguf_base, ours in DRAFTER_TENSORS.items():
         if f"{gguf_base}.weight" in g.tensors:
             inst.tensor(f"{gguf_base}.weight", ours, "weight")
@@ -381,12 +289,3 @@ def install_drafter(g: GGUFFile, drafter: DFlashDrafter, target, max_positions: 
     return drafter.eval().requires_grad_(False)
 
 
-class GGUFTokenizer(Tokenizer):
-    """Our Tokenizer over a fast tokenizer built from the GGUF's tokenizer.ggml.* metadata."""
-
-    def __init__(self, g: GGUFFile):
-        self.hf = build_hf_tokenizer(g)
-
-
-def gguf_name(g: GGUFFile) -> str:
-    return re.sub(r"\.gguf$", "", g.path.name, flags=re.IGNORECASE)

@@ -1,0 +1,117 @@
+"""Which loader builds a model: for an HF folder by config.json's model_type, for a GGUF file by its
+general.architecture; targets and DFlash drafters (a drafter by its target's family). load_model puts a target,
+its tokenizer and a drafter together.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flashdraft.config import DrafterConfig, ModelConfig, is_gguf_path, read_json
+from flashdraft.config_gemma4 import GEMMA4_MODEL_TYPES, is_gemma4_folder
+from flashdraft.loading.checkpoint import (CheckpointError, assign_tensors, check_drafter_fits, default_device_dtype,
+                                           model_folder, read_tensors)
+from flashdraft.loading.gguf import GGUFFile, GGUFTokenizer, gguf_name
+from flashdraft.loading.tokenizer import Tokenizer
+from flashdraft.models.decoder_lm import DecoderLM
+from flashdraft.models.drafter import DFlashDrafter
+from flashdraft.models.gemma4 import gemma4_max_positions, load_gemma4_target
+from flashdraft.models.gemma4_drafter import load_gemma4_drafter
+from flashdraft.models.gemma4_gguf import gemma4_gguf_config, load_gemma4_gguf_drafter, load_gemma4_gguf_target
+from flashdraft.models.gguf import GEMMA4_ARCH, llama_target_config, load_llama_drafter, load_llama_target
+
+
+def target_max_positions(folder: Path) -> int:
+    if is_gemma4_folder(folder):
+        return gemma4_max_positions(folder)
+    return ModelConfig.from_file(folder / "config.json").max_position_embeddings
+
+
+def load_target(path: str | Path, max_positions: int, device=None, dtype=None) -> DecoderLM:
+    folder = model_folder(path, "model")
+    if is_gemma4_folder(folder):
+        return load_gemma4_target(folder, device, dtype)
+    cfg = ModelConfig.from_file(folder / "config.json")
+    gen_cfg = folder / "generation_config.json"
+    if gen_cfg.is_file():
+        eos = read_json(gen_cfg).get("eos_token_id")
+        if eos is not None:
+            extra = [eos] if isinstance(eos, int) else list(eos)
+            cfg.eos_token_ids = list(dict.fromkeys(cfg.eos_token_ids + [int(e) for e in extra]))
+    device, dtype = default_device_dtype(device, dtype)
+    with torch.device("meta"):
+        model = DecoderLM(cfg, max_positions)
+    tensors = read_tensors(folder)
+    if "lm_head.weight" not in tensors:
+        if not cfg.tie_word_embeddings and "model.embed_tokens.weight" not in tensors:
+            raise CheckpointError(f"{folder}: missing tensor 'lm_head.weight'")
+        tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight")
+    assign_tensors(model, tensors, folder, device, dtype)
+    model.rope = model.rope.__class__(cfg, max_positions).to(device)
+    return model.eval().requires_grad_(False)
+
+
+def load_drafter(path: str | Path, target: DecoderLM, max_positions: int) -> DFlashDrafter:
+    if getattr(target.config, "model_type", None) in GEMMA4_MODEL_TYPES:
+        return load_gemma4_drafter(path, target, max_positions)
+    folder = model_folder(path, "drafter")
+    cfg = DrafterConfig.from_file(folder / "config.json")
+    check_drafter_fits(cfg, target.config, folder)
+    p = target.model.norm.weight  # the target's device and dtype (a float parameter even in GGUF models)
+    with torch.device("meta"):
+        drafter = DFlashDrafter(cfg, max_positions)
+    assign_tensors(drafter, read_tensors(folder), folder, p.device, p.dtype)
+    drafter.rope = drafter.rope.__class__(cfg.layers, max_positions).to(p.device)
+    return drafter.eval().requires_grad_(False)
+
+
+def gguf_target_config(g: GGUFFile):
+    """The target's config: a ModelConfig (llama, qwen3) or a Gemma4Config (gemma4)."""
+    return gemma4_gguf_config(g) if g.arch == GEMMA4_ARCH else llama_target_config(g)
+
+
+def load_gguf_target(g: GGUFFile, max_positions: int, device: torch.device, dtype: torch.dtype):
+    if g.arch == GEMMA4_ARCH:
+        return load_gemma4_gguf_target(g, device, dtype)
+    return load_llama_target(g, max_positions, device, dtype)
+
+
+def load_gguf_drafter(path: str | Path, target, max_positions: int):
+    g = GGUFFile(path, "drafter")
+    if getattr(target.config, "model_type", None) in GEMMA4_MODEL_TYPES:
+        return load_gemma4_gguf_drafter(g, target, max_positions)
+    return load_llama_drafter(g, target, max_positions)
+
+
+@dataclass
+class LoadedModel:
+    target: object
+    tokenizer: Tokenizer | None
+    drafter: object | None
+    context_size: int
+    name: str
+
+
+def load_model(model: str | Path, drafter: str | Path | None = None, device=None, dtype=None,
+               context_size: int | None = None, overhang: int = 64) -> LoadedModel:
+    """Target, tokenizer and optional drafter from their folders or .gguf files; caches get `overhang` spare rows."""
+    gguf = GGUFFile(model, "model") if is_gguf_path(model) else None
+    if gguf is not None:
+        max_pos, tokenizer, name = gguf_target_config(gguf).max_position_embeddings, GGUFTokenizer(gguf), gguf_name(gguf)
+    else:
+        folder = model_folder(model, "model")
+        max_pos = target_max_positions(folder)  # validates config.json before anything else reads it
+        tokenizer, name = Tokenizer(folder), folder.name
+    device, dtype = default_device_dtype(device, dtype)
+    if context_size is not None and context_size < 2:
+        raise ValueError(f"context size must be at least 2 tokens, got {context_size}")
+    ctx = min(context_size, max_pos) if context_size else min(max_pos, 8192)
+    target = (load_gguf_target(gguf, ctx + overhang, device, dtype) if gguf is not None
+              else load_target(folder, ctx + overhang, device, dtype))
+    draft_loader = load_gguf_drafter if is_gguf_path(drafter) else load_drafter
+    draft_model = draft_loader(drafter, target, ctx + overhang) if drafter else None
+    if draft_model is not None and draft_model.block_size > overhang:
+        raise ValueError(f"drafter block_size {draft_model.block_size} is larger than supported ({overhang})")
+    return LoadedModel(target, tokenizer, draft_model, ctx, name)

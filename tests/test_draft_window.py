@@ -1,5 +1,5 @@
 """--spec-dflash-cross-ctx N: the drafter sees only the last N committed tokens, its context cache a ring of
-N + block rows (engine.kv_cache.WindowKVCache)."""
+N + block rows (models.kv_cache.WindowKVCache)."""
 import pytest
 import torch
 

@@ -159,11 +159,9 @@ def _int8_at(ptr, mask):
 
 
 @triton.jit
-def _legacy_tile(row, k0, mask, QTYPE: tl.constexpr, S: tl.constexpr):
-    """S blocks of 32 weights starting at weight k0 -> float32 [BLOCK_N, S, 32].
+def _legacy_weight(row, blk, e, mask, QTYPE: tl.constexpr):
+    """Weight e (0..31) of 32-weight block blk of a row, as float32, over the broadcast shape of blk and e.
     Q4_0 d*(q-8); Q5_0 d*(q-16) (4 bytes of 5th bits); Q8_0 d*int8; Q4_1 d*q+m; Q5_1 d*q+m (5th bits)."""
-    blk = (k0 // 32 + tl.arange(0, S))[None, :, None]
-    e = tl.arange(0, 32)[None, None, :]
     if QTYPE == 0:
         base = row + blk * 18
         q = (_byte_at(base + 2 + e % 16, mask) >> (4 * (e // 16))) & 0x0F
@@ -186,6 +184,13 @@ def _legacy_tile(row, k0, mask, QTYPE: tl.constexpr, S: tl.constexpr):
         q = q | (((_byte_at(base + 4 + e // 8, mask) >> (e % 8)) & 1) << 4)
         w = _fp16_at(base, mask) * q.to(tl.float32) + _fp16_at(base + 2, mask)
     return w
+
+
+@triton.jit
+def _legacy_tile(row, k0, mask, QTYPE: tl.constexpr, S: tl.constexpr):
+    """S blocks of 32 weights starting at weight k0 -> float32 [BLOCK_N, S, 32]."""
+    return _legacy_weight(row, (k0 // 32 + tl.arange(0, S))[None, :, None], tl.arange(0, 32)[None, None, :], mask,
+                          QTYPE)
 
 
 @triton.jit
@@ -275,28 +280,7 @@ def _decode_tile_2d(row, k0, mask, QTYPE: tl.constexpr, BLOCK_K: tl.constexpr):
         hi = (_byte_at(base + 128 + h * 32 + r % 32, mask) >> (2 * (r // 32))) & 0x03
         w = (_fp16_at(base + 208, mask) * _int8_at(base + 192 + e // 16, mask)) * ((lo | (hi << 4)) - 32).to(tl.float32)
     else:
-        e = k % 32
-        if QTYPE == 0:
-            base = row + (k // 32) * 18
-            q = (_byte_at(base + 2 + e % 16, mask) >> (4 * (e // 16))) & 0x0F
-            w = _fp16_at(base, mask) * (q - 8).to(tl.float32)
-        elif QTYPE == 1:
-            base = row + (k // 32) * 22
-            q = (_byte_at(base + 6 + e % 16, mask) >> (4 * (e // 16))) & 0x0F
-            q = q | (((_byte_at(base + 2 + e // 8, mask) >> (e % 8)) & 1) << 4)
-            w = _fp16_at(base, mask) * (q - 16).to(tl.float32)
-        elif QTYPE == 2:
-            base = row + (k // 32) * 34
-            w = _int8_at(base + 2 + e, mask) * _fp16_at(base, mask)
-        elif QTYPE == 6:
-            base = row + (k // 32) * 20
-            q = (_byte_at(base + 4 + e % 16, mask) >> (4 * (e // 16))) & 0x0F
-            w = _fp16_at(base, mask) * q.to(tl.float32) + _fp16_at(base + 2, mask)
-        else:
-            base = row + (k // 32) * 24
-            q = (_byte_at(base + 8 + e % 16, mask) >> (4 * (e // 16))) & 0x0F
-            q = q | (((_byte_at(base + 4 + e // 8, mask) >> (e % 8)) & 1) << 4)
-            w = _fp16_at(base, mask) * q.to(tl.float32) + _fp16_at(base + 2, mask)
+        w = _legacy_weight(row, k // 32, k % 32, mask, QTYPE)
     return w
 
 

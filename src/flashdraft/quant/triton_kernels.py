@@ -194,17 +194,15 @@ def _legacy_tile(row, k0, mask, QTYPE: tl.constexpr, S: tl.constexpr):
 
 
 @triton.jit
-def _q45_k_tile(row, k0, mask, FIVE_BIT: tl.constexpr, S: tl.constexpr):
-    """S sub-blocks of 32 weights of a Q4_K/Q5_K super-block, from weight k0 -> float32 [BLOCK_N, S, 32].
-    Super-block: fp16 d, fp16 dmin, 12 bytes of packed 6-bit scales/mins, [Q5_K: 32 bytes of 5th bits],
-    128 nibble bytes (byte 32g+i: weight 64g+i low, 64g+32+i high); weight = (d*sc_j)*q - dmin*m_j."""
-    j = ((k0 % 256) // 32 + tl.arange(0, S))[None, :, None]
-    i = tl.arange(0, 32)[None, None, :]
+def _q45_k_weight(row, sb, j, i, mask, FIVE_BIT: tl.constexpr):
+    """Weight i (0..31) of sub-block j (0..7) of super-block sb of a Q4_K/Q5_K row, as float32, over the broadcast
+    shape of sb, j and i. Super-block: fp16 d, fp16 dmin, 12 bytes of packed 6-bit scales/mins, [Q5_K: 32 bytes of
+    5th bits], 128 nibble bytes (byte 32g+i: weight 64g+i low, 64g+32+i high); weight = (d*sc_j)*q - dmin*m_j."""
     if FIVE_BIT:
-        base = row + (k0 // 256) * 176
+        base = row + sb * 176
         qs = base + 48
     else:
-        base = row + (k0 // 256) * 144
+        base = row + sb * 144
         qs = base + 16
     q = (_byte_at(qs + 32 * (j // 2) + i, mask) >> (4 * (j % 2))) & 0x0F
     if FIVE_BIT:
@@ -221,7 +219,9 @@ def _q45_k_tile(row, k0, mask, FIVE_BIT: tl.constexpr, S: tl.constexpr):
 def _q6_k_tile(row, k0, mask, S: tl.constexpr):
     """S sub-blocks of 16 weights of a Q6_K super-block, from weight k0 -> float32 [BLOCK_N, S, 16].
     Super-block: ql[128] (weight 128h+64t+c: byte 64h+c, nibble t), qh[64] (weight 128h+32u+c: byte 32h+c,
-    bits 2u..2u+1), int8 scales[16], fp16 d; weight = (d*s_j)*(q-32)."""
+    bits 2u..2u+1), int8 scales[16], fp16 d; weight = (d*s_j)*(q-32). The per-element decode (_decode_tile_2d)
+    indexes the same bytes by the weight's place in the super-block instead: each form compiles to fewer
+    instructions for its own layout (sm_90 SASS: 1912 against 1960 here, 2216 against 3344 there)."""
     j = ((k0 % 256) // 16 + tl.arange(0, S))[None, :, None]
     i = tl.arange(0, 16)[None, None, :]
     base = row + (k0 // 256) * 210
@@ -235,10 +235,9 @@ def _q6_k_tile(row, k0, mask, S: tl.constexpr):
 @triton.jit
 def _decode_tile(row, k0, mask, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Weights W[rows, k0:k0+BLOCK_K] as float32 [BLOCK_N, BLOCK_K]; row: [BLOCK_N, 1, 1] row pointers."""
-    if QTYPE == 3:
-        w = _q45_k_tile(row, k0, mask, False, BLOCK_K // 32)
-    elif QTYPE == 4:
-        w = _q45_k_tile(row, k0, mask, True, BLOCK_K // 32)
+    if QTYPE == 3 or QTYPE == 4:  # S = BLOCK_K / 32 sub-blocks of 32 weights: [BLOCK_N, S, 32]
+        j = ((k0 % 256) // 32 + tl.arange(0, BLOCK_K // 32))[None, :, None]
+        w = _q45_k_weight(row, k0 // 256, j, tl.arange(0, 32)[None, None, :], mask, QTYPE == 4)
     elif QTYPE == 5:
         w = _q6_k_tile(row, k0, mask, BLOCK_K // 16)
     else:
@@ -253,24 +252,7 @@ def _decode_tile_2d(row, k0, mask, QTYPE: tl.constexpr, BLOCK_K: tl.constexpr):
     3-D tiles and no reshape."""
     k = k0 + tl.arange(0, BLOCK_K)[None, :]
     if QTYPE == 3 or QTYPE == 4:
-        e = k % 256
-        j = e // 32
-        i = e % 32
-        if QTYPE == 4:
-            base = row + (k // 256) * 176
-            qs = base + 48
-        else:
-            base = row + (k // 256) * 144
-            qs = base + 16
-        q = (_byte_at(qs + 32 * (j // 2) + i, mask) >> (4 * (j % 2))) & 0x0F
-        if QTYPE == 4:
-            q = q | (((_byte_at(base + 16 + i, mask) >> j) & 1) << 4)
-        sc_lo = _byte_at(base + 4 + j % 4, mask)
-        mn_lo = _byte_at(base + 8 + j % 4, mask)
-        hi = _byte_at(base + 12 + j % 4, mask)
-        sc = tl.where(j < 4, sc_lo & 0x3F, (hi & 0x0F) | ((sc_lo >> 6) << 4)).to(tl.float32)
-        mn = tl.where(j < 4, mn_lo & 0x3F, (hi >> 4) | ((mn_lo >> 6) << 4)).to(tl.float32)
-        w = (_fp16_at(base, mask) * sc) * q.to(tl.float32) - _fp16_at(base + 2, mask) * mn
+        w = _q45_k_weight(row, k // 256, (k % 256) // 32, k % 32, mask, QTYPE == 4)
     elif QTYPE == 5:
         base = row + (k // 256) * 210
         e = k % 256

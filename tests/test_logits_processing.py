@@ -143,7 +143,7 @@ def test_grammar_masks_follow_the_guesses_and_stop_at_a_forbidden_one(demo):
     assert unpack_bitmask(done.masks([]), vocab, "cpu")[0].nonzero().flatten().tolist() == sorted(demo.eos_ids)
 
 
-def test_grammar_draft_takes_the_first_allowed_candidate_or_a_forced_token(demo):
+def test_grammar_draft_takes_the_first_allowed_candidate_or_a_forced_token(demo, capfd):
     """Each slot's guess is its first candidate that the grammar allows after the guesses before it (checked
     against the masks), else the token the grammar forces there; a slot with neither ends the guesses; the matcher
     does not move."""
@@ -167,6 +167,7 @@ def test_grammar_draft_takes_the_first_allowed_candidate_or_a_forced_token(demo)
     # a slot with no allowed candidate where several tokens are allowed ends the guesses
     assert matcher.draft([[t] for t in text[:5]] + [[bad]] + [[t] for t in text[5:]]) == text[:5]
     assert torch.equal(unpack_bitmask(matcher.masks([]), vocab, "cpu"), start)
+    assert "special token" not in capfd.readouterr().err  # never offered to xgrammar, which warns of each
 
 
 # --- bias and penalties in the loop (tiny model, random drafter) ---

@@ -16,6 +16,7 @@ def interpret_without_gpu(kernel_module: str, kernels_cache) -> None:
         return
     os.environ["TRITON_INTERPRET"] = "1"
     sys.modules.pop(kernel_module, None)
+    sys.modules.pop("flashdraft.kernels.split_reduce_triton", None)  # kernels the kernel modules import
     kernels_cache.cache_clear()
 
 

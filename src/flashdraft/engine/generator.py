@@ -18,9 +18,9 @@ from flashdraft.engine.ngram import NgramSettings
 from flashdraft.engine.sampling import resolve_seed
 from flashdraft.engine.speculative import Sequence, SpeculativeDecoder
 from flashdraft.loading import Tokenizer
+from flashdraft.models import load_model
 
 # Caches get this many rows past the context so that any supported block can overhang the last position.
-from flashdraft.models import load_model
 MAX_BLOCK_SIZE = 64
 # The embedded demo pair's name: its folders are called target/ and drafter/, which say nothing in /v1/models.
 DEMO_NAME = "flashdraft-demo-code"

@@ -94,6 +94,10 @@ class GrammarMatcher:
         xgr = _xgrammar()
         self._matcher = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
+        # Special tokens other than the stop tokens are never allowed; draft() skips them without asking the
+        # matcher, which would print a warning for each.
+        info = compiled.tokenizer_info
+        self._never = frozenset(info.special_token_ids) - frozenset(info.stop_token_ids)
         self._bitmask = xgr.allocate_token_bitmask(max_rows, vocab_size)
         self._words = self._bitmask.numpy()  # the same memory, for reading single bits quickly
 
@@ -125,7 +129,8 @@ class GrammarMatcher:
         for slot in candidates:
             if m.is_terminated():
                 break
-            pick = next((t for t in slot if 0 <= t < self.vocab_size and m.accept_token(t)), None)
+            pick = next((t for t in slot if 0 <= t < self.vocab_size and t not in self._never and m.accept_token(t)),
+                        None)
             if pick is None:
                 m.fill_next_token_bitmask(self._bitmask, 0)
                 pick = _only_token(self._words[0])

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -67,20 +67,23 @@ LONG_CONFIGS = ((24576, AttentionConfig(block_n=128, split=512, num_warps=8)),
 # Wider heads (256: Gemma-4) keep steps of 64 keys: a 128-key step would hold 64 KB of keys and 64 KB of values
 # per program at once (not measured at that width, nor longer ranges).
 WIDE_HEAD_CONFIG = AttentionConfig()
-# 512-wide heads (Gemma 4's full layers): steps of 32 keys, so a step's keys and values stay at 32 KB each.
+# 512-wide heads (Gemma 4's full layers): steps of 32 keys, so a step's keys and values stay at 32 KB each; over
+# long caches the key ranges of LONG_CONFIGS (fewer partials to add and to hold: 128-key ranges over 131K rows
+# would take 1 GB of fp32 partials per 16-token call). Not measured at this width.
 WIDEST_HEAD_CONFIG = AttentionConfig(block_n=32, num_warps=8)
+WIDEST_LONG_CONFIGS = tuple((limit, replace(WIDEST_HEAD_CONFIG, split=c.split))
+                            for limit, c in LONG_CONFIGS)
 
 
 def config_for(head_dim: int, capacity: int = 0) -> AttentionConfig:
     """The tiling for a head width and a cache of `capacity` rows (both fixed for a cache's life; never T or kv_len,
     so a row's arithmetic is the same in every pass over the same cache)."""
-    if head_dim > 256:
-        return WIDEST_HEAD_CONFIG
-    if head_dim > 128:
+    if head_dim > 128 and head_dim <= 256:
         return WIDE_HEAD_CONFIG
     if capacity <= SHORT_CACHE_ROWS:
-        return CONFIG
-    return next(c for limit, c in LONG_CONFIGS if limit is None or capacity <= limit)
+        return WIDEST_HEAD_CONFIG if head_dim > 256 else CONFIG
+    long = WIDEST_LONG_CONFIGS if head_dim > 256 else LONG_CONFIGS
+    return next(c for limit, c in long if limit is None or capacity <= limit)
 
 
 @functools.cache

@@ -217,6 +217,8 @@ def test_head_width_512_and_a_given_scale(hd, scale):
     # SDPA's default scale is 1/sqrt(hd): the same scores come from q * scale * sqrt(hd)
     ref = _reference(q.double() * scale * hd ** 0.5, k, v, mask)
     assert (out.double() - ref).abs().max().item() < 1e-5
+    long = da.launch(q, k, v, mask, da.config_for(hd, 8208), scale=scale)  # a long cache's key ranges
+    assert (long.double() - ref).abs().max().item() < 1e-5
 
 
 def _gemma4_decode(model, ids, block):

@@ -263,7 +263,7 @@ def test_gemma4_target_rows_are_bitwise_independent_of_the_block(tmp_path):
     from test_gemma4_target import WINDOW
     from test_gemma4_tiny import build_gemma4_target
 
-    from flashdraft.engine.cuda_graphs import compile_layers
+    from flashdraft.engine.model_prep import compile_layers
     from flashdraft.layers.skinny_gemm import route_linears
     from flashdraft.models import load_target
 

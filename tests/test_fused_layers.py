@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 from triton_interpreter import interpret_without_gpu  # noqa: E402
 
 from flashdraft.config import SamplingParams  # noqa: E402
-from flashdraft.engine.cuda_graphs import fuse_projections  # noqa: E402
+from flashdraft.engine.model_prep import fuse_projections  # noqa: E402
 from flashdraft.engine.generator import Engine  # noqa: E402
 from flashdraft.layers import decode_attention, qkv_prep, skinny_gemm  # noqa: E402
 from flashdraft.layers.decoder import DecoderLayer, route_fused_layers  # noqa: E402

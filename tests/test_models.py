@@ -153,7 +153,7 @@ def test_missing_folder(tmp_path):
 
 def test_fused_projections_same_logits(qwen3_dir, drafter_dir):
     """The CUDA default fuses q/k/v and gate/up into single GEMMs; the results must not change."""
-    from flashdraft.engine.cuda_graphs import fuse_projections
+    from flashdraft.engine.model_prep import fuse_projections
     from flashdraft.config import SamplingParams
     engine = Engine.load(qwen3_dir, drafter_dir, device="cpu", context_size=64)
     target = engine.decoder.target

@@ -113,7 +113,7 @@ def main(argv=None) -> int:
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "variants": {}}
     from flashdraft.models.gemma4 import Gemma4DecoderLayer
 
-    from flashdraft.engine.cuda_graphs import compile_layers
+    from flashdraft.engine.model_prep import compile_layers
     from flashdraft.layers.decode_attention import route_attention
 
     # eager SDPA (no routing, as before decode_attention took Gemma 4); the engine's CUDA settings without and with

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from flashdraft.config import SamplingParams
-from flashdraft.engine.cuda_graphs import GraphCache, bucket, compile_layers, fuse_projections
+from flashdraft.engine.cuda_graphs import GraphCache, bucket
+from flashdraft.engine.model_prep import compile_layers, fuse_projections
 from flashdraft.engine.grammar import GrammarMatcher
 from flashdraft.models.kv_cache import KVCache, WindowKVCache
 from flashdraft.engine.logit_processor import LogitProcessor, TokenLogprob

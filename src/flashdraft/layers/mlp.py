@@ -1,7 +1,7 @@
 import torch
 from torch import nn
 
-from flashdraft.layers import kernels
+from flashdraft.layers import functional
 from flashdraft.layers.skinny_gemm import linear
 
 
@@ -33,4 +33,4 @@ class GatedMLP(nn.Module):
             gate, up = linear(x, self.gate_up_weight, self.gate_up_bias, self.skinny_max_m).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(kernels.silu_mul(gate, up))
+        return self.down_proj(functional.silu_mul(gate, up))

@@ -1,7 +1,7 @@
 import torch
 from torch import nn
 
-from flashdraft.layers import kernels
+from flashdraft.layers import functional
 
 
 class RMSNorm(nn.Module):
@@ -13,4 +13,4 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
+        return functional.rms_norm(x, self.weight, self.eps)

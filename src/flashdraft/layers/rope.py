@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from flashdraft.config import ConfigError, ModelConfig
-from flashdraft.layers import kernels
+from flashdraft.layers import functional
 
 
 def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -47,4 +47,4 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [heads, T, head_dim]; cos/sin: [T, head_dim] in float32 (cast to x's dtype as HF does)."""
-    return kernels.rope(x, cos, sin)
+    return functional.rope(x, cos, sin)

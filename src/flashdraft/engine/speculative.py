@@ -38,7 +38,8 @@ from flashdraft.engine.ngram import NgramProposer, NgramSettings
 from flashdraft.engine.sampling import sample_tokens
 from flashdraft.layers.decode_attention import ATTENTION_BACKENDS, route_attention
 from flashdraft.layers.decoder import DecoderLayer, route_fused_layers
-from flashdraft.layers.skinny_gemm import BLOCK_M, GEMM_BACKENDS, can_run, route_linears, triton_available
+from flashdraft.kernels.runtime import can_run, triton_available
+from flashdraft.layers.skinny_gemm import BLOCK_M, GEMM_BACKENDS, route_linears
 from flashdraft.models import DecoderLM, DFlashDrafter
 
 # With a grammar, each drafted slot takes the best of the drafter's this many candidates that the grammar allows

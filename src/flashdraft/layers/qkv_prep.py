@@ -29,7 +29,7 @@ position, with nothing that depends on T, so they are bitwise the same whether i
 
 The kernel is the custom op `flashdraft::qkv_prep` (it mutates cache_k and cache_v), opaque to torch.compile and
 safe inside CUDA graph capture: no host sync, and it allocates only q. It runs on CUDA with Triton, or under
-Triton's interpreter (TRITON_INTERPRET=1, the CPU tests), where skinny_gemm.can_run says so. Elsewhere Attention
+Triton's interpreter (TRITON_INTERPRET=1, the CPU tests), where kernels.runtime.can_run says so. Elsewhere Attention
 keeps its module-by-module path, which `qkv_prep_reference` reproduces for the tests. A position outside [0, capacity) writes no cache row (index_copy_ would raise instead; the
 kernel cannot check without a host sync).
 """

@@ -50,6 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashdraft.kernels.runtime import gpu_sm_count, interpreting
+
 
 BLOCK_M = 16  # rows per tile: tl.dot's minimum, and a whole DFlash verify block (B = 16) in one tile
 GEMM_BACKENDS = ("cublas", "triton")
@@ -102,11 +104,8 @@ GATED_CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
 GATED_DEFAULT = SkinnyConfig(32, 64, 1, 4, 8)
 
 
-@functools.cache
-def _sm_count(device_index: int | None) -> int:
-    if device_index is None:
-        return 1  # Triton's interpreter runs programs one after another: the fewest, largest tiles
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+# Triton's interpreter runs programs one after another: tile as for one multiprocessor (the fewest, largest tiles)
+INTERPRETER_SMS = 1
 
 
 def config_for(n: int, k: int, sms: int = 132) -> SkinnyConfig:
@@ -124,7 +123,7 @@ def config_for(n: int, k: int, sms: int = 132) -> SkinnyConfig:
 
 def _pdl_everywhere() -> bool:
     """FLASHDRAFT_SKINNY_PDL=1 launches every skinny GEMM as a programmatic dependent (an experiment's switch)."""
-    return os.environ.get("FLASHDRAFT_SKINNY_PDL", "0") not in ("", "0") and not _interpreting()
+    return os.environ.get("FLASHDRAFT_SKINNY_PDL", "0") not in ("", "0") and not interpreting()
 
 
 def _config_for(n: int, k: int, sms: int) -> SkinnyConfig:
@@ -167,29 +166,10 @@ def candidate_configs(n: int, k: int, wide: bool = False) -> list[SkinnyConfig]:
     return unique
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 @functools.cache
 def _kernels():
     from flashdraft.layers import _skinny_triton
     return _skinny_triton
-
-
-@functools.cache
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def can_run(device: torch.device | str) -> bool:
-    """Whether the kernel can run for tensors on `device`: CUDA with Triton, or Triton's interpreter."""
-    device = torch.device(device)
-    return triton_available() and (device.type == "cuda" or _interpreting())
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -225,7 +205,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return y.reshape(*lead, n)
     if config is None:
         config = (GATED_CONFIGS.get((rows, k), GATED_DEFAULT) if gated
-                  else config_for(rows, k, _sm_count(x.device.index if x.device.type == "cuda" else None)))
+                  else config_for(rows, k, gpu_sm_count(x.device.index) if x.device.type == "cuda" else INTERPRETER_SMS))
     if rms_norm_eps is not None or gated:
         config = dataclasses.replace(config, split_k=1)
     res2 = None

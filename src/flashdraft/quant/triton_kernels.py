@@ -38,13 +38,13 @@ interpreter cannot run loops with run-time bounds under numpy >= 2.4, and the co
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from flashdraft.kernels.runtime import gpu_sm_count
 from flashdraft.kernels.split_reduce_triton import round_like, split_reduce_kernel
 
 QTYPE_CODES = {"Q4_0": 0, "Q5_0": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5, "Q4_1": 6, "Q5_1": 7}
@@ -510,12 +510,11 @@ def _interpreting() -> bool:
     return type(_quant_matmul_kernel).__name__ == "InterpretedFunction"
 
 
-@functools.cache
 def sm_count(device_index: int | None) -> int:
     """Multiprocessors of that GPU (tilings depend on it, never on M); 132 without one."""
     if device_index is None or not torch.cuda.is_available():
         return 132  # an H100/H200: the interpreter tiles as the GPU does
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    return gpu_sm_count(device_index)
 
 
 _PACKED_PERMS: dict[tuple[str, int, torch.device], torch.Tensor] = {}

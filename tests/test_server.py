@@ -297,9 +297,11 @@ def test_concurrent_clients_share_slots_fairly(server, engine):
     """Three streams on two slots: all finish with the engine's greedy text, the first two interleave, and
     /health answers at once while they run."""
     prompts = {"a": PROMPT, "b": "The quick brown fox", "c": "class Stack:"}
-    expected = {k: greedy(engine, 24, prompt=p, ignore_eos=True) for k, p in prompts.items()}
+    # enough tokens that a stream outlasts the 50 ms between two clients' starts (24 did not on a quiet machine)
+    tokens = 160
+    expected = {k: greedy(engine, tokens, prompt=p, ignore_eos=True) for k, p in prompts.items()}
     arrivals, results, health_seconds = [], {}, []
-    body = {"max_tokens": 24, "stream": True, "ignore_eos": True}
+    body = {"max_tokens": tokens, "stream": True, "ignore_eos": True}
     threads = [threading.Thread(target=stream_lines, args=(server, {**body, "prompt": p}, arrivals, results, k,
                                                            health_seconds))
                for k, p in prompts.items()]

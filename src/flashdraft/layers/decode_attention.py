@@ -78,7 +78,7 @@ WIDEST_LONG_CONFIGS = tuple((limit, replace(WIDEST_HEAD_CONFIG, split=c.split))
 def config_for(head_dim: int, capacity: int = 0) -> AttentionConfig:
     """The tiling for a head width and a cache of `capacity` rows (both fixed for a cache's life; never T or kv_len,
     so a row's arithmetic is the same in every pass over the same cache)."""
-    if head_dim > 128 and head_dim <= 256:
+    if 128 < head_dim <= 256:
         return WIDE_HEAD_CONFIG
     if capacity <= SHORT_CACHE_ROWS:
         return WIDEST_HEAD_CONFIG if head_dim > 256 else CONFIG
@@ -132,8 +132,8 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     _kernels().attention_kernel[(kv_heads, tiles, splits)](
         q, k, v, mask if mask is not None else q, m, l_sum, acc, _tickets(q.device, kv_heads * tiles), out, T,
         kv_len, splits, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), stride_mt,
-        out.stride(0), math.log2(math.e) * (1 / math.sqrt(hd) if scale is None else scale), GROUP=group, D=hd, HAS_MASK=mask is not None,
-        IEEE=q.dtype == torch.float32, BLOCK_Q=c.block_q, BLOCK_N=c.block_n, SPLIT=c.split,
+        out.stride(0), math.log2(math.e) * (1 / math.sqrt(hd) if scale is None else scale), GROUP=group, D=hd,
+        HAS_MASK=mask is not None, IEEE=q.dtype == torch.float32, BLOCK_Q=c.block_q, BLOCK_N=c.block_n, SPLIT=c.split,
         K_FMT=KERNEL_FORMATS.get(k_format.name, 0), V_FMT=KERNEL_FORMATS.get(v_format.name, 0),
         K_ALIGN=_row_alignment(k), V_ALIGN=_row_alignment(v), num_warps=c.num_warps, num_stages=c.num_stages)
     return out

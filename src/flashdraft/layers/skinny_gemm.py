@@ -204,8 +204,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if m == 0:
         return y.reshape(*lead, n)
     if config is None:
-        config = (GATED_CONFIGS.get((rows, k), GATED_DEFAULT) if gated
-                  else config_for(rows, k, gpu_sm_count(x.device.index) if x.device.type == "cuda" else INTERPRETER_SMS))
+        sms = gpu_sm_count(x.device.index) if x.device.type == "cuda" else INTERPRETER_SMS
+        config = GATED_CONFIGS.get((rows, k), GATED_DEFAULT) if gated else config_for(rows, k, sms)
     if rms_norm_eps is not None or gated:
         config = dataclasses.replace(config, split_k=1)
     res2 = None

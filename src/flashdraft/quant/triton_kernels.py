@@ -187,13 +187,6 @@ def _legacy_weight(row, blk, e, mask, QTYPE: tl.constexpr):
 
 
 @triton.jit
-def _legacy_tile(row, k0, mask, QTYPE: tl.constexpr, S: tl.constexpr):
-    """S blocks of 32 weights starting at weight k0 -> float32 [BLOCK_N, S, 32]."""
-    return _legacy_weight(row, (k0 // 32 + tl.arange(0, S))[None, :, None], tl.arange(0, 32)[None, None, :], mask,
-                          QTYPE)
-
-
-@triton.jit
 def _q45_k_weight(row, sb, j, i, mask, FIVE_BIT: tl.constexpr):
     """Weight i (0..31) of sub-block j (0..7) of super-block sb of a Q4_K/Q5_K row, as float32, over the broadcast
     shape of sb, j and i. Super-block: fp16 d, fp16 dmin, 12 bytes of packed 6-bit scales/mins, [Q5_K: 32 bytes of
@@ -240,8 +233,9 @@ def _decode_tile(row, k0, mask, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOC
         w = _q45_k_weight(row, k0 // 256, j, tl.arange(0, 32)[None, None, :], mask, QTYPE == 4)
     elif QTYPE == 5:
         w = _q6_k_tile(row, k0, mask, BLOCK_K // 16)
-    else:
-        w = _legacy_tile(row, k0, mask, QTYPE, BLOCK_K // 32)
+    else:  # BLOCK_K / 32 blocks of 32 weights: [BLOCK_N, BLOCK_K / 32, 32]
+        blk = (k0 // 32 + tl.arange(0, BLOCK_K // 32))[None, :, None]
+        w = _legacy_weight(row, blk, tl.arange(0, 32)[None, None, :], mask, QTYPE)
     return tl.reshape(w, (BLOCK_N, BLOCK_K))
 
 

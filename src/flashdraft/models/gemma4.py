@@ -201,8 +201,10 @@ class Gemma4Attention(nn.Module):
             rows = positions % ring if self.sliding else positions
             write_rows(cache_k, rows, k)
             write_rows(cache_v, rows, v)
-            n = mask.shape[-1]  # the rows the mask covers (Gemma4LM._masks): kv_len, or at most the ring
-            keys, values = cache_k[:, :n], cache_v[:, :n]
+            # Every position is below kv_len, so a ring longer than kv_len holds rows only below kv_len: the
+            # sliding layers of a short context read that many.
+            n = min(kv_len, ring) if self.sliding else kv_len
+            keys, values, mask = cache_k[:, :n], cache_v[:, :n], mask[:, :n]
             if T <= self.decode_attention_max_t:  # the kernel reads every cache type itself
                 return self.o_proj(decode_attention(q.transpose(0, 1), keys, values, mask, scale=1.0))
             keys, values = read_rows(keys, hd, dtype), read_rows(values, hd, dtype)
@@ -394,9 +396,7 @@ class Gemma4LM(nn.Module):
         if SLIDING in self.config.layer_types:
             w = cache.window
             if positions.shape[0] <= RING_IN_PLACE_MAX_T:
-                # Every position is below kv_len, so a ring longer than kv_len holds rows only below kv_len: the
-                # sliding layers of a short context read that many.
-                stored = cache.ring_pos.index_copy(0, positions % cache.ring, positions)[None, :min(kv_len, cache.ring)]
+                stored = cache.ring_pos.index_copy(0, positions % cache.ring, positions)[None, :]
                 masks[SLIDING] = (stored <= q) & (q - stored < w)
             else:
                 stored = cache.ring_pos[None, :]

@@ -47,8 +47,7 @@ def test_window_drafter_sees_exactly_the_last_n_positions(pair, window):
     assert len(prompt) > window + BLOCK
     seq = dec.new_sequence()
     with torch.inference_mode():
-        dec.prefill(seq, prompt, SamplingParams(max_tokens=4), 0)
-        dec._flush_context(seq)
+        dec.prefill(seq, prompt, SamplingParams(max_tokens=4), 0)  # projects the prompt's context
         start = len(seq.tokens) - 1
         assert isinstance(seq.draft_cache, WindowKVCache) and seq.draft_len == start == len(prompt)
         block = torch.cat([torch.tensor(seq.tokens[-1:]), dec._mask_tail_tokens()])
@@ -116,8 +115,8 @@ def test_prefix_reuse_keeps_the_ring_only_while_it_holds_the_window(pair):
     got = _own_guesses(engine, follow, params, reuse_prefix=True)
     assert engine._sequence.reused > len(first) and got == want
     seq = engine._sequence
-    assert seq.draft_cache.reusable(seq.draft_len) == seq.draft_len
-    early = seq.draft_len - 6 - BLOCK - 2  # its window's rows were overwritten since
+    assert dec.reusable_rows(seq, seq.tokens) == len(seq.tokens) - 1  # all of it, the ring's window included
+    early = len(seq.tokens) - 1 - 6 - BLOCK - 2  # its window's rows were overwritten since
     assert seq.draft_cache.reusable(early) == 0
     assert dec.reusable_rows(seq, seq.tokens[:early] + [1, 2, 3]) == 0
 

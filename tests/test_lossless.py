@@ -205,7 +205,8 @@ def test_interleaved_pipelined_sequences(tmp_path, qwen3_dir):
 def test_graphed_paths_equal_the_eager_loop(tmp_path, qwen3_dir):
     """The loop's graphed paths give the eager loop's tokens, greedy and sampled: the pipelined greedy steps (draft,
     verify and acceptance in one graph that advances the device state, the next step queued before the host
-    reads this one's result, a step past an EOS dropped) and the sampled path (draft graph, verify graph)."""
+    reads this one's result, a step past an EOS dropped), greedy or sampled, and the path with the host between
+    the passes (draft graph, verify graph)."""
     drafter = build_drafter(tmp_path / "d", qwen3_dir, block_size=8, seed=3)
     eager = Engine.load(qwen3_dir, drafter, device="cpu", context_size=256)
     graphed = Engine.load(qwen3_dir, drafter, device="cpu", context_size=256)
@@ -240,6 +241,9 @@ def test_graphed_paths_equal_the_eager_loop(tmp_path, qwen3_dir):
                 engine.decoder.oracle = None
         assert seen["graphed"] == seen["eager"] and len(seen["eager"]) > 3
         assert graphed.generate(prompt, sampled, draft=7).tokens == eager.generate(prompt, sampled, draft=0).tokens
+        # a request the host processes between the passes (draft graph, verify graph, host, acceptance)
+        biased = SamplingParams(max_tokens=30, temperature=0.9, seed=5, ignore_eos=True, logit_bias={base[3]: 2.0})
+        assert graphed.generate(prompt, biased, draft=7).tokens == eager.generate(prompt, biased, draft=0).tokens
         # an EOS in the middle: the step queued behind the one that found it is dropped, and the next request
         # (the same sequence, prefilled again) starts clean
         saved_eos = graphed.eos_ids, eager.eos_ids

@@ -99,8 +99,10 @@ def test_ngram_drafting_is_lossless_on_the_demo_target(demo_ngram, demo_plain, p
     assert ngram.stats.draft_n > 0 and ngram.stats.draft_n_accepted > 0  # the lookup found repeats and they held
     assert ngram.stats.steps < len(ngram.tokens)
     if params.logprobs is not None:
-        assert [(p.token, round(p.logprob, 4)) for p in ngram.logprobs] == \
-            [(p.token, round(p.logprob, 4)) for p in plain.logprobs]
+        # a verify pass's rows may round apart from one-row passes in the last bits (CPU GEMMs pick kernels by
+        # shape): the same tokens, log-probabilities equal to 1e-4
+        assert [p.token for p in ngram.logprobs] == [p.token for p in plain.logprobs]
+        assert [p.logprob for p in ngram.logprobs] == pytest.approx([p.logprob for p in plain.logprobs], abs=1e-4)
 
 
 def test_ngram_drafting_under_a_grammar(demo_ngram, demo_plain):

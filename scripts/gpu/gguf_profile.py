@@ -56,7 +56,7 @@ def main() -> int:
         start = len(prompt)
         for t_len in (1, 16):
             tokens = torch.arange(1, t_len + 1, device=dev)
-            step = lambda: decoder._verify(seq, tokens, start)  # noqa: E731
+            step = lambda: decoder.target_pass(seq, tokens, start)  # noqa: E731
             with torch.inference_mode():
                 for _ in range(3):
                     step()

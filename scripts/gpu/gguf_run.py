@@ -666,11 +666,11 @@ def stage_model(run: Run, bw: float, dev, gen, args) -> None:
         decoder.prefill(seq, prompt, params, 0)
         start = len(prompt)
         reps = 3 if run.tiny else 20
-        model["decode_step_ms"] = 1000 * median_s(lambda: decoder._verify(seq, torch.tensor([1], device=dev), start),
+        model["decode_step_ms"] = 1000 * median_s(lambda: decoder.target_pass(seq, torch.tensor([1], device=dev), start),
                                                   dev, reps)
-        model["verify_step_ms"] = 1000 * median_s(lambda: decoder._verify(seq, torch.arange(B, device=dev), start),
+        model["verify_step_ms"] = 1000 * median_s(lambda: decoder.target_pass(seq, torch.arange(B, device=dev), start),
                                                   dev, reps)
-        model["draft_step_ms"] = 1000 * median_s(lambda: decoder._draft(seq, B - 1), dev, reps)
+        model["draft_step_ms"] = 1000 * median_s(lambda: decoder.draft(seq, B - 1), dev, reps)
         log(f"(c) steps at {start} tokens: decode {model['decode_step_ms']:.2f} ms, verify ({B} tokens) "
             f"{model['verify_step_ms']:.2f} ms, draft {model['draft_step_ms']:.2f} ms")
     except Exception as e:  # noqa: BLE001
@@ -721,10 +721,10 @@ def stage_model(run: Run, bw: float, dev, gen, args) -> None:
             reps = 3 if run.tiny else 10
             model["long_context_tokens"] = long_start
             model["long_decode_step_ms"] = 1000 * median_s(
-                lambda: decoder._verify(seq, torch.tensor([1], device=dev), long_start), dev, reps)
+                lambda: decoder.target_pass(seq, torch.tensor([1], device=dev), long_start), dev, reps)
             model["long_verify_step_ms"] = 1000 * median_s(
-                lambda: decoder._verify(seq, torch.arange(B, device=dev), long_start), dev, reps)
-            model["long_draft_step_ms"] = 1000 * median_s(lambda: decoder._draft(seq, B - 1), dev, reps)
+                lambda: decoder.target_pass(seq, torch.arange(B, device=dev), long_start), dev, reps)
+            model["long_draft_step_ms"] = 1000 * median_s(lambda: decoder.draft(seq, B - 1), dev, reps)
             log(f"(c) steps at {long_start} tokens: decode {model['long_decode_step_ms']:.2f} ms, verify "
                 f"{model['long_verify_step_ms']:.2f} ms, draft {model['long_draft_step_ms']:.2f} ms")
         except Exception as e:  # noqa: BLE001

@@ -58,8 +58,8 @@ def main(shape: str, backends: str) -> None:
     decoder.prefill(seq, list(range(1, 300)), SamplingParams(), 0)
     for T in (1, 16):
         tokens = torch.arange(T, device=dev)
-        report(f"[{shape}, {backends}] target pass T={T}", lambda: decoder._verify(seq, tokens, 299))
-    report(f"[{shape}, {backends}] draft pass (block {decoder.block_size})", lambda: decoder._draft(seq, decoder.max_draft))
+        report(f"[{shape}, {backends}] target pass T={T}", lambda: decoder.target_pass(seq, tokens, 299))
+    report(f"[{shape}, {backends}] draft pass (block {decoder.block_size})", lambda: decoder.draft(seq, decoder.max_draft))
 
 
 def generations(shape: str) -> None:

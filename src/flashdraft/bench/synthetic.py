@@ -211,9 +211,9 @@ def run(shape: str, device: str | None = None, tokens: int = 256, variants: tupl
     def step_ms(fn) -> float:
         return 1000 * median_seconds(fn, dev, reps=30, warmup=1)
 
-    report.decode_step_ms = step_ms(lambda: decoder._verify(seq, torch.tensor([1], device=dev), prompt_len))
-    report.verify_step_ms = step_ms(lambda: decoder._verify(seq, torch.arange(B, device=dev), prompt_len))
-    report.draft_step_ms = step_ms(lambda: decoder._draft(seq, B - 1))
+    report.decode_step_ms = step_ms(lambda: decoder.target_pass(seq, torch.tensor([1], device=dev), prompt_len))
+    report.verify_step_ms = step_ms(lambda: decoder.target_pass(seq, torch.arange(B, device=dev), prompt_len))
+    report.draft_step_ms = step_ms(lambda: decoder.draft(seq, B - 1))
     log(f"  decode step {report.decode_step_ms:.3f} ms, verify step ({B} tokens) {report.verify_step_ms:.3f} ms, "
         f"draft step {report.draft_step_ms:.3f} ms")
     step_bytes = (report.target_gb + report.drafter_gb + report.lm_head_gb + report.kv_gb)

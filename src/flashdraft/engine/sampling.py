@@ -38,9 +38,16 @@ def _seed_keys(seed: int) -> tuple[int, int]:
     return z & _M32, z >> 32
 
 
-def gumbel_noise(seed: int, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Standard Gumbel noise [T, vocab], float32, keyed by (seed, position, token id)."""
-    k1, k2 = _seed_keys(seed)
+def seed_key(seed: int, device: torch.device | str) -> torch.Tensor:
+    """The seed as the noise reads it: its two 32-bit keys, [2] int64 on the device. A captured step reads the key
+    from this tensor, so one graph serves every seed."""
+    return torch.tensor(_seed_keys(seed), dtype=torch.int64, device=device)
+
+
+def gumbel_noise(key: int | torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Standard Gumbel noise [T, vocab], float32, keyed by (seed, position, token id); key: the seed, or its
+    seed_key tensor (the same noise)."""
+    k1, k2 = (key[0], key[1]) if isinstance(key, torch.Tensor) else _seed_keys(key)
     pos_key = _mix32(((positions.long() * 0x9E3779B1) ^ k1) & _M32)[:, None]
     ids = torch.arange(vocab, device=positions.device, dtype=torch.int64)[None, :]
     x = _mix32(_mix32(ids ^ k2) ^ pos_key)
@@ -75,12 +82,14 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return x
 
 
-def sample_tokens(logits: torch.Tensor, params: SamplingParams, seed: int, positions: torch.Tensor) -> torch.Tensor:
-    """One token per row of logits [T, V]; row t is the token at absolute position positions[t]."""
+def sample_tokens(logits: torch.Tensor, params: SamplingParams, key: int | torch.Tensor,
+                  positions: torch.Tensor) -> torch.Tensor:
+    """One token per row of logits [T, V]; row t is the token at absolute position positions[t]. key: the seed or
+    its seed_key tensor. No host syncs: a CUDA graph can capture it."""
     if params.greedy:
         return logits.argmax(dim=-1)
     logprobs = warp_logits(logits, params)
-    return (logprobs + gumbel_noise(seed, positions, logits.shape[-1])).argmax(dim=-1)
+    return (logprobs + gumbel_noise(key, positions, logits.shape[-1])).argmax(dim=-1)
 
 
 def resolve_seed(params: SamplingParams) -> int:

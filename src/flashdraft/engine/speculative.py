@@ -1,25 +1,25 @@
 """The DFlash loop: draft a block in one drafter pass, verify it in one target pass, accept, roll back.
 
 Positions: the sequence's committed tokens are tokens[0..L-1]. The target cache holds rows 0..L-2 (the last
-committed token has not been run yet); the drafter cache holds projected context for rows below
-`draft_len` and `pending` keeps the target taps of rows draft_len..L-2 that are not projected yet.
-A step with draft length n runs the drafter on [tokens[L-1], mask x (B-1)] at positions L-1..L+B-2, takes its
-greedy guesses for the first n slots, verifies [tokens[L-1], guess_1..guess_n] in one target pass and keeps the
-longest prefix of guesses that equal the target's own samples, plus the target's next sample. Cache rows past
-the new length are stale and masked by position, so rollback costs nothing. n = 0 is plain decoding on the
-same path.
+committed token has not been run yet). A step with draft length n runs the drafter on [tokens[L-1], mask x (B-1)]
+at positions L-1..L+B-2, takes its greedy guesses for the first n slots, verifies [tokens[L-1], guess_1..guess_n]
+in one target pass and keeps the longest prefix of guesses that equal the target's own samples, plus the target's
+next sample. Cache rows past the new length are stale and masked by position, so rollback costs nothing. n = 0
+is plain decoding on the same path.
 
-Logit processing (bias, penalties, a grammar) and logprobs (engine.logit_processor): the verify rows are processed
-before sampling, row i as if guesses[:i] were committed, so acceptance compares the guesses with the samples of
-the processed rows that plain decoding would have had; such requests take the step-by-step path.
+A sequence's loop state lives on the device (DeviceState): the step's start position, the last committed token,
+the seed's key, and the target taps of the last step's committed rows, which the next step projects into the
+drafter's cache before it drafts. One step function (`_device_step`: draft -> verify -> sample -> accept ->
+advance) reads and advances that state and needs nothing from the host, so it runs eagerly or as one CUDA graph,
+greedy or sampled (the noise is keyed by seed and position, engine.sampling). With graphs, `launch` queues a
+step and its result's copy to the host and returns; `collect` waits for it, so the GPU runs step i + 1 while the
+host handles step i's tokens. A step launched past the end of a generation only writes cache rows past its
+committed length (masked, like rolled-back rows) and is never collected; the next prefill sets the state again.
 
-Pipelined steps (greedy decoding with CUDA graphs): `launch` replays a step's one graph (draft, verify, greedy
-acceptance) and queues the copy of its [accepted, samples] to the host; `collect` waits for it. The graph reads
-its start position, last token and drafter context from the sequence's DeviceState and advances them itself,
-so the next step can be launched before the host has seen this one's result: the GPU runs step i + 1 while the
-host handles step i's tokens (stop rules, text, streaming), and the host's share of a step leaves no gap. A
-step launched past the end of a generation only writes cache rows past its committed length (masked, like
-rolled-back rows) and is never collected.
+Logit processing (bias, penalties, a grammar), logprobs and n-gram drafting need the host between the passes
+(`_host_step`): the same passes, the guesses chosen or looked up on the host, the verify rows processed there
+row i as if guesses[:i] were committed, so acceptance compares the guesses with the samples plain decoding would
+have had.
 """
 from __future__ import annotations
 
@@ -30,25 +30,25 @@ import torch
 
 from flashdraft.config import SamplingParams
 from flashdraft.engine.cuda_graphs import GraphCache, bucket
-from flashdraft.engine.model_prep import compile_layers, fuse_projections
 from flashdraft.engine.grammar import GrammarMatcher
-from flashdraft.models.kv_cache import KVCache, WindowKVCache
 from flashdraft.engine.logit_processor import LogitProcessor, TokenLogprob
+from flashdraft.engine.model_prep import compile_layers, fuse_projections
 from flashdraft.engine.ngram import NgramProposer, NgramSettings
-from flashdraft.engine.sampling import sample_tokens
+from flashdraft.engine.sampling import sample_tokens, seed_key
+from flashdraft.kernels.runtime import can_run, triton_available
 from flashdraft.layers.decode_attention import ATTENTION_BACKENDS, route_attention
 from flashdraft.layers.decoder import DecoderLayer, route_fused_layers
-from flashdraft.kernels.runtime import can_run, triton_available
 from flashdraft.layers.skinny_gemm import BLOCK_M, GEMM_BACKENDS, route_linears
 from flashdraft.models import DecoderLM, DFlashDrafter
+from flashdraft.models.kv_cache import KVCache, WindowKVCache
 
 # With a grammar, each drafted slot takes the best of the drafter's this many candidates that the grammar allows
 # after the slots before it (a draft that ends in a forbidden guess could not be accepted past it).
 DRAFT_CANDIDATES = 8
 
-# Taps waiting for projection are flushed into the drafter cache at this many rows even while drafting is off,
-# so a long stretch of plain decoding keeps bounded memory; one batched projection costs little.
-MAX_PENDING_ROWS = 256
+# Run eagerly, plain steps leave their context rows waiting in the device state, up to this many, for the next
+# drafting step to project together: on a CPU one projection of many rows costs less than one per step.
+MAX_WAITING_ROWS = 256
 
 
 def _fast_path_default(device: torch.device, fallback: str) -> str:
@@ -104,21 +104,22 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
 
 @dataclass
 class DeviceState:
-    """A sequence's loop state on the device, read and advanced by each pipelined step's graph. Allocated once per
-    sequence, outside the graphs' memory pool, so graphs can keep its addresses."""
+    """A sequence's loop state on the device, read and advanced by each step. Allocated once per sequence, outside
+    the graphs' memory pool, so graphs can keep its addresses; set from the host by each prefill."""
 
     start: torch.Tensor      # [1] int64: position of the last committed token (= len(tokens) - 1)
     last: torch.Tensor       # [1] int64: the last committed token
-    ctx_taps: torch.Tensor | None  # [B, taps width]: target taps of rows not yet in the drafter cache (+ padding)
+    key: torch.Tensor        # [2] int64: the request's seed as the sampling noise reads it (sampling.seed_key)
+    ctx_taps: torch.Tensor | None  # [rows, taps width]: target taps of rows not yet in the drafter cache (+ padding)
     ctx_rows: torch.Tensor | None  # [1] int64: how many leading rows of ctx_taps are real
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.start, self.last, self.ctx_taps, self.ctx_rows) if t is not None]
+        return [t for t in (self.start, self.last, self.key, self.ctx_taps, self.ctx_rows) if t is not None]
 
 
 @dataclass
 class Launched:
-    """A step handed to the GPU (or, done, one run synchronously); collect() turns it into a StepResult."""
+    """A step handed to the device (or, done, one run to the end); collect() turns it into a StepResult."""
 
     drafted: int
     host: torch.Tensor | None = None        # receives [accepted, samples 0..n] (pinned memory on CUDA)
@@ -130,22 +131,18 @@ class Launched:
 
 @dataclass
 class Sequence:
-    """One generation's state: its tokens and caches. Reused across requests by re-prefilling."""
+    """One generation's state: its tokens, caches and device state. Reused across requests by re-prefilling."""
 
     target_cache: KVCache
     draft_cache: KVCache | None
     tokens: list[int] = field(default_factory=list)
+    # Positions whose context the drafter cache is known to hold: at least those below it (exact after prefill
+    # and _flush_context; a collected step's committed rows wait in state.ctx_taps for the next step to project).
     draft_len: int = 0
-    pending: list[torch.Tensor] = field(default_factory=list)
-    seed: int = 0
     params: SamplingParams = field(default_factory=SamplingParams)
-    # The last committed token on the device, with the token count it belongs to: the next step reads it from
-    # there instead of copying it up from the host (a synchronous copy before every step's first launch).
-    last: tuple[int, torch.Tensor] | None = None
-    # Pipelined steps: `state` is authoritative while on_device (from the first launch until the next prefill);
-    # `ahead` is the most tokens the launched, not yet collected steps can commit.
     state: DeviceState | None = None
-    on_device: bool = False
+    # The most tokens the launched, not yet collected steps can commit; after a generation, steps launched past
+    # its end leave it above 0, and the device state ahead of the tokens, until the next prefill.
     ahead: int = 0
     # Pinned landing places of its launched steps' results, used in turn: a sequence has at most two steps in
     # flight, so a buffer comes round again only after its step was collected. Per sequence, because a server
@@ -197,16 +194,15 @@ class SpeculativeDecoder:
         self.tap_ids = drafter.config.target_layer_ids if drafter is not None else None
         self.device = target.model.norm.weight.device  # a float parameter even when weights are quantized
         # Optional replacement of the drafter's guesses (benchmarks with a chosen acceptance pattern): called
-        # as oracle(start, guesses) after the drafter has run, so the drafter's cost stays real. In pipelined steps
-        # it runs inside the step's graph with start a device scalar, so it must be capturable (no host syncs):
-        # bench.oracle.PlantedOracle is.
+        # as oracle(start, guesses) after the drafter has run, so the drafter's cost stays real. In a step on the
+        # device it runs inside the step (and its graph) with start a device scalar, so it must be capturable (no
+        # host syncs): bench.oracle.PlantedOracle is.
         self.oracle = None
         # Decode, verify and draft passes replayed as CUDA graphs (default on CUDA); prefill stays eager.
         # On CUDA by default, also fused projections, and the fused layer path (both Triton backends) or compiled
         # layers (docs/performance.md measures each).
         on_cuda = self.device.type == "cuda"
         self.graphs = GraphCache() if (on_cuda if cuda_graphs is None else cuda_graphs) else None
-        self._ctx_taps = None
         self._mask_tail = None  # the drafter block's B - 1 mask tokens, on the device
         self._guess_buffer = None  # pinned landing place of a step's guesses, for the host's grammar masks
         # gemm: "cublas" (F.linear) or "triton" (flashdraft.layers.skinny_gemm: batch-invariant GEMMs, so the
@@ -254,38 +250,55 @@ class SpeculativeDecoder:
                         if self.drafter is not None else None,
                         proposer=self.ngram.proposer() if self.ngram is not None else None)
 
-    def _positions(self, start: int, count: int) -> torch.Tensor:
-        return torch.arange(start, start + count, device=self.device)
+    def _positions(self, start: int | torch.Tensor, count: int) -> torch.Tensor:
+        """Positions start..start+count-1 on the device; start an int or a [1] device tensor (a step's state)."""
+        return start + torch.arange(count, device=self.device)
+
+    def _state(self, seq: Sequence) -> DeviceState:
+        if seq.state is None:
+            zeros = lambda n: torch.zeros(n, dtype=torch.long, device=self.device)  # noqa: E731
+            ctx = self.drafter is not None
+            rows = self.block_size + (0 if self.graphs is not None else MAX_WAITING_ROWS)
+            seq.state = DeviceState(
+                start=zeros(1), last=zeros(1), key=zeros(2),
+                ctx_taps=torch.zeros(rows, len(self.tap_ids) * self.target.config.hidden_size,
+                                     device=self.device, dtype=self.drafter.norm.weight.dtype) if ctx else None,
+                ctx_rows=zeros(1) if ctx else None)
+        return seq.state
 
     @torch.inference_mode()
     def prefill(self, seq: Sequence, prompt: list[int], params: SamplingParams, seed: int,
                 grammar=None, reuse: bool = False) -> StepResult:
         """Run the prompt and sample the first new token (appended to seq.tokens); returns it as a step's result.
+        The prompt's context goes into the drafter cache here, and the device state is set for the first step.
         grammar: the compiled grammar of params.constraint (engine.grammar.GrammarCompiler), which it needs.
         reuse: keep the cache rows of the longest prefix the prompt shares with what the sequence holds (a chat's
         earlier turns) and run only the rest; seq.reused says how many."""
         if params.constraint is not None and grammar is None:
             raise ValueError("a constrained request needs its compiled grammar")
         reused = self.reusable_rows(seq, prompt) if reuse else 0
-        seq.tokens, seq.draft_len, seq.pending, seq.reused = list(prompt), reused, [], reused
-        seq.params, seq.seed = params, seed
-        seq.on_device, seq.ahead = False, 0  # a step launched past the last generation's end is dropped
+        seq.tokens, seq.reused, seq.params, seq.ahead = list(prompt), reused, params, 0
         vocab = self.target.config.vocab_size
         seq.processor = None
         if params.processes_logits or params.logprobs is not None:
             matcher = GrammarMatcher(grammar, vocab, self.block_size + 1) if grammar is not None else None
             seq.processor = LogitProcessor(params, prompt, vocab, self.device, matcher)
         P = len(prompt)
+        positions = self._positions(reused, P - reused)
         tokens = torch.tensor(prompt[reused:], device=self.device)
-        logits, taps = self.target(tokens, self._positions(reused, P - reused), seq.target_cache, P, self.tap_ids,
-                                   last_only=True)
-        rows = seq.processor.process(logits, []) if params.processes_logits else logits
-        sampled = sample_tokens(rows, params, seed, self._positions(P, 1))
-        first = int(sampled[0])
+        logits, taps = self.target(tokens, positions, seq.target_cache, P, self.tap_ids, last_only=True)
+        state = self._state(seq)
         if taps is not None:
-            seq.pending.append(taps)
+            self.drafter.add_context(taps, positions, seq.draft_cache)
+            seq.draft_len = P
+            state.ctx_rows.zero_()
+        state.key.copy_(seed_key(seed, self.device))
+        rows = seq.processor.process(logits, []) if params.processes_logits else logits
+        sampled = sample_tokens(rows, params, state.key, self._positions(P, 1))
+        state.start.fill_(P)
+        state.last.copy_(sampled[:1])
+        first = int(sampled[0])
         seq.tokens.append(first)
-        seq.last = (len(seq.tokens), sampled[:1])
         logprobs = None
         if seq.processor is not None:
             if params.logprobs is not None:
@@ -300,8 +313,8 @@ class SpeculativeDecoder:
         logits."""
         rows = max(0, min(shared_prefix(seq.tokens, prompt), len(seq.tokens) - 1, len(prompt) - 1))
         if self.drafter is not None and rows > 0:
-            if rows > seq.draft_len and not seq.on_device:
-                self._flush_context(seq)  # the taps still pending belong to tokens the prompt shares
+            if rows > seq.draft_len and seq.ahead == 0:
+                self._flush_context(seq)  # the last step's rows, still waiting, belong to tokens the prompt shares
             rows = seq.draft_cache.reusable(min(rows, seq.draft_len))
         return seq.target_cache.reusable(rows)
 
@@ -311,8 +324,7 @@ class SpeculativeDecoder:
         dst.target_cache.copy_prefix(src.target_cache, rows)
         if self.drafter is not None:
             dst.draft_cache.copy_prefix(src.draft_cache, rows)
-        dst.tokens, dst.draft_len, dst.pending = src.tokens[:rows + 1], rows, []
-        dst.on_device, dst.ahead, dst.last = False, 0, None
+        dst.tokens, dst.draft_len, dst.ahead = src.tokens[:rows + 1], rows, 0
 
     def snapshot(self, seq: Sequence, device: torch.device | str = "cpu") -> Sequence | None:
         """The positions of seq's caches that a prompt starting with its tokens could reuse, copied to `device`
@@ -325,99 +337,18 @@ class SpeculativeDecoder:
                         draft_cache=seq.draft_cache.snapshot(rows, device) if self.drafter is not None else None,
                         tokens=seq.tokens[:rows + 1], draft_len=rows)
 
-    def _last_token(self, seq: Sequence) -> torch.Tensor:
-        """[1] on the device: the last committed token."""
-        if seq.last is not None and seq.last[0] == len(seq.tokens):
-            return seq.last[1]
-        return torch.tensor([seq.tokens[-1]], device=self.device)
-
+    @torch.inference_mode()
     def _flush_context(self, seq: Sequence) -> None:
-        if not seq.pending:
+        """Project the context rows waiting in the device state into the drafter cache now. Only while no step is
+        in flight (the state then matches the tokens)."""
+        if seq.state is None or seq.ahead:
             return
-        taps = torch.cat(seq.pending) if len(seq.pending) > 1 else seq.pending[0]
-        self.drafter.add_context(taps, self._positions(seq.draft_len, taps.shape[0]), seq.draft_cache)
-        seq.draft_len += taps.shape[0]
-        seq.pending = []
-
-    def _draft(self, seq: Sequence, n: int, candidates: int = 1) -> torch.Tensor:
-        """The drafter's greedy guesses for the n tokens after the last committed one ([n] on the device); with
-        candidates > 1, each slot's best candidates, best first ([n, candidates]; an oracle's guess is the one
-        candidate of its slot)."""
-        if seq.proposer is not None:  # n-gram lookup: possibly fewer than n, possibly none
-            guesses = torch.tensor(seq.proposer.propose(seq.tokens, n), device=self.device, dtype=torch.long)
-            return guesses[:, None] if candidates > 1 else guesses
-        start, B = len(seq.tokens) - 1, self.block_size
-        block = torch.cat([self._last_token(seq), self._mask_tail_tokens()])
-        if self.graphs is None:
-            self._flush_context(seq)
-            hidden = self.drafter(self.target.embed(block), self._positions(start, B), seq.draft_cache,
-                                  seq.draft_cache.kv_len(start + B))
-            guesses = _best(self.target.logits(hidden[1:n + 1]), candidates)
-        else:
-            guesses = self._draft_graphed(seq, block, start, candidates)[:n]
-        if self.oracle is None:
-            return guesses
-        return self.oracle(start, guesses[:, 0])[:, None] if candidates > 1 else self.oracle(start, guesses)
-
-    def _draft_graphed(self, seq: Sequence, block: torch.Tensor, start: int, candidates: int) -> torch.Tensor:
-        """Context projection and the block pass as one graph. Up to B pending context rows go in with the
-        block, padded to B rows; the padding lands on the block's own positions, which the block pass then
-        overwrites. More pending rows (after prefill or plain decoding) are projected eagerly first."""
-        B = self.block_size
-        if self._ctx_taps is None:  # one staging buffer for the graph's input; stale rows are padding
-            self._ctx_taps = self._new_ctx_taps()
-        taps = self._ctx_taps
-        rows = self._stage_pending(seq, taps)
-        cache = seq.draft_cache
-        kv_len = cache.kv_len(bucket(start + B, self.capacity))
-
-        def draft_pass(ctx_taps, ctx_positions, block, block_positions):
-            return self._draft_pass(cache, kv_len, ctx_taps, ctx_positions, block, block_positions, candidates)
-
-        return self.graphs.run(("draft", self.graphs.tie(cache), kv_len, candidates), draft_pass, ctx_taps=taps,
-                               ctx_positions=self._positions(start - rows, B), block=block,
-                               block_positions=self._positions(start, B))
-
-    def _new_ctx_taps(self) -> torch.Tensor:
-        return torch.zeros(self.block_size, len(self.tap_ids) * self.target.config.hidden_size, device=self.device,
-                           dtype=self.drafter.norm.weight.dtype)
-
-    def _stage_pending(self, seq: Sequence, taps: torch.Tensor) -> int:
-        """Move the pending taps into taps' leading rows, for a graph to project; returns how many. More than B
-        rows (after prefill or plain decoding) are projected eagerly here instead, and 0 are staged."""
-        if sum(t.shape[0] for t in seq.pending) > self.block_size:
-            self._flush_context(seq)
-        rows = 0
-        for t in seq.pending:
-            taps[rows:rows + t.shape[0]] = t
-            rows += t.shape[0]
-        seq.pending, seq.draft_len = [], seq.draft_len + rows
-        return rows
-
-    def _draft_pass(self, cache: KVCache, kv_len: int, ctx_taps, ctx_positions, block, block_positions,
-                    candidates: int = 1):
-        """Project the context rows, run the block: the drafter's greedy guesses for block slots 1..B-1 (or
-        their best candidates: _best)."""
-        self.drafter.add_context(ctx_taps, ctx_positions, cache)
-        # rows past the block hidden (a window cache masks by the positions its rows hold, itself)
-        mask = None if isinstance(cache, WindowKVCache) else (
-            torch.arange(kv_len, device=block.device)[None, :] <= block_positions[-1:, None])
-        hidden = self.drafter(self.target.embed(block), block_positions, cache, kv_len, mask)
-        return _best(self.target.logits(hidden[1:]), candidates)
-
-    def _verify(self, seq: Sequence, tokens: torch.Tensor, start: int):
-        """Target pass over tokens at positions start..: logits and taps."""
-        T = tokens.shape[0]
-        if self.graphs is None:
-            return self.target(tokens, self._positions(start, T), seq.target_cache, start + T, self.tap_ids)
-        kv_len = bucket(start + T, self.capacity)
-        cache = seq.target_cache
-
-        def target_pass(tokens, positions):
-            return self.target(tokens, positions, cache, kv_len, self.tap_ids)
-
-        return self.graphs.run(("target", self.graphs.tie(cache), T, kv_len), target_pass, tokens=tokens,
-                               positions=self._positions(start, T))
+        rows = int(seq.state.ctx_rows)
+        if rows:
+            self.drafter.add_context(seq.state.ctx_taps[:rows], self._positions(len(seq.tokens) - 1 - rows, rows),
+                                     seq.draft_cache)
+            seq.state.ctx_rows.zero_()
+        seq.draft_len = len(seq.tokens) - 1
 
     def _clamp(self, n: int) -> int:
         return max(0, min(n, self.max_draft)) if self.drafts else 0
@@ -434,38 +365,121 @@ class SpeculativeDecoder:
         return 2 if self.compiled or self.graphs is not None else 1
 
     def pipelines(self, params: SamplingParams) -> bool:
-        """Whether steps of this decoding run pipelined (launch before collect): greedy, with CUDA graphs, and
-        nothing for the host to do between verify and acceptance (logit processing) or after it (logprobs); n-gram
+        """Whether steps of this decoding run pipelined (launch before collect): with CUDA graphs and nothing
+        for the host to do between verify and acceptance (logit processing) or after it (logprobs); n-gram
         drafting looks its guesses up on the host, so it does not pipeline either."""
-        return (self.graphs is not None and self.ngram is None and params.greedy and not params.processes_logits
+        return (self.graphs is not None and self.ngram is None and not params.processes_logits
                 and params.logprobs is None)
+
+    # -- the passes of a step, each reading and advancing the sequence's device state ---------------------------
+
+    def _project_context(self, seq: Sequence) -> None:
+        """Project the rows waiting in the device state into the drafter cache. Eagerly only the real rows (the
+        host reads their count, with nothing to wait for); captured, all B rows, a fixed shape, the padding
+        landing on positions from the start on, which the block pass or a later step writes first."""
+        state, B = seq.state, self.block_size
+        if self.graphs is None:
+            rows = int(state.ctx_rows)
+            if rows:
+                self.drafter.add_context(state.ctx_taps[:rows], self._positions(state.start - rows, rows),
+                                         seq.draft_cache)
+        else:
+            self.drafter.add_context(state.ctx_taps[:B], self._positions(state.start - state.ctx_rows, B),
+                                     seq.draft_cache)
+        state.ctx_rows.zero_()
+
+    def _plain_step_projects(self, seq: Sequence, T: int) -> bool:
+        """Whether a plain step projects the waiting context rows first: always when captured (a fixed shape, at
+        most B waiting rows), eagerly only when its own rows would not fit behind them (MAX_WAITING_ROWS)."""
+        state = seq.state
+        return self.graphs is not None or int(state.ctx_rows) + T > state.ctx_taps.shape[0]
+
+    def _draft_pass(self, seq: Sequence, n: int, kv_len: int, candidates: int = 1) -> torch.Tensor:
+        """Project the waiting context rows, run the block: the drafter's greedy guesses for block slots 1..n
+        (eagerly; captured, for all B - 1 slots, so one graph serves every n), or with candidates > 1 each slot's
+        best candidates, best first."""
+        state, B = seq.state, self.block_size
+        self._project_context(seq)
+        block = torch.cat([state.last, self._mask_tail_tokens()])
+        positions = self._positions(state.start, B)
+        # a graph reads kv_len rows, a bucket: the rows past the block are hidden (a window cache masks by the
+        # positions its rows hold, itself)
+        mask = None if self.graphs is None or isinstance(seq.draft_cache, WindowKVCache) else (
+            torch.arange(kv_len, device=self.device)[None, :] <= positions[-1:, None])
+        hidden = self.drafter(self.target.embed(block), positions, seq.draft_cache, kv_len, mask)
+        return _best(self.target.logits(hidden[1:n + 1] if self.graphs is None else hidden[1:]), candidates)
+
+    def _accept_step(self, seq: Sequence, tokens: torch.Tensor, samples: torch.Tensor, taps: torch.Tensor | None,
+                     n: int) -> torch.Tensor:
+        """Accept (see accept) and advance the device state past the committed tokens; their taps wait in it,
+        behind any rows still waiting (eagerly; captured, none are), for a later step's projection. Returns
+        [accepted, samples 0..n]."""
+        state = seq.state
+        result = accept(tokens, samples, n)
+        accepted = result[:1]
+        state.last.copy_(result[1:].gather(0, accepted))
+        if self.drafter is not None:
+            waiting = 0 if self.graphs is not None else int(state.ctx_rows)
+            state.ctx_taps[waiting:waiting + tokens.shape[0]].copy_(taps)
+            state.ctx_rows.add_(accepted + 1)
+        state.start.add_(accepted + 1)
+        return result
+
+    def _device_step(self, seq: Sequence, n: int, T: int, kv_len: int, draft_kv_len: int) -> torch.Tensor:
+        """One step from the device state alone: draft (n > 0, the oracle's guesses in their place when set),
+        verify T rows, sample, accept, advance. Run eagerly, or captured as one graph by launch.
+        Returns [accepted, samples 0..n]."""
+        state = seq.state
+        if n > 0:
+            guesses = self._draft_pass(seq, n, draft_kv_len)[:n]
+            if self.oracle is not None:
+                guesses = self.oracle(state.start[0], guesses)
+            tokens = torch.cat([state.last, guesses])
+        else:
+            if self.drafter is not None and self._plain_step_projects(seq, T):
+                self._project_context(seq)
+            tokens = state.last.expand(T)
+        logits, taps = self.target(tokens, self._positions(state.start, T), seq.target_cache, kv_len, self.tap_ids)
+        samples = sample_tokens(logits[:n + 1], seq.params, state.key, self._positions(state.start + 1, n + 1))
+        return self._accept_step(seq, tokens, samples, taps, n)
 
     @torch.inference_mode()
     def launch(self, seq: Sequence, n: int) -> Launched:
-        """Start one step with up to n drafted tokens. Pipelined (see the module docstring): the step's graph is
-        queued behind the steps already launched, and this returns at once; otherwise the step runs here."""
-        if not self.pipelines(seq.params):
-            began = time.perf_counter()
-            return Launched(drafted=self._clamp(n), done=self.step(seq, n), launched_at=began)
+        """Start one step with up to n drafted tokens. With graphs and nothing for the host to do within the step,
+        its graph is queued behind the steps already launched and this returns at once (see the module
+        docstring); otherwise the step runs to the end here."""
         n = self._clamp(n)
-        if not seq.on_device:
-            self._to_device(seq)
+        began = time.perf_counter()
+        if seq.processor is not None or seq.proposer is not None:
+            step = self._host_step(seq, n)
+            return Launched(drafted=step.drafted, done=step, launched_at=began)
         T = n + 1 if n > 0 else self._plain_rows()
         # The start position is known on the device only; graphs are chosen for the furthest it can be (reading
         # more cache rows than needed is harmless: the position mask hides them).
         start_max = len(seq.tokens) - 1 + seq.ahead
+        if self.graphs is None:
+            draft_kv_len = seq.draft_cache.kv_len(start_max + self.block_size) if n > 0 else 0
+            result = self._device_step(seq, n, T, start_max + T, draft_kv_len)
+            return Launched(drafted=n, done=self._commit(seq, result.tolist(), n), launched_at=began)
         kv_len = bucket(start_max + T, self.capacity)
         draft_kv_len = seq.draft_cache.kv_len(bucket(start_max + self.block_size, self.capacity)) if n > 0 else 0
-        # GraphCache.tie: a graph replays the cache's and the oracle's tensors' addresses, so their graphs go
-        # when they do (an id() alone could come back on a new object while the old graph stays).
-        key = ("step", self.graphs.tie(seq.target_cache), n, T, kv_len, draft_kv_len, self.graphs.tie(self.oracle))
+        p = seq.params
+        sampling = None if p.greedy else (p.temperature, p.top_k, p.top_p, p.min_p)
+        # GraphCache.tie: a graph replays the cache's and the oracle's tensors' addresses (and the sequence's
+        # device state, which lives as long as its cache), so their graphs go when they do (an id() alone could
+        # come back on a new object while the old graph stays).
+        key = ("step", self.graphs.tie(seq.target_cache), n, T, kv_len, draft_kv_len, self.graphs.tie(self.oracle),
+               sampling)
         counters = [self.oracle.calls] if isinstance(getattr(self.oracle, "calls", None), torch.Tensor) else []
         timed = self.device.type == "cuda"
-        began = torch.cuda.Event(enable_timing=True) if timed else None
+        began_event = torch.cuda.Event(enable_timing=True) if timed else None
         if timed:
-            began.record()
-        result = self.graphs.run(key, lambda: self._step_pass(seq, n, T, kv_len, draft_kv_len),
+            began_event.record()
+        result = self.graphs.run(key, lambda: self._device_step(seq, n, T, kv_len, draft_kv_len),
                                  mutable=seq.state.tensors() + counters)
+        if not seq.host_buffers:
+            seq.host_buffers = [torch.zeros(self.block_size + 1, dtype=torch.long, pin_memory=timed)
+                                for _ in range(4)]
         host = seq.host_buffers[seq.next_host]
         seq.next_host = (seq.next_host + 1) % len(seq.host_buffers)
         host[:n + 2].copy_(result, non_blocking=True)
@@ -474,7 +488,7 @@ class SpeculativeDecoder:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
         seq.ahead += n + 1
-        return Launched(drafted=n, host=host, event=event, began=began, launched_at=time.perf_counter())
+        return Launched(drafted=n, host=host, event=event, began=began_event, launched_at=began)
 
     def collect(self, seq: Sequence, launched: Launched) -> StepResult:
         """Wait for a launched step (in launch order) and commit its tokens."""
@@ -483,121 +497,108 @@ class SpeculativeDecoder:
         if launched.event is not None:
             launched.event.synchronize()
         n = launched.drafted
-        host = launched.host[:n + 2].tolist()
-        acc = host[0]
-        committed = host[1:acc + 2]  # samples 0..acc-1 equal the accepted guesses; sample acc is the target's own
-        if self.drafter is not None:  # the graph projected the context up to this step's start
-            seq.draft_len = len(seq.tokens) - 1
-        seq.tokens.extend(committed)
         seq.ahead -= n + 1
+        if self.drafter is not None:  # a captured step projects the context up to its start
+            seq.draft_len = len(seq.tokens) - 1
         seconds = launched.began.elapsed_time(launched.event) / 1000 if launched.began is not None else None
+        return self._commit(seq, launched.host[:n + 2].tolist(), n, seconds)
+
+    def _commit(self, seq: Sequence, host: list[int], n: int, seconds: float | None = None) -> StepResult:
+        """Commit a step's [accepted, samples 0..n]: the accepted guesses (equal to samples 0..acc-1), then the
+        target's own sample acc."""
+        acc = host[0]
+        committed = host[1:acc + 2]
+        seq.tokens.extend(committed)
         return StepResult(committed=committed, drafted=n, accepted=acc, seconds=seconds)
 
-    def _to_device(self, seq: Sequence) -> None:
-        """Hand the sequence's state to the device: its start, last token and unprojected context rows."""
-        if seq.state is None:
-            ctx = self.drafter is not None
-            seq.state = DeviceState(
-                start=torch.zeros(1, dtype=torch.long, device=self.device),
-                last=torch.zeros(1, dtype=torch.long, device=self.device),
-                ctx_taps=self._new_ctx_taps() if ctx else None,
-                ctx_rows=torch.zeros(1, dtype=torch.long, device=self.device) if ctx else None)
-        state = seq.state
-        state.start.fill_(len(seq.tokens) - 1)
-        state.last.copy_(self._last_token(seq))
-        if self.drafter is not None:
-            state.ctx_rows.fill_(self._stage_pending(seq, state.ctx_taps))
-        if not seq.host_buffers:
-            pinned = self.device.type == "cuda"
-            seq.host_buffers = [torch.zeros(self.block_size + 1, dtype=torch.long, pin_memory=pinned)
-                                for _ in range(4)]
-        seq.on_device, seq.ahead = True, 0
+    def _host_step(self, seq: Sequence, n: int) -> StepResult:
+        """One step with the host between the passes: n-gram guesses looked up, a grammar's guesses chosen from the
+        drafter's candidates (a slot with no allowed candidate ends the draft there), the verify rows processed
+        (bias, penalties, the grammar's masks, filled on the host while the device runs the verify pass queued
+        before), logprobs. The passes are the device step's, graphed where graphs are on."""
+        state, params, processor = seq.state, seq.params, seq.processor
+        grammar = processor.grammar if processor is not None else None
+        start = len(seq.tokens) - 1
+        chosen: list[int] | None = None  # guesses known on the host
+        guesses = None
+        if n > 0 and seq.proposer is not None:
+            chosen = seq.proposer.propose(seq.tokens, n)
+            if grammar is not None:
+                chosen = grammar.draft([[g] for g in chosen])
+        elif n > 0 and grammar is not None:
+            chosen = grammar.draft(self._run_draft(seq, n, start, DRAFT_CANDIDATES).tolist())
+        elif n > 0:
+            guesses = self._run_draft(seq, n, start)
+        drafted = n > 0 and self.drafter is not None  # the context rows are projected
+        fetch = None
+        if chosen is not None:
+            n = len(chosen)
+            guesses = torch.tensor(chosen, dtype=torch.long, device=self.device) if n else None
+        elif guesses is not None and params.processes_logits:
+            # The host's processing needs the guesses: their copy is queued before the verify pass, which the
+            # host's work then overlaps (and taken now, as the verify graph may reuse their memory).
+            fetch = self._copy_to_host(guesses)
+        tokens = torch.cat([state.last, guesses]) if n > 0 else state.last.expand(self._plain_rows())
+        project = self.drafter is not None and not drafted and self._plain_step_projects(seq, tokens.shape[0])
+        logits, taps = self.target_pass(seq, tokens, start, project=project)
+        logits = logits[:n + 1]
+        rows = processor.process(logits, fetch() if fetch else chosen or []) if params.processes_logits else logits
+        samples = sample_tokens(rows, params, state.key, self._positions(start + 1, n + 1))
+        result = self._accept_step(seq, tokens, samples, taps, n)
+        step = self._commit(seq, result.tolist(), n)
+        if processor is not None:
+            if params.logprobs is not None:
+                step.logprobs = processor.logprobs(logits, samples, step.accepted + 1)
+            processor.commit(step.committed)
+        return step
 
-    def _step_pass(self, seq: Sequence, n: int, T: int, kv_len: int, draft_kv_len: int) -> torch.Tensor:
-        """One pipelined step as one graph: project the context rows, draft (n > 0), verify, accept greedily,
-        advance the device state. Returns [accepted, samples 0..n]."""
-        state = seq.state
-        B = self.block_size
-        if self.drafter is not None:
-            ctx_positions = state.start - state.ctx_rows + torch.arange(B, device=self.device)
-        if n > 0:
-            block = torch.cat([state.last, self._mask_tail_tokens()])
-            guesses = self._draft_pass(seq.draft_cache, draft_kv_len, state.ctx_taps, ctx_positions, block,
-                                       state.start + torch.arange(B, device=self.device))[:n]
-            if self.oracle is not None:
-                guesses = self.oracle(state.start[0], guesses)
-            tokens = torch.cat([state.last, guesses])
+    def _run_draft(self, seq: Sequence, n: int, start: int, candidates: int = 1) -> torch.Tensor:
+        """The drafter's guesses for the n tokens after the last committed one ([n] on the device), or each slot's
+        best candidates ([n, candidates]; an oracle's guess is the one candidate of its slot); graphed where graphs
+        are on."""
+        if self.graphs is None:
+            drafted = self._draft_pass(seq, n, seq.draft_cache.kv_len(start + self.block_size), candidates)
         else:
-            if self.drafter is not None:  # padding rows land past the start, where later passes write first
-                self.drafter.add_context(state.ctx_taps, ctx_positions, seq.draft_cache)
-            tokens = state.last.expand(T)
-        positions = state.start + torch.arange(T, device=self.device)
-        logits, taps = self.target(tokens, positions, seq.target_cache, kv_len, self.tap_ids)
-        result = accept(tokens, logits[:n + 1].argmax(dim=-1), n)  # sample_tokens' greedy rule
-        accepted = result[:1]
-        state.last.copy_(result[1:].gather(0, accepted))
-        if self.drafter is not None:
-            state.ctx_taps[:T].copy_(taps)
-            state.ctx_rows.copy_(accepted + 1)
-        state.start.add_(accepted + 1)
-        return result
+            kv_len = seq.draft_cache.kv_len(bucket(start + self.block_size, self.capacity))
+            drafted = self.graphs.run(("draft", self.graphs.tie(seq.draft_cache), kv_len, candidates),
+                                      lambda: self._draft_pass(seq, n, kv_len, candidates),
+                                      mutable=seq.state.tensors())[:n]
+        if self.oracle is None:
+            return drafted
+        return self.oracle(start, drafted[:, 0])[:, None] if candidates > 1 else self.oracle(start, drafted)
+
+    @torch.inference_mode()
+    def target_pass(self, seq: Sequence, tokens: torch.Tensor, start: int, project: bool = False):
+        """The target's pass over tokens at positions start.. (logits and taps; graphed where graphs are on);
+        project: first the drafter's waiting context rows. Benchmarks time it alone."""
+        T = tokens.shape[0]
+        if self.graphs is None:
+            if project:
+                self._project_context(seq)
+            return self.target(tokens, self._positions(start, T), seq.target_cache, start + T, self.tap_ids)
+        kv_len = bucket(start + T, self.capacity)
+
+        def target_pass(tokens, positions):
+            if project:
+                self._project_context(seq)
+            return self.target(tokens, positions, seq.target_cache, kv_len, self.tap_ids)
+
+        return self.graphs.run(("target", self.graphs.tie(seq.target_cache), T, kv_len, project), target_pass,
+                               mutable=seq.state.tensors() if project else (), tokens=tokens,
+                               positions=self._positions(start, T))
+
+    @torch.inference_mode()
+    def draft(self, seq: Sequence, n: int) -> torch.Tensor:
+        """The drafter's pass after the last committed token: its n guesses. Benchmarks time it alone (at the
+        position of seq.tokens' end, which a benchmark may move by hand: the device state follows)."""
+        start = len(seq.tokens) - 1
+        seq.state.start.fill_(start)
+        return self._run_draft(seq, self._clamp(n), start)
 
     def _mask_tail_tokens(self) -> torch.Tensor:
         if self._mask_tail is None:
             self._mask_tail = torch.full((self.block_size - 1,), self.drafter.config.mask_token_id, device=self.device)
         return self._mask_tail
-
-    @torch.inference_mode()
-    def step(self, seq: Sequence, n: int) -> StepResult:
-        """One decoding step with up to n drafted tokens (0 = plain decoding), run to the end: the eager loop,
-        and sampled decoding with graphs (greedy decoding with graphs runs pipelined: launch / collect)."""
-        if seq.on_device:
-            raise RuntimeError("this sequence runs pipelined steps (launch / collect) until its next prefill")
-        n = self._clamp(n)
-        start = len(seq.tokens) - 1
-        last = self._last_token(seq)
-        params, processor = seq.params, seq.processor
-        grammar = processor.grammar if processor is not None else None
-        guesses, chosen, fetch = None, [], None
-        if n > 0 and grammar is not None:
-            # Guesses the grammar allows, chosen on the host from the drafter's candidates (a slot with no allowed
-            # candidate ends the draft there); the verify rows' masks are filled by processor.process below, on
-            # the host while the GPU runs the verify pass queued before it.
-            chosen = grammar.draft(self._draft(seq, n, DRAFT_CANDIDATES).tolist())
-            n = len(chosen)
-            guesses = torch.tensor(chosen, device=self.device)
-        elif n > 0:
-            guesses = self._draft(seq, n)
-            n = guesses.shape[0]  # a lookup may find fewer
-            if n and params.processes_logits:
-                # The host's processing needs the guesses: their copy is queued before the verify pass, which
-                # the host's work then overlaps (and taken now, as the verify graph may reuse their memory).
-                fetch = self._copy_to_host(guesses)
-        verify = torch.cat([last, guesses]) if n > 0 else last
-        if n == 0 and self._plain_rows() == 2:
-            verify = torch.cat([last, last])
-        logits, taps = self._verify(seq, verify, start)
-        logits = logits[:n + 1]
-        rows = processor.process(logits, fetch() if fetch else chosen) if params.processes_logits else logits
-        samples = sample_tokens(rows, params, seq.seed, self._positions(start + 1, n + 1))
-        result = accept(verify, samples, n)
-        # The one host sync of the step: acceptance count and the target's samples together.
-        host = result.tolist()
-        acc = host[0]
-        committed = host[1:acc + 2]  # samples 0..acc-1 equal the accepted guesses; sample acc is the target's own
-        seq.tokens.extend(committed)
-        logprobs = None
-        if processor is not None:
-            if params.logprobs is not None:
-                logprobs = processor.logprobs(logits, samples, acc + 1)
-            processor.commit(committed)
-        # A copy: the graphs share one memory pool, so the next replay of any graph may write over `result`.
-        seq.last = (len(seq.tokens), result[acc + 1:acc + 2].clone())
-        if taps is not None:
-            seq.pending.append(taps[:acc + 1].clone() if self.graphs is not None else taps[:acc + 1])
-            if n == 0 and sum(t.shape[0] for t in seq.pending) >= MAX_PENDING_ROWS:
-                self._flush_context(seq)
-        return StepResult(committed=committed, drafted=n, accepted=acc, logprobs=logprobs)
 
     def _copy_to_host(self, tokens: torch.Tensor):
         """Start copying tokens to the host; returns a function that waits for them and gives them as a list.

@@ -181,7 +181,7 @@ def test_engine_attention_option(qwen3_dir, drafter_dir):
     plain = Engine.load(qwen3_dir, drafter_dir, device=DEVICE, context_size=96, gemm="cublas", attention="sdpa")
     ref = plain.generate(prompt, params, 0).tokens
     eng = Engine.load(qwen3_dir, drafter_dir, device=DEVICE, context_size=96, gemm="cublas", attention="triton")
-    assert eng.decoder.attention == "triton"
+    assert eng.decoder.plan.attention == "triton"
     calls = generate_through(da, "_decode_attention_op", eng, prompt, params, ref, lambda q: tuple(q.shape[1:2]))
     if calls is None:
         return
@@ -192,11 +192,11 @@ def test_engine_attention_option(qwen3_dir, drafter_dir):
 
 
 def test_resolve_attention(monkeypatch):
-    from flashdraft.engine import speculative
-    from flashdraft.engine.speculative import resolve_attention, resolve_gemm
+    from flashdraft.engine import model_prep
+    from flashdraft.engine.model_prep import resolve_attention, resolve_gemm
     assert resolve_attention(None, torch.device("cpu")) == "sdpa"  # the interpreter is opt-in only
     assert resolve_attention(None, torch.device("cuda")) == resolve_gemm(None, torch.device("cuda")) == "triton"
-    monkeypatch.setattr(speculative, "triton_available", lambda: False)
+    monkeypatch.setattr(model_prep, "triton_available", lambda: False)
     assert (resolve_attention(None, torch.device("cuda")), resolve_gemm(None, torch.device("cuda"))) == \
         ("sdpa", "cublas")
     monkeypatch.undo()
@@ -237,12 +237,13 @@ def test_gemma4_routes_to_the_kernel(tmp_path):
     from test_gemma4_target import LONG, WINDOW
     from test_gemma4_tiny import build_gemma4_target
 
+    from flashdraft.layers import LayerPlan
     from flashdraft.models import load_target
 
     folder, _ = build_gemma4_target(tmp_path, window=WINDOW)
     sdpa = load_target(folder, 0, device=DEVICE, dtype=torch.float32)
-    routed = load_target(folder, 0, device=DEVICE, dtype=torch.float32)
-    assert da.route_attention(routed, max_t=16) == routed.config.num_hidden_layers
+    routed = load_target(folder, 0, device=DEVICE, dtype=torch.float32, plan=LayerPlan(attention="triton"))
+    assert all(layer.self_attn.attention_rows == 16 for layer in routed.model.layers)
     ids = torch.randint(0, routed.config.vocab_size, (LONG,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     calls = []
     real = da.launch
@@ -264,13 +265,12 @@ def test_gemma4_target_rows_are_bitwise_independent_of_the_block(tmp_path):
     from test_gemma4_tiny import build_gemma4_target
 
     from flashdraft.engine.model_prep import compile_layers
-    from flashdraft.layers.skinny_gemm import route_linears
+    from flashdraft.layers import LayerPlan
     from flashdraft.models import load_target
 
     folder, _ = build_gemma4_target(tmp_path, window=WINDOW)
-    model = load_target(folder, 0, device="cuda", dtype=torch.bfloat16)
-    route_linears(model, gemm="triton", max_m=16)
-    da.route_attention(model, max_t=16)
+    model = load_target(folder, 0, device="cuda", dtype=torch.bfloat16,
+                        plan=LayerPlan(gemm="triton", attention="triton"))
     compile_layers(model)
     vocab, start = model.config.vocab_size, 3 * WINDOW + 5  # past the window and around the ring
     ids = torch.randint(0, vocab, (start + 16,), generator=torch.Generator().manual_seed(2)).cuda()

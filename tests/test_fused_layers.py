@@ -13,10 +13,9 @@ pytest.importorskip("triton")
 from triton_interpreter import interpret_without_gpu  # noqa: E402
 
 from flashdraft.config import SamplingParams  # noqa: E402
-from flashdraft.engine.model_prep import fuse_projections  # noqa: E402
 from flashdraft.engine.generator import Engine  # noqa: E402
 from flashdraft.layers import decode_attention, qkv_prep, skinny_gemm  # noqa: E402
-from flashdraft.layers.decoder import DecoderLayer, route_fused_layers  # noqa: E402
+from flashdraft.layers import DecoderLayer, LayerPlan  # noqa: E402
 from flashdraft.models import load_model  # noqa: E402
 from test_lossless import InlineGraphs  # noqa: E402
 from tiny_models import build_drafter, build_target  # noqa: E402
@@ -25,6 +24,8 @@ interpret_without_gpu("flashdraft.layers._skinny_triton", skinny_gemm._kernels)
 interpret_without_gpu("flashdraft.layers._attention_triton", decode_attention._kernels)
 interpret_without_gpu("flashdraft.layers._qkv_prep_triton", qkv_prep._kernels)
 
+FUSED = LayerPlan(gemm="triton", attention="triton", fuse_projections=True)
+
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])  # with and without per-head q/k norm
 def test_fused_forward_matches_the_module_path(tmp_path, family):
@@ -32,13 +33,11 @@ def test_fused_forward_matches_the_module_path(tmp_path, family):
     folded model and of the checkpoint as loaded: outputs and written cache rows."""
     folder = build_target(tmp_path / family, family=family, seed=4)
     original = load_model(folder, device=DEVICE, dtype=torch.float32, context_size=64).target
-    target = load_model(folder, device=DEVICE, dtype=torch.float32, context_size=64).target
-    fuse_projections(target)
-    skinny_gemm.route_linears(target, gemm="triton")
-    decode_attention.route_attention(target, on=True)
-    assert route_fused_layers(target, on=True) == len(target.model.layers)
+    target = load_model(folder, device=DEVICE, dtype=torch.float32, context_size=64, plan=FUSED).target
+    target.prepare()
+    assert all(layer.fused_rows == 16 for layer in target.model.layers)
     layer = target.model.layers[1]
-    assert layer.norms_folded and torch.equal(layer.input_layernorm.weight, torch.ones_like(layer.input_layernorm.weight))
+    assert torch.equal(layer.input_layernorm.weight, torch.ones_like(layer.input_layernorm.weight))  # folded
     T, start = 5, 20
     positions = torch.arange(start, start + T, device=DEVICE)
     cos, sin = target.rope(positions)
@@ -49,9 +48,9 @@ def test_fused_forward_matches_the_module_path(tmp_path, family):
     history = [torch.randn(target.config.num_key_value_heads, 32, target.config.head_dim, generator=g).to(DEVICE)
                for _ in range(2)]
     outs, caches = [], []
-    for run, max_t in ((layer, 16), (layer, 0), (original.model.layers[1], 0)):
+    # the fused path, the module path of the same folded weights, the checkpoint as loaded
+    for run in (layer.forward, layer.module_forward, original.model.layers[1].forward):
         cache_k, cache_v = history[0].clone(), history[1].clone()
-        run.fused_max_t = max_t
         with torch.inference_mode():
             outs.append(run(h, cos, sin, cache_k, cache_v, positions, kv_len, mask))
         caches.append((cache_k, cache_v))
@@ -63,15 +62,22 @@ def test_fused_forward_matches_the_module_path(tmp_path, family):
     assert not torch.allclose(outs[0], h, atol=1e-3)  # the layer really did something
 
 
-def test_route_fused_layers_needs_fused_plain_projections(tmp_path):
-    target = load_model(build_target(tmp_path / "t", family="qwen3"), device=DEVICE, dtype=torch.float32,
-                        context_size=64).target
-    assert route_fused_layers(target, on=True) == 0  # projections not fused yet
-    fuse_projections(target)
-    assert route_fused_layers(target, on=True, max_t=8) == len(target.model.layers)
-    assert all(layer.fused_max_t == 8 for layer in target.modules() if isinstance(layer, DecoderLayer))
-    assert route_fused_layers(target, on=False) == 0
-    assert all(layer.fused_max_t == 0 for layer in target.modules() if isinstance(layer, DecoderLayer))
+def test_the_fused_path_needs_its_plan_and_prepared_weights(tmp_path):
+    """A layer takes the fused path only when its plan says so (both Triton backends, fused projections) and
+    prepare() has laid its weights out; prepare is done once, however often it is called."""
+    folder = build_target(tmp_path / "t", family="qwen3")
+    for plan, rows in ((FUSED, 8), (LayerPlan(gemm="triton", attention="triton"), 0),
+                       (LayerPlan(gemm="triton", fuse_projections=True), 0)):
+        target = load_model(folder, device=DEVICE, dtype=torch.float32, context_size=64,
+                            plan=LayerPlan(plan.gemm, plan.attention, 8, plan.fuse_projections)).target
+        layers = [layer for layer in target.modules() if isinstance(layer, DecoderLayer)]
+        assert all(layer.fused_rows == 0 for layer in layers)  # not prepared yet
+        target.prepare()
+        weight = layers[0].self_attn.qkv_weight.clone() if layers[0].self_attn.qkv_weight is not None else None
+        target.prepare()
+        assert all(layer.fused_rows == rows for layer in layers)
+        assert (weight is not None) == plan.fuse_projections
+        assert weight is None or torch.equal(weight, layers[0].self_attn.qkv_weight)  # norms folded in once
 
 
 def _randomize_norms(folder):
@@ -104,7 +110,7 @@ def test_engine_fused_path_is_lossless(tmp_path):
     engine = Engine.load(target_dir, drafter_dir, device=DEVICE, context_size=64, gemm="triton", attention="triton")
     decoder = engine.decoder
     assert decoder.fused_target and not decoder.compiled and decoder._plain_rows() == 1
-    assert all(layer.fused_max_t == 16 for layer in decoder.drafter.layers)
+    assert all(layer.fused_rows == 16 for layer in decoder.drafter.layers)
     assert engine.generate(prompt, params, 0).tokens == ref
     if not ON_CUDA:
         decoder.graphs = InlineGraphs()
@@ -126,14 +132,15 @@ def test_drafter_context_projection_fused(tmp_path):
     drafter_dir = build_drafter(tmp_path / "d", target_dir, block_size=4, seed=7)
     _randomize_norms(drafter_dir)
     engine = Engine.load(target_dir, drafter_dir, device=DEVICE, context_size=64, gemm="triton", attention="triton")
-    drafter = engine.decoder.drafter
-    assert drafter.context_fused_max_t == 16 and len(drafter.context_kv) == len(drafter.layers)
+    module_path = load_model(target_dir, drafter_dir, device=DEVICE, dtype=torch.float32, context_size=64).drafter
+    fused = engine.decoder.drafter
+    assert fused.context_fused_rows == 16 and len(fused.context_kv) == len(fused.layers)
+    assert module_path.context_fused_rows == 0
     g = torch.Generator().manual_seed(0)
-    taps = torch.randn(5, drafter.fc.in_features, generator=g).to(DEVICE)
+    taps = torch.randn(5, fused.fc.in_features, generator=g).to(DEVICE)
     positions = torch.tensor([9, 3, 4, 20, 11], device=DEVICE)
     caches = []
-    for max_t in (16, 0):  # fused, then the module path
-        drafter.context_fused_max_t = max_t
+    for drafter in (fused, module_path):
         cache = drafter.new_cache(32)
         for t in (*cache.k, *cache.v):
             t.fill_(float("nan"))
@@ -146,21 +153,19 @@ def test_drafter_context_projection_fused(tmp_path):
         torch.testing.assert_close(fused[:, written], module[:, written], rtol=1e-5, atol=1e-5)
 
 
-def test_an_unfused_engine_switches_the_context_projection_off(tmp_path):
-    """Engines built one after another over the same drafter (the synthetic benchmark's variants): one without
-    the fused path turns the drafter's fused context rows off again, and a fused one after it makes the [k; v]
-    copies afresh from the weights as they are then."""
+def test_engines_keep_the_plan_their_models_were_built_with(tmp_path):
+    """Engines built one after another over the same models (the synthetic benchmark's baseline and DFlash) find
+    them prepared once (the drafter's [k; v] context weights made once); models of different plans are refused."""
     target_dir = build_target(tmp_path / "t", family="qwen3", layers=2, seed=8)
     drafter_dir = build_drafter(tmp_path / "d", target_dir, block_size=4, seed=8)
-    loaded = load_model(target_dir, drafter_dir, device=DEVICE, dtype=torch.float32, context_size=64)
+    loaded = load_model(target_dir, drafter_dir, device=DEVICE, dtype=torch.float32, context_size=64, plan=FUSED)
     target, drafter = loaded.target, loaded.drafter
-    Engine(target, None, drafter, context_size=64, gemm="triton", attention="triton")
-    assert drafter.context_fused_max_t == 16 and len(drafter.context_kv) == len(drafter.layers)
-    Engine(target, None, drafter, context_size=64, gemm="cublas", attention="sdpa")
-    assert drafter.context_fused_max_t == 0 and drafter.context_kv == []
-    with torch.no_grad():
-        drafter.layers[0].self_attn.k_proj.weight.mul_(2)
-    Engine(target, None, drafter, context_size=64, gemm="triton", attention="triton")
-    attn, weight = drafter.layers[0].self_attn, drafter.context_kv[0][0]
-    kv_rows = attn.k_proj.weight.shape[0]
-    torch.testing.assert_close(weight[:kv_rows], attn.k_proj.weight * drafter.hidden_norm.weight)
+    Engine(target, None, drafter, context_size=64)
+    weights = [w.clone() for w, _ in drafter.context_kv]
+    Engine(target, None, None, context_size=64)
+    Engine(target, None, drafter, context_size=64)
+    assert drafter.context_fused_rows == 16 and len(drafter.context_kv) == len(drafter.layers)
+    assert all(torch.equal(a, w) for a, (w, _) in zip(weights, drafter.context_kv))
+    other = load_model(target_dir, drafter_dir, device=DEVICE, dtype=torch.float32, context_size=64).drafter
+    with pytest.raises(ValueError, match="different plans"):
+        Engine(target, None, other, context_size=64)

@@ -332,12 +332,13 @@ def test_fused_cache_writes_store_the_types(wide_pair):
 
 def test_routed_layers_read_quantized_caches(wide_pair):
     """Cached passes routed to decode_attention read a q8_0 / q4_1 cache as the SDPA path does."""
+    from flashdraft.layers import LayerPlan
     from flashdraft.models import load_target
-    target = load_target(wide_pair[0], 64, device="cpu", dtype=torch.float32)
-    ids = torch.randint(5, target.config.vocab_size, (24,), generator=torch.Generator().manual_seed(2))
     outs, caches = [], []
-    for on in (False, True):
-        assert da.route_attention(target, on=on, max_t=16) == (target.config.num_hidden_layers if on else 0)
+    for attention in ("sdpa", "triton"):
+        target = load_target(wide_pair[0], 64, device="cpu", dtype=torch.float32, plan=LayerPlan(attention=attention))
+        assert target.model.layers[0].self_attn.attention_rows == (16 if attention == "triton" else 0)
+        ids = torch.randint(5, target.config.vocab_size, (24,), generator=torch.Generator().manual_seed(2))
         cache = target.new_cache(32, "q8_0", "q4_1")
         with torch.no_grad():
             target(ids[:20], torch.arange(20), cache, 20)  # prefill: SDPA either way

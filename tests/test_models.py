@@ -152,18 +152,22 @@ def test_missing_folder(tmp_path):
 
 
 def test_fused_projections_same_logits(qwen3_dir, drafter_dir):
-    """The CUDA default fuses q/k/v and gate/up into single GEMMs; the results must not change."""
-    from flashdraft.engine.model_prep import fuse_projections
+    """The CUDA default fuses q/k/v and gate/up into single GEMMs (LayerPlan.fuse_projections, laid out by
+    prepare); the results must not change, and no memory is added."""
     from flashdraft.config import SamplingParams
+    from flashdraft.layers import LayerPlan
+    from flashdraft.models import load_model
     engine = Engine.load(qwen3_dir, drafter_dir, device="cpu", context_size=64)
     target = engine.decoder.target
+    assert target.model.layers[0].self_attn.qkv_weight is None  # the CPU default: no fused projections
+    loaded = load_model(qwen3_dir, drafter_dir, device="cpu", context_size=64, plan=LayerPlan(fuse_projections=True))
+    fused = Engine(loaded.target, loaded.tokenizer, loaded.drafter, loaded.context_size)
+    assert loaded.target.model.layers[0].self_attn.qkv_weight is not None
     ids = torch.randint(0, target.config.vocab_size, (20,))
     with torch.no_grad():
         ref, ref_taps = target(ids, torch.arange(20), target.new_cache(64), 20, tap_ids=[1])
-        base = engine.generate(ids.tolist(), SamplingParams(max_tokens=30, ignore_eos=True), draft=0).tokens
-        fuse_projections(target, engine.decoder.drafter)
-        assert target.model.layers[0].self_attn.qkv_weight is not None
-        out, taps = target(ids, torch.arange(20), target.new_cache(64), 20, tap_ids=[1])
+        out, taps = loaded.target(ids, torch.arange(20), target.new_cache(64), 20, tap_ids=[1])
     assert (out - ref).abs().max().item() < 1e-5 and (taps - ref_taps).abs().max().item() < 1e-5
-    assert engine.generate(ids.tolist(), SamplingParams(max_tokens=30, ignore_eos=True)).tokens == base
-    assert sum(p.numel() for p in target.parameters()) == sum(p.numel() for p in engine.decoder.target.parameters())
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    assert fused.generate(ids.tolist(), params).tokens == engine.generate(ids.tolist(), params, draft=0).tokens
+    assert sum(p.numel() for p in target.parameters()) == sum(p.numel() for p in loaded.target.parameters())

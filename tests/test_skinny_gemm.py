@@ -113,32 +113,33 @@ def test_custom_op_registration_and_compile():
         assert torch.equal(compiled(x.repeat(6, 1)[:m]), f(x.repeat(6, 1)[:m]))
 
 
-def test_route_linears_and_back():
-    from flashdraft.layers import Attention, GatedMLP
+def test_layers_take_the_gemm_of_their_plan():
+    """Layers built with LayerPlan(gemm="triton") send products of up to max_rows rows to the kernel (plain and
+    fused projections alike) and larger ones to F.linear; built with the default plan, none."""
     from flashdraft.config import ModelConfig
+    from flashdraft.layers import Attention, GatedMLP, LayerPlan
     cfg = ModelConfig.from_dict(dict(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64,
                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                      head_dim=16, max_position_embeddings=64))
-    model = nn.Sequential(Attention(cfg), GatedMLP(32, 64), nn.Linear(32, 8))
-    n = sg.route_linears(model, gemm="triton", max_m=16)
-    assert n == 4 + 3 + 1 + 2  # the linear layers, plus Attention and GatedMLP for their fused products
-    assert type(model[2]) is sg.SkinnyLinear and model[0].skinny_max_m == 16
+    plan = LayerPlan(gemm="triton", max_rows=16)
+    model = nn.Sequential(Attention(cfg, plan), GatedMLP(32, 64, plan=plan), sg.Linear(32, 8, max_rows=plan.gemm_rows))
+    assert model[0].gemm_rows == model[1].gemm_rows == model[0].q_proj.max_rows == 16
     calls = []
     real = sg._skinny_linear_op
     try:
         sg._skinny_linear_op = lambda *a: calls.append(a[0].shape) or real(*a)
         x = torch.randn(4, 32)
         model[2](x)
-        model[2](torch.randn(17, 32))  # more rows than max_m: F.linear
+        model[2](torch.randn(17, 32))  # more rows than max_rows: F.linear
         model[1].fuse_projections()
         model[1](x)
+        default = nn.Sequential(GatedMLP(32, 64), sg.Linear(32, 8))
+        default[0](x), default[1](x)
     finally:
         sg._skinny_linear_op = real
-    assert calls == [(4, 32), (4, 32), (4, 64)]  # lm-head-like layer, fused gate/up, down
-    sg.route_linears(model, gemm="cublas")
-    assert type(model[2]) is nn.Linear and model[0].skinny_max_m == 0
+    assert calls == [(4, 32), (4, 32), (4, 64)]  # lm-head-like layer, fused gate/up, down; the default plan: none
     with pytest.raises(ValueError, match="unknown gemm"):
-        sg.route_linears(model, gemm="cutlass")
+        LayerPlan(gemm="cutlass")
 
 
 def test_engine_gemm_option(qwen3_dir, drafter_dir):
@@ -150,13 +151,13 @@ def test_engine_gemm_option(qwen3_dir, drafter_dir):
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     prompt = list(range(3, 19))
     plain = Engine.load(qwen3_dir, drafter_dir, device=DEVICE, context_size=64, gemm="cublas", attention="sdpa")
-    assert plain.decoder.gemm == "cublas"
+    assert plain.decoder.plan.gemm == "cublas" and plain.decoder.target.lm_head.max_rows == 0
     ref = plain.generate(prompt, params, 0).tokens
     eng = Engine.load(qwen3_dir, drafter_dir, device=DEVICE, context_size=64, gemm="triton", attention="sdpa")
-    assert eng.decoder.gemm == "triton"
-    assert type(eng.decoder.target.lm_head) is sg.SkinnyLinear
-    assert type(eng.decoder.drafter.fc) is sg.SkinnyLinear
-    assert eng.decoder.target.model.layers[0].mlp.skinny_max_m == max(16, eng.decoder.block_size)
+    assert eng.decoder.plan.gemm == "triton"
+    rows = max(16, eng.decoder.block_size)
+    assert eng.decoder.target.lm_head.max_rows == eng.decoder.drafter.fc.max_rows == rows
+    assert eng.decoder.target.model.layers[0].mlp.gemm_rows == rows
     calls = generate_through(sg, "_skinny_linear_op", eng, prompt, params, ref, lambda x: tuple(x.shape))
     if calls is None:
         return
@@ -165,7 +166,7 @@ def test_engine_gemm_option(qwen3_dir, drafter_dir):
 
 
 def test_engine_rejects_triton_where_it_cannot_run(monkeypatch, qwen3_dir):
-    from flashdraft.engine.speculative import resolve_gemm
+    from flashdraft.engine.model_prep import resolve_gemm
     assert resolve_gemm(None, torch.device("cpu")) == "cublas"
     with pytest.raises(ValueError, match="unknown gemm"):
         resolve_gemm("fast", torch.device("cpu"))

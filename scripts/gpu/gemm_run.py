@@ -162,20 +162,18 @@ def stage_model_invariance() -> dict:
     invariant (GEMMs, attention, norms); this shows what each GEMM backend leaves. The synthetic model's layers
     are scaled up 10x first: as built for the benchmark their outputs vanish in the residual stream's rounding."""
     from flashdraft.bench.synthetic import build_synthetic
-    from flashdraft.engine.speculative import SpeculativeDecoder
+    from flashdraft.layers import LayerPlan
     dev = torch.device("cuda")
-    target, _ = build_synthetic("qwen3-1b", dev, torch.bfloat16, 256)
-    with torch.no_grad():
-        for name, p in target.model.layers.named_parameters():
-            if not name.endswith("norm.weight"):
-                p.mul_(10)
-    g = torch.Generator(device=dev).manual_seed(0)
-    prompt = torch.randint(0, 1000, (100,), device=dev, generator=g)
-    tokens = torch.randint(0, 1000, (16,), device=dev, generator=g)
     out = {}
     with torch.inference_mode():
         for gemm in ("cublas", "triton"):
-            SpeculativeDecoder(target, None, 256, cuda_graphs=False, compile=False, gemm=gemm)
+            target, _ = build_synthetic("qwen3-1b", dev, torch.bfloat16, 256, plan=LayerPlan(gemm=gemm))
+            for name, p in target.model.layers.named_parameters():
+                if not name.endswith("norm.weight"):
+                    p.mul_(10)
+            g = torch.Generator(device=dev).manual_seed(0)
+            prompt = torch.randint(0, 1000, (100,), device=dev, generator=g)
+            tokens = torch.randint(0, 1000, (16,), device=dev, generator=g)
             cache = target.new_cache(300)
             target(prompt, torch.arange(100, device=dev), cache, 128)
             block, _ = target(tokens, torch.arange(100, 116, device=dev), cache, 128)

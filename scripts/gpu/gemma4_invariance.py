@@ -104,29 +104,24 @@ def main(argv=None) -> int:
         base, num_hidden_layers=layers,
         layer_types=[gguf_run.FULL if (i + 1) % 6 == 0 else gguf_run.SLIDING for i in range(layers)])
     run = gguf_run.Run(args.out, 600.0, dev.type == "cpu")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    target, _, _ = gguf_run.build_models(run, dev, dtype, gen, 256, drafter_bf16=True)
-    for name, p in target.named_parameters():  # ordinary norms, not gguf_run's embedding-dominated residual
-        if name.endswith("layernorm.weight") or name == "model.norm.weight":
-            p.data.normal_(1.0, 0.1, generator=gen)
     result = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "variants": {}}
-    from flashdraft.models.gemma4 import Gemma4DecoderLayer
-
     from flashdraft.engine.model_prep import compile_layers
-    from flashdraft.layers.decode_attention import route_attention
 
-    # eager SDPA (no routing, as before decode_attention took Gemma 4); the engine's CUDA settings without and with
-    # compiled layers (route_attention as SpeculativeDecoder does; the projections are quantized, so their
-    # kernels are the engine's already)
-    variants = [("eager_sdpa", False, False), ("engine_eager", True, False), ("engine", True, True)]
-    for name, routed, compiled in variants:
+    # eager SDPA (as before decode_attention took Gemma 4); the engine's CUDA settings without and with compiled
+    # layers (the projections are quantized, so their kernels are the engine's already). Each over a target built
+    # with its plan, the same weights.
+    variants = [("eager_sdpa", "sdpa", False), ("engine_eager", "triton", False), ("engine", "triton", True)]
+    for name, attention, compiled in variants:
         t = time.time()
         torch._dynamo.reset()
-        for m in target.modules():
-            if isinstance(m, Gemma4DecoderLayer):
-                m._compiled_call_impl = None
-        route_attention(target, on=routed, max_t=16)
+        gen = torch.Generator(device=dev).manual_seed(0)
+        target = None  # the last variant's, freed before the next is built
+        target, _, _ = gguf_run.build_models(run, dev, dtype, gen, 256, drafter_bf16=True, attention=attention,
+                                             compile=compiled)
+        for pname, p in target.named_parameters():  # ordinary norms, not gguf_run's embedding-dominated residual
+            if pname.endswith("layernorm.weight") or pname == "model.norm.weight":
+                p.data.normal_(1.0, 0.1, generator=gen)
         if compiled:
             compile_layers(target)
         try:

@@ -423,7 +423,7 @@ def quantize_linears(model, plan, dev, dtype, gen, weight_std: float = 0.02) -> 
 
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear:
+            if not isinstance(child, nn.Linear):  # the models' layers.skinny_gemm.Linear is one
                 continue
             name = f"{parent_name}.{child_name}" if parent_name else child_name
             qtype = plan(name)
@@ -463,10 +463,14 @@ def unique_bytes(module) -> int:
     return total
 
 
-def build_models(run: Run, dev, dtype, gen, capacity: int, drafter_bf16: bool, drafter_qtype: str = "Q5_K"):
+def build_models(run: Run, dev, dtype, gen, capacity: int, drafter_bf16: bool, drafter_qtype: str = "Q5_K",
+                 gemm: str | None = None, attention: str | None = None, compile: bool | None = None):
+    """The synthetic Gemma-4-31B Q4_K_S target and its drafter, built with the plan the engine resolves for the
+    device and these backends (engine.model_prep.resolve_plan)."""
     import torch
 
     from flashdraft.config_gemma4 import Gemma4Config, Gemma4DrafterConfig
+    from flashdraft.engine.model_prep import resolve_plan
     from flashdraft.models.gemma4 import Gemma4LM
     from flashdraft.models.gemma4_drafter import Gemma4DFlashDrafter
     from flashdraft.quant import QuantEmbedding, QuantLinear, dequantize
@@ -474,8 +478,10 @@ def build_models(run: Run, dev, dtype, gen, capacity: int, drafter_bf16: bool, d
     raw = GEMMA4_TINY if run.tiny else GEMMA4_31B
     cfg = Gemma4Config.from_dict(raw, "gemma-4-31b (synthetic)")
     H = cfg.hidden_size
+    dcfg = Gemma4DrafterConfig.from_dict(DRAFTER_TINY if run.tiny else DRAFTER_31B, "gemma-4-31b drafter")
+    layer_plan = resolve_plan(dev, gemm, attention, compile, dcfg.block_size)
     with torch.device("meta"):
-        target = Gemma4LM(cfg)
+        target = Gemma4LM(cfg, layer_plan)
     plan = q4_k_s_plan(cfg.num_hidden_layers)
     quantize_linears(target.model, lambda name: plan("model." + name), dev, dtype, gen)
     emb = random_blocks("Q6_K", cfg.vocab_size, H, gen, dev, weight_std=1.0)
@@ -492,9 +498,8 @@ def build_models(run: Run, dev, dtype, gen, capacity: int, drafter_bf16: bool, d
         setattr(target, name, getattr(target, name).to(dev))
     target.eval().requires_grad_(False)
 
-    dcfg = Gemma4DrafterConfig.from_dict(DRAFTER_TINY if run.tiny else DRAFTER_31B, "gemma-4-31b drafter")
     with torch.device("meta"):
-        drafter = Gemma4DFlashDrafter(dcfg, capacity, float(target.embed_scale))
+        drafter = Gemma4DFlashDrafter(dcfg, capacity, float(target.embed_scale), layer_plan)
     if not drafter_bf16:
         quantize_linears(drafter, lambda name: drafter_qtype, dev, dtype, gen)
     materialize(drafter, dev, dtype, gen, {"norm.weight": 1.0})
@@ -618,7 +623,8 @@ def stage_model(run: Run, bw: float, dev, gen, args) -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     t = time.time()
-    target, drafter, info = build_models(run, dev, dtype, gen, context + 64, args.drafter_bf16, args.drafter_qtype)
+    target, drafter, info = build_models(run, dev, dtype, gen, context + 64, args.drafter_bf16, args.drafter_qtype,
+                                         gemm=args.gemm, compile=args.compile)
     model.update(info)
     model["build_s"] = round(time.time() - t, 1)
     model["tilings"] = adopt_tilings(run, dev, target, drafter)
@@ -626,9 +632,8 @@ def stage_model(run: Run, bw: float, dev, gen, args) -> None:
     note_memory("build (random blocks)", target, drafter)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    extra = {"gemm": args.gemm} if args.gemm else {}  # for a bf16 drafter's float layers (newer engines)
     engine = Engine(target, None, drafter, context_size=context, cuda_graphs=dev.type == "cuda",
-                    compile=args.compile, **extra)
+                    compile=args.compile)
     seq = engine.new_sequence() if engine._sequence is None else engine._sequence
     engine._sequence = seq
     model["context"] = context

@@ -15,6 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 from flashdraft.bench.synthetic import build_synthetic
 from flashdraft.config import SamplingParams
 from flashdraft.engine.generator import Engine
+from flashdraft.engine.model_prep import resolve_plan
 from flashdraft.bench.oracle import PlantedOracle
 
 GEMM_NAMES = ("gemm", "gemv", "cutlass", "sm90", "nvjet", "cublas", "split_reduce")
@@ -49,10 +50,10 @@ def report(title: str, fn, reps: int = 5, warmup: int = 3) -> None:
 
 def main(shape: str, backends: str) -> None:
     dev = torch.device("cuda")
-    target, drafter = build_synthetic(shape, dev, torch.bfloat16, 1024)
-    engine = Engine(target, None, drafter, context_size=1024, cuda_graphs=False, compile=True,
-                    gemm="triton" if "triton" in backends else "cublas",
-                    attention="triton" if "attn" in backends else "sdpa")
+    plan = resolve_plan(dev, "triton" if "triton" in backends else "cublas", "triton" if "attn" in backends else "sdpa",
+                        compile=True, block_size=16)
+    target, drafter = build_synthetic(shape, dev, torch.bfloat16, 1024, plan=plan)
+    engine = Engine(target, None, drafter, context_size=1024, cuda_graphs=False, compile=True)
     decoder = engine.decoder
     seq = decoder.new_sequence()
     decoder.prefill(seq, list(range(1, 300)), SamplingParams(), 0)

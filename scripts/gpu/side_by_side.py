@@ -62,7 +62,7 @@ def main() -> None:
 
     engine = Engine.load(args.target, args.drafter, device=dev, dtype=dtype, context_size=2048, gemm=args.gemm,
                          attention=args.attention)
-    results["ours_backends"] = {"gemm": engine.decoder.gemm, "attention": engine.decoder.attention}
+    results["ours_backends"] = {"gemm": engine.decoder.plan.gemm, "attention": engine.decoder.plan.attention}
     prompts = [engine.encode_prompt(messages=p.messages) if p.messages else engine.encode_prompt(p.prompt)
                for p in load_prompt_set("code")][:args.prompts]
     # Generation stops at the target's end of turn in every system: past it the target writes text no drafter

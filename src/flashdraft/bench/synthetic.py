@@ -24,6 +24,8 @@ import torch
 from flashdraft.bench.oracle import PlantedOracle
 from flashdraft.config import DrafterConfig, ModelConfig, SamplingParams, default_tap_ids
 from flashdraft.engine.generator import Engine
+from flashdraft.engine.model_prep import resolve_plan
+from flashdraft.layers import LayerPlan
 from flashdraft.models import DecoderLM, DFlashDrafter
 
 QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
@@ -46,7 +48,9 @@ SHAPES = {
 TAUS = (2, 4, 6, 8, 16)
 
 
-def build_synthetic(shape: str, device: torch.device, dtype: torch.dtype, context_size: int, seed: int = 0):
+def build_synthetic(shape: str, device: torch.device, dtype: torch.dtype, context_size: int, seed: int = 0,
+                    plan: LayerPlan = LayerPlan()):
+    """A random target and drafter of the shape, built with `plan`; the same weights for the same seed."""
     if shape not in SHAPES:
         raise ValueError(f"unknown synthetic shape {shape!r}; choose from {', '.join(SHAPES)}")
     raw, draft_layers, block = SHAPES[shape]
@@ -54,7 +58,7 @@ def build_synthetic(shape: str, device: torch.device, dtype: torch.dtype, contex
     capacity = context_size + 64
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.device("meta"):
-        target = DecoderLM(cfg, capacity)
+        target = DecoderLM(cfg, capacity, plan)
     target = target.to_empty(device=device).to(dtype)
     for name, p in target.named_parameters():
         if name.endswith("norm.weight"):
@@ -73,7 +77,7 @@ def build_synthetic(shape: str, device: torch.device, dtype: torch.dtype, contex
                          target_layer_ids=default_tap_ids(cfg.num_hidden_layers, draft_layers),
                          num_target_layers=cfg.num_hidden_layers)
     with torch.device("meta"):
-        drafter = DFlashDrafter(dcfg, capacity)
+        drafter = DFlashDrafter(dcfg, capacity, plan)
     drafter = drafter.to_empty(device=device).to(dtype)
     for name, p in drafter.named_parameters():
         p.data.fill_(1.0) if name.endswith("norm.weight") else p.data.normal_(0, 0.02, generator=gen)
@@ -163,7 +167,18 @@ def run(shape: str, device: str | None = None, tokens: int = 256, variants: tupl
                     else ("eager",))
     prompt_len = max(32, context)
     capacity = prompt_len + tokens + 64
-    target, drafter = build_synthetic(shape, dev, dtype, capacity)
+    B = SHAPES[shape][2] if shape in SHAPES else 1
+
+    def build(variant: str):
+        """The models as the variant runs them: "compiled" = fused q/k/v and gate/up projections plus
+        torch.compile'd layers; "triton" = linear layers through the batch-invariant skinny GEMM
+        (layers.skinny_gemm) instead of cuBLAS; "attn" = attention of decode/verify/draft passes through
+        layers.decode_attention instead of SDPA. The engine's CUDA default is "graphs+compiled+triton+attn"."""
+        plan = resolve_plan(dev, "triton" if "triton" in variant else "cublas",
+                            "triton" if "attn" in variant else "sdpa", "compiled" in variant, B)
+        return build_synthetic(shape, dev, dtype, capacity, plan=plan)
+
+    target, drafter = build(variants[0])
     lm_head = weight_bytes(target.lm_head)
     report = SyntheticReport(
         shape=shape, device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", variant=variants[-1],
@@ -179,15 +194,15 @@ def run(shape: str, device: str | None = None, tokens: int = 256, variants: tupl
     prompt = [1 + i % (target.config.vocab_size - 1) for i in range(prompt_len)]
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     engine = None
-    B = drafter.block_size
-    for variant in variants:
-        # "compiled" = fused q/k/v and gate/up projections plus torch.compile'd layers;
-        # "triton" = linear layers through the batch-invariant skinny GEMM (layers.skinny_gemm) instead of cuBLAS;
-        # "attn" = attention of decode/verify/draft passes through layers.decode_attention instead of SDPA.
-        # The engine's CUDA default is "graphs+compiled+triton+attn" (the last variant, whose DFlash table is run).
+    for i, variant in enumerate(variants):
+        # each variant over models of its own plan (the last variant's DFlash table is run)
+        if i:
+            plain = engine = oracle = target = drafter = None
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            target, drafter = build(variant)
         graphs = "graphs" in variant
-        options = dict(context_size=capacity, cuda_graphs=graphs, compile="compiled" in variant,
-                       gemm="triton" if "triton" in variant else "cublas", attention="triton" if "attn" in variant else "sdpa")
+        options = dict(context_size=capacity, cuda_graphs=graphs, compile="compiled" in variant)
         # The baseline is the target alone (plain decoding with nothing else loaded); DFlash runs the same target
         # with the drafter, each over its own graphs.
         plain = Engine(target, None, None, **options)

@@ -14,11 +14,13 @@ from flashdraft.engine.adaptive import AdaptiveDraft
 from flashdraft.engine.detokenize import IncrementalText
 from flashdraft.engine.grammar import GrammarCompiler
 from flashdraft.engine.logit_processor import TokenLogprob
+from flashdraft.engine.model_prep import resolve_plan
 from flashdraft.engine.ngram import NgramSettings
 from flashdraft.engine.sampling import resolve_seed
 from flashdraft.engine.speculative import Sequence, SpeculativeDecoder
 from flashdraft.loading import Tokenizer
-from flashdraft.models import load_model
+from flashdraft.loading.checkpoint import default_device_dtype
+from flashdraft.models import drafter_block_size, load_model
 
 # Caches get this many rows past the context so that any supported block can overhang the last position.
 MAX_BLOCK_SIZE = 64
@@ -150,12 +152,12 @@ class Engine:
 
     def __init__(self, target, tokenizer: Tokenizer | None, drafter=None, context_size: int | None = None,
                  name: str = "model", adaptive: bool = True, cuda_graphs: bool | None = None,
-                 compile: bool | None = None, gemm: str | None = None, attention: str | None = None,
-                 cache_type_k: str | None = None, cache_type_v: str | None = None,
+                 compile: bool | None = None, cache_type_k: str | None = None, cache_type_v: str | None = None,
                  draft_cache_type_k: str | None = None, draft_cache_type_v: str | None = None,
                  ngram: NgramSettings | None = None, draft_window: int | None = None):
+        """Over models already built (with their LayerPlan: Engine.load resolves it from the device)."""
         ctx = context_size or target.config.max_position_embeddings
-        self.decoder = SpeculativeDecoder(target, drafter, ctx, cuda_graphs, compile, gemm, attention,
+        self.decoder = SpeculativeDecoder(target, drafter, ctx, cuda_graphs, compile,
                                           cache_type_k=cache_type_k, cache_type_v=cache_type_v,
                                           draft_cache_type_k=draft_cache_type_k,
                                           draft_cache_type_v=draft_cache_type_v, ngram=ngram,
@@ -185,14 +187,17 @@ class Engine:
         q5_1, q5_0, q4_1, q4_0; None: the model's dtype). ngram: draft by n-gram lookup in the sequence itself
         (engine.ngram), with no drafter model. draft_window: the drafter sees only the last N committed tokens
         (--spec-dflash-cross-ctx; None: all of them)."""
+        device, dtype = default_device_dtype(device, dtype)
+        block = drafter_block_size(drafter) if drafter else ngram.max_draft + 1 if ngram else 1
+        plan = resolve_plan(device, gemm, attention, block_size=block)
         loaded = load_model(model, drafter, device=device, dtype=dtype, context_size=context_size,
-                            overhang=MAX_BLOCK_SIZE)
+                            overhang=MAX_BLOCK_SIZE, plan=plan)
         name = DEMO_NAME if _is_demo(model) else loaded.name
         if context_size and loaded.context_size < context_size:
             log.warning("context size %d was asked for, but %s supports %d tokens: the context is %d",
                         context_size, name, loaded.context_size, loaded.context_size)
         return cls(loaded.target, loaded.tokenizer, loaded.drafter, loaded.context_size, name=name,
-                   adaptive=adaptive, gemm=gemm, attention=attention, cache_type_k=cache_type_k,
+                   adaptive=adaptive, cache_type_k=cache_type_k,
                    cache_type_v=cache_type_v, draft_cache_type_k=draft_cache_type_k,
                    draft_cache_type_v=draft_cache_type_v, ngram=ngram, draft_window=draft_window)
 

@@ -32,13 +32,10 @@ from flashdraft.config import SamplingParams
 from flashdraft.engine.cuda_graphs import GraphCache, bucket
 from flashdraft.engine.grammar import GrammarMatcher
 from flashdraft.engine.logit_processor import LogitProcessor, TokenLogprob
-from flashdraft.engine.model_prep import compile_layers, fuse_projections
+from flashdraft.engine.model_prep import compile_layers, compiles
 from flashdraft.engine.ngram import NgramProposer, NgramSettings
 from flashdraft.engine.sampling import sample_tokens, seed_key
-from flashdraft.kernels.runtime import can_run, triton_available
-from flashdraft.layers.decode_attention import ATTENTION_BACKENDS, route_attention
-from flashdraft.layers.decoder import DecoderLayer, route_fused_layers
-from flashdraft.layers.skinny_gemm import BLOCK_M, GEMM_BACKENDS, route_linears
+from flashdraft.layers import DecoderLayer
 from flashdraft.models import DecoderLM, DFlashDrafter
 from flashdraft.models.kv_cache import KVCache, WindowKVCache
 
@@ -49,41 +46,6 @@ DRAFT_CANDIDATES = 8
 # Run eagerly, plain steps leave their context rows waiting in the device state, up to this many, for the next
 # drafting step to project together: on a CPU one projection of many rows costs less than one per step.
 MAX_WAITING_ROWS = 256
-
-
-def _fast_path_default(device: torch.device, fallback: str) -> str:
-    """"triton" on a CUDA device that Triton's bf16 tensor-core products run on (compute capability 8.0 and up,
-    where the kernels were measured) when Triton is installed, else the fallback."""
-    if device.type != "cuda" or not triton_available():
-        return fallback
-    if torch.cuda.is_available() and torch.cuda.get_device_capability(device) < (8, 0):
-        return fallback
-    return "triton"
-
-
-def _resolve_backend(option: str, value: str | None, choices: tuple[str, ...], fallback: str,
-                     device: torch.device) -> str:
-    value = value or _fast_path_default(device, fallback)
-    if value not in choices:
-        raise ValueError(f"unknown {option} backend {value!r}; choose from {', '.join(choices)}")
-    if value == "triton" and not can_run(device):
-        raise ValueError(f"{option}='triton' needs Triton and a CUDA device (got {device.type}"
-                         f"{'' if triton_available() else ', and Triton is not installed'})")
-    return value
-
-
-def resolve_gemm(gemm: str | None, device: torch.device) -> str:
-    """The GEMM backend for the linear layers: "cublas" or "triton", which needs Triton and a CUDA device (or
-    Triton's interpreter, TRITON_INTERPRET=1, as the CPU tests use). None: "triton" on CUDA where Triton is
-    installed (faster at batch 1-16 and batch-invariant, docs/performance.md), else "cublas"."""
-    return _resolve_backend("gemm", gemm, GEMM_BACKENDS, "cublas", device)
-
-
-def resolve_attention(attention: str | None, device: torch.device) -> str:
-    """The attention backend of passes of up to 16 tokens over the cache: "sdpa" or "triton"
-    (flashdraft.layers.decode_attention: split-KV and batch-invariant), which needs what gemm="triton" needs.
-    None: "triton" on CUDA where Triton is installed (2-3x faster than SDPA there), else "sdpa"."""
-    return _resolve_backend("attention", attention, ATTENTION_BACKENDS, "sdpa", device)
 
 
 def accept(verify: torch.Tensor, samples: torch.Tensor, n: int) -> torch.Tensor:
@@ -168,8 +130,8 @@ class SpeculativeDecoder:
     """Target plus optional drafter over static caches of `capacity` rows (context limit = capacity)."""
 
     def __init__(self, target: DecoderLM, drafter: DFlashDrafter | None, context_size: int,
-                 cuda_graphs: bool | None = None, compile: bool | None = None, gemm: str | None = None,
-                 attention: str | None = None, cache_type_k: str | None = None, cache_type_v: str | None = None,
+                 cuda_graphs: bool | None = None, compile: bool | None = None,
+                 cache_type_k: str | None = None, cache_type_v: str | None = None,
                  draft_cache_type_k: str | None = None, draft_cache_type_v: str | None = None,
                  ngram: NgramSettings | None = None, draft_window: int | None = None):
         if drafter is not None and ngram is not None:
@@ -199,38 +161,29 @@ class SpeculativeDecoder:
         # host syncs): bench.oracle.PlantedOracle is.
         self.oracle = None
         # Decode, verify and draft passes replayed as CUDA graphs (default on CUDA); prefill stays eager.
-        # On CUDA by default, also fused projections, and the fused layer path (both Triton backends) or compiled
-        # layers (docs/performance.md measures each).
         on_cuda = self.device.type == "cuda"
         self.graphs = GraphCache() if (on_cuda if cuda_graphs is None else cuda_graphs) else None
         self._mask_tail = None  # the drafter block's B - 1 mask tokens, on the device
         self._guess_buffer = None  # pinned landing place of a step's guesses, for the host's grammar masks
-        # gemm: "cublas" (F.linear) or "triton" (flashdraft.layers.skinny_gemm: batch-invariant GEMMs, so the
-        # linear layers give a verify step's rows bitwise what plain decoding gets; inputs of more than
-        # max(16, block) rows, such as prefill, stay on F.linear). None: resolve_gemm's default.
-        self.gemm = resolve_gemm(gemm, self.device)
-        # attention: "sdpa" or "triton" (decode_attention for passes of up to max(16, block) tokens: decode,
-        # verify, draft, and prefills that short; longer prefills stay on SDPA). None: resolve_attention's default.
-        self.attention = resolve_attention(attention, self.device)
+        # The models come built with the plan of their few-row passes (engine.model_prep.resolve_plan); both with
+        # the same, whose rows hold a verify block (beyond them the passes are not batch-invariant, and greedy
+        # DFlash could part from plain decoding on the GPU).
+        self.plan = target.plan
         models = [m for m in (target, drafter) if m is not None]
-        max_rows = max(BLOCK_M, self.block_size)
-        # With both Triton backends, few-row passes run each layer as fused kernels (DecoderLayer.fused_forward),
-        # which needs fused projections. Layers that can take that path are not compiled: nothing is left for
-        # torch.compile to fuse there, and uncompiled, a one-row pass rounds exactly as a multi-row one.
-        fused = self.gemm == "triton" and self.attention == "triton"
-        want_compile = on_cuda if compile is None else compile
-        if want_compile or fused:
-            fuse_projections(*models)
-        route_linears(*models, gemm=self.gemm, max_m=max_rows)
-        route_attention(*models, on=self.attention == "triton", max_t=max_rows)
-        routed = [route_fused_layers(m, on=fused, max_t=max_rows) for m in models]
-        to_compile = [m for m, count in zip(models, routed) if not count]
+        if any(m.plan != self.plan for m in models):
+            raise ValueError(f"the target and the drafter were built with different plans: {target.plan} and "
+                             f"{drafter.plan}")
+        if (self.plan.gemm_rows or self.plan.attention_rows) and self.plan.max_rows < self.block_size:
+            raise ValueError(f"the models were built for passes of up to {self.plan.max_rows} rows (LayerPlan "
+                             f"max_rows), fewer than a verify block of {self.block_size}")
+        for m in models:
+            m.prepare()
+        fused = [[layer.fused_rows > 0 for layer in m.modules() if isinstance(layer, DecoderLayer)] for m in models]
         # every one of the target's layers on the fused path (then plain steps need no padding row)
-        self.fused_target = 0 < routed[0] == sum(isinstance(m, DecoderLayer) for m in target.modules())
-        if drafter is not None:  # a step's context rows too, where every drafter layer is fused (else off again)
-            all_fused = 0 < routed[1] == sum(isinstance(m, DecoderLayer) for m in drafter.modules())
-            drafter.fuse_context_projection(max_rows if all_fused else 0)
-        self.compiled = want_compile and bool(to_compile)
+        self.fused_target = bool(fused[0]) and all(fused[0])
+        # On CUDA by default, compiled layers where the fused path is not taken (docs/performance.md)
+        to_compile = [m for m, layers in zip(models, fused) if not any(layers)]
+        self.compiled = compiles(self.device, compile) and bool(to_compile)
         if self.compiled:
             compile_layers(*to_compile)
 

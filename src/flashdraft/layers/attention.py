@@ -5,11 +5,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashdraft.config import ModelConfig
+from flashdraft.layers import decode_attention as attention_kernel
 from flashdraft.layers.decode_attention import decode_attention
 from flashdraft.layers.norm import RMSNorm
+from flashdraft.layers.plan import LayerPlan
 from flashdraft.layers.qkv_prep import qkv_prep
 from flashdraft.layers.rope import apply_rope
-from flashdraft.layers.skinny_gemm import linear, skinny_linear
+from flashdraft.layers.skinny_gemm import Linear, linear, skinny_linear
 from flashdraft.quant.kv_formats import read_rows, write_rows
 
 
@@ -55,18 +57,19 @@ class Attention(nn.Module):
     which is what makes rollback free.
     """
 
-    context_projection = False  # True in a DFlash drafter: k/v_proj also project context rows (no input norm)
-    skinny_max_m = 0  # > 0: the fused q/k/v product of up to this many rows runs skinny_gemm (route_linears)
-    decode_attention_max_t = 0  # > 0: cached passes of up to this many tokens run decode_attention (route_attention)
-
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, plan: LayerPlan = LayerPlan(), context_projection: bool = False):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        # a DFlash drafter's: k/v_proj also project context rows (no input norm), so they keep weights of their own
+        self.context_projection = context_projection
+        self.gemm_rows = plan.gemm_rows  # the fused q/k/v product of up to this many rows runs skinny_gemm
+        # cached passes of up to this many tokens run decode_attention (where it takes the head size)
+        self.attention_rows = plan.attention_rows if attention_kernel.supports(self.head_dim) else 0
         h, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=bias)
+        self.q_proj = Linear(h, self.n_heads * self.head_dim, bias=bias, max_rows=plan.gemm_rows)
+        self.k_proj = Linear(h, self.n_kv * self.head_dim, bias=bias, max_rows=plan.gemm_rows)
+        self.v_proj = Linear(h, self.n_kv * self.head_dim, bias=bias, max_rows=plan.gemm_rows)
+        self.o_proj = Linear(self.n_heads * self.head_dim, h, bias=bias, max_rows=plan.gemm_rows)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -76,8 +79,11 @@ class Attention(nn.Module):
 
     def fuse_projections(self) -> None:
         """One [q + 2 kv, hidden] matrix for q, k and v (one GEMM per step instead of three); the q/k/v_proj
-        weights become views of it, so no memory is added and the other paths keep working."""
+        weights become views of it, so no memory is added and the other paths keep working. Plain float
+        projections only (quantized ones stay as they are); done once."""
         parts = [self.q_proj, self.k_proj, self.v_proj]
+        if self.qkv_weight is not None or not all(type(p) is Linear for p in parts + [self.o_proj]):
+            return
         fused = torch.cat([p.weight for p in parts])
         self.qkv_bias = torch.cat([p.bias for p in parts]) if self.q_proj.bias is not None else None
         offset = 0
@@ -91,7 +97,7 @@ class Attention(nn.Module):
         if self.qkv_weight is None:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        return linear(x, self.qkv_weight, self.qkv_bias, self.skinny_max_m).split([q_size, kv_size, kv_size], dim=-1)
+        return linear(x, self.qkv_weight, self.qkv_bias, self.gemm_rows).split([q_size, kv_size, kv_size], dim=-1)
 
     def _rotated(self, x: torch.Tensor, heads: int, norm: RMSNorm | None, cos, sin) -> torch.Tensor:
         """[..., T, heads * head_dim] -> [..., heads, T, head_dim], per-head normed (Qwen3) and rotated."""
@@ -115,7 +121,7 @@ class Attention(nn.Module):
         k, v = self._rotated(k, self.n_kv, self.k_norm, cos, sin), self._value_heads(v)
         write_rows(cache_k, positions, k)
         write_rows(cache_v, positions, v)
-        if T <= self.decode_attention_max_t:  # the kernel reads every cache type itself
+        if T <= self.attention_rows:  # the kernel reads every cache type itself
             return self.o_proj(decode_attention(q, cache_k[:, :kv_len], cache_v[:, :kv_len], _rows_mask(mask)))
         keys = read_rows(cache_k[:, :kv_len], self.head_dim, q.dtype)
         values = read_rows(cache_v[:, :kv_len], self.head_dim, q.dtype)

@@ -16,9 +16,8 @@ mask into its own layout. And a row of a 16-query SDPA call need not round as th
 row's arithmetic does not depend on T at all (see the kernel module), so with the skinny GEMM the whole target
 pass gives a token the same bits in a decode and in a verify step.
 
-Routing: `route_attention(*models, on=True, max_t=16)` makes the models' Attention modules send passes of at most
-max_t tokens here (CUDA, or Triton's interpreter for the CPU tests); SpeculativeDecoder(attention="triton") calls
-it. The kernel is registered as the custom op `flashdraft::decode_attention`, opaque to torch.compile and safe
+Use: the attention modules of a model built with LayerPlan(attention="triton") send passes of at most the plan's
+max_rows tokens here (CUDA, or Triton's interpreter for the CPU tests). The kernel is registered as the custom op `flashdraft::decode_attention`, opaque to torch.compile and safe
 inside CUDA graph capture (no host sync; they allocate only the output and the fp32 partials).
 """
 from __future__ import annotations
@@ -34,7 +33,6 @@ from flashdraft.quant.kv_formats import stored_format
 HEAD_DIMS = (16, 32, 64, 128, 256, 512)  # powers of two (tl.arange), at least tl.dot's 16; 512: Gemma 4's full layers
 # The kernel's codes for quantized cache rows (_attention_triton._load_rows); float rows of any dtype are 0.
 KERNEL_FORMATS = {"q8_0": 1, "q4_0": 2, "q4_1": 3, "q5_0": 4, "q5_1": 5}
-ATTENTION_BACKENDS = ("sdpa", "triton")
 
 
 @dataclass(frozen=True)
@@ -183,17 +181,3 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     attend; None = all), scores scaled by `scale` (None: 1/sqrt(hd)), -> [T, heads * hd]; each token's row is
     bitwise independent of T (module docstring)."""
     return _decode_attention_op(q, k, v, mask, scale)
-
-
-def route_attention(*models: torch.nn.Module, on: bool = True, max_t: int = 16) -> int:
-    """Send the models' cached attention passes of at most max_t tokens to decode_attention (on=True) or back to
-    SDPA (on=False). Applies to the attention modules that declare `decode_attention_max_t` (Attention,
-    Gemma4Attention) whose head_dim the kernel takes; returns how many were routed. Call it before torch.compile
-    or CUDA graph capture."""
-    routed = 0
-    for model in models:
-        for mod in model.modules():
-            if hasattr(type(mod), "decode_attention_max_t") and supports(mod.head_dim):
-                mod.decode_attention_max_t = max_t if on else 0
-                routed += on
-    return routed

@@ -17,10 +17,9 @@ kernels (split-K, GEMV, tile shapes) for different M, so a 1-row and a 16-row pr
 for the whole pass also need the other ops to be batch-invariant: the RMSNorms are (eager and compiled, same
 script), SDPA over the cache with a mask is not yet (a row of a 16-query call differs from the same query alone).
 
-Routing: `route_linears(*models, gemm="triton")` makes every plain float nn.Linear of the models (and the fused
-q/k/v and gate/up projections of Attention and GatedMLP) call `linear()`, which sends inputs of at most `max_m`
-rows to the kernel and larger ones (prefill, long context projections) to F.linear; `gemm="cublas"` undoes it.
-SpeculativeDecoder(gemm=...) / Engine(..., gemm=...) call it. The kernel is registered as the custom op
+Use: the layers of a model built with LayerPlan(gemm="triton") (their `Linear`s, and the fused q/k/v and gate/up
+projections of Attention and GatedMLP) call `linear()`, which sends inputs of at most the plan's max_rows rows to
+the kernel and larger ones (prefill, long context projections) to F.linear. The kernel is registered as the custom op
 `flashdraft::skinny_linear` (with a fake implementation), so torch.compile'd layers treat it as one opaque call,
 and it neither syncs with the host nor allocates anything but its output (and, for split-K shapes, one fp32
 workspace) from the current allocator, so it is safe inside CUDA graph capture.
@@ -54,7 +53,6 @@ from flashdraft.kernels.runtime import gpu_sm_count, interpreting
 
 
 BLOCK_M = 16  # rows per tile: tl.dot's minimum, and a whole DFlash verify block (B = 16) in one tile
-GEMM_BACKENDS = ("cublas", "triton")
 
 
 @dataclass(frozen=True)
@@ -283,33 +281,13 @@ def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> None:
     weight.copy_((weight.float() * norm_weight.float()[None, :]).to(weight.dtype))
 
 
-class SkinnyLinear(nn.Linear):
-    """An nn.Linear whose few-row inputs go through skinny_linear (route_linears swaps the class in place)."""
+class Linear(nn.Linear):
+    """nn.Linear (the same parameters, so checkpoints load as they are) whose inputs of up to max_rows rows go
+    through skinny_linear (max_rows = 0: F.linear always); a model gives it its plan's gemm_rows."""
 
-    skinny_max_m = BLOCK_M
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, max_rows: int = 0, **kwargs):
+        super().__init__(in_features, out_features, bias, **kwargs)
+        self.max_rows = max_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.skinny_max_m)
-
-
-def route_linears(*models: nn.Module, gemm: str = "triton", max_m: int = BLOCK_M) -> int:
-    """Send the models' linear layers through the Triton kernel (gemm="triton": inputs of <= max_m rows) or
-    back to cuBLAS/F.linear (gemm="cublas"). Plain float nn.Linear layers (quantized ones are left alone) and
-    modules with fused projections (a `skinny_max_m` attribute: Attention, GatedMLP). Returns how many modules
-    were routed. Call it after fuse_projections (which only fuses plain nn.Linear children) and before
-    torch.compile or CUDA graph capture."""
-    if gemm not in GEMM_BACKENDS:
-        raise ValueError(f"unknown gemm backend {gemm!r}; choose from {', '.join(GEMM_BACKENDS)}")
-    on = gemm == "triton"
-    routed = 0
-    for model in models:
-        for m in model.modules():
-            if on and type(m) is nn.Linear and m.weight.is_floating_point():
-                m.__class__ = SkinnyLinear
-            elif not on and type(m) is SkinnyLinear:
-                m.__class__ = nn.Linear
-                continue
-            if isinstance(m, SkinnyLinear) or "skinny_max_m" in type(m).__dict__:
-                m.skinny_max_m = max_m if on else 0
-                routed += on
-    return routed
+        return linear(x, self.weight, self.bias, self.max_rows)

@@ -1,5 +1,6 @@
 from flashdraft.models.decoder_lm import DecoderLM
 from flashdraft.models.drafter import DFlashDrafter
-from flashdraft.models.registry import LoadedModel, load_drafter, load_model, load_target
+from flashdraft.models.registry import LoadedModel, drafter_block_size, load_drafter, load_model, load_target
 
-__all__ = ["DFlashDrafter", "DecoderLM", "LoadedModel", "load_drafter", "load_model", "load_target"]
+__all__ = ["DFlashDrafter", "DecoderLM", "LoadedModel", "drafter_block_size", "load_drafter", "load_model",
+           "load_target"]

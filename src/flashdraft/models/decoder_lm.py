@@ -9,24 +9,30 @@ from torch import nn
 
 from flashdraft.config import ModelConfig
 from flashdraft.models.kv_cache import KVCache
-from flashdraft.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from flashdraft.layers import DecoderLayer, LayerPlan, RMSNorm, RotaryEmbedding
+from flashdraft.layers.skinny_gemm import Linear
 
 
 class DecoderStack(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, plan: LayerPlan):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, plan) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DecoderLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    def __init__(self, cfg: ModelConfig, max_positions: int, plan: LayerPlan = LayerPlan()):
         super().__init__()
-        self.config = cfg
-        self.model = DecoderStack(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.config, self.plan = cfg, plan
+        self.model = DecoderStack(cfg, plan)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, max_rows=plan.gemm_rows)
         self.rope = RotaryEmbedding(cfg, max_positions)
+
+    def prepare(self) -> None:
+        """Lay the loaded weights out for the plan (DecoderLayer.prepare); once, before the model runs."""
+        for layer in self.model.layers:
+            layer.prepare()
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token embeddings as the first layer sees them (the drafter embeds its block with this too)."""

@@ -8,26 +8,27 @@ from torch import nn
 
 from flashdraft.config import DrafterConfig
 from flashdraft.models.kv_cache import KVCache, WindowKVCache
-from flashdraft.layers import DecoderLayer, RMSNorm, RotaryEmbedding
-from flashdraft.layers.skinny_gemm import fold_norm_weight, skinny_linear
+from flashdraft.layers import DecoderLayer, LayerPlan, RMSNorm, RotaryEmbedding
+from flashdraft.layers.skinny_gemm import Linear, fold_norm_weight, skinny_linear
 from flashdraft.quant.kv_formats import write_rows
 
 
 class DFlashDrafter(nn.Module):
-    def __init__(self, cfg: DrafterConfig, max_positions: int):
+    def __init__(self, cfg: DrafterConfig, max_positions: int, plan: LayerPlan = LayerPlan()):
         super().__init__()
-        self.config = cfg
+        self.config, self.plan = cfg, plan
         c = cfg.layers
-        self.fc = nn.Linear(len(cfg.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.fc = Linear(len(cfg.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False,
+                         max_rows=plan.gemm_rows)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
-        for layer in self.layers:
-            layer.self_attn.context_projection = True  # add_context: k/v_proj of context rows, no input norm
+        # context_projection: add_context runs k/v_proj over context rows (no input norm)
+        self.layers = nn.ModuleList(DecoderLayer(c, plan, context_projection=True) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rope = RotaryEmbedding(c, max_positions)
-        # fuse_context_projection: per layer, [k; v] context weights with hidden_norm's weight folded in, and bias
+        # prepare(), on the fused path: per layer, [k; v] context weights with hidden_norm's weight folded in, and
+        # bias; add_context calls of up to context_fused_rows rows take them
         self.context_kv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        self.context_fused_max_t = 0
+        self.context_fused_rows = 0
 
     @property
     def block_size(self) -> int:
@@ -52,7 +53,7 @@ class DFlashDrafter(nn.Module):
             # rows a ring's length apart would share a row in one write; the older ones are out of the window
             taps, positions = taps[-cache.capacity:], positions[-cache.capacity:]
         cache.record(positions)
-        if 0 < taps.shape[0] <= self.context_fused_max_t:
+        if 0 < taps.shape[0] <= self.context_fused_rows:
             return self._add_context_fused(taps, positions, cache)
         ctx = self.hidden_norm(self.fc(taps))
         cos, sin = self.rope(positions)
@@ -63,23 +64,24 @@ class DFlashDrafter(nn.Module):
             write_rows(cache.v[i], rows, v)
 
     @torch.no_grad()
-    def fuse_context_projection(self, max_t: int) -> None:
-        """Send add_context calls of up to max_t rows (a step's accepted tokens) through two kernels per layer: a
-        skinny GEMM of the fc output with the [k; v] weights, hidden_norm in it (its weight folded into theirs),
+    def prepare(self) -> None:
+        """Lay the loaded weights out for the plan (DecoderLayer.prepare), once. Where every layer takes the fused
+        path, add_context calls of up to max_rows rows (a step's accepted tokens) go through two kernels per layer:
+        a skinny GEMM of the fc output with the [k; v] weights, hidden_norm in it (its weight folded into theirs),
         and qkv_prep with no query heads (k_norm, RoPE, both cache writes). The module path costs about 15 small
         kernels per layer there, most of the extra kernel time of a DFlash step over its two passes on an H200
-        (docs/performance.md). Needs layers whose attention takes the fused path (route_fused_layers); max_t = 0
-        switches it off. The [k; v] copies are made from the weights as they are now (each engine that routes
-        the drafter makes them again)."""
-        self.context_kv = []
-        if max_t > 0:
-            for layer in self.layers:
-                attn = layer.self_attn
-                weight = torch.cat([attn.k_proj.weight, attn.v_proj.weight])
-                fold_norm_weight(weight, self.hidden_norm.weight)
-                bias = torch.cat([attn.k_proj.bias, attn.v_proj.bias]) if attn.k_proj.bias is not None else None
-                self.context_kv.append((weight, bias))
-        self.context_fused_max_t = max_t
+        (docs/performance.md)."""
+        for layer in self.layers:
+            layer.prepare()
+        if self.context_fused_rows or not all(layer.fused_rows for layer in self.layers):
+            return
+        for layer in self.layers:
+            attn = layer.self_attn
+            weight = torch.cat([attn.k_proj.weight, attn.v_proj.weight])
+            fold_norm_weight(weight, self.hidden_norm.weight)
+            bias = torch.cat([attn.k_proj.bias, attn.v_proj.bias]) if attn.k_proj.bias is not None else None
+            self.context_kv.append((weight, bias))
+        self.context_fused_rows = self.plan.max_rows
 
     def _add_context_fused(self, taps: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> None:
         fc_out = self.fc(taps)

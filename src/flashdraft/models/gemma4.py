@@ -28,7 +28,10 @@ from torch import nn
 from flashdraft.config import read_json
 from flashdraft.config_gemma4 import FULL, SLIDING, Gemma4Config, RopeSpec
 from flashdraft.models.kv_cache import check_same_types
+from flashdraft.layers import decode_attention as attention_kernel
 from flashdraft.layers.decode_attention import decode_attention
+from flashdraft.layers.plan import LayerPlan
+from flashdraft.layers.skinny_gemm import Linear
 from flashdraft.loading.checkpoint import CheckpointError, assign_tensors, default_device_dtype, safetensors_files
 from flashdraft.quant.kv_formats import as_stored, bytes_per_token, cache_format, new_rows, read_rows, write_rows
 
@@ -158,18 +161,19 @@ class Gemma4Cache:
 
 
 class Gemma4Attention(nn.Module):
-    decode_attention_max_t = 0  # > 0: passes of up to this many tokens run decode_attention (route_attention)
-
-    def __init__(self, cfg: Gemma4Config, layer: int):
+    def __init__(self, cfg: Gemma4Config, layer: int, plan: LayerPlan):
         super().__init__()
         self.sliding = cfg.is_sliding(layer)
         self.n_heads = cfg.num_attention_heads
         self.n_kv, self.head_dim = cfg.layer_kv_heads[layer], cfg.layer_head_dims[layer]
-        h, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
-        self.v_proj = None if cfg.uses_k_as_v(layer) else nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=bias)
+        # passes of up to this many tokens run decode_attention (where it takes the head size)
+        self.attention_rows = plan.attention_rows if attention_kernel.supports(self.head_dim) else 0
+        h, bias, rows = cfg.hidden_size, cfg.attention_bias, plan.gemm_rows
+        self.q_proj = Linear(h, self.n_heads * self.head_dim, bias=bias, max_rows=rows)
+        self.k_proj = Linear(h, self.n_kv * self.head_dim, bias=bias, max_rows=rows)
+        self.v_proj = None if cfg.uses_k_as_v(layer) else Linear(h, self.n_kv * self.head_dim, bias=bias,
+                                                                  max_rows=rows)
+        self.o_proj = Linear(self.n_heads * self.head_dim, h, bias=bias, max_rows=rows)
         self.q_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.v_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps, with_weight=False)
@@ -205,7 +209,7 @@ class Gemma4Attention(nn.Module):
             # sliding layers of a short context read that many.
             n = min(kv_len, ring) if self.sliding else kv_len
             keys, values, mask = cache_k[:, :n], cache_v[:, :n], mask[:, :n]
-            if T <= self.decode_attention_max_t:  # the kernel reads every cache type itself
+            if T <= self.attention_rows:  # the kernel reads every cache type itself
                 return self.o_proj(decode_attention(q.transpose(0, 1), keys, values, mask, scale=1.0))
             keys, values = read_rows(keys, hd, dtype), read_rows(values, hd, dtype)
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
@@ -216,11 +220,11 @@ class Gemma4Attention(nn.Module):
 class Gemma4MLP(nn.Module):
     """GeGLU: down(gelu_tanh(gate(x)) * up(x))."""
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, plan: LayerPlan):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, bias=False, max_rows=plan.gemm_rows)
+        self.up_proj = Linear(hidden, intermediate, bias=False, max_rows=plan.gemm_rows)
+        self.down_proj = Linear(intermediate, hidden, bias=False, max_rows=plan.gemm_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
@@ -230,11 +234,11 @@ class Gemma4Router(nn.Module):
     """Expert choice: softmax over all experts of proj(rmsnorm(x) * scale / sqrt(H)), top-k, renormalised to sum 1,
     then times each chosen expert's per_expert_scale."""
 
-    def __init__(self, cfg: Gemma4Config):
+    def __init__(self, cfg: Gemma4Config, plan: LayerPlan):
         super().__init__()
         self.top_k = cfg.top_k_experts
         self.norm = Gemma4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, with_weight=False)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.proj = Linear(cfg.hidden_size, cfg.num_experts, bias=False, max_rows=plan.gemm_rows)
         self.scale = nn.Parameter(torch.ones(cfg.hidden_size))
         self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts))
         self.root_size = cfg.hidden_size ** -0.5
@@ -295,11 +299,11 @@ def _capturing() -> bool:
 
 
 class Gemma4DecoderLayer(nn.Module):
-    def __init__(self, cfg: Gemma4Config, layer: int):
+    def __init__(self, cfg: Gemma4Config, layer: int, plan: LayerPlan):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.self_attn = Gemma4Attention(cfg, layer)
-        self.mlp = Gemma4MLP(h, cfg.intermediate_size)
+        self.self_attn = Gemma4Attention(cfg, layer, plan)
+        self.mlp = Gemma4MLP(h, cfg.intermediate_size, plan)
         self.input_layernorm = Gemma4RMSNorm(h, eps)
         self.post_attention_layernorm = Gemma4RMSNorm(h, eps)
         self.pre_feedforward_layernorm = Gemma4RMSNorm(h, eps)
@@ -308,7 +312,7 @@ class Gemma4DecoderLayer(nn.Module):
         self.layer_scalar = nn.Parameter(torch.ones(1))
         self.moe = cfg.num_experts > 0
         if self.moe:
-            self.router = Gemma4Router(cfg)
+            self.router = Gemma4Router(cfg, plan)
             self.experts = Gemma4Experts(cfg)
             self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(h, eps)
             self.post_feedforward_layernorm_1 = Gemma4RMSNorm(h, eps)
@@ -328,29 +332,33 @@ class Gemma4DecoderLayer(nn.Module):
 
 
 class Gemma4TextModel(nn.Module):
-    def __init__(self, cfg: Gemma4Config):
+    def __init__(self, cfg: Gemma4Config, plan: LayerPlan):
         super().__init__()
         # Given an (uninitialised) weight, Embedding skips its random init, which is slow on the meta device.
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(Gemma4DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Gemma4DecoderLayer(cfg, i, plan) for i in range(cfg.num_hidden_layers))
         self.norm = Gemma4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Gemma4LM(nn.Module):
     """The engine's target contract (see DecoderLM) for Gemma 4."""
 
-    def __init__(self, cfg: Gemma4Config):
+    def __init__(self, cfg: Gemma4Config, plan: LayerPlan = LayerPlan()):
         super().__init__()
-        self.config = cfg
-        self.model = Gemma4TextModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.config, self.plan = cfg, plan
+        self.model = Gemma4TextModel(cfg, plan)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, max_rows=plan.gemm_rows)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         for kind in sorted(set(cfg.layer_types)):
             head_dim = next(cfg.layer_head_dims[i] for i, t in enumerate(cfg.layer_types) if t == kind)
             self.register_buffer(f"{kind}_inv_freq", rope_inverse_frequencies(cfg.rope[kind], head_dim),
                                  persistent=False)
+
+    def prepare(self) -> None:
+        """Nothing to lay out: Gemma 4's layers run module by module (compiled on CUDA), its projections as
+        loaded."""
 
     @property
     def embed_scale(self) -> torch.Tensor:
@@ -451,13 +459,13 @@ def _text_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_gemma4_target(folder: Path, device=None, dtype=None) -> Gemma4LM:
+def load_gemma4_target(folder: Path, device=None, dtype=None, plan: LayerPlan = LayerPlan()) -> Gemma4LM:
     """A Gemma 4 checkpoint folder (Gemma4ForConditionalGeneration or Gemma4ForCausalLM layout) as a Gemma4LM."""
     folder = Path(folder)
     cfg = Gemma4Config.from_folder(folder)
     device, dtype = default_device_dtype(device, dtype)
     with torch.device("meta"):
-        model = Gemma4LM(cfg)
+        model = Gemma4LM(cfg, plan)
     tensors = _text_tensors(folder)
     if not cfg.tie_word_embeddings and "lm_head.weight" not in tensors:
         raise CheckpointError(f"{folder}: tie_word_embeddings is false but there is no 'lm_head.weight'")

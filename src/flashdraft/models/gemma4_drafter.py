@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from flashdraft.config_gemma4 import Gemma4DrafterConfig
+from flashdraft.layers.plan import LayerPlan
 from flashdraft.models.kv_cache import KVCache, WindowKVCache
 from flashdraft.loading.checkpoint import assign_tensors, check_drafter_fits, model_folder, read_tensors
 from flashdraft.models.drafter import DFlashDrafter
@@ -24,8 +25,9 @@ from flashdraft.models.gemma4 import Gemma4LM
 class Gemma4DFlashDrafter(DFlashDrafter):
     config: Gemma4DrafterConfig
 
-    def __init__(self, cfg: Gemma4DrafterConfig, max_positions: int, target_embed_scale: float = 1.0):
-        super().__init__(cfg, max_positions)
+    def __init__(self, cfg: Gemma4DrafterConfig, max_positions: int, target_embed_scale: float = 1.0,
+                 plan: LayerPlan = LayerPlan()):
+        super().__init__(cfg, max_positions, plan)
         # The factor that turns the target's embeddings (which the loop hands over) into the block embeddings.
         self.block_factor = 1.0 if cfg.block_embedding_scale == "target" else 1.0 / target_embed_scale
 
@@ -67,14 +69,15 @@ def _and(mask: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
     return other if mask is None else mask & other
 
 
-def load_gemma4_drafter(path: str | Path, target: Gemma4LM, max_positions: int) -> Gemma4DFlashDrafter:
+def load_gemma4_drafter(path: str | Path, target: Gemma4LM, max_positions: int,
+                        plan: LayerPlan = LayerPlan()) -> Gemma4DFlashDrafter:
     folder = model_folder(path, "drafter")
     cfg = Gemma4DrafterConfig.from_file(folder / "config.json")
     check_drafter_fits(cfg, target.config, folder)
     p = target.model.norm.weight
     scale = float(target.embed_scale)
     with torch.device("meta"):
-        drafter = Gemma4DFlashDrafter(cfg, max_positions, scale)
+        drafter = Gemma4DFlashDrafter(cfg, max_positions, scale, plan)
     assign_tensors(drafter, read_tensors(folder), folder, p.device, p.dtype)
     drafter.rope = drafter.rope.__class__(cfg.layers, max_positions).to(p.device)
     return drafter.eval().requires_grad_(False)

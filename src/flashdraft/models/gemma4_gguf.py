@@ -24,6 +24,7 @@ from torch import nn
 
 from flashdraft.config import ConfigError
 from flashdraft.config_gemma4 import FULL, SLIDING, STOP_TOKENS, Gemma4Config, Gemma4DrafterConfig, RopeSpec
+from flashdraft.layers.plan import LayerPlan
 from flashdraft.loading.checkpoint import CheckpointError, check_drafter_fits
 from flashdraft.loading.gguf import FLOAT_TYPES, GGUFFile, eos_ids, f32, single_value
 from flashdraft.models.gemma4 import Gemma4Experts, Gemma4LM, rope_inverse_frequencies
@@ -315,10 +316,11 @@ def _put(g: GGUFFile, inst: TensorInstaller, name: str, module_path: str, attr: 
     inst.tensor(name, module_path, attr)
 
 
-def load_gemma4_gguf_target(g: GGUFFile, device: torch.device, dtype: torch.dtype) -> Gemma4LM:
+def load_gemma4_gguf_target(g: GGUFFile, device: torch.device, dtype: torch.dtype,
+                            plan: LayerPlan = LayerPlan()) -> Gemma4LM:
     cfg = gemma4_gguf_config(g)
     with torch.device("meta"):
-        model = Gemma4LM(cfg)
+        model = Gemma4LM(cfg, plan)
     inst = TensorInstaller(g, model, device, dtype)
     _put(g, inst, "token_embd.weight", "model.embed_tokens", "weight")
     _put(g, inst, "output_norm.weight", "model.norm", "weight")
@@ -370,9 +372,10 @@ def gemma4_gguf_drafter_config(g: GGUFFile, target: Gemma4Config) -> Gemma4Draft
         final_logit_softcapping=f32(softcap) if softcap else None, block_embedding_scale="target")
 
 
-def load_gemma4_gguf_drafter(g: GGUFFile, target: Gemma4LM, max_positions: int) -> Gemma4DFlashDrafter:
+def load_gemma4_gguf_drafter(g: GGUFFile, target: Gemma4LM, max_positions: int,
+                             plan: LayerPlan = LayerPlan()) -> Gemma4DFlashDrafter:
     cfg = gemma4_gguf_drafter_config(g, target.config)
     check_drafter_fits(cfg, target.config, g.path)
     with torch.device("meta"):
-        drafter = Gemma4DFlashDrafter(cfg, max_positions, float(target.embed_scale))
+        drafter = Gemma4DFlashDrafter(cfg, max_positions, float(target.embed_scale), plan)
     return install_drafter(g, drafter, target, max_positions)

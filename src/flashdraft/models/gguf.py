@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from flashdraft.config import ConfigError, DrafterConfig, ModelConfig
+from flashdraft.layers.plan import LayerPlan
 from flashdraft.layers.rope import RotaryEmbedding
 from flashdraft.loading.checkpoint import CheckpointError, check_drafter_fits
 from flashdraft.loading.gguf import FLOAT_TYPES, GGUFFile, eos_ids, f32, single_value
@@ -101,7 +102,7 @@ def llama_target_config(g: GGUFFile) -> ModelConfig:
         eos_token_id=eos_ids(g), bos_token_id=bos)
 
 
-def _drafter_settings(g: GGUFFile) -> tuple[int, int, list[int]]:
+def drafter_settings(g: GGUFFile) -> tuple[int, int, list[int]]:
     """(block_size, mask_token_id, target_layer_ids in HF numbering) from either drafter layout."""
     if g.arch == "dflash-draft":
         block = g.arch_get("dflash.block_size", 16)
@@ -126,7 +127,7 @@ def gguf_drafter_config(g: GGUFFile, target: ModelConfig) -> DrafterConfig:
     if g.arch not in DRAFTER_ARCHS:
         raise ConfigError(f"{g.path}: GGUF architecture {g.arch!r} is not a DFlash drafter "
                           f"(expected one of {', '.join(DRAFTER_ARCHS)})")
-    block, mask, taps = _drafter_settings(g)
+    block, mask, taps = drafter_settings(g)
     if block < 2:
         raise ConfigError(f"{g.path}: block_size must be >= 2, got {block}")
     qk_norm = "blk.0.attn_q_norm.weight" in g.tensors
@@ -241,10 +242,11 @@ def tie_lm_head(model: nn.Module, hidden_size: int, dtype: torch.dtype) -> None:
         model.lm_head.weight = emb.weight
 
 
-def load_llama_target(g: GGUFFile, max_positions: int, device: torch.device, dtype: torch.dtype) -> DecoderLM:
+def load_llama_target(g: GGUFFile, max_positions: int, device: torch.device, dtype: torch.dtype,
+                      plan: LayerPlan = LayerPlan()) -> DecoderLM:
     cfg = llama_target_config(g)
     with torch.device("meta"):
-        model = DecoderLM(cfg, max_positions)
+        model = DecoderLM(cfg, max_positions, plan)
     inst = TensorInstaller(g, model, device, dtype)
     for gguf_base, ours in TARGET_TENSORS.items():
         name = f"{gguf_base}.weight"
@@ -261,7 +263,8 @@ def load_llama_target(g: GGUFFile, max_positions: int, device: torch.device, dty
     return model.eval().requires_grad_(False)
 
 
-def load_llama_drafter(g: GGUFFile, target: DecoderLM, max_positions: int) -> DFlashDrafter:
+def load_llama_drafter(g: GGUFFile, target: DecoderLM, max_positions: int,
+                       plan: LayerPlan = LayerPlan()) -> DFlashDrafter:
     """A DFlash drafter (either layout) for a llama or qwen3 target."""
     target_type = getattr(target.config, "model_type", None)
     if target_type not in TARGET_ARCHS.values():
@@ -270,7 +273,7 @@ def load_llama_drafter(g: GGUFFile, target: DecoderLM, max_positions: int) -> DF
     cfg = gguf_drafter_config(g, target.config)
     check_drafter_fits(cfg, target.config, g.path)
     with torch.device("meta"):
-        drafter = DFlashDrafter(cfg, max_positions)
+        drafter = DFlashDrafter(cfg, max_positions, plan)
     return install_drafter(g, drafter, target, max_positions)
 
 

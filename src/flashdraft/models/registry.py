@@ -11,6 +11,7 @@ import torch
 
 from flashdraft.config import DrafterConfig, ModelConfig, is_gguf_path, read_json
 from flashdraft.config_gemma4 import GEMMA4_MODEL_TYPES, is_gemma4_folder
+from flashdraft.layers.plan import LayerPlan
 from flashdraft.loading.checkpoint import (CheckpointError, assign_tensors, check_drafter_fits, default_device_dtype,
                                            model_folder, read_tensors)
 from flashdraft.loading.gguf import GGUFFile, GGUFTokenizer, gguf_name
@@ -20,7 +21,8 @@ from flashdraft.models.drafter import DFlashDrafter
 from flashdraft.models.gemma4 import gemma4_max_positions, load_gemma4_target
 from flashdraft.models.gemma4_drafter import load_gemma4_drafter
 from flashdraft.models.gemma4_gguf import gemma4_gguf_config, load_gemma4_gguf_drafter, load_gemma4_gguf_target
-from flashdraft.models.gguf import GEMMA4_ARCH, llama_target_config, load_llama_drafter, load_llama_target
+from flashdraft.models.gguf import (GEMMA4_ARCH, drafter_settings, llama_target_config, load_llama_drafter,
+                                    load_llama_target)
 
 
 def target_max_positions(folder: Path) -> int:
@@ -29,10 +31,11 @@ def target_max_positions(folder: Path) -> int:
     return ModelConfig.from_file(folder / "config.json").max_position_embeddings
 
 
-def load_target(path: str | Path, max_positions: int, device=None, dtype=None) -> DecoderLM:
+def load_target(path: str | Path, max_positions: int, device=None, dtype=None,
+                plan: LayerPlan = LayerPlan()) -> DecoderLM:
     folder = model_folder(path, "model")
     if is_gemma4_folder(folder):
-        return load_gemma4_target(folder, device, dtype)
+        return load_gemma4_target(folder, device, dtype, plan)
     cfg = ModelConfig.from_file(folder / "config.json")
     gen_cfg = folder / "generation_config.json"
     if gen_cfg.is_file():
@@ -42,7 +45,7 @@ def load_target(path: str | Path, max_positions: int, device=None, dtype=None) -
             cfg.eos_token_ids = list(dict.fromkeys(cfg.eos_token_ids + [int(e) for e in extra]))
     device, dtype = default_device_dtype(device, dtype)
     with torch.device("meta"):
-        model = DecoderLM(cfg, max_positions)
+        model = DecoderLM(cfg, max_positions, plan)
     tensors = read_tensors(folder)
     if "lm_head.weight" not in tensors:
         if not cfg.tie_word_embeddings and "model.embed_tokens.weight" not in tensors:
@@ -53,15 +56,16 @@ def load_target(path: str | Path, max_positions: int, device=None, dtype=None) -
     return model.eval().requires_grad_(False)
 
 
-def load_drafter(path: str | Path, target: DecoderLM, max_positions: int) -> DFlashDrafter:
+def load_drafter(path: str | Path, target: DecoderLM, max_positions: int,
+                 plan: LayerPlan = LayerPlan()) -> DFlashDrafter:
     if getattr(target.config, "model_type", None) in GEMMA4_MODEL_TYPES:
-        return load_gemma4_drafter(path, target, max_positions)
+        return load_gemma4_drafter(path, target, max_positions, plan)
     folder = model_folder(path, "drafter")
     cfg = DrafterConfig.from_file(folder / "config.json")
     check_drafter_fits(cfg, target.config, folder)
     p = target.model.norm.weight  # the target's device and dtype (a float parameter even in GGUF models)
     with torch.device("meta"):
-        drafter = DFlashDrafter(cfg, max_positions)
+        drafter = DFlashDrafter(cfg, max_positions, plan)
     assign_tensors(drafter, read_tensors(folder), folder, p.device, p.dtype)
     drafter.rope = drafter.rope.__class__(cfg.layers, max_positions).to(p.device)
     return drafter.eval().requires_grad_(False)
@@ -72,17 +76,26 @@ def gguf_target_config(g: GGUFFile):
     return gemma4_gguf_config(g) if g.arch == GEMMA4_ARCH else llama_target_config(g)
 
 
-def load_gguf_target(g: GGUFFile, max_positions: int, device: torch.device, dtype: torch.dtype):
+def load_gguf_target(g: GGUFFile, max_positions: int, device: torch.device, dtype: torch.dtype,
+                     plan: LayerPlan = LayerPlan()):
     if g.arch == GEMMA4_ARCH:
-        return load_gemma4_gguf_target(g, device, dtype)
-    return load_llama_target(g, max_positions, device, dtype)
+        return load_gemma4_gguf_target(g, device, dtype, plan)
+    return load_llama_target(g, max_positions, device, dtype, plan)
 
 
-def load_gguf_drafter(path: str | Path, target, max_positions: int):
+def load_gguf_drafter(path: str | Path, target, max_positions: int, plan: LayerPlan = LayerPlan()):
     g = GGUFFile(path, "drafter")
     if getattr(target.config, "model_type", None) in GEMMA4_MODEL_TYPES:
-        return load_gemma4_gguf_drafter(g, target, max_positions)
-    return load_llama_drafter(g, target, max_positions)
+        return load_gemma4_gguf_drafter(g, target, max_positions, plan)
+    return load_llama_drafter(g, target, max_positions, plan)
+
+
+def drafter_block_size(path: str | Path) -> int:
+    """The block a drafter drafts, from its config alone (before any model is built: the plan's row limit
+    depends on it)."""
+    if is_gguf_path(path):
+        return drafter_settings(GGUFFile(path, "drafter"))[0]
+    return DrafterConfig.from_file(model_folder(path, "drafter") / "config.json").block_size
 
 
 @dataclass
@@ -95,8 +108,9 @@ class LoadedModel:
 
 
 def load_model(model: str | Path, drafter: str | Path | None = None, device=None, dtype=None,
-               context_size: int | None = None, overhang: int = 64) -> LoadedModel:
-    """Target, tokenizer and optional drafter from their folders or .gguf files; caches get `overhang` spare rows."""
+               context_size: int | None = None, overhang: int = 64, plan: LayerPlan = LayerPlan()) -> LoadedModel:
+    """Target, tokenizer and optional drafter from their folders or .gguf files, built with `plan`; caches get
+    `overhang` spare rows."""
     gguf = GGUFFile(model, "model") if is_gguf_path(model) else None
     if gguf is not None:
         max_pos, tokenizer, name = gguf_target_config(gguf).max_position_embeddings, GGUFTokenizer(gguf), gguf_name(gguf)
@@ -108,10 +122,10 @@ def load_model(model: str | Path, drafter: str | Path | None = None, device=None
     if context_size is not None and context_size < 2:
         raise ValueError(f"context size must be at least 2 tokens, got {context_size}")
     ctx = min(context_size, max_pos) if context_size else min(max_pos, 8192)
-    target = (load_gguf_target(gguf, ctx + overhang, device, dtype) if gguf is not None
-              else load_target(folder, ctx + overhang, device, dtype))
+    target = (load_gguf_target(gguf, ctx + overhang, device, dtype, plan) if gguf is not None
+              else load_target(folder, ctx + overhang, device, dtype, plan))
     draft_loader = load_gguf_drafter if is_gguf_path(drafter) else load_drafter
-    draft_model = draft_loader(drafter, target, ctx + overhang) if drafter else None
+    draft_model = draft_loader(drafter, target, ctx + overhang, plan) if drafter else None
     if draft_model is not None and draft_model.block_size > overhang:
         raise ValueError(f"drafter block_size {draft_model.block_size} is larger than supported ({overhang})")
     return LoadedModel(target, tokenizer, draft_model, ctx, name)

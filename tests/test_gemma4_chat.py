@@ -3,7 +3,7 @@ import pytest
 import torch
 from test_gemma4_tiny import build_gemma4_target
 
-from flashdraft.config_gemma4 import reasoning_template_kwargs, stop_token_ids
+from flashdraft.models.gemma4.config import reasoning_template_kwargs, stop_token_ids
 from flashdraft.engine.generator import Engine
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def add(a, b):"}]

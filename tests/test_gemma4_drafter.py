@@ -8,8 +8,8 @@ from test_gemma4_tiny import build_gemma4_target, build_gemma_drafter
 from flashdraft.config import ConfigError, SamplingParams
 from flashdraft.engine.generator import Engine
 from flashdraft.models import load_drafter, load_target
-from flashdraft.models.gemma4 import RING_OVERHANG
-from flashdraft.models.gemma4_drafter import Gemma4DFlashDrafter
+from flashdraft.models.gemma4.model import RING_OVERHANG
+from flashdraft.models.gemma4.drafter import Gemma4DFlashDrafter
 
 TARGET_WINDOW, DRAFT_WINDOW = 8, 6
 

@@ -10,9 +10,9 @@ from safetensors.torch import save_file
 from test_gemma4_tiny import build_gemma4_target, reference_logits
 
 from flashdraft.config import ConfigError
-from flashdraft.config_gemma4 import Gemma4Config
+from flashdraft.models.gemma4.config import Gemma4Config
 from flashdraft.models import load_target
-from flashdraft.models.gemma4 import (Gemma4MLP, Gemma4RMSNorm, RING_OVERHANG, embedding_scale,
+from flashdraft.models.gemma4.model import (Gemma4MLP, Gemma4RMSNorm, RING_OVERHANG, embedding_scale,
                                       rope_inverse_frequencies)
 
 WINDOW = 8
@@ -136,7 +136,7 @@ def test_rmsnorm_has_no_unit_offset():
 
 
 def test_full_layers_use_proportional_partial_rope():
-    from flashdraft.config_gemma4 import RopeSpec
+    from flashdraft.models.gemma4.config import RopeSpec
 
     inv = rope_inverse_frequencies(RopeSpec("proportional", 1e6, partial_rotary_factor=0.25), 512)
     assert inv.shape == (256,)

@@ -118,8 +118,8 @@ def build_gemma_drafter(folder: Path, target: Path, layers: int = 3, block_size:
                         seed: int = 1, tap_ids: list[int] | None = None, **extra) -> Path:
     """A random drafter in z-lab's Gemma layout: model_type qwen3, [S..., F] layer_types, sliding_window,
     final_logit_softcapping, no embedding or head."""
-    from flashdraft.config_gemma4 import Gemma4DrafterConfig
-    from flashdraft.models.gemma4_drafter import Gemma4DFlashDrafter
+    from flashdraft.models.gemma4.config import Gemma4DrafterConfig
+    from flashdraft.models.gemma4.drafter import Gemma4DFlashDrafter
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -18,14 +18,14 @@ from test_gguf import add_dflash_keys_and_tensors, add_layer_stack, quantize, wr
 from tiny_models import CORPUS
 
 from flashdraft.config import ConfigError, SamplingParams
-from flashdraft.config_gemma4 import FULL, SLIDING
+from flashdraft.models.gemma4.config import FULL, SLIDING
 from flashdraft.engine.generator import Engine
 from flashdraft.loading import Tokenizer
 from flashdraft.models import load_drafter, load_model, load_target
 from flashdraft.loading.checkpoint import CheckpointError
-from flashdraft.models.gemma4_gguf import QuantGemma4Experts
-from flashdraft.models.gemma4 import RING_OVERHANG, Gemma4Experts, Gemma4LM, embedding_scale
-from flashdraft.models.gemma4_drafter import Gemma4DFlashDrafter
+from flashdraft.models.gemma4.gguf import QuantGemma4Experts
+from flashdraft.models.gemma4.model import RING_OVERHANG, Gemma4Experts, Gemma4LM, embedding_scale
+from flashdraft.models.gemma4.drafter import Gemma4DFlashDrafter
 from flashdraft.quant import QuantEmbedding, QuantLinear
 
 WINDOW, DRAFT_WINDOW = 8, 6

@@ -203,8 +203,8 @@ def test_gemma4_rings_store_their_types(tmp_path):
     logits of one pass over the right tokens (within float noise), and its memory per token counts full layers."""
     from test_gemma4_tiny import randomise, text_config
 
-    from flashdraft.config_gemma4 import Gemma4Config
-    from flashdraft.models.gemma4 import Gemma4LM
+    from flashdraft.models.gemma4.config import Gemma4Config
+    from flashdraft.models.gemma4.model import Gemma4LM
     cfg = Gemma4Config.from_dict(dict(text_config(300, moe=False, window=8), model_type="gemma4_text", head_dim=32,
                                       global_head_dim=64))
     model = Gemma4LM(cfg).eval()

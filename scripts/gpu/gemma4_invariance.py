@@ -58,7 +58,7 @@ def parts_check(target, dev, compiled: bool, gen, dtype) -> dict:
     """RMSNorm and SDPA alone, the same rows inside a 16-row call and alone."""
     import torch.nn.functional as F
 
-    from flashdraft.models.gemma4 import Gemma4RMSNorm
+    from flashdraft.models.gemma4.model import Gemma4RMSNorm
 
     H = target.config.hidden_size
     out = {}

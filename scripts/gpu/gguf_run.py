@@ -17,7 +17,7 @@ Stages (each one's exceptions are caught and recorded under "errors", and the ru
     per call of triton.testing.do_bench over a CUDA graph that calls the kernel on enough weight copies to defeat
     the 60 MB L2): the kernel at M = 1, 2, 4, 8, 16; dequantize + cuBLAS and bf16 cuBLAS at M = 1 and 16; and the
     roofline = quantized bytes / bandwidth.
-(c) model: a Gemma-4-31B-shaped dense target (flashdraft.models.gemma4) whose projections are QuantLinear with
+(c) model: a Gemma-4-31B-shaped dense target (flashdraft.models.gemma4.model) whose projections are QuantLinear with
     random Q4_K_S blocks and whose tied embedding/LM head is one Q6_K table, plus a random Gemma-4-31B DFlash
     drafter (Q5_K blocks, the main type of the walkthrough's Q5_K_M drafter file; --drafter-qtype Q8_0 for
     Q8_0 blocks, --drafter-bf16 for bf16), in the engine with CUDA graphs and an 8K-token context
@@ -469,10 +469,10 @@ def build_models(run: Run, dev, dtype, gen, capacity: int, drafter_bf16: bool, d
     device and these backends (engine.model_prep.resolve_plan)."""
     import torch
 
-    from flashdraft.config_gemma4 import Gemma4Config, Gemma4DrafterConfig
+    from flashdraft.models.gemma4.config import Gemma4Config, Gemma4DrafterConfig
     from flashdraft.engine.model_prep import resolve_plan
-    from flashdraft.models.gemma4 import Gemma4LM
-    from flashdraft.models.gemma4_drafter import Gemma4DFlashDrafter
+    from flashdraft.models.gemma4.model import Gemma4LM
+    from flashdraft.models.gemma4.drafter import Gemma4DFlashDrafter
     from flashdraft.quant import QuantEmbedding, QuantLinear, dequantize
 
     raw = GEMMA4_TINY if run.tiny else GEMMA4_31B

@@ -94,9 +94,9 @@ def build_drafter(target, capacity: int, qtype: str, tiny: bool, dev, dtype, gen
     import gguf_run
 
     from flashdraft.config import DrafterConfig, ModelConfig, default_tap_ids
-    from flashdraft.config_gemma4 import GEMMA4_MODEL_TYPES, Gemma4DrafterConfig
+    from flashdraft.models.gemma4.config import GEMMA4_MODEL_TYPES, Gemma4DrafterConfig
     from flashdraft.models import DFlashDrafter
-    from flashdraft.models.gemma4_drafter import Gemma4DFlashDrafter
+    from flashdraft.models.gemma4.drafter import Gemma4DFlashDrafter
 
     cfg = target.config
     if cfg.model_type in GEMMA4_MODEL_TYPES:

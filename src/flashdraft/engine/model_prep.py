@@ -10,7 +10,7 @@ from flashdraft.kernels.runtime import can_run, triton_available
 from flashdraft.layers import DecoderLayer
 from flashdraft.layers.plan import ATTENTION_BACKENDS, GEMM_BACKENDS, LayerPlan
 from flashdraft.layers.skinny_gemm import BLOCK_M
-from flashdraft.models.gemma4 import Gemma4DecoderLayer
+from flashdraft.models.gemma4.model import Gemma4DecoderLayer
 
 
 def _fast_path_default(device: torch.device, fallback: str) -> str:

@@ -1,6 +1,6 @@
 """llama.cpp GGUF files: the memory-mapped reader (metadata by key, tensors in their blocks) and the tokenizer
 their metadata describes (gguf_tokenizer.py builds it, with its chat template and EOS ids). What the tensors
-become is flashdraft.models.gguf's (Llama, Qwen3, DFlash drafters) and flashdraft.models.gemma4_gguf's.
+become is flashdraft.models.gguf's (Llama, Qwen3, DFlash drafters) and flashdraft.models.gemma4.gguf's.
 """
 from __future__ import annotations
 

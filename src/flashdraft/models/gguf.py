@@ -1,10 +1,12 @@
-"""Llama and Qwen3 models and DFlash drafters from llama.cpp GGUF files (flashdraft.loading.gguf reads them).
+"""GGUF tensors into our modules, and DFlash drafters from llama.cpp GGUF files (flashdraft.loading.gguf reads
+them); shared by the families' loaders (models.llama.gguf, models.gemma4.gguf).
 
 Float tensors (F32/F16/BF16) become ordinary parameters in the model dtype; quantized tensors stay in their GGUF
 blocks (flashdraft.quant.QuantLinear / QuantEmbedding), so a Q4_K file takes about as much memory as it does on
 disk. Metadata gives the config and, for DFlash drafters, the block/tap settings in both the legacy "dflash-draft"
-and the upstream "dflash" layouts. The drafter's embedding and LM head come from the target. Gemma 4 (targets,
-and drafters for Gemma 4 targets) is gemma4_gguf.py's; flashdraft.models.registry picks by architecture.
+and the upstream "dflash" layouts. The drafter's embedding and LM head come from the target. The layer tables are
+the Llama-style stack's, which targets of that family and every drafter share; flashdraft.models.registry picks
+the loader by architecture.
 """
 from __future__ import annotations
 
@@ -13,20 +15,13 @@ import torch
 from torch import nn
 
 from flashdraft.config import ConfigError, DrafterConfig, ModelConfig
-from flashdraft.layers.plan import LayerPlan
 from flashdraft.layers.rope import RotaryEmbedding
-from flashdraft.loading.checkpoint import CheckpointError, check_drafter_fits
-from flashdraft.loading.gguf import FLOAT_TYPES, GGUFFile, eos_ids, f32, single_value
-from flashdraft.loading.gguf_tokenizer import special_token_id
-from flashdraft.models.decoder_lm import DecoderLM
+from flashdraft.loading.checkpoint import CheckpointError
+from flashdraft.loading.gguf import FLOAT_TYPES, GGUFFile, f32, single_value
 from flashdraft.models.drafter import DFlashDrafter
 from flashdraft.quant import QuantEmbedding, QuantLinear, UnsupportedQuantType
 
-# general.architecture -> our model_type. llama.cpp stores Llama's q/k rows permuted for its interleaved RoPE.
-TARGET_ARCHS = {"llama": "llama", "qwen3": "qwen3"}
-PERMUTED_QK_ARCHS = ("llama",)
-GEMMA4_ARCH = "gemma4"  # loaded by gemma4_gguf.py into flashdraft.models.gemma4.Gemma4LM
-SUPPORTED_TARGET_ARCHS = (*TARGET_ARCHS, GEMMA4_ARCH)
+GEMMA4_ARCH = "gemma4"  # loaded by flashdraft.models.gemma4.gguf into Gemma4LM
 DRAFTER_ARCHS = ("dflash-draft", "dflash")
 
 # Per-layer GGUF tensor -> our parameter (shared by targets and drafters; Qwen3 q/k norms when present).
@@ -43,7 +38,6 @@ LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-TARGET_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # Legacy "dflash-draft" names first, then the upstream "dflash" renames (beellama.md section 5).
 DRAFTER_TENSORS = {"dflash_fc": "fc", "fc": "fc", "dflash_hidden_norm": "hidden_norm",
                    "enc.output_norm": "hidden_norm", "output_norm": "norm"}
@@ -61,7 +55,7 @@ def _rope_scaling(g: GGUFFile) -> dict | None:
                       f"and llama3-style rope_freqs factors)")
 
 
-def _layer_stack_config(g: GGUFFile, model_type: str, vocab_size: int, **extra) -> ModelConfig:
+def layer_stack_config(g: GGUFFile, model_type: str, vocab_size: int, **extra) -> ModelConfig:
     hidden = int(g.require("embedding_length"))
     heads = int(single_value(g.require("attention.head_count"), "attention.head_count", g.path))
     kv_heads = single_value(g.arch_get("attention.head_count_kv", heads), "attention.head_count_kv", g.path)
@@ -83,23 +77,6 @@ def _layer_stack_config(g: GGUFFile, model_type: str, vocab_size: int, **extra) 
     cfg = ModelConfig.from_dict(raw, source=str(g.path))
     cfg.qk_norm = "blk.0.attn_q_norm.weight" in g.tensors
     return cfg
-
-
-def llama_target_config(g: GGUFFile) -> ModelConfig:
-    """A llama or qwen3 target's config."""
-    if g.arch not in TARGET_ARCHS:
-        hint = " (a DFlash drafter: pass it as the drafter)" if g.arch in DRAFTER_ARCHS else ""
-        raise ConfigError(f"{g.path}: unsupported GGUF architecture {g.arch!r}{hint}; "
-                          f"supported: {', '.join(SUPPORTED_TARGET_ARCHS)}")
-    if "token_embd.weight" not in g.tensors:
-        raise CheckpointError(f"{g.path}: missing tensor 'token_embd.weight'")
-    bos = special_token_id(g, "bos")
-    # The embedding's rows, not the token list: llama.cpp pads one or the other.
-    return _layer_stack_config(
-        g, TARGET_ARCHS[g.arch], g.shape("token_embd.weight")[0],
-        max_position_embeddings=int(g.arch_get("context_length", 4096)),
-        tie_word_embeddings="output.weight" not in g.tensors,
-        eos_token_id=eos_ids(g), bos_token_id=bos)
 
 
 def drafter_settings(g: GGUFFile) -> tuple[int, int, list[int]]:
@@ -131,7 +108,7 @@ def gguf_drafter_config(g: GGUFFile, target: ModelConfig) -> DrafterConfig:
     if block < 2:
         raise ConfigError(f"{g.path}: block_size must be >= 2, got {block}")
     qk_norm = "blk.0.attn_q_norm.weight" in g.tensors
-    layers = _layer_stack_config(g, "qwen3" if qk_norm else "llama", target.vocab_size,
+    layers = layer_stack_config(g, "qwen3" if qk_norm else "llama", target.vocab_size,
                                  max_position_embeddings=int(g.arch_get("context_length",
                                                                         target.max_position_embeddings)))
     return DrafterConfig(layers=layers, block_size=block, mask_token_id=mask, target_layer_ids=taps,
@@ -217,7 +194,7 @@ class TensorInstaller:
             raise CheckpointError(f"{self.g.path}: no tensor for {left[:8]}")
 
 
-def _rope(g: GGUFFile, cfg: ModelConfig, max_positions: int, device) -> RotaryEmbedding:
+def gguf_rope(g: GGUFFile, cfg: ModelConfig, max_positions: int, device) -> RotaryEmbedding:
     """The RoPE tables; llama3-style scaling comes as per-frequency divisors in rope_freqs.weight."""
     rope = RotaryEmbedding(cfg, max_positions)
     if "rope_freqs.weight" in g.tensors:
@@ -242,41 +219,6 @@ def tie_lm_head(model: nn.Module, hidden_size: int, dtype: torch.dtype) -> None:
         model.lm_head.weight = emb.weight
 
 
-def load_llama_target(g: GGUFFile, max_positions: int, device: torch.device, dtype: torch.dtype,
-                      plan: LayerPlan = LayerPlan()) -> DecoderLM:
-    cfg = llama_target_config(g)
-    with torch.device("meta"):
-        model = DecoderLM(cfg, max_positions, plan)
-    inst = TensorInstaller(g, model, device, dtype)
-    for gguf_base, ours in TARGET_TENSORS.items():
-        name = f"{gguf_base}.weight"
-        if name in g.tensors:
-            inst.tensor(name, ours, "weight")
-        elif gguf_base != "output":
-            raise CheckpointError(f"{g.path}: missing tensor {name!r}")
-    if cfg.tie_word_embeddings:
-        tie_lm_head(model, cfg.hidden_size, dtype)
-    for i in range(cfg.num_hidden_layers):
-        inst.layer("model.", i, cfg, g.arch in PERMUTED_QK_ARCHS, {})
-    model.rope = _rope(g, cfg, max_positions, device)
-    inst.finish()
-    return model.eval().requires_grad_(False)
-
-
-def load_llama_drafter(g: GGUFFile, target: DecoderLM, max_positions: int,
-                       plan: LayerPlan = LayerPlan()) -> DFlashDrafter:
-    """A DFlash drafter (either layout) for a llama or qwen3 target."""
-    target_type = getattr(target.config, "model_type", None)
-    if target_type not in TARGET_ARCHS.values():
-        raise ConfigError(f"{g.path}: GGUF drafters are supported for "
-                          f"{', '.join((*TARGET_ARCHS.values(), GEMMA4_ARCH))} targets, not {target_type!r}")
-    cfg = gguf_drafter_config(g, target.config)
-    check_drafter_fits(cfg, target.config, g.path)
-    with torch.device("meta"):
-        drafter = DFlashDrafter(cfg, max_positions, plan)
-    return install_drafter(g, drafter, target, max_positions)
-
-
 def install_drafter(g: GGUFFile, drafter: DFlashDrafter, target, max_positions: int) -> DFlashDrafter:
     """Load a drafter built on the meta device from g (either layout), on the target's device and dtype."""
     cfg = drafter.config
@@ -287,7 +229,7 @@ def install_drafter(g: GGUFFile, drafter: DFlashDrafter, target, max_positions: 
             inst.tensor(f"{gguf_base}.weight", ours, "weight")
     for i in range(cfg.layers.num_hidden_layers):
         inst.layer("", i, cfg.layers, False, DRAFTER_LAYER_RENAMES)
-    drafter.rope = _rope(g, cfg.layers, max_positions, ref.device)
+    drafter.rope = gguf_rope(g, cfg.layers, max_positions, ref.device)
     inst.finish(ignored=DRAFTER_IGNORED)
     return drafter.eval().requires_grad_(False)
 

@@ -10,19 +10,19 @@ from pathlib import Path
 import torch
 
 from flashdraft.config import DrafterConfig, ModelConfig, is_gguf_path, read_json
-from flashdraft.config_gemma4 import GEMMA4_MODEL_TYPES, is_gemma4_folder
+from flashdraft.models.gemma4.config import GEMMA4_MODEL_TYPES, is_gemma4_folder
 from flashdraft.layers.plan import LayerPlan
 from flashdraft.loading.checkpoint import (CheckpointError, assign_tensors, check_drafter_fits, default_device_dtype,
                                            model_folder, read_tensors)
 from flashdraft.loading.gguf import GGUFFile, GGUFTokenizer, gguf_name
 from flashdraft.loading.tokenizer import Tokenizer
-from flashdraft.models.decoder_lm import DecoderLM
+from flashdraft.models.llama.model import DecoderLM
 from flashdraft.models.drafter import DFlashDrafter
-from flashdraft.models.gemma4 import gemma4_max_positions, load_gemma4_target
-from flashdraft.models.gemma4_drafter import load_gemma4_drafter
-from flashdraft.models.gemma4_gguf import gemma4_gguf_config, load_gemma4_gguf_drafter, load_gemma4_gguf_target
-from flashdraft.models.gguf import (GEMMA4_ARCH, drafter_settings, llama_target_config, load_llama_drafter,
-                                    load_llama_target)
+from flashdraft.models.gemma4.model import gemma4_max_positions, load_gemma4_target
+from flashdraft.models.gemma4.drafter import load_gemma4_drafter
+from flashdraft.models.gemma4.gguf import gemma4_gguf_config, load_gemma4_gguf_drafter, load_gemma4_gguf_target
+from flashdraft.models.gguf import GEMMA4_ARCH, drafter_settings
+from flashdraft.models.llama.gguf import llama_target_config, load_llama_drafter, load_llama_target
 
 
 def target_max_positions(folder: Path) -> int:

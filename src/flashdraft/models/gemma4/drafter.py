@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.config_gemma4 import Gemma4DrafterConfig
+from flashdraft.models.gemma4.config import Gemma4DrafterConfig
 from flashdraft.layers.plan import LayerPlan
 from flashdraft.models.kv_cache import KVCache, WindowKVCache
 from flashdraft.loading.checkpoint import assign_tensors, check_drafter_fits, model_folder, read_tensors
 from flashdraft.models.drafter import DFlashDrafter
-from flashdraft.models.gemma4 import Gemma4LM
+from flashdraft.models.gemma4.model import Gemma4LM
 
 
 class Gemma4DFlashDrafter(DFlashDrafter):

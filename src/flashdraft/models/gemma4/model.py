@@ -26,7 +26,7 @@ from safetensors import safe_open
 from torch import nn
 
 from flashdraft.config import read_json
-from flashdraft.config_gemma4 import FULL, SLIDING, Gemma4Config, RopeSpec
+from flashdraft.models.gemma4.config import FULL, SLIDING, Gemma4Config, RopeSpec
 from flashdraft.models.kv_cache import check_same_types
 from flashdraft.layers import decode_attention as attention_kernel
 from flashdraft.layers.decode_attention import decode_attention

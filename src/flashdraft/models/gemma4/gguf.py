@@ -23,12 +23,12 @@ import torch
 from torch import nn
 
 from flashdraft.config import ConfigError
-from flashdraft.config_gemma4 import FULL, SLIDING, STOP_TOKENS, Gemma4Config, Gemma4DrafterConfig, RopeSpec
+from flashdraft.models.gemma4.config import FULL, SLIDING, STOP_TOKENS, Gemma4Config, Gemma4DrafterConfig, RopeSpec
 from flashdraft.layers.plan import LayerPlan
 from flashdraft.loading.checkpoint import CheckpointError, check_drafter_fits
 from flashdraft.loading.gguf import FLOAT_TYPES, GGUFFile, eos_ids, f32, single_value
-from flashdraft.models.gemma4 import Gemma4Experts, Gemma4LM, rope_inverse_frequencies
-from flashdraft.models.gemma4_drafter import Gemma4DFlashDrafter
+from flashdraft.models.gemma4.model import Gemma4Experts, Gemma4LM, rope_inverse_frequencies
+from flashdraft.models.gemma4.drafter import Gemma4DFlashDrafter
 from flashdraft.models.gguf import GEMMA4_ARCH, TensorInstaller, gguf_drafter_config, install_drafter, tie_lm_head
 from flashdraft.quant import UnsupportedQuantType, block_format, dequantize
 
@@ -161,7 +161,7 @@ def _k_eq_v(g: GGUFFile, layer_types: list[str]) -> bool:
 
 
 def _stop_ids(g: GGUFFile) -> list[int]:
-    """EOS/EOT/EOM ids, plus Gemma's turn-ending tokens found by content (as config_gemma4.stop_token_ids)."""
+    """EOS/EOT/EOM ids, plus Gemma's turn-ending tokens found by content (as models.gemma4.config.stop_token_ids)."""
     tokens = g.get("tokenizer.ggml.tokens") or []
     index = {t: i for i, t in enumerate(tokens) if t in STOP_TOKENS}
     return list(dict.fromkeys(eos_ids(g) + [index[s] for s in STOP_TOKENS if s in index]))

@@ -272,6 +272,25 @@ class Engine:
                 result = event
         return result
 
+    def warm_up(self, sequence: Sequence | None = None, sampling: list[SamplingParams] = ()) -> float:
+        """A short generation over a made-up prompt, so that the first request finds what the loop makes on first
+        use (compiled kernels, CUDA graphs, lazy initialisation) already made: llama-server's warm-up at load.
+        Plain and full-block steps, greedy and with each of `sampling`'s settings (graphs are kept per sequence and
+        per warping settings). The sequence is left empty, as new. Returns the seconds it took."""
+        started = time.perf_counter()
+        sequence = sequence if sequence is not None else self.new_sequence()
+        vocab = self.decoder.target.config.vocab_size
+        prompt = [1 + i % (vocab - 1) for i in range(32)]
+        tokens = min(2 * self.decoder.block_size + 2, self.context_size - len(prompt))
+        drafts = (0, self.max_draft) if self.drafts else (0,)
+        for params in [SamplingParams(), *sampling]:
+            params = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                                    min_p=params.min_p, seed=0, max_tokens=max(1, tokens), ignore_eos=True)
+            for draft in drafts:
+                self.generate(prompt, params, draft, sequence=sequence)
+        sequence.tokens = []
+        return time.perf_counter() - started
+
     def make_policy(self) -> DraftPolicy:
         """A new default draft-length policy, for a new slot (keep it for the slot's requests: it learns across
         them): the adaptive controller priced for this engine's pair and device, or the full block."""

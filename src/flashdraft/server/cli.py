@@ -44,7 +44,7 @@ NO_EFFECT_OPTIONAL_VALUE = [("-fa", "--flash-attn"), ("--log-colors",), ("-fit",
 NO_EFFECT_BARE = [
     ("--no-mmap",), ("--mmap",), ("--mlock",), ("--no-host",), ("-kvu", "--kv-unified"), ("--no-kv-unified",),
     ("--log-timestamps",), ("--log-prefix",), ("--no-jinja",), ("-cb", "--cont-batching"),
-    ("-nocb", "--no-cont-batching"), ("--no-warmup",), ("--swa-full",), ("-cmoe", "--cpu-moe"),
+    ("-nocb", "--no-cont-batching"), ("--swa-full",), ("-cmoe", "--cpu-moe"),
     ("--slots",), ("--no-slots",), ("--props",), ("-v", "--verbose"),
     ("--log-disable",), ("-nkvo", "--no-kv-offload"), ("--no-op-offload",),
     ("--no-perf",), ("--check-tensors",),
@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="when a generation fills the context, drop the older half of the tokens after the kept ones "
                         "and go on (default off, as llama-server)")
     p.add_argument("--no-context-shift", dest="context_shift", action="store_false")
+    p.add_argument("--warmup", dest="warmup", action="store_true", default=True,
+                   help="at load, run a short generation on each slot so the first request finds the compiled "
+                        "layers and CUDA graphs made (default on, as llama-server; only where there are any)")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--keep", type=int, default=0, metavar="N",
                    help="prompt tokens a context shift keeps (default 0, -1 all); requests may set n_keep")
     p.add_argument("--cache-reuse", type=int, default=0, metavar="N",
@@ -205,7 +209,7 @@ def settings_from_args(args) -> ServerSettings:
         metrics=args.metrics, webui=args.webui, chat_template=template, device=device, threads=args.threads,
         reasoning=args.reasoning, reasoning_format=args.reasoning_format, reasoning_budget=args.reasoning_budget,
         allow_request_template=args.allow_request_chat_template, cache_options=cache_args_from_args(args),
-        cache_ram_mib=args.cache_ram, context_shift=args.context_shift, keep=args.keep)
+        cache_ram_mib=args.cache_ram, context_shift=args.context_shift, keep=args.keep, warmup=args.warmup)
     return settings
 
 

@@ -69,6 +69,11 @@ class Scheduler:
 
     # --- called from the event loop ----------------------------------------------------------------------------
 
+    def warm_up(self, sampling: list) -> float:
+        """Engine.warm_up on every slot's sequence (each has graphs of its own), before the worker starts; the
+        slots' draft policies learn nothing from it. Returns the seconds it took."""
+        return sum(self.engine.warm_up(slot.sequence, sampling) for slot in self.slots)
+
     def start(self) -> None:
         self._thread.start()
 

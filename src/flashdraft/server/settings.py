@@ -35,6 +35,7 @@ class ServerSettings:
     cache_options: dict[str, str | int | None] = field(default_factory=dict)  # -ctk/-ctv/-ctkd/-ctvd/-cd: Engine.load keywords
     cache_ram_mib: int = 8192           # --cache-ram: host memory for prefixes the slots evict (0 off, -1 no limit)
     context_shift: bool = False         # --context-shift: a full context drops old tokens instead of ending
+    warmup: bool = True                 # --no-warmup: no short generation per slot at load (Engine.warm_up)
     keep: int = 0                       # --keep: prompt tokens a context shift keeps (-1: all); requests' n_keep
     device: str | None = None
     threads: int | None = None

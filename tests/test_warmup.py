@@ -1,0 +1,58 @@
+"""The warm-up at load (llama-server's, --no-warmup to skip it): a short generation per slot that makes what the
+loop makes on first use, and leaves nothing behind that a request could see."""
+import logging
+
+from flashdraft.config import SamplingParams
+from flashdraft.engine.generator import Engine
+from flashdraft.server.cli import build_parser, settings_from_args
+from test_lossless import InlineGraphs, _prompts
+
+
+def test_warm_up_makes_the_graphs_and_leaves_the_sequence_as_new(qwen3_dir, drafter_dir):
+    """Through the graphed paths (the CPU stand-in): the warm-up captures plain and drafting steps, greedy and
+    with the given sampling settings, and afterwards the sequence holds nothing, so requests get what a cold
+    engine gives them, greedy and sampled, with prefix reuse on."""
+    warm = Engine.load(qwen3_dir, drafter_dir, device="cpu", context_size=256)
+    warm.decoder.graphs = InlineGraphs()
+    sampled = SamplingParams(temperature=0.7, top_k=20, top_p=0.95, min_p=0.0)
+    seq = warm.new_sequence()
+    assert warm.warm_up(seq, [sampled]) > 0
+    keys = warm.decoder.graphs.graphs
+    assert seq.tokens == [] and warm.decoder.reusable_rows(seq, list(range(40))) == 0
+    steps = [k for k in keys if k[0] == "step"]
+    assert {k[2] for k in steps} >= {0, warm.max_draft}  # plain and full-block steps
+    assert {k[-1] for k in steps} == {None, (0.7, 20, 0.95, 0.0)}  # greedy and the sampling settings' graphs
+    cold = Engine.load(qwen3_dir, drafter_dir, device="cpu", context_size=256)
+    vocab = cold.decoder.target.config.vocab_size
+    reused = []
+    for prompt in _prompts(vocab, 2, seed=3):
+        for params in (SamplingParams(max_tokens=20, ignore_eos=True),
+                       SamplingParams(max_tokens=20, temperature=0.7, top_k=20, top_p=0.95, seed=4, ignore_eos=True)):
+            got = [e for e in warm.stream(prompt, params, sequence=seq, reuse_prefix=True)][-1]
+            assert got.tokens == cold.generate(prompt, params, 0).tokens
+            reused.append(got.stats.cache_n)
+    assert reused[0] == 0 and reused[1] > 0  # nothing of the warm-up is reused; a request's own prompt is
+
+
+def test_the_server_warms_up_each_slot_where_there_is_something_to_make(qwen3_dir, drafter_dir, caplog):
+    """--warmup is the default, --no-warmup turns it off; the scheduler warms every slot's sequence (graphs are
+    per sequence) with the server's default sampling; a CPU engine, with no graphs or compiled layers, skips it."""
+    from flashdraft.server.scheduler import Scheduler
+    from test_server_hardening import LiveServer
+
+    assert settings_from_args(build_parser().parse_args([])).warmup is True
+    assert settings_from_args(build_parser().parse_args(["--no-warmup"])).warmup is False
+    engine = Engine.load(qwen3_dir, drafter_dir, device="cpu", context_size=256)
+    engine.decoder.graphs = InlineGraphs()
+    scheduler = Scheduler(engine, 2, None, metrics=None)
+    assert scheduler.warm_up([SamplingParams(temperature=0.8)]) > 0
+    tied = {key[1] for key in engine.decoder.graphs.graphs if key[0] == "step"}
+    assert tied == {engine.decoder.graphs.tie(slot.sequence.target_cache) for slot in scheduler.slots}
+    assert all(slot.sequence.tokens == [] and slot.requests == 0 for slot in scheduler.slots)
+    with caplog.at_level(logging.INFO, logger="flashdraft.server"):
+        srv = LiveServer(qwen3_dir, drafter_dir)
+    try:
+        assert srv.state.engine.decoder.graphs is None and not srv.state.engine.decoder.compiled
+        assert not any("warmed up" in r.getMessage() for r in caplog.records)
+    finally:
+        srv.stop()

@@ -124,8 +124,56 @@ def test_ngram_drafting_on_a_tiny_model_with_random_prompts(qwen3_dir):
         assert ngram.generate(prompt, params).tokens == plain.generate(prompt, params).tokens
 
 
-def test_ngram_with_a_drafter_model_is_refused(qwen3_dir, drafter_dir):
-    with pytest.raises(ValueError, match="without a drafter model"):
-        Engine.load(qwen3_dir, drafter_dir, device="cpu", context_size=128, ngram=NgramSettings())
+def test_ngram_beside_a_drafter_stands_in_where_the_text_repeats(qwen3_dir, drafter_dir):
+    """--spec-type dflash+ngram: the lookup's proposal stands in for the drafter's block where it is long or the
+    draft policy has the drafter off; greedy and sampled output stay the target's; a request with drafting off
+    (draft 0) looks nothing up; looked-up steps teach the draft policy nothing."""
+    from flashdraft.engine.generator import FixedDraft
+    from flashdraft.engine.speculative import LONG_LOOKUP
+
+    rng = random.Random(2)
+    plain = Engine.load(qwen3_dir, None, device="cpu", context_size=256)
+    both = Engine.load(qwen3_dir, drafter_dir, device="cpu", context_size=256, ngram=NgramSettings())
+    assert both.max_draft == both.decoder.drafter.block_size - 1 >= LONG_LOOKUP - 1
+    vocab = plain.decoder.target.config.vocab_size
+    seen = []
+    real_launch = both.decoder.launch
+
+    def launch(seq, n, lookup_max=0):
+        launched = real_launch(seq, n, lookup_max)
+        seen.append((n, launched.done.looked_up if launched.done is not None else False, launched.drafted))
+        return launched
+
+    both.decoder.launch = launch
+    recorded = []
+
+    class Recording(FixedDraft):
+        def record(self, drafted, accepted, seconds):
+            recorded.append(drafted)
+
+    for _ in range(3):
+        motif = [rng.randrange(vocab) for _ in range(12)]
+        prompt = motif * 4 + [rng.randrange(vocab) for _ in range(2)]
+        for params in (SamplingParams(max_tokens=40, ignore_eos=True),
+                       SamplingParams(max_tokens=40, temperature=0.8, seed=3, ignore_eos=True)):
+            want = plain.generate(prompt, params).tokens
+            assert both.generate(prompt, params, draft=Recording(0)).tokens == want  # drafter off: lookups only
+            assert both.generate(prompt, params, draft=both.max_draft).tokens == want
+            seen.clear()
+            assert both.generate(prompt, params, draft=0).tokens == want
+            assert not any(looked for _, looked, _ in seen)  # drafting off for the request: no lookup either
+    assert recorded and set(recorded) == {0}  # looked-up steps recorded as plain ones
+    # the rule: a long proposal stands in for the drafter's block, a short one only where the drafter is off
+    motif = rng.sample(range(vocab), 20)
+
+    def lookup(tokens, n, lookup_max):
+        seq = both.new_sequence()  # a proposer's index follows one sequence's tokens as they grow
+        seq.tokens = tokens
+        return both.decoder._lookup(seq, n, lookup_max)
+
+    assert lookup(motif * 2 + motif[:3], both.max_draft, both.max_draft) == motif[3:3 + both.max_draft]
+    assert lookup(motif * 2 + motif[:3], both.max_draft, 0) is None  # drafting off for the request
+    assert lookup(motif[:5] + motif[:1], 0, both.max_draft) == motif[1:5] + motif[:1]  # short: the drafter off
+    assert lookup(motif[:5] + motif[:1], both.max_draft, both.max_draft) is None  # the drafter's block instead
     with pytest.raises(ValueError, match="max_draft"):
         NgramSettings(max_draft=0)

@@ -92,6 +92,8 @@ def test_ngram_serving(tmp_path):
     assert settings.ngram and settings.drafting and settings.drafter is None
     with pytest.raises(Exception, match="drop -md"):
         settings_from_args(build_parser().parse_args(["--spec-type", "ngram", "-md", str(tmp_path)]))
+    both = settings_from_args(build_parser().parse_args(["--spec-type", "dflash+ngram"]))  # the demo pair
+    assert both.ngram and both.drafting and both.drafter is not None
     srv = LiveServer(DEMO_DIR / "target", None, ctx_size=1024, n_predict=60, ngram=True, drafting=True)
     try:
         messages = [{"role": "user", "content": "Write a Python class Stack with push, pop and peek."}]

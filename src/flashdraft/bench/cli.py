@@ -33,9 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context size in tokens (in-process)")
     p.add_argument("--device", default=None, help="cpu or cuda (in-process; default: cuda if available)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads for torch (in-process; default: torch's)")
-    p.add_argument("--spec-type", choices=("dflash", "ngram"), default="dflash",
-                   help="what drafts against plain decoding: the DFlash drafter (default) or n-gram lookup in the "
-                        "text itself (no drafter model; in-process)")
+    p.add_argument("--spec-type", choices=("dflash", "ngram", "dflash+ngram"), default="dflash",
+                   help="what drafts against plain decoding: the DFlash drafter (default), n-gram lookup in the "
+                        "text itself (no drafter model), or both (the lookup's proposal where it is long, the "
+                        "drafter's elsewhere); in-process")
     p.add_argument("--draft-n", type=int, default=None,
                    help="fixed DFlash draft length (default: the engine's draft policy; with --url: the server's)")
     p.add_argument("--no-adaptive", action="store_true",
@@ -155,10 +156,10 @@ def make_backend(args, params):
     from flashdraft.engine.generator import Engine
     from flashdraft.engine.ngram import NgramSettings
     set_threads(args.threads)
-    ngram = args.spec_type == "ngram"
-    if ngram and args.drafter:
+    ngram = args.spec_type in ("ngram", "dflash+ngram")
+    if args.spec_type == "ngram" and args.drafter:
         raise ValueError("--spec-type ngram drafts by lookup in the text itself: drop -md")
-    model, drafter = resolve_model_paths(args.model, args.drafter, draft=not ngram)
+    model, drafter = resolve_model_paths(args.model, args.drafter, draft=args.spec_type != "ngram")
     print(f"{PROG}: loading {model}" + (f" with drafter {drafter}" if drafter else "")
           + (", n-gram drafting" if ngram else ""), file=sys.stderr)
     cache_types = cache_args_from_args(args)

@@ -329,6 +329,7 @@ class Engine:
             draft = self.default_policy()
         policy = draft if hasattr(draft, "next_length") else FixedDraft(int(draft))
         cap = self.max_draft if n_max is None else max(0, min(int(n_max), self.max_draft))
+        drafting_off = isinstance(policy, FixedDraft) and policy.length == 0
         if sequence is None:
             if self._sequence is None:
                 self._sequence = self.new_sequence()
@@ -389,14 +390,19 @@ class Engine:
                     if queued and max_useful < longest:
                         break
                     n = max(0, policy.next_length(min(max_useful, cap))) if self.drafts else 0
-                    queued.append(self.decoder.launch(sequence, 0 if n < n_min else n))
+                    # n-gram lookup beside a drafter may stand in for it, unless drafting is off for the request
+                    lookup_max = 0 if drafting_off else max(0, min(max_useful, cap))
+                    queued.append(self.decoder.launch(sequence, 0 if n < n_min else n, lookup_max))
                 launched = queued.popleft()
                 step = self.decoder.collect(sequence, launched)
                 # A step's time: measured on the device when it ran pipelined (other slots' steps and the host's
                 # work do not count), else from its launch to its end.
                 now = time.perf_counter()
                 seconds = step.seconds if step.seconds is not None else now - max(launched.launched_at, last_collect)
-                policy.record(step.drafted, step.accepted, seconds)
+                # a lookup's guesses beside a drafter teach the draft policy nothing of the drafter's
+                looked_up_instead = step.looked_up and self.has_drafter
+                policy.record(0 if looked_up_instead else step.drafted, 0 if looked_up_instead else step.accepted,
+                              seconds)
                 last_collect = now
                 stats.record_step(step.drafted, step.accepted)
                 delta = out.add(step.committed, step.logprobs)

@@ -43,6 +43,11 @@ from flashdraft.models.kv_cache import KVCache, WindowKVCache
 # after the slots before it (a draft that ends in a forbidden guess could not be accepted past it).
 DRAFT_CANDIDATES = 8
 
+# With both a drafter and n-gram lookup, a step the drafter would draft takes the lookup's proposal instead when
+# it is at least this long (a stretch copied from earlier in the text); a step the draft policy leaves plain takes
+# any proposal the lookup finds.
+LONG_LOOKUP = 8
+
 # Run eagerly, plain steps leave their context rows waiting in the device state, up to this many, for the next
 # drafting step to project together: on a CPU one projection of many rows costs less than one per step.
 MAX_WAITING_ROWS = 256
@@ -124,6 +129,7 @@ class StepResult:
     accepted: int          # guesses accepted
     seconds: float | None = None  # the step's time on the device, where measured (pipelined steps on CUDA)
     logprobs: list[TokenLogprob] | None = None  # one per committed token, when the request asked for logprobs
+    looked_up: bool = False  # the guesses came from n-gram lookup (with a drafter loaded: not the drafter's)
 
 
 class SpeculativeDecoder:
@@ -134,13 +140,13 @@ class SpeculativeDecoder:
                  cache_type_k: str | None = None, cache_type_v: str | None = None,
                  draft_cache_type_k: str | None = None, draft_cache_type_v: str | None = None,
                  ngram: NgramSettings | None = None, draft_window: int | None = None):
-        if drafter is not None and ngram is not None:
-            raise ValueError("n-gram drafting proposes without a drafter model: load no drafter with it")
         if draft_window is not None and (draft_window < 1 or drafter is None):
             raise ValueError(f"--spec-dflash-cross-ctx limits a drafter's context to its last N tokens: it needs a "
                              f"drafter and N >= 1, got {draft_window}" + ("" if drafter else " without a drafter"))
         # the drafter sees only the last draft_window committed positions (None: all of them)
         self.draft_window = draft_window
+        # ngram with a drafter: a step takes the lookup's proposal where it is long (or the drafter is off), the
+        # drafter's block elsewhere (launch)
         self.target, self.drafter, self.ngram = target, drafter, ngram
         # KV cache types (flashdraft.quant.kv_formats; None: the model's dtype) of the target's and the drafter's
         # caches; a one-row cache of each fails here on an unknown type or a head size the type cannot take.
@@ -322,7 +328,7 @@ class SpeculativeDecoder:
         for the host to do between verify and acceptance (logit processing) or after it (logprobs); n-gram
         drafting looks its guesses up on the host, so it does not pipeline either."""
         return (self.graphs is not None and self.ngram is None and not params.processes_logits
-                and params.logprobs is None)
+                and params.logprobs is None)  # n-gram lookup (with a drafter too) reads the tokens on the host
 
     # -- the passes of a step, each reading and advancing the sequence's device state ---------------------------
 
@@ -397,14 +403,16 @@ class SpeculativeDecoder:
         return self._accept_step(seq, tokens, samples, taps, n)
 
     @torch.inference_mode()
-    def launch(self, seq: Sequence, n: int) -> Launched:
+    def launch(self, seq: Sequence, n: int, lookup_max: int = 0) -> Launched:
         """Start one step with up to n drafted tokens. With graphs and nothing for the host to do within the step,
         its graph is queued behind the steps already launched and this returns at once (see the module
-        docstring); otherwise the step runs to the end here."""
+        docstring); otherwise the step runs to the end here. lookup_max: with both a drafter and n-gram lookup,
+        the most guesses a lookup may propose in the drafter's place (0: none, as in plain decoding)."""
         n = self._clamp(n)
         began = time.perf_counter()
-        if seq.processor is not None or seq.proposer is not None:
-            step = self._host_step(seq, n)
+        lookup = self._lookup(seq, n, self._clamp(lookup_max))
+        if seq.processor is not None or lookup is not None or (seq.proposer is not None and self.drafter is None):
+            step = self._host_step(seq, n, lookup)
             return Launched(drafted=step.drafted, done=step, launched_at=began)
         T = n + 1 if n > 0 else self._plain_rows()
         # The start position is known on the device only; graphs are chosen for the furthest it can be (reading
@@ -456,6 +464,19 @@ class SpeculativeDecoder:
         seconds = launched.began.elapsed_time(launched.event) / 1000 if launched.began is not None else None
         return self._commit(seq, launched.host[:n + 2].tolist(), n, seconds)
 
+    def _lookup(self, seq: Sequence, n: int, lookup_max: int) -> list[int] | None:
+        """The n-gram lookup's guesses for this step, or None for the drafter's (or a plain step): without a
+        drafter, up to n tokens; with one, up to lookup_max when the lookup's proposal is LONG_LOOKUP tokens or
+        more, or the draft policy has the drafter off (n = 0)."""
+        if seq.proposer is None:
+            return None
+        if self.drafter is None:
+            return seq.proposer.propose(seq.tokens, n) if n > 0 else None
+        if lookup_max == 0:
+            return None
+        proposal = seq.proposer.propose(seq.tokens, lookup_max)
+        return proposal if proposal and (n == 0 or len(proposal) >= min(LONG_LOOKUP, lookup_max)) else None
+
     def _commit(self, seq: Sequence, host: list[int], n: int, seconds: float | None = None) -> StepResult:
         """Commit a step's [accepted, samples 0..n]: the accepted guesses (equal to samples 0..acc-1), then the
         target's own sample acc."""
@@ -464,8 +485,8 @@ class SpeculativeDecoder:
         seq.tokens.extend(committed)
         return StepResult(committed=committed, drafted=n, accepted=acc, seconds=seconds)
 
-    def _host_step(self, seq: Sequence, n: int) -> StepResult:
-        """One step with the host between the passes: n-gram guesses looked up, a grammar's guesses chosen from the
+    def _host_step(self, seq: Sequence, n: int, lookup: list[int] | None = None) -> StepResult:
+        """One step with the host between the passes: n-gram guesses (lookup), a grammar's guesses chosen from the
         drafter's candidates (a slot with no allowed candidate ends the draft there), the verify rows processed
         (bias, penalties, the grammar's masks, filled on the host while the device runs the verify pass queued
         before), logprobs. The passes are the device step's, graphed where graphs are on."""
@@ -474,15 +495,13 @@ class SpeculativeDecoder:
         start = len(seq.tokens) - 1
         chosen: list[int] | None = None  # guesses known on the host
         guesses = None
-        if n > 0 and seq.proposer is not None:
-            chosen = seq.proposer.propose(seq.tokens, n)
-            if grammar is not None:
-                chosen = grammar.draft([[g] for g in chosen])
+        drafted = lookup is None and n > 0 and self.drafter is not None  # the drafter runs, projecting the context
+        if lookup is not None:
+            chosen = grammar.draft([[g] for g in lookup]) if grammar is not None else lookup
         elif n > 0 and grammar is not None:
             chosen = grammar.draft(self._run_draft(seq, n, start, DRAFT_CANDIDATES).tolist())
         elif n > 0:
             guesses = self._run_draft(seq, n, start)
-        drafted = n > 0 and self.drafter is not None  # the context rows are projected
         fetch = None
         if chosen is not None:
             n = len(chosen)
@@ -499,6 +518,7 @@ class SpeculativeDecoder:
         samples = sample_tokens(rows, params, state.key, self._positions(start + 1, n + 1))
         result = self._accept_step(seq, tokens, samples, taps, n)
         step = self._commit(seq, result.tolist(), n)
+        step.looked_up = lookup is not None
         if processor is not None:
             if params.logprobs is not None:
                 step.logprobs = processor.logprobs(logits, samples, step.accepted + 1)

@@ -67,7 +67,9 @@ class ServerState:
                 torch.set_num_threads(s.threads)
             started = time.perf_counter()
             ngram = None
-            if s.ngram:  # --spec-draft-n-max sets how far a lookup proposes
+            if s.ngram and s.drafter:  # beside a drafter, a lookup proposes up to the drafter's block
+                ngram = NgramSettings()
+            elif s.ngram:  # --spec-draft-n-max sets how far a lookup proposes
                 ngram = NgramSettings(max_draft=s.spec_n_max) if s.spec_n_max else NgramSettings()
             engine = Engine.load(s.model, s.drafter, device=s.device, context_size=s.ctx_size, ngram=ngram,
                                  **s.cache_options)
@@ -92,7 +94,8 @@ class ServerState:
             self.metrics.expose_positions(engine.max_draft if self.drafting else 0)
             log.info("model %s loaded in %.1f s: context %d, %d slot(s), %s", engine.name,
                      time.perf_counter() - started, engine.context_size, s.n_slots,
-                     (f"{'n-gram' if s.ngram else 'DFlash'} drafting up to {self.max_draft} tokens"
+                     (f"{'DFlash and n-gram' if s.ngram and s.drafter else 'n-gram' if s.ngram else 'DFlash'} "
+                      f"drafting up to {self.max_draft} tokens"
                       if self.drafting else "plain decoding"))
         except Exception as e:  # any load failure ends the server with its message
             self.load_error = e

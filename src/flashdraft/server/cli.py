@@ -49,7 +49,7 @@ NO_EFFECT_BARE = [
     ("--log-disable",), ("-nkvo", "--no-kv-offload"), ("--no-op-offload",),
     ("--no-perf",), ("--check-tensors",),
 ]
-SPEC_TYPES = ("dflash", "draft-dflash", "ngram", "ngram-simple", "none")
+SPEC_TYPES = ("dflash", "draft-dflash", "ngram", "ngram-simple", "dflash+ngram", "none")
 NGRAM_TYPES = ("ngram", "ngram-simple")  # n-gram lookup in the text itself (llama.cpp's name is the second)
 DEVICE = re.compile(r"^(cpu|cuda(:\d+)?|CUDA\d+|none)$")
 
@@ -75,8 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-md", "--spec-draft-model", "--model-draft", dest="drafter", default=None,
                    help="DFlash drafter folder (default with no -m: the demo drafter)")
     p.add_argument("--spec-type", choices=SPEC_TYPES, default=None,
-                   help="dflash (or draft-dflash): draft with the drafter; none: plain decoding. "
-                        "Default: dflash when a drafter is given")
+                   help="dflash (or draft-dflash): draft with the drafter; ngram (or ngram-simple): n-gram lookup "
+                        "in the text itself, no drafter; dflash+ngram: both, the lookup's proposal where it is long "
+                        "or the drafter is off (agents quoting earlier turns; not pipelined on a GPU); none: plain "
+                        "decoding. Default: dflash when a drafter is given")
     p.add_argument("--spec-draft-n-max", "--draft-max", "--draft-n", "--draft", dest="spec_n_max", type=int,
                    default=None, help="longest draft per step (default: the drafter's block size - 1)")
     p.add_argument("--spec-draft-n-min", "--draft-min", dest="spec_n_min", type=int, default=0,
@@ -173,11 +175,13 @@ def settings_from_args(args) -> ServerSettings:
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
-    drafting, ngram = args.spec_type != "none", args.spec_type in NGRAM_TYPES
-    if ngram and args.drafter:
+    drafting = args.spec_type != "none"
+    lookup_only = args.spec_type in NGRAM_TYPES
+    ngram = lookup_only or args.spec_type == "dflash+ngram"
+    if lookup_only and args.drafter:
         raise ConfigError(f"--spec-type {args.spec_type} drafts by lookup in the text itself, with no drafter "
-                          "model: drop -md")
-    model, drafter = resolve_model_paths(args.model, args.drafter, draft=drafting and not ngram)
+                          "model: drop -md (or --spec-type dflash+ngram for both)")
+    model, drafter = resolve_model_paths(args.model, args.drafter, draft=drafting and not lookup_only)
     for folder, flag in ((model, "-m"), (drafter, "-md")):
         if folder is None:
             continue
@@ -186,7 +190,7 @@ def settings_from_args(args) -> ServerSettings:
                 raise ConfigError(f"{flag} {folder}: GGUF file not found")
         elif not (Path(folder) / "config.json").is_file():
             raise ConfigError(f"{flag} {folder}: not a model folder (no config.json there) nor a .gguf file")
-    if args.spec_type in ("dflash", "draft-dflash") and drafter is None:
+    if args.spec_type in ("dflash", "draft-dflash", "dflash+ngram") and drafter is None:
         raise ConfigError(f"--spec-type {args.spec_type} needs a drafter: pass -md DRAFTER_FOLDER")
     keys = [k.strip() for arg in args.api_key for k in arg.split(",") if k.strip()]
     if args.api_key_file:

@@ -14,7 +14,7 @@ class ServerSettings:
     ctx_size: int | None = None         # None = the model's (capped by the engine)
     n_slots: int = 1
     drafting: bool = True               # False with --spec-type none (or no drafter): plain decoding
-    ngram: bool = False                 # --spec-type ngram: drafts by n-gram lookup, with no drafter model
+    ngram: bool = False                 # --spec-type ngram: n-gram lookup, no drafter (dflash+ngram: beside one)
     # Request defaults (llama-server's flag defaults where flashdraft's differ are noted in docs/server.md).
     temperature: float = 0.0
     top_k: int = 0

@@ -37,7 +37,7 @@ def main() -> int:
     sys.setprofile(profile)
     target, drafter = demo_paths()
     state = ServerState(ServerSettings(model=str(target), drafter=str(drafter), alias=None, ctx_size=1024,
-                                       n_predict=32, api_keys=[], metrics=True, device="cpu"))
+                                       n_predict=32, api_keys=[], device="cpu"))
     state.load(on_failure=lambda: None)
     sock = bind("127.0.0.1", 0)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/chat/completions"

@@ -105,7 +105,7 @@ def test_engine_fused_path_is_lossless(tmp_path):
     unfused = Engine.load(target_dir, drafter_dir, device=DEVICE, context_size=64, gemm="cublas", attention="sdpa")
     ref = unfused.generate(prompt, params, 0).tokens
     guesses = {"unfused": [], "fused": []}  # the drafter's own guesses, step by step
-    unfused.decoder.oracle = lambda start, g, log=guesses["unfused"]: log.append(g.tolist()) or g
+    unfused.decoder.oracle = lambda start, g, log=guesses["unfused"]: log.append((int(start), g.tolist())) or g
     assert unfused.generate(prompt, params, 3).tokens == ref
     engine = Engine.load(target_dir, drafter_dir, device=DEVICE, context_size=64, gemm="triton", attention="triton")
     decoder = engine.decoder
@@ -117,10 +117,12 @@ def test_engine_fused_path_is_lossless(tmp_path):
     if ON_CUDA:  # the logging oracle syncs with the host, which a pipelined step's graph cannot: tokens only
         assert engine.generate(prompt, params, 3).tokens == ref
         return
-    decoder.oracle = lambda start, g, log=guesses["fused"]: log.append(g.tolist()) or g
+    decoder.oracle = lambda start, g, log=guesses["fused"]: log.append((int(start), g.tolist())) or g
     assert engine.generate(prompt, params, 3).tokens == ref
-    # the fused drafter guesses what the unfused one does: its context keys and values too (unfolded k/v weights)
-    assert guesses["fused"] == guesses["unfused"] and len(guesses["fused"]) >= 2
+    # the fused drafter guesses what the unfused one does: its context keys and values too (unfolded k/v weights);
+    # a graph's first run is preceded by its capture's warm-up run, which logs the same step once more
+    fused = [e for i, e in enumerate(guesses["fused"]) if i == 0 or e != guesses["fused"][i - 1]]
+    assert fused == guesses["unfused"] and len(fused) >= 2
     assert ON_CUDA or "step" in decoder.graphs.keys  # pipelined
 
 

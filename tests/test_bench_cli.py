@@ -200,6 +200,20 @@ def test_synthetic_hook(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "flashdraft.bench.synthetic", fake)
     assert main(["--synthetic", "gemma4-31b", "-n", "64"]) == 0
     assert seen[0].synthetic == "gemma4-31b" and seen[0].n_predict == 64
+    for flags in (["-m", "x"], ["--prompts", "agent"], ["--draft-n", "3"], ["--url", "http://h"]):
+        assert main(["--synthetic", "gemma4-31b", *flags]) == 1
+        assert f"--synthetic does not take {flags[0]}" in capsys.readouterr().err
+
+
+def test_synthetic_runs_the_sampling_flags(capsys):
+    """--temp/--top-k/--seed reach both ways of the synthetic benchmark (they were ignored): sampled DFlash gives
+    the sampled baseline's tokens at every planned tau."""
+    assert main(["--synthetic", "tiny", "-n", "24", "--temp", "0.7", "--top-k", "20", "--seed", "3", "--json",
+                 "--device", "cpu"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["sampling"] == {"temperature": 0.7, "top_k": 20, "top_p": 1.0, "min_p": 0.0, "seed": 3}
+    assert report["dflash"] and all(row["identical"] for row in report["dflash"])
+    assert report["dflash"][-1]["tau"] > 3
 
 
 def test_repetitions_of_a_prompt_start_from_the_same_policy_state(qwen3_dir, drafter_dir):

@@ -75,6 +75,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{PROG}: error: --synthetic does not take KV cache options yet ({', '.join(cache_flags)})",
                   file=sys.stderr)
             return 1
+        # the synthetic shapes have their models, drafter, prompt and oracle-planned draft lengths
+        others = [flag for flag, given in (
+            ("-m", args.model), ("-md", args.drafter), ("-c", args.ctx_size), ("-t", args.threads),
+            ("--spec-type", args.spec_type != "dflash"), ("--draft-n", args.draft_n is not None),
+            ("--no-adaptive", args.no_adaptive), ("--prompts", args.prompts != "code"),
+            ("--concurrency", args.concurrency != 1), ("--reps", args.reps != DEFAULT_REPS), ("--plot", args.plot),
+            ("--url", args.url), ("--baseline-url", args.baseline_url)) if given]
+        if others:
+            print(f"{PROG}: error: --synthetic does not take {', '.join(others)}", file=sys.stderr)
+            return 1
         return run_synthetic(args)
 
     from flashdraft.bench.prompts import load_prompt_set

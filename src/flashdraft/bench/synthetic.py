@@ -145,6 +145,7 @@ class SyntheticReport:
     draft_step_ms: float = 0.0
     dflash: list[dict] = field(default_factory=list)
     variants: dict = field(default_factory=dict)
+    sampling: dict | None = None  # temperature, top_k, top_p, min_p, seed of both ways; None: greedy
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -159,7 +160,10 @@ def decode_tok_s(result) -> float:
 
 
 def run(shape: str, device: str | None = None, tokens: int = 256, variants: tuple[str, ...] | None = None,
-        taus: tuple[int, ...] = TAUS, log=print, context: int = 0) -> SyntheticReport:
+        taus: tuple[int, ...] = TAUS, log=print, context: int = 0,
+        sampling: SamplingParams | None = None) -> SyntheticReport:
+    """sampling: the warping settings and seed of both ways (default greedy); with a seed, sampled DFlash gives
+    the plain run's tokens (position-keyed noise), which the report's `identical` checks."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if variants is None:
@@ -192,7 +196,15 @@ def run(shape: str, device: str | None = None, tokens: int = 256, variants: tupl
         f"; {prompt_len} prompt tokens, KV cache {report.kv_gb:.2f} GB read per step (mean over the decode)")
     report.baseline_roofline_tok_s = report.bandwidth_gb_s / (report.target_gb + report.kv_gb)
     prompt = [1 + i % (target.config.vocab_size - 1) for i in range(prompt_len)]
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    sampling = sampling or SamplingParams()
+    params = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                            min_p=sampling.min_p, seed=0 if sampling.seed is None else sampling.seed,
+                            max_tokens=tokens, ignore_eos=True)
+    if not params.greedy:
+        report.sampling = {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+                           "min_p": params.min_p, "seed": params.seed}
+        log(f"  sampling: T {params.temperature}, top-k {params.top_k}, top-p {params.top_p}, "
+            f"min-p {params.min_p}, seed {params.seed}")
     engine = None
     for i, variant in enumerate(variants):
         # each variant over models of its own plan (the last variant's DFlash table is run)
@@ -256,8 +268,12 @@ def run(shape: str, device: str | None = None, tokens: int = 256, variants: tupl
 
 def main(args) -> int:
     try:
+        sampling = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                                  seed=args.seed)
+        sampling.validate()
         report = run(args.synthetic, device=args.device, tokens=args.n_predict,
-                     log=(lambda s: print(s, file=sys.stderr)) if args.json else print, context=args.context)
+                     log=(lambda s: print(s, file=sys.stderr)) if args.json else print, context=args.context,
+                     sampling=sampling)
     except ValueError as e:
         print(f"flashdraft bench: error: {e}", file=sys.stderr)
         return 1

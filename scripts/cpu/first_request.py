@@ -8,14 +8,13 @@ load costs. Pass --no-warmup to start the server without it.
 from __future__ import annotations
 
 import sys
-import threading
 import time
 
 import httpx
 
 from flashdraft.demo import demo_paths
 from flashdraft.server.app import ServerState
-from flashdraft.server.cli import bind, make_server
+from flashdraft.server.cli import serve_in_thread
 from flashdraft.server.settings import ServerSettings
 
 QUESTIONS = ["Write a Python function that reverses a string.", "Write a Python class for a bank account.",
@@ -29,12 +28,8 @@ def main() -> int:
                                        api_keys=[], device="cpu", warmup="--no-warmup" not in sys.argv))
     state.load(on_failure=lambda: None)
     loaded = time.perf_counter() - started
-    sock = bind("127.0.0.1", 0)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/chat/completions"
-    server = make_server(state)
-    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
-    while not server.started:
-        time.sleep(0.01)
+    server, base = serve_in_thread(state)
+    url = base + "/v1/chat/completions"
     print(f"loaded in {loaded:.2f} s ({'no warm-up' if '--no-warmup' in sys.argv else 'with the warm-up'})")
     with httpx.Client(timeout=120) as client:
         for i, question in enumerate(QUESTIONS, 1):

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
 
 import flashdraft
 from flashdraft.demo import demo_paths
-from flashdraft.server.cli import bind, make_server
+from flashdraft.server.cli import serve_in_thread
 from flashdraft.server.settings import ServerSettings
 from flashdraft.server.app import ServerState
 
@@ -39,12 +38,8 @@ def main() -> int:
     state = ServerState(ServerSettings(model=str(target), drafter=str(drafter), alias=None, ctx_size=1024,
                                        n_predict=32, api_keys=[], device="cpu"))
     state.load(on_failure=lambda: None)
-    sock = bind("127.0.0.1", 0)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/chat/completions"
-    server = make_server(state)
-    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
-    while not server.started:
-        time.sleep(0.01)
+    server, base = serve_in_thread(state)
+    url = base + "/v1/chat/completions"
     body = {"messages": [{"role": "user", "content": "Write a Python function that adds two numbers."}],
             "stream": True, "max_tokens": 32, "temperature": 0}
     with httpx.Client(timeout=60) as client:

@@ -10,6 +10,8 @@ import signal
 import socket
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 from flashdraft.cli import (add_cache_args, add_hub_refusals, add_sampling_args, cache_args_from_args,
@@ -267,6 +269,17 @@ def make_server(state):
     config = uvicorn.Config(create_app(state), log_config=None, access_log=False, timeout_graceful_shutdown=5,
                             server_header=False)
     return Server(config)
+
+
+def serve_in_thread(state) -> tuple[object, str]:
+    """The app over a loaded state on a free loopback port, in a daemon thread of this process (measurement
+    scripts); returns the uvicorn server (handle_exit stops it) and its base URL, once it accepts connections."""
+    sock = bind("127.0.0.1", 0)
+    server = make_server(state)
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    while not server.started:
+        time.sleep(0.01)
+    return server, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
 def serve(settings: ServerSettings) -> int:

@@ -56,3 +56,10 @@ def test_the_server_warms_up_each_slot_where_there_is_something_to_make(qwen3_di
         assert not any("warmed up" in r.getMessage() for r in caplog.records)
     finally:
         srv.stop()
+
+
+def test_warm_up_fits_a_small_context(qwen3_dir, drafter_dir):
+    """-c 8: the made-up prompt and the steps stay inside the context (a load must not fail on its warm-up)."""
+    engine = Engine.load(qwen3_dir, drafter_dir, device="cpu", context_size=8)
+    engine.decoder.graphs = InlineGraphs()
+    assert engine.warm_up(engine.new_sequence()) > 0

@@ -280,7 +280,7 @@ class Engine:
         started = time.perf_counter()
         sequence = sequence if sequence is not None else self.new_sequence()
         vocab = self.decoder.target.config.vocab_size
-        prompt = [1 + i % (vocab - 1) for i in range(32)]
+        prompt = [1 + i % (vocab - 1) for i in range(max(1, min(32, self.context_size // 2)))]
         tokens = min(2 * self.decoder.block_size + 2, self.context_size - len(prompt))
         drafts = (0, self.max_draft) if self.drafts else (0,)
         for params in [SamplingParams(), *sampling]:

@@ -50,7 +50,7 @@ def test_window_drafter_sees_exactly_the_last_n_positions(pair, window):
     with torch.inference_mode():
         dec.prefill(seq, prompt, SamplingParams(max_tokens=4), 0)  # projects the prompt's context
         start = len(seq.tokens) - 1
-        assert isinstance(seq.draft_cache, WindowKVCache) and seq.draft_len == start == len(prompt)
+        assert isinstance(seq.draft_cache, WindowKVCache) and seq.projected == start == len(prompt)
         block = torch.cat([torch.tensor(seq.tokens[-1:]), dec._mask_tail_tokens()])
         positions = torch.arange(start, start + BLOCK)
         embeds = dec.target.embed(block)

@@ -220,7 +220,7 @@ def test_graphed_paths_equal_the_eager_loop(tmp_path, qwen3_dir):
     graphed.decoder.graphs = InlineGraphs()
     queued_behind = []  # at each collect: did a later step already run on the device?
     collect = graphed.decoder.collect
-    graphed.decoder.collect = lambda seq, launched: queued_behind.append(seq.ahead > launched.drafted + 1) \
+    graphed.decoder.collect = lambda seq, launched: queued_behind.append(seq.in_flight > launched.drafted + 1) \
         or collect(seq, launched)
     greedy = SamplingParams(max_tokens=40, ignore_eos=True)
     sampled = SamplingParams(max_tokens=30, temperature=0.9, seed=5, ignore_eos=True)

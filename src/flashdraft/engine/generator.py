@@ -386,7 +386,7 @@ class Engine:
                 while len(queued) < depth:
                     # Room for this step's tokens after the most the queued steps can commit.
                     max_useful = min(params.max_tokens - len(out.tokens),
-                                     self.context_size - len(sequence.tokens)) - sequence.ahead - 1
+                                     self.context_size - len(sequence.tokens)) - sequence.in_flight - 1
                     if queued and max_useful < longest:
                         break
                     n = max(0, policy.next_length(min(max_useful, cap))) if self.drafts else 0

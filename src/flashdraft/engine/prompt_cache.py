@@ -45,7 +45,7 @@ class PromptCache:
                 self.entries.move_to_end(key)
                 return False
         snap = self.decoder.snapshot(seq)
-        if snap is None or snap.draft_len < MIN_ROWS:
+        if snap is None or snap.projected < MIN_ROWS:
             return False
         size = _nbytes(snap)
         if self.max_bytes is not None and size > self.max_bytes:

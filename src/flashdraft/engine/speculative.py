@@ -103,14 +103,14 @@ class Sequence:
     target_cache: KVCache
     draft_cache: KVCache | None
     tokens: list[int] = field(default_factory=list)
-    # Positions whose context the drafter cache is known to hold: at least those below it (exact after prefill
-    # and _flush_context; a collected step's committed rows wait in state.ctx_taps for the next step to project).
-    draft_len: int = 0
+    # Positions projected into the drafter's cache, as the host knows: at least those below this (exact after
+    # prefill and _flush_context; a collected step's committed rows wait in state.ctx_taps for the next step).
+    projected: int = 0
     params: SamplingParams = field(default_factory=SamplingParams)
     state: DeviceState | None = None
     # The most tokens the launched, not yet collected steps can commit; after a generation, steps launched past
     # its end leave it above 0, and the device state ahead of the tokens, until the next prefill.
-    ahead: int = 0
+    in_flight: int = 0
     # Pinned landing places of its launched steps' results, used in turn: a sequence has at most two steps in
     # flight, so a buffer comes round again only after its step was collected. Per sequence, because a server
     # interleaves the steps of several sequences.
@@ -236,7 +236,7 @@ class SpeculativeDecoder:
         if params.constraint is not None and grammar is None:
             raise ValueError("a constrained request needs its compiled grammar")
         reused = self.reusable_rows(seq, prompt) if reuse else 0
-        seq.tokens, seq.reused, seq.params, seq.ahead = list(prompt), reused, params, 0
+        seq.tokens, seq.reused, seq.params, seq.in_flight = list(prompt), reused, params, 0
         vocab = self.target.config.vocab_size
         seq.processor = None
         if params.processes_logits or params.logprobs is not None:
@@ -249,7 +249,7 @@ class SpeculativeDecoder:
         state = self._state(seq)
         if taps is not None:
             self.drafter.add_context(taps, positions, seq.draft_cache)
-            seq.draft_len = P
+            seq.projected = P
             state.ctx_rows.zero_()
         state.key.copy_(seed_key(seed, self.device))
         rows = seq.processor.process(logits, []) if params.processes_logits else logits
@@ -272,9 +272,9 @@ class SpeculativeDecoder:
         logits."""
         rows = max(0, min(shared_prefix(seq.tokens, prompt), len(seq.tokens) - 1, len(prompt) - 1))
         if self.drafter is not None and rows > 0:
-            if rows > seq.draft_len and seq.ahead == 0:
+            if rows > seq.projected and seq.in_flight == 0:
                 self._flush_context(seq)  # the last step's rows, still waiting, belong to tokens the prompt shares
-            rows = seq.draft_cache.reusable(min(rows, seq.draft_len))
+            rows = seq.draft_cache.reusable(min(rows, seq.projected))
         return seq.target_cache.reusable(rows)
 
     def copy_prefix(self, dst: Sequence, src: Sequence, rows: int) -> None:
@@ -283,7 +283,7 @@ class SpeculativeDecoder:
         dst.target_cache.copy_prefix(src.target_cache, rows)
         if self.drafter is not None:
             dst.draft_cache.copy_prefix(src.draft_cache, rows)
-        dst.tokens, dst.draft_len, dst.ahead = src.tokens[:rows + 1], rows, 0
+        dst.tokens, dst.projected, dst.in_flight = src.tokens[:rows + 1], rows, 0
 
     def snapshot(self, seq: Sequence, device: torch.device | str = "cpu") -> Sequence | None:
         """The positions of seq's caches that a prompt starting with its tokens could reuse, copied to `device`
@@ -294,20 +294,20 @@ class SpeculativeDecoder:
             return None
         return Sequence(target_cache=seq.target_cache.snapshot(rows, device),
                         draft_cache=seq.draft_cache.snapshot(rows, device) if self.drafter is not None else None,
-                        tokens=seq.tokens[:rows + 1], draft_len=rows)
+                        tokens=seq.tokens[:rows + 1], projected=rows)
 
     @torch.inference_mode()
     def _flush_context(self, seq: Sequence) -> None:
         """Project the context rows waiting in the device state into the drafter cache now. Only while no step is
         in flight (the state then matches the tokens)."""
-        if seq.state is None or seq.ahead:
+        if seq.state is None or seq.in_flight:
             return
         rows = int(seq.state.ctx_rows)
         if rows:
             self.drafter.add_context(seq.state.ctx_taps[:rows], self._positions(len(seq.tokens) - 1 - rows, rows),
                                      seq.draft_cache)
             seq.state.ctx_rows.zero_()
-        seq.draft_len = len(seq.tokens) - 1
+        seq.projected = len(seq.tokens) - 1
 
     def _clamp(self, n: int) -> int:
         return max(0, min(n, self.max_draft)) if self.drafts else 0
@@ -417,7 +417,7 @@ class SpeculativeDecoder:
         T = n + 1 if n > 0 else self._plain_rows()
         # The start position is known on the device only; graphs are chosen for the furthest it can be (reading
         # more cache rows than needed is harmless: the position mask hides them).
-        start_max = len(seq.tokens) - 1 + seq.ahead
+        start_max = len(seq.tokens) - 1 + seq.in_flight
         if self.graphs is None:
             draft_kv_len = seq.draft_cache.kv_len(start_max + self.block_size) if n > 0 else 0
             result = self._device_step(seq, n, T, start_max + T, draft_kv_len)
@@ -448,7 +448,7 @@ class SpeculativeDecoder:
         if timed:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-        seq.ahead += n + 1
+        seq.in_flight += n + 1
         return Launched(drafted=n, host=host, event=event, began=began_event, launched_at=began)
 
     def collect(self, seq: Sequence, launched: Launched) -> StepResult:
@@ -458,9 +458,9 @@ class SpeculativeDecoder:
         if launched.event is not None:
             launched.event.synchronize()
         n = launched.drafted
-        seq.ahead -= n + 1
+        seq.in_flight -= n + 1
         if self.drafter is not None:  # a captured step projects the context up to its start
-            seq.draft_len = len(seq.tokens) - 1
+            seq.projected = len(seq.tokens) - 1
         seconds = launched.began.elapsed_time(launched.event) / 1000 if launched.began is not None else None
         return self._commit(seq, launched.host[:n + 2].tolist(), n, seconds)
 

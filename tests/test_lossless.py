@@ -155,7 +155,8 @@ class InlineGraphs(GraphCache):
     (`mutable`) are undone, inputs copied into per-key static buffers, the same output tensors returned
     (overwritten) at every replay of a key, and every earlier output garbage once any graph replays (the graphs
     share one memory pool, so a replay may write over another graph's outputs), so the graphed code paths of
-    the loop run on the CPU and a loop that keeps an output too long fails. Keys and `tie` are GraphCache's own."""
+    the loop run on the CPU and a loop that keeps an output too long fails. Keys and `lifetime_key` are
+    GraphCache's own."""
 
     def __init__(self):
         self.graphs, self._tied, self.keys = {}, {}, []
@@ -270,7 +271,7 @@ def test_graphed_paths_equal_the_eager_loop(tmp_path, qwen3_dir):
     # the graphs of a freed oracle go with it (a new object can get its id() back, and must not replay them)
     graphs = graphed.decoder.graphs.graphs
     oracle = PlantedOracle(prompt + base, lambda s: 1, vocab, "cpu")
-    token = graphed.decoder.graphs.tie(oracle)
+    token = graphed.decoder.graphs.lifetime_key(oracle)
     graphed.decoder.oracle = oracle
     graphed.generate(prompt, greedy, draft=7)
     assert any(token in key for key in graphs)

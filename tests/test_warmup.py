@@ -47,7 +47,7 @@ def test_the_server_warms_up_each_slot_where_there_is_something_to_make(qwen3_di
     scheduler = Scheduler(engine, 2, None, metrics=None)
     assert scheduler.warm_up([SamplingParams(temperature=0.8)]) > 0
     tied = {key[1] for key in engine.decoder.graphs.graphs if key[0] == "step"}
-    assert tied == {engine.decoder.graphs.tie(slot.sequence.target_cache) for slot in scheduler.slots}
+    assert tied == {engine.decoder.graphs.lifetime_key(slot.sequence.target_cache) for slot in scheduler.slots}
     assert all(slot.sequence.tokens == [] and slot.requests == 0 for slot in scheduler.slots)
     with caplog.at_level(logging.INFO, logger="flashdraft.server"):
         srv = LiveServer(qwen3_dir, drafter_dir)

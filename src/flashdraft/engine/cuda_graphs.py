@@ -1,11 +1,12 @@
 """CUDA graph capture of the fixed-shape passes of the loop (decode, verify, draft).
 
 A batch-1 step launches hundreds of small kernels; replaying them as one graph removes the launch gaps. Each
-graph is keyed by its shapes (and the cache it writes, through `tie`, since a graph bakes in its tensors' addresses):
-tokens per pass, and the attention length rounded up to a bucket, with rows past a query's position hidden
-by the position mask. Captures happen on first use; inputs are copied into the graph's static buffers and the
-outputs are the graph's static tensors, valid until the next replay of any graph of the cache: the graphs share
-one memory pool, so a graph captured later may keep its outputs where an earlier one keeps its intermediates.
+graph is keyed by its shapes (and the cache it writes, through `lifetime_key`, since a graph bakes in its
+tensors' addresses): tokens per pass, and the attention length rounded up to a bucket, with rows past a query's
+position hidden by the position mask. Captures happen on first use; inputs are copied into the graph's static
+buffers and the outputs are the graph's static tensors, valid until the next replay of any graph of the cache:
+the graphs share one memory pool, so a graph captured later may keep its outputs where an earlier one keeps its
+intermediates.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ class GraphCache:
         self.pool = torch.cuda.graph_pool_handle()
         self._tied: dict[int, weakref.finalize] = {}
 
-    def tie(self, obj) -> tuple | None:
+    def lifetime_key(self, obj) -> tuple | None:
         """A key part standing for obj (a cache, an oracle) whose tensors a graph bakes in: ("tied", id(obj)), and
         when obj is freed, every graph whose key holds it goes too, before its id can come back on a new object
         (which must not replay a graph of the freed one's memory). None for None."""

@@ -426,11 +426,11 @@ class SpeculativeDecoder:
         draft_kv_len = seq.draft_cache.kv_len(bucket(start_max + self.block_size, self.capacity)) if n > 0 else 0
         p = seq.params
         sampling = None if p.greedy else (p.temperature, p.top_k, p.top_p, p.min_p)
-        # GraphCache.tie: a graph replays the cache's and the oracle's tensors' addresses (and the sequence's
-        # device state, which lives as long as its cache), so their graphs go when they do (an id() alone could
-        # come back on a new object while the old graph stays).
-        key = ("step", self.graphs.tie(seq.target_cache), n, T, kv_len, draft_kv_len, self.graphs.tie(self.oracle),
-               sampling)
+        # GraphCache.lifetime_key: a graph replays the cache's and the oracle's tensors' addresses (and the
+        # sequence's device state, which lives as long as its cache), so their graphs go when they do (an id() alone
+        # could come back on a new object while the old graph stays).
+        lifetime = self.graphs.lifetime_key
+        key = ("step", lifetime(seq.target_cache), n, T, kv_len, draft_kv_len, lifetime(self.oracle), sampling)
         counters = [self.oracle.calls] if isinstance(getattr(self.oracle, "calls", None), torch.Tensor) else []
         timed = self.device.type == "cuda"
         began_event = torch.cuda.Event(enable_timing=True) if timed else None
@@ -533,7 +533,7 @@ class SpeculativeDecoder:
             drafted = self._draft_pass(seq, n, seq.draft_cache.kv_len(start + self.block_size), candidates)
         else:
             kv_len = seq.draft_cache.kv_len(bucket(start + self.block_size, self.capacity))
-            drafted = self.graphs.run(("draft", self.graphs.tie(seq.draft_cache), kv_len, candidates),
+            drafted = self.graphs.run(("draft", self.graphs.lifetime_key(seq.draft_cache), kv_len, candidates),
                                       lambda: self._draft_pass(seq, n, kv_len, candidates),
                                       mutable=seq.state.tensors())[:n]
         if self.oracle is None:
@@ -556,7 +556,7 @@ class SpeculativeDecoder:
                 self._project_context(seq)
             return self.target(tokens, positions, seq.target_cache, kv_len, self.tap_ids)
 
-        return self.graphs.run(("target", self.graphs.tie(seq.target_cache), T, kv_len, project), target_pass,
+        return self.graphs.run(("target", self.graphs.lifetime_key(seq.target_cache), T, kv_len, project), target_pass,
                                mutable=seq.state.tensors() if project else (), tokens=tokens,
                                positions=self._positions(start, T))
 

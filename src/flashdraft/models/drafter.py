@@ -3,10 +3,13 @@
 Parameter names follow z-lab's checkpoints (fc, hidden_norm, norm, layers.N...). It has no embedding and no
 LM head: the target's embed the block and turn its outputs into logits.
 """
+from pathlib import Path
+
 import torch
 from torch import nn
 
 from flashdraft.config import DrafterConfig
+from flashdraft.loading.checkpoint import assign_tensors, check_drafter_fits, read_tensors
 from flashdraft.models.kv_cache import KVCache, WindowKVCache
 from flashdraft.layers import DecoderLayer, LayerPlan, RMSNorm, RotaryEmbedding
 from flashdraft.layers.skinny_gemm import Linear, fold_norm_weight, skinny_linear
@@ -135,3 +138,15 @@ class DFlashDrafter(nn.Module):
             h = h + attn.attend(q, torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2), mask)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
+
+
+def load_dflash_drafter(folder: Path, target, max_positions: int, plan: LayerPlan = LayerPlan()) -> DFlashDrafter:
+    """A z-lab DFlash drafter from its Hugging Face folder, on the target's device and dtype."""
+    cfg = DrafterConfig.from_file(folder / "config.json")
+    check_drafter_fits(cfg, target.config, folder)
+    p = target.model.norm.weight  # the target's device and dtype (a float parameter even in GGUF models)
+    with torch.device("meta"):
+        drafter = DFlashDrafter(cfg, max_positions, plan)
+    assign_tensors(drafter, read_tensors(folder), folder, p.device, p.dtype)
+    drafter.rope = drafter.rope.__class__(cfg.layers, max_positions).to(p.device)
+    return drafter.eval().requires_grad_(False)

@@ -9,20 +9,20 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.config import DrafterConfig, ModelConfig, is_gguf_path, read_json
+from flashdraft.config import DrafterConfig, ModelConfig, is_gguf_path
 from flashdraft.models.gemma4.config import GEMMA4_MODEL_TYPES, is_gemma4_folder
 from flashdraft.layers.plan import LayerPlan
-from flashdraft.loading.checkpoint import (CheckpointError, assign_tensors, check_drafter_fits, default_device_dtype,
-                                           model_folder, read_tensors)
+from flashdraft.loading.checkpoint import default_device_dtype, model_folder
 from flashdraft.loading.gguf import GGUFFile, GGUFTokenizer, gguf_name
 from flashdraft.loading.tokenizer import Tokenizer
 from flashdraft.models.llama.model import DecoderLM
-from flashdraft.models.drafter import DFlashDrafter
+from flashdraft.models.drafter import DFlashDrafter, load_dflash_drafter
 from flashdraft.models.gemma4.model import gemma4_max_positions, load_gemma4_target
 from flashdraft.models.gemma4.drafter import load_gemma4_drafter
 from flashdraft.models.gemma4.gguf import gemma4_gguf_config, load_gemma4_gguf_drafter, load_gemma4_gguf_target
 from flashdraft.models.gguf import GEMMA4_ARCH, drafter_settings
 from flashdraft.models.llama.gguf import llama_target_config, load_llama_drafter, load_llama_target
+from flashdraft.models.llama.loader import load_llama_folder
 
 
 def target_max_positions(folder: Path) -> int:
@@ -36,39 +36,14 @@ def load_target(path: str | Path, max_positions: int, device=None, dtype=None,
     folder = model_folder(path, "model")
     if is_gemma4_folder(folder):
         return load_gemma4_target(folder, device, dtype, plan)
-    cfg = ModelConfig.from_file(folder / "config.json")
-    gen_cfg = folder / "generation_config.json"
-    if gen_cfg.is_file():
-        eos = read_json(gen_cfg).get("eos_token_id")
-        if eos is not None:
-            extra = [eos] if isinstance(eos, int) else list(eos)
-            cfg.eos_token_ids = list(dict.fromkeys(cfg.eos_token_ids + [int(e) for e in extra]))
-    device, dtype = default_device_dtype(device, dtype)
-    with torch.device("meta"):
-        model = DecoderLM(cfg, max_positions, plan)
-    tensors = read_tensors(folder)
-    if "lm_head.weight" not in tensors:
-        if not cfg.tie_word_embeddings and "model.embed_tokens.weight" not in tensors:
-            raise CheckpointError(f"{folder}: missing tensor 'lm_head.weight'")
-        tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight")
-    assign_tensors(model, tensors, folder, device, dtype)
-    model.rope = model.rope.__class__(cfg, max_positions).to(device)
-    return model.eval().requires_grad_(False)
+    return load_llama_folder(folder, max_positions, device, dtype, plan)
 
 
 def load_drafter(path: str | Path, target: DecoderLM, max_positions: int,
                  plan: LayerPlan = LayerPlan()) -> DFlashDrafter:
     if getattr(target.config, "model_type", None) in GEMMA4_MODEL_TYPES:
         return load_gemma4_drafter(path, target, max_positions, plan)
-    folder = model_folder(path, "drafter")
-    cfg = DrafterConfig.from_file(folder / "config.json")
-    check_drafter_fits(cfg, target.config, folder)
-    p = target.model.norm.weight  # the target's device and dtype (a float parameter even in GGUF models)
-    with torch.device("meta"):
-        drafter = DFlashDrafter(cfg, max_positions, plan)
-    assign_tensors(drafter, read_tensors(folder), folder, p.device, p.dtype)
-    drafter.rope = drafter.rope.__class__(cfg.layers, max_positions).to(p.device)
-    return drafter.eval().requires_grad_(False)
+    return load_dflash_drafter(model_folder(path, "drafter"), target, max_positions, plan)
 
 
 def gguf_target_config(g: GGUFFile):

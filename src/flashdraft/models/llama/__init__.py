@@ -1,1 +1,2 @@
-"""The Llama-3.x and Qwen3 family: one decoder-only model (model.py) and its GGUF loading (gguf.py)."""
+"""The Llama-3.x and Qwen3 family: one decoder-only model (model.py), loaded from Hugging Face folders
+(loader.py) and GGUF files (gguf.py)."""

@@ -7,7 +7,7 @@ from flashdraft.config import SamplingParams
 from flashdraft.engine.generator import Engine
 from flashdraft.models.kv_cache import KVCache, WindowKVCache
 from flashdraft.bench.oracle import PlantedOracle
-from test_lossless import InlineGraphs, _prompts
+from test_lossless import InlineGraphs, _prompts, without_warm_up_repeats
 from tiny_models import build_drafter
 
 BLOCK = 8
@@ -34,8 +34,7 @@ def _own_guesses(engine, prompt, params, reuse_prefix=False):
         result = [e for e in engine.stream(prompt, params, BLOCK - 1, reuse_prefix=reuse_prefix)][-1]
     finally:
         engine.decoder.oracle = None
-    # a graph's first run is preceded by its capture's warm-up run, which logs the same step once more
-    return result.tokens, [e for i, e in enumerate(log) if i == 0 or e != log[i - 1]]
+    return result.tokens, without_warm_up_repeats(log)
 
 
 @pytest.mark.parametrize("window", [5, 24])

@@ -17,8 +17,9 @@ row's arithmetic does not depend on T at all (see the kernel module), so with th
 pass gives a token the same bits in a decode and in a verify step.
 
 Use: the attention modules of a model built with LayerPlan(attention="triton") send passes of at most the plan's
-max_rows tokens here (CUDA, or Triton's interpreter for the CPU tests). The kernel is registered as the custom op `flashdraft::decode_attention`, opaque to torch.compile and safe
-inside CUDA graph capture (no host sync; they allocate only the output and the fp32 partials).
+max_rows tokens here (CUDA, or Triton's interpreter for the CPU tests). The kernel is registered as the custom
+op `flashdraft::decode_attention`, opaque to torch.compile and safe inside CUDA graph capture (no host sync; they
+allocate only the output and the fp32 partials).
 """
 from __future__ import annotations
 

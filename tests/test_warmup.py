@@ -43,6 +43,7 @@ def test_the_server_warms_up_each_slot_where_there_is_something_to_make(qwen3_di
     assert settings_from_args(build_parser().parse_args([])).warmup is True
     assert settings_from_args(build_parser().parse_args(["--no-warmup"])).warmup is False
     engine = Engine.load(qwen3_dir, drafter_dir, device="cpu", context_size=256)
+    assert Scheduler(engine, 1, None, metrics=None).warm_up([]) is None  # no graphs, no compiled layers
     engine.decoder.graphs = InlineGraphs()
     scheduler = Scheduler(engine, 2, None, metrics=None)
     assert scheduler.warm_up([SamplingParams(temperature=0.8)]) > 0

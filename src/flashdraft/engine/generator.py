@@ -272,11 +272,14 @@ class Engine:
                 result = event
         return result
 
-    def warm_up(self, sequence: Sequence | None = None, sampling: list[SamplingParams] = ()) -> float:
+    def warm_up(self, sequence: Sequence | None = None, sampling: list[SamplingParams] = ()) -> float | None:
         """A short generation over a made-up prompt, so that the first request finds what the loop makes on first
-        use (compiled kernels, CUDA graphs, lazy initialisation) already made: llama-server's warm-up at load.
-        Plain and full-block steps, greedy and with each of `sampling`'s settings (graphs are kept per sequence and
-        per warping settings). The sequence is left empty, as new. Returns the seconds it took."""
+        use (compiled layers, CUDA graphs) already made: llama-server's warm-up at load. Plain and full-block
+        steps, greedy and with each of `sampling`'s settings (graphs are kept per sequence and per warping
+        settings). The sequence is left empty, as new. Returns the seconds it took, or None where the loop makes
+        nothing on first use (no graphs, no compiled layers: a CPU, where it would only add to the load time)."""
+        if self.decoder.graphs is None and not self.decoder.compiled:
+            return None
         started = time.perf_counter()
         sequence = sequence if sequence is not None else self.new_sequence()
         vocab = self.decoder.target.config.vocab_size

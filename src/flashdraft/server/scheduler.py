@@ -69,10 +69,11 @@ class Scheduler:
 
     # --- called from the event loop ----------------------------------------------------------------------------
 
-    def warm_up(self, sampling: list) -> float:
+    def warm_up(self, sampling: list) -> float | None:
         """Engine.warm_up on every slot's sequence (each has graphs of its own), before the worker starts; the
-        slots' draft policies learn nothing from it. Returns the seconds it took."""
-        return sum(self.engine.warm_up(slot.sequence, sampling) for slot in self.slots)
+        slots' draft policies learn nothing from it. Returns the seconds it took (None: nothing to warm up)."""
+        seconds = [self.engine.warm_up(slot.sequence, sampling) for slot in self.slots]
+        return None if None in seconds else sum(seconds)
 
     def start(self) -> None:
         self._thread.start()

@@ -150,10 +150,11 @@ def test_engine_gemm_option(qwen3_dir, drafter_dir):
 
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     prompt = list(range(3, 19))
-    plain = Engine.load(qwen3_dir, drafter_dir, device=DEVICE, context_size=64, gemm="cublas", attention="sdpa")
+    load = dict(device=DEVICE, dtype=torch.float32, context_size=64)
+    plain = Engine.load(qwen3_dir, drafter_dir, gemm="cublas", attention="sdpa", **load)
     assert plain.decoder.plan.gemm == "cublas" and plain.decoder.target.lm_head.max_rows == 0
     ref = plain.generate(prompt, params, 0).tokens
-    eng = Engine.load(qwen3_dir, drafter_dir, device=DEVICE, context_size=64, gemm="triton", attention="sdpa")
+    eng = Engine.load(qwen3_dir, drafter_dir, gemm="triton", attention="sdpa", **load)
     assert eng.decoder.plan.gemm == "triton"
     rows = max(16, eng.decoder.block_size)
     assert eng.decoder.target.lm_head.max_rows == eng.decoder.drafter.fc.max_rows == rows

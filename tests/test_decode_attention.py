@@ -117,9 +117,10 @@ def test_long_caches_take_longer_key_ranges():
     assert da.config_for(128, 4112) is da.CONFIG and da.config_for(64, 300) is da.CONFIG
     assert da.config_for(128, 7000).split == 512 and da.config_for(128, 8208).split == 512
     assert da.config_for(128, 32912).split == 1024 and da.config_for(256, 40000) is da.WIDE_HEAD_CONFIG
-    # Gemma 4's 512-wide full layers: 32-key steps, and the long caches' key ranges
+    # Gemma 4's 512-wide full layers: 32-key steps, 128-key ranges up to 24576 rows, 1024-key ranges beyond
     assert da.config_for(512, 4112) is da.WIDEST_HEAD_CONFIG
-    assert (da.config_for(512, 8208).split, da.config_for(512, 131136).split) == (512, 1024)
+    assert da.config_for(512, 8208) is da.WIDEST_HEAD_CONFIG  # measured faster there than 512-key ranges
+    assert (da.config_for(512, 24592).split, da.config_for(512, 131136).split) == (1024, 1024)
     assert da.config_for(512, 131136).block_n == 32
     k, v = _cache(2, 7000, 64, seed=21)
     q = _queries(8, 16, 64, seed=22)
@@ -217,7 +218,7 @@ def test_head_width_512_and_a_given_scale(hd, scale):
     # SDPA's default scale is 1/sqrt(hd): the same scores come from q * scale * sqrt(hd)
     ref = _reference(q.double() * scale * hd ** 0.5, k, v, mask)
     assert (out.double() - ref).abs().max().item() < 1e-5
-    long = da.launch(q, k, v, mask, da.config_for(hd, 8208), scale=scale)  # a long cache's key ranges
+    long = da.launch(q, k, v, mask, da.config_for(hd, 131136), scale=scale)  # a long cache's key ranges
     assert (long.double() - ref).abs().max().item() < 1e-5
 
 

@@ -66,12 +66,14 @@ LONG_CONFIGS = ((24576, AttentionConfig(block_n=128, split=512, num_warps=8)),
 # Wider heads (256: Gemma-4) keep steps of 64 keys: a 128-key step would hold 64 KB of keys and 64 KB of values
 # per program at once (not measured at that width, nor longer ranges).
 WIDE_HEAD_CONFIG = AttentionConfig()
-# 512-wide heads (Gemma 4's full layers): steps of 32 keys, so a step's keys and values stay at 32 KB each; over
-# long caches the key ranges of LONG_CONFIGS (fewer partials to add and to hold: 128-key ranges over 131K rows
-# would take 1 GB of fp32 partials per 16-token call). Not measured at this width.
+# 512-wide heads (Gemma 4's full layers): steps of 32 keys, so a step's keys and values stay at 32 KB each, and
+# 128-key ranges up to 24576 cache rows: with 512-key ranges from 6144 rows on, as for 128-wide heads, the
+# Gemma-4-31B GGUF decode step in an 8K cache took 13.43 ms at 32 tokens, against 12.88 ms with these
+# (docs/performance.md, "Plain steps with a drafter loaded"). Longer caches take 1024-key ranges (128-key ranges
+# over 131K rows would hold 1 GB of fp32 partials per 16-token call); not measured at this width.
 WIDEST_HEAD_CONFIG = AttentionConfig(block_n=32, num_warps=8)
-WIDEST_LONG_CONFIGS = tuple((limit, replace(WIDEST_HEAD_CONFIG, split=c.split))
-                            for limit, c in LONG_CONFIGS)
+WIDEST_LONG_CONFIG = replace(WIDEST_HEAD_CONFIG, split=1024)
+WIDEST_SHORT_ROWS = 24576
 
 
 def config_for(head_dim: int, capacity: int = 0) -> AttentionConfig:
@@ -79,10 +81,11 @@ def config_for(head_dim: int, capacity: int = 0) -> AttentionConfig:
     so a row's arithmetic is the same in every pass over the same cache)."""
     if 128 < head_dim <= 256:
         return WIDE_HEAD_CONFIG
+    if head_dim > 256:
+        return WIDEST_HEAD_CONFIG if capacity <= WIDEST_SHORT_ROWS else WIDEST_LONG_CONFIG
     if capacity <= SHORT_CACHE_ROWS:
-        return WIDEST_HEAD_CONFIG if head_dim > 256 else CONFIG
-    long = WIDEST_LONG_CONFIGS if head_dim > 256 else LONG_CONFIGS
-    return next(c for limit, c in long if limit is None or capacity <= limit)
+        return CONFIG
+    return next(c for limit, c in LONG_CONFIGS if limit is None or capacity <= limit)
 
 
 @functools.cache

@@ -6,7 +6,13 @@ import torch
 
 from flashdraft.config import GREEDY_BELOW, SamplingParams
 from flashdraft.engine.generator import Engine
-from flashdraft.engine.sampling import gumbel_from_bits, gumbel_noise, sample_tokens, warp_logits
+from flashdraft.engine.sampling import gumbel_from_bits, gumbel_noise, sample_tokens, warped_candidates
+
+
+def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The warped log-probabilities over the whole vocabulary [T, V] (removed tokens at -inf)."""
+    x, ids = warped_candidates(logits, params)
+    return x if ids is None else torch.full(logits.shape, float("-inf")).scatter(-1, ids, x)
 
 
 def reference_warp(logits: list[float], p: SamplingParams) -> list[float]:
@@ -53,6 +59,43 @@ def test_warp_matches_reference(params):
     for row in range(4):
         ref = torch.tensor(reference_warp(logits[row].tolist(), params))
         assert torch.allclose(ours[row], ref.float(), atol=1e-5)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7, top_k=64, top_p=0.95),
+    SamplingParams(temperature=1.0, top_p=0.9),
+    SamplingParams(temperature=0.8, top_k=5, min_p=0.05),
+])
+def test_the_tokens_kept_do_not_depend_on_vocabulary_order(params):
+    """bf16 logits tie often: top-k keeps the tokens tied with the k-th and top-p those tied with its last kept
+    token, so which of two equal values a sort puts first never decides (permuted logits, permuted result)."""
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(8, 3000, generator=g) * 2).bfloat16().float()
+    perm = torch.randperm(3000, generator=g)
+    kept, kept_permuted = warp_logits(logits, params), warp_logits(logits[:, perm], params)
+    assert torch.equal(kept[:, perm].isfinite(), kept_permuted.isfinite())
+    torch.testing.assert_close(kept[:, perm].exp(), kept_permuted.exp())
+    tied = torch.tensor([[5.0, 4, 3, 2, 1, 1, 1, 0, -1, -2]])  # the 5th of the top-5 ties with two more
+    assert warp_logits(tied, SamplingParams(temperature=1.0, top_k=5)).isfinite().sum() == 7
+    # top-p 0.5 reaches its mass within the two 3.0s, whichever sorts first; both are kept
+    two_tied = torch.tensor([[3.0, 3.0, 0, 0]])
+    assert warp_logits(two_tied, SamplingParams(temperature=1.0, top_p=0.5)).isfinite().sum() == 2
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7, top_k=64, top_p=0.95),
+    SamplingParams(temperature=1.0, top_p=0.9),
+    SamplingParams(temperature=0.8, top_k=5, min_p=0.05),
+    SamplingParams(temperature=0.7),
+])
+def test_sampling_on_the_candidates_is_gumbel_max_over_the_vocabulary(params):
+    """sample_tokens draws noise for the warped candidates only; the token is the one Gumbel-max over the whole
+    vocabulary picks: argmax of the warped log-probabilities plus every token's noise."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(16, 4000, generator=g) * 3
+    positions = torch.arange(40, 56)
+    dense = (warp_logits(logits, params) + gumbel_noise(9, positions, 4000)).argmax(-1)
+    assert torch.equal(sample_tokens(logits, params, 9, positions), dense)
 
 
 def test_gumbel_noise_is_keyed_and_well_spread():
@@ -197,3 +240,26 @@ def test_tiny_temperature_generates_the_greedy_tokens(engine):
         tiny = engine.generate([10, 20, 30], SamplingParams(temperature=1e-38, max_tokens=12, ignore_eos=True, seed=1),
                                draft=draft)
         assert tiny.tokens == greedy.tokens and tiny.finish_reason == "length"
+
+
+@pytest.mark.parametrize("columns,with_ids", [(80, True), (80, False), (5000, False), (4500, True)])
+def test_the_gumbel_max_kernel_picks_what_the_torch_ops_pick(columns, with_ids):
+    """The one-kernel Gumbel-max (the GPU default; Triton's interpreter on a CPU) gives the token of the torch ops
+    that define it: candidates with their ids (top-k) or whole rows, one block or many, -inf entries never."""
+    pytest.importorskip("triton")
+    from triton_interpreter import interpret_without_gpu
+
+    from flashdraft.engine import sampling
+    interpret_without_gpu("flashdraft.kernels.gumbel_triton", sampling._kernels)
+    g = torch.Generator().manual_seed(columns)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.log_softmax(torch.randn(4, columns, generator=g) * 3, -1)
+    x[:, ::3] = float("-inf")  # removed by warping
+    ids = torch.randperm(151936, generator=g)[:columns].repeat(4, 1) if with_ids else None
+    x, ids = x.to(device), ids.to(device) if with_ids else None
+    positions = torch.tensor([0, 7, 19, 5000], device=device)
+    for key in (2, sampling.seed_key(11, device)):
+        ops = sampling.gumbel_max(x, ids, key, positions, kernel=False)
+        assert torch.equal(sampling.gumbel_max(x, ids, key, positions, kernel=True), ops)
+        column = ops if ids is None else (ids == ops[:, None]).int().argmax(-1)
+        assert torch.isfinite(x.gather(-1, column[:, None])).all()

@@ -13,13 +13,18 @@ a one-hot draft distribution, whose acceptance probability p(x) equals the chanc
 """
 from __future__ import annotations
 
+import functools
+import math
 import os
 
 import torch
 
 from flashdraft.config import SamplingParams
+from flashdraft.kernels.runtime import can_run, interpreting
 
 _M32 = 0xFFFFFFFF
+GUMBEL_BLOCK = 2048  # columns per program of the Gumbel-max kernel (the whole vocabulary: 75 programs a row)
+TOP_K_TIES = 16  # candidates past the k-th that top-k keeps when they tie with it (bf16 logits tie often)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -44,13 +49,15 @@ def seed_key(seed: int, device: torch.device | str) -> torch.Tensor:
     return torch.tensor(_seed_keys(seed), dtype=torch.int64, device=device)
 
 
-def gumbel_noise(key: int | torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Standard Gumbel noise [T, vocab], float32, keyed by (seed, position, token id); key: the seed, or its
-    seed_key tensor (the same noise)."""
+def gumbel_noise(key: int | torch.Tensor, positions: torch.Tensor, tokens: int | torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise, float32, keyed by (seed, position, token id); key: the seed, or its seed_key tensor
+    (the same noise). tokens: the vocabulary size (noise [T, vocab] for every id) or the ids themselves [T, C]
+    (the same values at those ids)."""
     k1, k2 = (key[0], key[1]) if isinstance(key, torch.Tensor) else _seed_keys(key)
     pos_key = _mix32(((positions.long() * 0x9E3779B1) ^ k1) & _M32)[:, None]
-    ids = torch.arange(vocab, device=positions.device, dtype=torch.int64)[None, :]
-    x = _mix32(_mix32(ids ^ k2) ^ pos_key)
+    if isinstance(tokens, int):
+        tokens = torch.arange(tokens, device=positions.device, dtype=torch.int64)[None, :]
+    x = _mix32(_mix32(tokens ^ k2) ^ pos_key)
     x = _mix32(x ^ ((pos_key * 0x27D4EB2F) & _M32))
     return gumbel_from_bits(x)
 
@@ -63,23 +70,32 @@ def gumbel_from_bits(x: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(u.clamp(max=1.0 - 2.0 ** -24)))
 
 
-def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p, min-p; removed tokens get -inf. Returns log-probabilities [T, V]."""
-    x = torch.log_softmax(logits.float() / params.temperature, dim=-1)
-    if 0 < params.top_k < x.shape[-1]:
-        kth = torch.topk(x, params.top_k, dim=-1).values[:, -1:]
-        x = torch.log_softmax(x.masked_fill(x < kth, float("-inf")), dim=-1)
+def warped_candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Temperature, then top-k, top-p, min-p: the log-probabilities of the tokens left, with their ids ([T, C]
+    each, removed tokens at -inf), or of the whole vocabulary ([T, V], ids None). With top-k the candidates come
+    sorted from one top-k selection, so top-p needs no sort of the vocabulary and the rest of sampling works on
+    about k columns instead of V (docs/performance.md, "Sampling on the candidates"). Top-k keeps the tokens tied
+    with the k-th (as transformers and vLLM do), up to TOP_K_TIES of them."""
+    ids, vocab = None, logits.shape[-1]
+    if 0 < params.top_k < vocab:  # the k best logits are the k best log-probabilities
+        x, ids = torch.topk(logits, min(params.top_k + TOP_K_TIES, vocab), dim=-1)
+        x = x.float() / params.temperature
+        x = torch.log_softmax(x.masked_fill(x < x[:, params.top_k - 1:params.top_k], float("-inf")), dim=-1)
+    else:
+        x = torch.log_softmax(logits.float() / params.temperature, dim=-1)
     if params.top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        probs = sorted_x.exp()
-        # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it already does.
-        drop_sorted = (probs.cumsum(-1) - probs) >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        x = torch.log_softmax(x.masked_fill(drop, float("-inf")), dim=-1)
+        if ids is None:
+            x, ids = torch.sort(x, dim=-1, descending=True)
+        probs = x.exp()
+        # Keep the smallest prefix whose mass reaches top_p (a token goes if the mass before it already does),
+        # and the tokens tied with its last: which of equal values sorts first must not decide.
+        beyond = (probs.cumsum(-1) - probs) >= params.top_p
+        last_kept = x.masked_fill(beyond, float("inf")).min(dim=-1, keepdim=True).values
+        x = torch.log_softmax(x.masked_fill(x < last_kept, float("-inf")), dim=-1)
     if params.min_p > 0.0:
-        threshold = x.max(dim=-1, keepdim=True).values + torch.log(torch.tensor(params.min_p))
+        threshold = x.max(dim=-1, keepdim=True).values + math.log(params.min_p)
         x = torch.log_softmax(x.masked_fill(x < threshold, float("-inf")), dim=-1)
-    return x
+    return x, ids
 
 
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, key: int | torch.Tensor,
@@ -88,8 +104,41 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, key: int | torch
     its seed_key tensor. No host syncs: a CUDA graph can capture it."""
     if params.greedy:
         return logits.argmax(dim=-1)
-    logprobs = warp_logits(logits, params)
-    return (logprobs + gumbel_noise(key, positions, logits.shape[-1])).argmax(dim=-1)
+    x, ids = warped_candidates(logits, params)
+    return gumbel_max(x, ids, key, positions)
+
+
+def gumbel_max(x: torch.Tensor, ids: torch.Tensor | None, key: int | torch.Tensor, positions: torch.Tensor,
+               kernel: bool | None = None) -> torch.Tensor:
+    """The token of each row of warped log-probabilities x [T, C] (token ids `ids` [T, C], or the column when
+    None) that has the largest x + gumbel_noise. kernel: one Triton kernel (gumbel_triton, the default where it
+    runs on a GPU) or the torch ops that define it."""
+    if kernel is None:
+        kernel = x.is_cuda and can_run(x.device)
+    if not kernel:
+        choice = (x + gumbel_noise(key, positions, x.shape[-1] if ids is None else ids)).argmax(dim=-1)
+        return choice if ids is None else ids.gather(-1, choice[:, None])[:, 0]
+    if not isinstance(key, torch.Tensor):
+        key = seed_key(key, x.device)
+    T, C = x.shape
+    block = min(GUMBEL_BLOCK, max(16, 1 << (C - 1).bit_length()))
+    blocks = -(-C // block)
+    best_x = torch.empty(T, blocks, device=x.device, dtype=torch.float32)
+    best_id = torch.empty(T, blocks, device=x.device, dtype=torch.int64)
+    x = x.contiguous()
+    ids = ids.contiguous() if ids is not None else None
+    _kernels().gumbel_max_kernel[(blocks, T)](
+        x, ids if ids is not None else best_id, positions.contiguous(), key, best_x, best_id, C, x.stride(0),
+        ids.stride(0) if ids is not None else 0, HAS_IDS=ids is not None, BLOCK=block, LIBDEVICE=not interpreting())
+    if blocks == 1:
+        return best_id[:, 0]
+    return best_id.gather(-1, best_x.argmax(dim=-1, keepdim=True))[:, 0]
+
+
+@functools.cache
+def _kernels():
+    from flashdraft.kernels import gumbel_triton
+    return gumbel_triton
 
 
 def resolve_seed(params: SamplingParams) -> int:

@@ -149,6 +149,20 @@ class EveryOtherStep:
         pass
 
 
+class PlainThenDraft:
+    """A draft policy: `plain` plain steps, then drafts of `length`."""
+
+    def __init__(self, plain: int, length: int):
+        self.plain, self.length, self.steps = plain, length, 0
+
+    def next_length(self, cap: int) -> int:
+        self.steps += 1
+        return min(cap, self.length) if self.steps > self.plain else 0
+
+    def record(self, drafted: int, accepted: int, seconds: float) -> None:
+        pass
+
+
 def without_warm_up_repeats(log: list) -> list:
     """A logging oracle's entries through InlineGraphs, less the one that each graph's capture warm-up adds (the
     same step logged twice in a row; real steps never repeat their start)."""
@@ -214,6 +228,57 @@ def test_interleaved_pipelined_sequences(tmp_path, qwen3_dir):
                 if hasattr(event, "finish_reason"):
                     results[i] = event.tokens
     assert results == alone
+
+
+def test_graphed_plain_steps_project_the_context_once_a_block(tmp_path, qwen3_dir):
+    """With a drafter loaded, captured plain steps leave their context rows waiting and project them (a fixed
+    shape: a block's rows) once every B steps instead of every step; a draft after a plain stretch longer than a
+    block guesses what the eager loop's drafter guesses, so its context is complete."""
+    drafter = build_drafter(tmp_path / "d", qwen3_dir, block_size=8, seed=3)
+    eager = Engine.load(qwen3_dir, drafter, device="cpu", context_size=256)
+    graphed = Engine.load(qwen3_dir, drafter, device="cpu", context_size=256)
+    graphed.decoder.graphs = InlineGraphs()
+    projections = []
+    add_context = graphed.decoder.drafter.add_context
+    graphed.decoder.drafter.add_context = lambda taps, *a: projections.append(taps.shape[0]) or add_context(taps, *a)
+    greedy = SamplingParams(max_tokens=41, ignore_eos=True)
+    prompt = _prompts(eager.decoder.target.config.vocab_size, 1, seed=13)[0]
+    base = eager.generate(prompt, greedy, draft=0).tokens
+    assert graphed.generate(prompt, greedy, draft=0).tokens == base
+    # the prefill's, then one a block (40 plain steps: 5), plus the capture warm-up's run of each of the two plain
+    # step graphs that project (the first of each KV bucket); every one of a block's rows
+    assert len(projections) <= 1 + 40 // 8 + 2 and projections[1:] == [8] * (len(projections) - 1)
+    seen = {"graphed": [], "eager": []}
+    for name, engine in (("graphed", graphed), ("eager", eager)):
+        engine.decoder.oracle = lambda start, guesses, log=seen[name]: log.append((int(start), guesses.tolist())) \
+            or guesses
+        try:
+            for plain in (3, 8, 13, 21):
+                assert engine.generate(prompt, greedy, draft=PlainThenDraft(plain, 7)).tokens == base
+        finally:
+            engine.decoder.oracle = None
+    assert without_warm_up_repeats(seen["graphed"]) == seen["eager"] and len(seen["eager"]) > 8
+    # the next turn of a chat finds the whole conversation in the caches, the drafter's context too, though rows
+    # were still waiting and (graphed) a step had been queued past the end of the turn (its EOS)
+    seen = {"graphed": [], "eager": []}
+    for name, engine in (("graphed", graphed), ("eager", eager)):
+        seq, eos_ids = engine.new_sequence(), engine.eos_ids
+        engine.eos_ids = {base[24]}
+        try:
+            engine.generate(prompt, SamplingParams(max_tokens=41), draft=PlainThenDraft(12, 7), sequence=seq)
+        finally:
+            engine.eos_ids = eos_ids
+        assert seq.tokens[-1] == base[24] and (seq.in_flight > 0) == (name == "graphed")
+        follow = seq.tokens + [7, 8, 9]
+        engine.decoder.oracle = lambda start, guesses, log=seen[name]: log.append((int(start), guesses.tolist())) \
+            or guesses
+        try:
+            *_, result = engine.stream(follow, greedy, draft=7, sequence=seq, reuse_prefix=True)
+        finally:
+            engine.decoder.oracle = None
+        assert result.stats.cache_n == len(follow) - 4
+        assert result.tokens == eager.generate(follow, greedy, draft=0).tokens
+    assert without_warm_up_repeats(seen["graphed"]) == seen["eager"]
 
 
 def test_graphed_paths_equal_the_eager_loop(tmp_path, qwen3_dir):

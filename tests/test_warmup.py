@@ -2,6 +2,8 @@
 loop makes on first use, and leaves nothing behind that a request could see."""
 import logging
 
+import pytest
+
 from flashdraft.config import SamplingParams
 from flashdraft.engine.generator import Engine
 from flashdraft.server.cli import build_parser, settings_from_args
@@ -21,7 +23,9 @@ def test_warm_up_makes_the_graphs_and_leaves_the_sequence_as_new(qwen3_dir, draf
     assert seq.tokens == [] and warm.decoder.reusable_rows(seq, list(range(40))) == 0
     steps = [k for k in keys if k[0] == "step"]
     assert {k[2] for k in steps} >= {0, warm.max_draft}  # plain and full-block steps
-    assert {k[-1] for k in steps} == {None, (0.7, 20, 0.95, 0.0)}  # greedy and the sampling settings' graphs
+    assert {k[-2] for k in steps} == {None, (0.7, 20, 0.95, 0.0)}  # greedy and the sampling settings' graphs
+    # plain steps that leave their context rows waiting, and those that project a block's worth first
+    assert {k[-1] for k in steps if k[2] == 0} == {False, True}
     cold = Engine.load(qwen3_dir, drafter_dir, device="cpu", context_size=256)
     vocab = cold.decoder.target.config.vocab_size
     reused = []
@@ -37,6 +41,7 @@ def test_warm_up_makes_the_graphs_and_leaves_the_sequence_as_new(qwen3_dir, draf
 def test_the_server_warms_up_each_slot_where_there_is_something_to_make(qwen3_dir, drafter_dir, caplog):
     """--warmup is the default, --no-warmup turns it off; the scheduler warms every slot's sequence (graphs are
     per sequence) with the server's default sampling; a CPU engine, with no graphs or compiled layers, skips it."""
+    pytest.importorskip("fastapi")
     from flashdraft.server.scheduler import Scheduler
     from test_server_hardening import LiveServer
 

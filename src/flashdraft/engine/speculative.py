@@ -48,8 +48,10 @@ DRAFT_CANDIDATES = 8
 # any proposal the lookup finds.
 LONG_LOOKUP = 8
 
-# Run eagerly, plain steps leave their context rows waiting in the device state, up to this many, for the next
-# drafting step to project together: on a CPU one projection of many rows costs less than one per step.
+# Steps that do not run the drafter leave their context rows waiting in the device state for a later projection
+# of them all: run eagerly, up to this many (on a CPU one projection of many rows costs less than one per step);
+# captured, up to a block (a step's projection has a fixed shape: B rows), so a plain stretch projects once every
+# B steps instead of every step (docs/performance.md, "Plain steps with a drafter loaded").
 MAX_WAITING_ROWS = 256
 
 
@@ -94,6 +96,7 @@ class Launched:
     began: torch.cuda.Event | None = None   # recorded before the step's graph: the step's device time
     done: StepResult | None = None
     launched_at: float = 0.0
+    projected: bool = False  # the step projected the context rows waiting before it
 
 
 @dataclass
@@ -111,6 +114,9 @@ class Sequence:
     # The most tokens the launched, not yet collected steps can commit; after a generation, steps launched past
     # its end leave it above 0, and the device state ahead of the tokens, until the next prefill.
     in_flight: int = 0
+    # The most context rows the launched steps can have left waiting in state.ctx_taps (the host's bound on
+    # state.ctx_rows, which it decides from without reading the device).
+    waiting: int = 0
     # Pinned landing places of its launched steps' results, used in turn: a sequence has at most two steps in
     # flight, so a buffer comes round again only after its step was collected. Per sequence, because a server
     # interleaves the steps of several sequences.
@@ -217,7 +223,7 @@ class SpeculativeDecoder:
         if seq.state is None:
             zeros = lambda n: torch.zeros(n, dtype=torch.long, device=self.device)  # noqa: E731
             ctx = self.drafter is not None
-            rows = self.block_size + (0 if self.graphs is not None else MAX_WAITING_ROWS)
+            rows = self._waiting_limit() + self.block_size
             seq.state = DeviceState(
                 start=zeros(1), last=zeros(1), key=zeros(2),
                 ctx_taps=torch.zeros(rows, len(self.tap_ids) * self.target.config.hidden_size,
@@ -249,7 +255,7 @@ class SpeculativeDecoder:
         state = self._state(seq)
         if taps is not None:
             self.drafter.add_context(taps, positions, seq.draft_cache)
-            seq.projected = P
+            seq.projected, seq.waiting = P, 0
             state.ctx_rows.zero_()
         state.key.copy_(seed_key(seed, self.device))
         rows = seq.processor.process(logits, []) if params.processes_logits else logits
@@ -272,8 +278,8 @@ class SpeculativeDecoder:
         logits."""
         rows = max(0, min(shared_prefix(seq.tokens, prompt), len(seq.tokens) - 1, len(prompt) - 1))
         if self.drafter is not None and rows > 0:
-            if rows > seq.projected and seq.in_flight == 0:
-                self._flush_context(seq)  # the last step's rows, still waiting, belong to tokens the prompt shares
+            if rows > seq.projected:
+                self._flush_context(seq)  # rows still waiting belong to tokens the prompt shares
             rows = seq.draft_cache.reusable(min(rows, seq.projected))
         return seq.target_cache.reusable(rows)
 
@@ -298,16 +304,16 @@ class SpeculativeDecoder:
 
     @torch.inference_mode()
     def _flush_context(self, seq: Sequence) -> None:
-        """Project the context rows waiting in the device state into the drafter cache now. Only while no step is
-        in flight (the state then matches the tokens)."""
-        if seq.state is None or seq.in_flight:
+        """Project the context rows waiting in the device state into the drafter cache now, after the steps in
+        flight (the device's start, which steps launched past a generation's end leave ahead of the tokens: their
+        rows of committed positions are right, those past the tokens are never reused)."""
+        if seq.state is None:
             return
-        rows = int(seq.state.ctx_rows)
+        rows, start = int(seq.state.ctx_rows), int(seq.state.start)
         if rows:
-            self.drafter.add_context(seq.state.ctx_taps[:rows], self._positions(len(seq.tokens) - 1 - rows, rows),
-                                     seq.draft_cache)
+            self.drafter.add_context(seq.state.ctx_taps[:rows], self._positions(start - rows, rows), seq.draft_cache)
             seq.state.ctx_rows.zero_()
-        seq.projected = len(seq.tokens) - 1
+        seq.projected, seq.waiting = len(seq.tokens) - 1, 0
 
     def _clamp(self, n: int) -> int:
         return max(0, min(n, self.max_draft)) if self.drafts else 0
@@ -347,11 +353,20 @@ class SpeculativeDecoder:
                                      seq.draft_cache)
         state.ctx_rows.zero_()
 
-    def _plain_step_projects(self, seq: Sequence, T: int) -> bool:
-        """Whether a plain step projects the waiting context rows first: always when captured (a fixed shape, at
-        most B waiting rows), eagerly only when its own rows would not fit behind them (MAX_WAITING_ROWS)."""
-        state = seq.state
-        return self.graphs is not None or int(state.ctx_rows) + T > state.ctx_taps.shape[0]
+    def _waiting_limit(self) -> int:
+        """The most context rows left waiting for a projection: what a captured projection takes (B rows), or
+        eagerly MAX_WAITING_ROWS."""
+        return self.block_size if self.graphs is not None else MAX_WAITING_ROWS
+
+    def _projects(self, seq: Sequence, rows: int) -> bool:
+        """Whether a step that does not run the drafter, committing up to `rows` tokens, projects the waiting
+        context rows first: when its rows could take them past _waiting_limit()."""
+        return self.drafter is not None and seq.waiting + rows > self._waiting_limit()
+
+    def _note_waiting(self, seq: Sequence, rows: int, projected: bool) -> None:
+        """A step that commits up to `rows` tokens was launched, projecting the waiting rows first or not."""
+        if self.drafter is not None:
+            seq.waiting = (0 if projected else seq.waiting) + rows
 
     def _draft_pass(self, seq: Sequence, n: int, kv_len: int, candidates: int = 1) -> torch.Tensor:
         """Project the waiting context rows, run the block: the drafter's greedy guesses for block slots 1..n
@@ -371,23 +386,22 @@ class SpeculativeDecoder:
     def _accept_step(self, seq: Sequence, tokens: torch.Tensor, samples: torch.Tensor, taps: torch.Tensor | None,
                      n: int) -> torch.Tensor:
         """Accept (see accept) and advance the device state past the committed tokens; their taps wait in it,
-        behind any rows still waiting (eagerly; captured, none are), for a later step's projection. Returns
-        [accepted, samples 0..n]."""
+        behind any rows still waiting, for a later step's projection. Returns [accepted, samples 0..n]."""
         state = seq.state
         result = accept(tokens, samples, n)
         accepted = result[:1]
         state.last.copy_(result[1:].gather(0, accepted))
         if self.drafter is not None:
-            waiting = 0 if self.graphs is not None else int(state.ctx_rows)
-            state.ctx_taps[waiting:waiting + tokens.shape[0]].copy_(taps)
+            state.ctx_taps.index_copy_(0, self._positions(state.ctx_rows, tokens.shape[0]), taps)
             state.ctx_rows.add_(accepted + 1)
         state.start.add_(accepted + 1)
         return result
 
-    def _device_step(self, seq: Sequence, n: int, T: int, kv_len: int, draft_kv_len: int) -> torch.Tensor:
-        """One step from the device state alone: draft (n > 0, the oracle's guesses in their place when set),
-        verify T rows, sample, accept, advance. Run eagerly, or captured as one graph by launch.
-        Returns [accepted, samples 0..n]."""
+    def _device_step(self, seq: Sequence, n: int, T: int, kv_len: int, draft_kv_len: int,
+                     project: bool) -> torch.Tensor:
+        """One step from the device state alone: draft (n > 0, the oracle's guesses in their place when set), or
+        for a plain step project the waiting context rows when `project`; verify T rows, sample, accept, advance.
+        Run eagerly, or captured as one graph by launch. Returns [accepted, samples 0..n]."""
         state = seq.state
         if n > 0:
             guesses = self._draft_pass(seq, n, draft_kv_len)[:n]
@@ -395,7 +409,7 @@ class SpeculativeDecoder:
                 guesses = self.oracle(state.start[0], guesses)
             tokens = torch.cat([state.last, guesses])
         else:
-            if self.drafter is not None and self._plain_step_projects(seq, T):
+            if project:
                 self._project_context(seq)
             tokens = state.last.expand(T)
         logits, taps = self.target(tokens, self._positions(state.start, T), seq.target_cache, kv_len, self.tap_ids)
@@ -415,12 +429,14 @@ class SpeculativeDecoder:
             step = self._host_step(seq, n, lookup)
             return Launched(drafted=step.drafted, done=step, launched_at=began)
         T = n + 1 if n > 0 else self._plain_rows()
+        project = n > 0 or self._projects(seq, 1)
+        self._note_waiting(seq, n + 1, project)
         # The start position is known on the device only; graphs are chosen for the furthest it can be (reading
         # more cache rows than needed is harmless: the position mask hides them).
         start_max = len(seq.tokens) - 1 + seq.in_flight
         if self.graphs is None:
             draft_kv_len = seq.draft_cache.kv_len(start_max + self.block_size) if n > 0 else 0
-            result = self._device_step(seq, n, T, start_max + T, draft_kv_len)
+            result = self._device_step(seq, n, T, start_max + T, draft_kv_len, project)
             return Launched(drafted=n, done=self._commit(seq, result.tolist(), n), launched_at=began)
         kv_len = bucket(start_max + T, self.capacity)
         draft_kv_len = seq.draft_cache.kv_len(bucket(start_max + self.block_size, self.capacity)) if n > 0 else 0
@@ -430,13 +446,14 @@ class SpeculativeDecoder:
         # sequence's device state, which lives as long as its cache), so their graphs go when they do (an id() alone
         # could come back on a new object while the old graph stays).
         lifetime = self.graphs.lifetime_key
-        key = ("step", lifetime(seq.target_cache), n, T, kv_len, draft_kv_len, lifetime(self.oracle), sampling)
+        key = ("step", lifetime(seq.target_cache), n, T, kv_len, draft_kv_len, lifetime(self.oracle), sampling,
+               project)
         counters = [self.oracle.calls] if isinstance(getattr(self.oracle, "calls", None), torch.Tensor) else []
         timed = self.device.type == "cuda"
         began_event = torch.cuda.Event(enable_timing=True) if timed else None
         if timed:
             began_event.record()
-        result = self.graphs.run(key, lambda: self._device_step(seq, n, T, kv_len, draft_kv_len),
+        result = self.graphs.run(key, lambda: self._device_step(seq, n, T, kv_len, draft_kv_len, project),
                                  mutable=seq.state.tensors() + counters)
         if not seq.host_buffers:
             seq.host_buffers = [torch.zeros(self.block_size + 1, dtype=torch.long, pin_memory=timed)
@@ -449,7 +466,7 @@ class SpeculativeDecoder:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
         seq.in_flight += n + 1
-        return Launched(drafted=n, host=host, event=event, began=began_event, launched_at=began)
+        return Launched(drafted=n, host=host, event=event, began=began_event, launched_at=began, projected=project)
 
     def collect(self, seq: Sequence, launched: Launched) -> StepResult:
         """Wait for a launched step (in launch order) and commit its tokens."""
@@ -459,7 +476,7 @@ class SpeculativeDecoder:
             launched.event.synchronize()
         n = launched.drafted
         seq.in_flight -= n + 1
-        if self.drafter is not None:  # a captured step projects the context up to its start
+        if self.drafter is not None and launched.projected:  # the context up to the step's start
             seq.projected = len(seq.tokens) - 1
         seconds = launched.began.elapsed_time(launched.event) / 1000 if launched.began is not None else None
         return self._commit(seq, launched.host[:n + 2].tolist(), n, seconds)
@@ -511,7 +528,8 @@ class SpeculativeDecoder:
             # host's work then overlaps (and taken now, as the verify graph may reuse their memory).
             fetch = self._copy_to_host(guesses)
         tokens = torch.cat([state.last, guesses]) if n > 0 else state.last.expand(self._plain_rows())
-        project = self.drafter is not None and not drafted and self._plain_step_projects(seq, tokens.shape[0])
+        project = not drafted and self._projects(seq, n + 1)
+        self._note_waiting(seq, n + 1, drafted or project)
         logits, taps = self.target_pass(seq, tokens, start, project=project)
         logits = logits[:n + 1]
         rows = processor.process(logits, fetch() if fetch else chosen or []) if params.processes_logits else logits

@@ -9,6 +9,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from flashdraft.kernels.split_reduce_triton import add, maximum, minimum
+
 
 @triton.jit
 def _mix32(x):
@@ -16,23 +18,6 @@ def _mix32(x):
     x = ((x >> 16) ^ x) * 0x45D9F3B
     x = ((x >> 16) ^ x) * 0x45D9F3B
     return (x >> 16) ^ x
-
-
-# Only Triton builtins in the reductions (triton.language's own jit helpers, tl.max among them, break under an
-# interpreter switched on after Triton's import, as the CPU tests do): tl.reduce with these.
-@triton.jit
-def _max(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _min(a, b):
-    return tl.minimum(a, b)
-
-
-@triton.jit
-def _add(a, b):
-    return a + b
 
 
 @triton.jit
@@ -61,8 +46,8 @@ def gumbel_max_kernel(x_ptr, ids_ptr, pos_ptr, key_ptr, best_x_ptr, best_id_ptr,
         y = x - libdevice.log(-libdevice.log(u))
     else:
         y = x - tl.log(-tl.log(u))
-    top = tl.reduce(y, 0, _max)
-    first = tl.reduce(tl.where(y == top, tl.arange(0, BLOCK), BLOCK), 0, _min)
+    top = tl.reduce(y, 0, maximum)
+    first = tl.reduce(tl.where(y == top, tl.arange(0, BLOCK), BLOCK), 0, minimum)
     out = t.to(tl.int64) * tl.num_programs(0) + b
     tl.store(best_x_ptr + out, top)
-    tl.store(best_id_ptr + out, tl.reduce(tl.where(tl.arange(0, BLOCK) == first, tokens, 0), 0, _add))
+    tl.store(best_id_ptr + out, tl.reduce(tl.where(tl.arange(0, BLOCK) == first, tokens, 0), 0, add))

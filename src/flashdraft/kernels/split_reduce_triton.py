@@ -1,11 +1,28 @@
-"""Triton pieces shared by the GEMM kernels of flashdraft.layers (the skinny GEMM) and flashdraft.quant (the
-quantized matmuls): the split-K reduce that adds fp32 partials in a fixed order, and the interpreter's rounding.
+"""Triton pieces shared by the kernels of flashdraft.layers, flashdraft.quant and flashdraft.engine: the split-K
+reduce that adds fp32 partials in a fixed order, the interpreter's rounding, and tl.reduce's combine functions
+(triton.language's own jit reductions, tl.max and tl.sum among them, break under an interpreter switched on after
+Triton's import, as the CPU tests do; Triton builtins and these do not).
 
 Imported only by those kernel modules, on first use (see flashdraft.layers._skinny_triton for why kernels are
 decorated late), so importing flashdraft never needs Triton.
 """
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def add(a, b):
+    return a + b
+
+
+@triton.jit
+def maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def minimum(a, b):
+    return tl.minimum(a, b)
 
 
 @triton.jit

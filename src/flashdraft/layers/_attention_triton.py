@@ -26,18 +26,7 @@ block's fp16 scale once per row.
 import triton
 import triton.language as tl
 
-# Only Triton builtins (see _skinny_triton: triton.language's own jit helpers, tl.max and tl.sum among them, break
-# under an interpreter switched on after Triton's import), so the row reductions take these combine functions.
-
-
-@triton.jit
-def _max(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _add(a, b):
-    return a + b
+from flashdraft.kernels.split_reduce_triton import add, maximum
 
 
 @triton.jit(do_not_specialize=["T", "KV_LEN", "N_SPLITS"])
@@ -73,11 +62,11 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, count
         else:
             s = tl.dot(q, tl.trans(k))
         s = tl.where(visible, s * qk_scale, float("-inf"))  # log2 units: exp2 below
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, _max))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, maximum))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at zero
         alpha = tl.math.exp2(m_i - m_safe)
         p = tl.math.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.reduce(p, 1, _add)
+        l_i = l_i * alpha + tl.reduce(p, 1, add)
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:

@@ -20,14 +20,9 @@ its rsqrt is the hardware approximation, as torch's is).
 import triton
 import triton.language as tl
 
-# Only Triton builtins (see _skinny_triton: triton.language's own jit helpers, tl.sum among them, break under an
-# interpreter switched on after Triton's import), so the mean of squares takes this combine function; and the
-# rounding helper is defined here rather than imported, so that it is decorated with this module's kernel.
+from flashdraft.kernels.split_reduce_triton import add
 
-
-@triton.jit
-def _add(a, b):
-    return a + b
+# The rounding helper is defined here rather than imported, so that it is decorated with this module's kernel.
 
 
 @triton.jit
@@ -62,7 +57,7 @@ def qkv_prep_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_norm_ptr, k_norm_ptr, 
     if HAS_NORM:
         # weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(dtype), rounded to dtype (the mean as torch's:
         # the sum times 1 / D, exact for a power of two); the swapped copy takes the same per-element steps
-        inv_rms = tl.math.rsqrt(tl.reduce(x * x, 0, _add) * (1.0 / D) + eps)
+        inv_rms = tl.math.rsqrt(tl.reduce(x * x, 0, add) * (1.0 / D) + eps)
         if slot < N_HEADS:
             norm_ptr = q_norm_ptr
         else:

@@ -24,7 +24,7 @@ so the model uses measured tilings (skinny_gemm.GATED_CONFIGS) and GPU scripts c
 import triton
 import triton.language as tl
 
-from flashdraft.kernels.split_reduce_triton import split_reduce_kernel  # noqa: F401 (skinny_gemm launches it)
+from flashdraft.kernels.split_reduce_triton import add, split_reduce_kernel  # noqa: F401 (skinny_gemm launches it)
 
 # Only Triton builtins below, none of triton.language's own @triton.jit helpers (tl.zeros, tl.cdiv, ...): those
 # are decorated when Triton is first imported, so under the interpreter they would only work if TRITON_INTERPRET
@@ -129,7 +129,7 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, r_ptr, M, N, stride_xm
     if SPLIT_K == 1:
         if HAS_NORM:  # padding rows have a zero sum: rsqrt(eps) stays finite, and they are not stored
             diagonal = tl.arange(0, BLOCK_M)[:, None] == tl.arange(0, BLOCK_M)[None, :]
-            inv_rms = tl.rsqrt(tl.reduce(tl.where(diagonal, gram, 0.0), 1, _add) / K + eps)[:, None]
+            inv_rms = tl.rsqrt(tl.reduce(tl.where(diagonal, gram, 0.0), 1, add) / K + eps)[:, None]
             out = out * inv_rms
             if GATED:
                 up = up * inv_rms
@@ -150,7 +150,3 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, r_ptr, M, N, stride_xm
         tl.store(base + rm[:, None].to(tl.int64) * N + rn[None, :], out, mask=mask)
 
 
-@triton.jit
-def _add(a, b):
-    """tl.reduce's combine function for a sum (tl.sum itself is one of triton.language's @triton.jit helpers)."""
-    return a + b

@@ -1,7 +1,7 @@
 """Gumbel-max in one kernel: the noise of engine.sampling.gumbel_noise (the same hash of seed, position and token
-id, the same float32 steps, libdevice's log as torch's) added to the warped log-probabilities and reduced to each
-block's best, instead of some sixty small elementwise kernels over the row (docs/performance.md, "Sampling on
-the candidates").
+id, the same float32 steps) added to the warped log-probabilities and reduced to each block's best, instead of
+some sixty small elementwise kernels over the row. On the H200 it picks the tokens the torch ops pick
+(docs/performance.md, "Sampling on the candidates; plain steps with a drafter loaded").
 
 Imported on first use by engine.sampling, so importing flashdraft never needs Triton.
 """

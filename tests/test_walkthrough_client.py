@@ -24,10 +24,10 @@ def test_sends_the_walkthrough_requests_and_prints_the_servers_figures(capsys):
     assert all(b["max_tokens"] == 1200 and b["temperature"] == 0.7 and b["top_k"] == 64 and b["top_p"] == 0.95
                for b in bodies)
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["prompt", "tokens", "tok/s", "drafted", "accepted", "rate"]
-    # the stub: 1200 tokens in 25 ms each (40 tok/s), 14 proposed and 6 accepted per 9 tokens
-    assert lines[1].split() == ["task-store", "1200", "40.0", str(14 * 1200 // 9), str(6 * 1200 // 9), "42.9%"]
-    assert lines[-1].split()[:3] == ["all", "3600", "40.0"]
+    assert lines[0].split() == ["prompt", "tokens", "tok/s", "drafted", "accepted", "rate", "prompt", "ms"]
+    # the stub: 1200 tokens in 25 ms each (40 tok/s), 14 proposed and 6 accepted per 9 tokens, the prompt in 3 ms
+    assert lines[1].split() == ["task-store", "1200", "40.0", str(14 * 1200 // 9), str(6 * 1200 // 9), "42.9%", "3.0"]
+    assert lines[-1].split()[:3] == ["all", "3600", "40.0"] and lines[-1].split()[-1] == "9.0"
 
 
 def test_an_error_reply_is_printed_and_fails(capsys):

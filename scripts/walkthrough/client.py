@@ -2,7 +2,8 @@
 
 Sends each prompt to /v1/chat/completions as the walkthrough does (max_tokens 1200, temperature 0.7, top-k 64,
 top-p 0.95, min-p 0) and prints, per prompt and in all, the server's own figures from llama.cpp's `timings`:
-tokens generated, decode tok/s, and the drafter's proposed / accepted tokens. The requests use only llama-server's
+tokens generated, decode tok/s, the drafter's proposed / accepted tokens, and the prompt's processing time (the
+first request's shows what a server start leaves to the first request). The requests use only llama-server's
 API, so the same client measures flashdraft or llama-server.
 
     flashdraft serve --spec-type dflash -c 32768 --temp 0.7 --top-k 64 --top-p 0.95 --min-p 0.0 --port 8080
@@ -34,7 +35,8 @@ def row(name: str, t: dict) -> str:
     drafted, accepted = t.get("draft_n", 0), t.get("draft_n_accepted", 0)
     rate = f"{100 * accepted / drafted:.1f}%" if drafted else "-"
     speed = 1000 * t["predicted_n"] / t["predicted_ms"] if t["predicted_ms"] else 0.0
-    return f"{name:<12} {t['predicted_n']:>6} {speed:>9.1f} {drafted:>8} {accepted:>9} {rate:>7}"
+    prompt = f"{t['prompt_ms']:.1f}" if t.get("prompt_ms") is not None else "-"
+    return f"{name:<12} {t['predicted_n']:>6} {speed:>9.1f} {drafted:>8} {accepted:>9} {rate:>7} {prompt:>10}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", default=None)
     p.add_argument("--timeout", type=float, default=600, help="seconds per request (default 600)")
     args = p.parse_args(argv)
-    print(f"{'prompt':<12} {'tokens':>6} {'tok/s':>9} {'drafted':>8} {'accepted':>9} {'rate':>7}")
-    total = {"predicted_n": 0, "predicted_ms": 0.0, "draft_n": 0, "draft_n_accepted": 0}
+    print(f"{'prompt':<12} {'tokens':>6} {'tok/s':>9} {'drafted':>8} {'accepted':>9} {'rate':>7} {'prompt ms':>10}")
+    total = {"predicted_n": 0, "predicted_ms": 0.0, "draft_n": 0, "draft_n_accepted": 0, "prompt_ms": 0.0}
     for name, prompt in PROMPTS.items():
         try:
             reply = ask(args.url, prompt, args.max_tokens, args.api_key, args.timeout)

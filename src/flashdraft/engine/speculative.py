@@ -309,10 +309,7 @@ class SpeculativeDecoder:
         rows of committed positions are right, those past the tokens are never reused)."""
         if seq.state is None:
             return
-        rows, start = int(seq.state.ctx_rows), int(seq.state.start)
-        if rows:
-            self.drafter.add_context(seq.state.ctx_taps[:rows], self._positions(start - rows, rows), seq.draft_cache)
-            seq.state.ctx_rows.zero_()
+        self._project_context(seq, exact=True)
         seq.projected, seq.waiting = len(seq.tokens) - 1, 0
 
     def _clamp(self, n: int) -> int:
@@ -338,12 +335,14 @@ class SpeculativeDecoder:
 
     # -- the passes of a step, each reading and advancing the sequence's device state ---------------------------
 
-    def _project_context(self, seq: Sequence) -> None:
-        """Project the rows waiting in the device state into the drafter cache. Eagerly only the real rows (the
-        host reads their count, with nothing to wait for); captured, all B rows, a fixed shape, the padding
+    def _project_context(self, seq: Sequence, exact: bool | None = None) -> None:
+        """Project the rows waiting in the device state into the drafter cache. Exact (eagerly, the default):
+        only the real rows, their count read on the host; else (captured) all B rows, a fixed shape, the padding
         landing on positions from the start on, which the block pass or a later step writes first."""
         state, B = seq.state, self.block_size
-        if self.graphs is None:
+        if exact is None:
+            exact = self.graphs is None
+        if exact:
             rows = int(state.ctx_rows)
             if rows:
                 self.drafter.add_context(state.ctx_taps[:rows], self._positions(state.start - rows, rows),
@@ -358,15 +357,15 @@ class SpeculativeDecoder:
         eagerly MAX_WAITING_ROWS."""
         return self.block_size if self.graphs is not None else MAX_WAITING_ROWS
 
-    def _projects(self, seq: Sequence, rows: int) -> bool:
-        """Whether a step that does not run the drafter, committing up to `rows` tokens, projects the waiting
-        context rows first: when its rows could take them past _waiting_limit()."""
-        return self.drafter is not None and seq.waiting + rows > self._waiting_limit()
-
-    def _note_waiting(self, seq: Sequence, rows: int, projected: bool) -> None:
-        """A step that commits up to `rows` tokens was launched, projecting the waiting rows first or not."""
-        if self.drafter is not None:
-            seq.waiting = (0 if projected else seq.waiting) + rows
+    def _step_projects(self, seq: Sequence, rows: int, drafts: bool) -> bool:
+        """Whether a step committing up to `rows` tokens projects the context rows waiting before it: a drafting
+        step always (its draft pass does), another when its rows could take them past _waiting_limit(). Notes
+        in seq.waiting what the step leaves waiting."""
+        if self.drafter is None:
+            return False
+        projects = drafts or seq.waiting + rows > self._waiting_limit()
+        seq.waiting = (0 if projects else seq.waiting) + rows
+        return projects
 
     def _draft_pass(self, seq: Sequence, n: int, kv_len: int, candidates: int = 1) -> torch.Tensor:
         """Project the waiting context rows, run the block: the drafter's greedy guesses for block slots 1..n
@@ -429,8 +428,7 @@ class SpeculativeDecoder:
             step = self._host_step(seq, n, lookup)
             return Launched(drafted=step.drafted, done=step, launched_at=began)
         T = n + 1 if n > 0 else self._plain_rows()
-        project = n > 0 or self._projects(seq, 1)
-        self._note_waiting(seq, n + 1, project)
+        project = self._step_projects(seq, n + 1, drafts=n > 0)
         # The start position is known on the device only; graphs are chosen for the furthest it can be (reading
         # more cache rows than needed is harmless: the position mask hides them).
         start_max = len(seq.tokens) - 1 + seq.in_flight
@@ -476,7 +474,7 @@ class SpeculativeDecoder:
             launched.event.synchronize()
         n = launched.drafted
         seq.in_flight -= n + 1
-        if self.drafter is not None and launched.projected:  # the context up to the step's start
+        if launched.projected:  # the context up to the step's start
             seq.projected = len(seq.tokens) - 1
         seconds = launched.began.elapsed_time(launched.event) / 1000 if launched.began is not None else None
         return self._commit(seq, launched.host[:n + 2].tolist(), n, seconds)
@@ -528,9 +526,8 @@ class SpeculativeDecoder:
             # host's work then overlaps (and taken now, as the verify graph may reuse their memory).
             fetch = self._copy_to_host(guesses)
         tokens = torch.cat([state.last, guesses]) if n > 0 else state.last.expand(self._plain_rows())
-        project = not drafted and self._projects(seq, n + 1)
-        self._note_waiting(seq, n + 1, drafted or project)
-        logits, taps = self.target_pass(seq, tokens, start, project=project)
+        projects = self._step_projects(seq, n + 1, drafts=drafted)
+        logits, taps = self.target_pass(seq, tokens, start, project=projects and not drafted)
         logits = logits[:n + 1]
         rows = processor.process(logits, fetch() if fetch else chosen or []) if params.processes_logits else logits
         samples = sample_tokens(rows, params, state.key, self._positions(start + 1, n + 1))

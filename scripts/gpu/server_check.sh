@@ -2,10 +2,13 @@
 # Issue #24's server check: the walkthrough's client (three code prompts, T 0.7 / top-k 64 / top-p 0.95) against
 # `flashdraft serve` with the walkthrough's flags on the embedded demo pair, with the drafter and without
 # (--spec-type none); `flashdraft bench --url` (streamed: time to first token, tok/s) against each; and the same
-# prompts and sampling in process, for the server-vs-engine ratio. One device call (carry .whl: fastapi, uvicorn,
-# starlette, pydantic and what they need; device/README.md):
+# prompts and sampling in process, for the server-vs-engine ratio; time to first token for new prompts of 100 and
+# more tokens from the first request on (scripts/gpu/ttft_check.py), through the server and in process. Then the
+# same first-token check on a Qwen3-8B-shaped bf16 GGUF (random weights, written by the llamacpp-bench folder's
+# make_gguf.py: copy it to .llamacpp-bench/ and carry that; SYNTH=0 skips this part). One device call (carry .whl:
+# fastapi, uvicorn, starlette, pydantic and what they need; device/README.md):
 #     bash scripts/gpu/server_check.sh            # N=300 tokens a reply, CTX=32768
-#     N=32 CTX=2048 bash scripts/gpu/server_check.sh   # a quick run, also on a CPU
+#     N=32 CTX=2048 SYNTH_SHAPE=tiny-qwen3 SYNTH_VOCAB=512 bash scripts/gpu/server_check.sh   # a quick run, also on a CPU
 # Logs and JSON go to $OUT.
 set -u
 if ! python -c "import fastapi, uvicorn" 2> /dev/null && ls .whl/*.whl > /dev/null 2>&1; then
@@ -20,19 +23,32 @@ OUT=${OUT:-/tmp/out}
 N=${N:-300}
 CTX=${CTX:-32768}
 PORT=${PORT:-8093}
+SYNTH=${SYNTH:-1}
+SYNTH_SHAPE=${SYNTH_SHAPE:-qwen3-8b}
+SYNTH_VOCAB=${SYNTH_VOCAB:-151936}  # the file's vocabulary (make_gguf.py sizes it to the embedding)
+LENGTHS=${LENGTHS:-100,100,100,37,250,512}
 mkdir -p "$OUT"
 SAMPLING="--temp 0.7 --top-k 64 --top-p 0.95 --min-p 0.0"
 URL="http://127.0.0.1:$PORT"
-for spec in dflash none; do
+serve() {  # serve NAME ARGS...: start `flashdraft serve ARGS` and wait until it answers /health
+  local name=$1; shift
   started=$SECONDS
-  python -m flashdraft.cli serve --spec-type $spec -c "$CTX" $SAMPLING --port "$PORT" > "$OUT/serve_$spec.log" 2>&1 &
+  python -m flashdraft.cli serve "$@" --port "$PORT" > "$OUT/serve_$name.log" 2>&1 &
   pid=$!
   until python -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" "$URL/health" \
       2> /dev/null; do
-    if ! kill -0 $pid 2> /dev/null; then echo "serve ($spec) exited" >&2; tail -20 "$OUT/serve_$spec.log" >&2; exit 1; fi
+    if ! kill -0 $pid 2> /dev/null; then echo "serve ($name) exited" >&2; tail -20 "$OUT/serve_$name.log" >&2; exit 1; fi
     sleep 0.5
   done
-  echo "$spec: ready (loaded and warmed up) after $((SECONDS - started)) s" | tee "$OUT/client_$spec.txt"
+  echo "$name: ready (loaded and warmed up) after $((SECONDS - started)) s" | tee "$OUT/client_$name.txt"
+}
+seed=0
+for spec in dflash none; do
+  serve $spec --spec-type $spec -c "$CTX" $SAMPLING
+  seed=$((seed + 1))
+  echo "time to first token, new prompts (through the server):" | tee -a "$OUT/client_$spec.txt"
+  python scripts/gpu/ttft_check.py --url "$URL" --lengths "$LENGTHS" --seed $seed --json "$OUT/ttft_server_$spec.json" \
+    | tee -a "$OUT/client_$spec.txt"
   python scripts/walkthrough/client.py --url "$URL" --max-tokens "$N" | tee -a "$OUT/client_$spec.txt"
   python -m flashdraft.cli bench --url "$URL" --prompts code $SAMPLING -n "$N" --reps 2 --json \
     > "$OUT/bench_url_$spec.json" 2> "$OUT/bench_url_$spec.log"
@@ -42,3 +58,22 @@ done
 python -m flashdraft.cli bench --prompts code $SAMPLING -n "$N" --reps 2 -c "$CTX" --json > "$OUT/bench_inprocess.json" \
   2> "$OUT/bench_inprocess.log"
 tail -8 "$OUT/bench_inprocess.log"
+demo=src/flashdraft/demo
+for spec in dflash none; do
+  echo "time to first token, new prompts (in process, $spec):"
+  drafter=(); [ $spec = dflash ] && drafter=(--drafter $demo/drafter)
+  python scripts/gpu/ttft_check.py --model $demo/target "${drafter[@]}" -c "$CTX" --lengths "$LENGTHS" --seed 9 --json "$OUT/ttft_inprocess_$spec.json" 2>&1 | tee "$OUT/ttft_inprocess_$spec.txt"
+done
+if [ "$SYNTH" = 1 ]; then
+  file=/tmp/$SYNTH_SHAPE-bf16.gguf
+  python .llamacpp-bench/make_gguf.py --shape "$SYNTH_SHAPE" --type bf16 -o "$file" | tail -1 || exit 1
+  serve synthetic -m "$file" --spec-type none -c 8192
+  echo "time to first token, new prompts ($SYNTH_SHAPE bf16 GGUF, through the server):" | tee -a "$OUT/client_synthetic.txt"
+  python scripts/gpu/ttft_check.py --url "$URL" --lengths "$LENGTHS" --vocab "$SYNTH_VOCAB" --seed 11 \
+    --json "$OUT/ttft_server_synthetic.json" | tee -a "$OUT/client_synthetic.txt"
+  kill $pid; wait $pid 2> /dev/null
+  echo "time to first token, new prompts ($SYNTH_SHAPE bf16 GGUF, in process):"
+  python scripts/gpu/ttft_check.py --model "$file" -c 8192 --lengths "$LENGTHS" --seed 12 \
+    --json "$OUT/ttft_inprocess_synthetic.json" 2>&1 | tee "$OUT/ttft_inprocess_synthetic.txt"
+  rm -f "$file"
+fi

@@ -1,4 +1,4 @@
-"""Incremental detokenization (flashdraft.engine.detokenize): always the text a full decode gives, for a
+"""Incremental detokenization (flashdraft.loading.tokenizer.IncrementalText): always the text a full decode gives, for a
 byte-level BPE (characters split over tokens) and a SentencePiece-style decoder (the first token's space
 dropped), at a cost that does not grow with the output."""
 import random
@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models
 
-from flashdraft.engine.detokenize import IncrementalText
+from flashdraft.loading.tokenizer import IncrementalText
 from flashdraft.loading.tokenizer import Tokenizer
 
 DEMO = Path(__file__).resolve().parents[1] / "src" / "flashdraft" / "demo" / "target"

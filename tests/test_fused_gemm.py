@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 
 from triton_interpreter import interpret_without_gpu  # noqa: E402
 
-from flashdraft.layers import functional  # noqa: E402
+from flashdraft.layers import elementwise  # noqa: E402
 from flashdraft.layers import skinny_gemm as sg  # noqa: E402
 
 interpret_without_gpu("flashdraft.layers._skinny_triton", sg._kernels)
@@ -122,8 +122,8 @@ def test_fold_norm_weight():
     x, w, nw = torch.randn(4, 64, generator=g), torch.randn(24, 64, generator=g), 1 + torch.rand(64, generator=g)
     folded = w.clone()
     sg.fold_norm_weight(folded, nw)
-    torch.testing.assert_close(F.linear(functional.rms_norm(x, torch.ones(64), EPS), folded),
-                               F.linear(functional.rms_norm(x, nw, EPS), w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(F.linear(elementwise.rms_norm(x, torch.ones(64), EPS), folded),
+                               F.linear(elementwise.rms_norm(x, nw, EPS), w), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(folded, w)
 
 

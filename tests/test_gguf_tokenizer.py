@@ -11,7 +11,7 @@ import gguf
 import pytest
 
 from flashdraft.config import ConfigError
-from flashdraft.engine.detokenize import IncrementalText
+from flashdraft.loading.tokenizer import IncrementalText
 from flashdraft.loading.gguf import GGUFFile, GGUFTokenizer
 from flashdraft.loading.gguf_tokenizer import (BYTE_TOKEN, CONTROL_TOKEN, NORMAL_TOKEN, UNKNOWN_TOKEN, UNUSED_TOKEN,
                                                USER_DEFINED_TOKEN)

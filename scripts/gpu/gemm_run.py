@@ -190,7 +190,7 @@ def stage_model_invariance() -> dict:
 
 def op_invariance(dev) -> dict:
     """Which non-GEMM ops of a layer give a row different bits at T = 16 than at T = 1 (Qwen3-8B sizes)."""
-    from flashdraft.layers import functional
+    from flashdraft.layers import elementwise
     g = torch.Generator(device=dev).manual_seed(1)
     x = torch.randn(16, 4096, device=dev, generator=g, dtype=torch.bfloat16)
     w = torch.rand(4096, device=dev, generator=g, dtype=torch.bfloat16)
@@ -199,7 +199,7 @@ def op_invariance(dev) -> dict:
         full = f(inp)
         return sum(torch.equal(f(split(inp, i)), split(full, i)) for i in range(16))
 
-    norm = lambda t: functional.rms_norm(t, w, 1e-6)  # noqa: E731
+    norm = lambda t: elementwise.rms_norm(t, w, 1e-6)  # noqa: E731
     res = {"rms_norm eager": rows_equal(norm, x),
            "rms_norm compiled": rows_equal(torch.compile(norm, dynamic=True), x)}
     q = torch.randn(32, 16, 128, device=dev, generator=g, dtype=torch.bfloat16)

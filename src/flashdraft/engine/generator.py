@@ -11,7 +11,7 @@ from typing import Iterator, Protocol
 
 from flashdraft.config import Constraint, SamplingParams
 from flashdraft.engine.adaptive import AdaptiveDraft
-from flashdraft.engine.detokenize import IncrementalText
+from flashdraft.loading.tokenizer import IncrementalText
 from flashdraft.engine.grammar import GrammarCompiler
 from flashdraft.engine.logit_processor import TokenLogprob
 from flashdraft.engine.model_prep import resolve_plan

@@ -9,8 +9,8 @@ negated: no shuffle of registers, and the second load hits the cache), RMS-norma
 applies RoPE and stores a query head into q, or a key head and the raw value head into the caches at row
 positions[t]. Nothing depends on T, so a token's outputs are the same bits whatever else goes through.
 
-Arithmetic is float32 with a rounding to the tensor dtype wherever the eager torch path (functional.rms_norm,
-functional.rope) rounds: after the float32 normalization, after the weight product, after cos/sin are cast, after
+Arithmetic is float32 with a rounding to the tensor dtype wherever the eager torch path (elementwise.rms_norm,
+elementwise.rope) rounds: after the float32 normalization, after the weight product, after cos/sin are cast, after
 each RoPE product and after the RoPE sum. A product of two bf16/fp16 values is exact in float32, so each step
 rounds exactly as torch's bf16/fp16 op does. The launcher switches off FMA contraction, which would fuse a product
 and a sum into one rounding that the eager path does not make (the float32 case's RoPE, the mean of squares).

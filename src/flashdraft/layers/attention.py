@@ -7,10 +7,9 @@ from torch import nn
 from flashdraft.config import ModelConfig
 from flashdraft.layers import decode_attention as attention_kernel
 from flashdraft.layers.decode_attention import decode_attention
-from flashdraft.layers.norm import RMSNorm
+from flashdraft.layers.elementwise import RMSNorm, apply_rope
 from flashdraft.layers.plan import LayerPlan
 from flashdraft.layers.qkv_prep import qkv_prep
-from flashdraft.layers.rope import apply_rope
 from flashdraft.layers.skinny_gemm import Linear, linear, skinny_linear
 from flashdraft.quant.kv_formats import read_rows, write_rows
 

@@ -39,7 +39,7 @@ import functools
 
 import torch
 
-from flashdraft.layers import functional
+from flashdraft.layers import elementwise
 
 HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two (one tl.arange spans a head)
 
@@ -138,15 +138,15 @@ def qkv_prep_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
                        cache_k: torch.Tensor, cache_v: torch.Tensor, n_heads: int, n_kv: int,
                        q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
                        eps: float = 1e-6) -> torch.Tensor:
-    """qkv_prep in plain torch, the steps of Attention.forward's module path (the tests' reference): split, per-head functional.rms_norm, functional.rope, index_copy_ into the caches."""
+    """qkv_prep in plain torch, the steps of Attention.forward's module path (the tests' reference): split, per-head elementwise.rms_norm, elementwise.rope, index_copy_ into the caches."""
     hd = _head_dim(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight)
     q, k, v = qkv.split([n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
 
     def rotated(x: torch.Tensor, heads: int, weight: torch.Tensor | None) -> torch.Tensor:
         x = x.unflatten(-1, (heads, hd))
         if weight is not None:
-            x = functional.rms_norm(x, weight, eps)
-        return functional.rope(x, cos.unsqueeze(-2), sin.unsqueeze(-2))  # [T, heads, hd]
+            x = elementwise.rms_norm(x, weight, eps)
+        return elementwise.rope(x, cos.unsqueeze(-2), sin.unsqueeze(-2))  # [T, heads, hd]
 
     cache_k.index_copy_(1, positions, rotated(k, n_kv, k_norm_weight).transpose(0, 1))
     cache_v.index_copy_(1, positions, v.unflatten(-1, (n_kv, hd)).transpose(0, 1))

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from flashdraft.config import ConfigError, DrafterConfig, ModelConfig
-from flashdraft.layers.rope import RotaryEmbedding
+from flashdraft.layers import RotaryEmbedding
 from flashdraft.loading.checkpoint import CheckpointError
 from flashdraft.loading.gguf import FLOAT_TYPES, GGUFFile, f32, single_value
 from flashdraft.models.drafter import DFlashDrafter

@@ -1,10 +1,44 @@
+"""The decoder's elementwise pieces: RMSNorm, RoPE and SwiGLU as plain functions (inlined and fused when a layer
+is torch.compile'd), and the small modules that hold their weights and tables."""
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from flashdraft.config import ConfigError, ModelConfig
-from flashdraft.layers import functional
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 and cast back, as the HF Qwen3/Llama reference does."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE; cos/sin are float32 tables cast to x's dtype first, as HF does."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back, as the HF Qwen3/Llama reference does."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
 
 
 def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -47,4 +81,4 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [heads, T, head_dim]; cos/sin: [T, head_dim] in float32 (cast to x's dtype as HF does)."""
-    return functional.rope(x, cos, sin)
+    return rope(x, cos, sin)

@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# Issue #24's server check: the walkthrough's client (three code prompts, T 0.7 / top-k 64 / top-p 0.95) against
-# `flashdraft serve` with the walkthrough's flags on the embedded demo pair, with the drafter and without
-# (--spec-type none); `flashdraft bench --url` (streamed: time to first token, tok/s) against each; and the same
-# prompts and sampling in process, for the server-vs-engine ratio; time to first token for new prompts of 100 and
-# more tokens from the first request on (scripts/gpu/ttft_check.py), through the server and in process. Then the
-# same first-token check on a Qwen3-8B-shaped bf16 GGUF (random weights, written by the llamacpp-bench folder's
-# make_gguf.py: copy it to .llamacpp-bench/ and carry that; SYNTH=0 skips this part). One device call (carry .whl:
-# fastapi, uvicorn, starlette, pydantic and what they need; device/README.md):
-#     bash scripts/gpu/server_check.sh            # N=300 tokens a reply, CTX=32768
-#     N=32 CTX=2048 SYNTH_SHAPE=tiny-qwen3 SYNTH_VOCAB=512 bash scripts/gpu/server_check.sh   # a quick run, also on a CPU
+# The server checks of issues #24 and #21, one device call per phase (carry .whl: fastapi, uvicorn, starlette,
+# pydantic and what they need, device/README.md; and for `synthetic`, .llamacpp-bench/: a copy of the llamacpp-bench
+# folder, for make_gguf.py):
+#   demo (default)  the walkthrough's client (three code prompts, T 0.7 / top-k 64 / top-p 0.95) against
+#                   `flashdraft serve` with the walkthrough's flags on the embedded demo pair, with the drafter and
+#                   without (--spec-type none); `flashdraft bench --url` (streamed: time to first token, tok/s)
+#                   against each; the same prompts and sampling in process, for the server-vs-engine ratio; time to
+#                   first token for new prompts of 100 and more tokens from the first request on
+#                   (scripts/gpu/ttft_check.py), through the server and in process; n-gram drafting in process on
+#                   the agent prompts (#21)
+#   synthetic       a Qwen3-8B-shaped bf16 GGUF (random weights, written by make_gguf.py) served with -c 32768: the
+#                   same first-token check through the server and in process, and a 5-turn conversation of 6000 new
+#                   tokens a turn (30K tokens by the last) with its cold prefill (#21)
+#     bash scripts/gpu/server_check.sh demo            # N=300 tokens a reply, CTX=32768
+#     N=32 CTX=2048 bash scripts/gpu/server_check.sh demo   # a quick run, also on a CPU
+#     SYNTH_SHAPE=tiny-qwen3 SYNTH_VOCAB=512 TURN_TOKENS=300 bash scripts/gpu/server_check.sh synthetic   # CPU
 # Logs and JSON go to $OUT.
 set -u
 if ! python -c "import fastapi, uvicorn" 2> /dev/null && ls .whl/*.whl > /dev/null 2>&1; then
@@ -23,7 +29,8 @@ OUT=${OUT:-/tmp/out}
 N=${N:-300}
 CTX=${CTX:-32768}
 PORT=${PORT:-8093}
-SYNTH=${SYNTH:-1}
+PHASE=${1:-demo}
+TURN_TOKENS=${TURN_TOKENS:-6000}
 SYNTH_SHAPE=${SYNTH_SHAPE:-qwen3-8b}
 SYNTH_VOCAB=${SYNTH_VOCAB:-151936}  # the file's vocabulary (make_gguf.py sizes it to the embedding)
 LENGTHS=${LENGTHS:-100,100,100,37,250,512}
@@ -42,38 +49,52 @@ serve() {  # serve NAME ARGS...: start `flashdraft serve ARGS` and wait until it
   done
   echo "$name: ready (loaded and warmed up) after $((SECONDS - started)) s" | tee "$OUT/client_$name.txt"
 }
-seed=0
-for spec in dflash none; do
-  serve $spec --spec-type $spec -c "$CTX" $SAMPLING
-  seed=$((seed + 1))
-  echo "time to first token, new prompts (through the server):" | tee -a "$OUT/client_$spec.txt"
-  python scripts/gpu/ttft_check.py --url "$URL" --lengths "$LENGTHS" --seed $seed --json "$OUT/ttft_server_$spec.json" \
-    | tee -a "$OUT/client_$spec.txt"
-  python scripts/walkthrough/client.py --url "$URL" --max-tokens "$N" | tee -a "$OUT/client_$spec.txt"
-  python -m flashdraft.cli bench --url "$URL" --prompts code $SAMPLING -n "$N" --reps 2 --json \
-    > "$OUT/bench_url_$spec.json" 2> "$OUT/bench_url_$spec.log"
-  tail -8 "$OUT/bench_url_$spec.log"
-  kill $pid; wait $pid 2> /dev/null
-done
-python -m flashdraft.cli bench --prompts code $SAMPLING -n "$N" --reps 2 -c "$CTX" --json > "$OUT/bench_inprocess.json" \
-  2> "$OUT/bench_inprocess.log"
-tail -8 "$OUT/bench_inprocess.log"
-demo=src/flashdraft/demo
-for spec in dflash none; do
-  echo "time to first token, new prompts (in process, $spec):"
-  drafter=(); [ $spec = dflash ] && drafter=(--drafter $demo/drafter)
-  python scripts/gpu/ttft_check.py --model $demo/target "${drafter[@]}" -c "$CTX" --lengths "$LENGTHS" --seed 9 --json "$OUT/ttft_inprocess_$spec.json" 2>&1 | tee "$OUT/ttft_inprocess_$spec.txt"
-done
-if [ "$SYNTH" = 1 ]; then
-  file=/tmp/$SYNTH_SHAPE-bf16.gguf
-  python .llamacpp-bench/make_gguf.py --shape "$SYNTH_SHAPE" --type bf16 -o "$file" | tail -1 || exit 1
-  serve synthetic -m "$file" --spec-type none -c 8192
-  echo "time to first token, new prompts ($SYNTH_SHAPE bf16 GGUF, through the server):" | tee -a "$OUT/client_synthetic.txt"
-  python scripts/gpu/ttft_check.py --url "$URL" --lengths "$LENGTHS" --vocab "$SYNTH_VOCAB" --seed 11 \
-    --json "$OUT/ttft_server_synthetic.json" | tee -a "$OUT/client_synthetic.txt"
-  kill $pid; wait $pid 2> /dev/null
-  echo "time to first token, new prompts ($SYNTH_SHAPE bf16 GGUF, in process):"
-  python scripts/gpu/ttft_check.py --model "$file" -c 8192 --lengths "$LENGTHS" --seed 12 \
-    --json "$OUT/ttft_inprocess_synthetic.json" 2>&1 | tee "$OUT/ttft_inprocess_synthetic.txt"
-  rm -f "$file"
-fi
+case "$PHASE" in
+  demo)
+    seed=0
+    for spec in dflash none; do
+      serve $spec --spec-type $spec -c "$CTX" $SAMPLING
+      seed=$((seed + 1))
+      echo "time to first token, new prompts (through the server):" | tee -a "$OUT/client_$spec.txt"
+      python scripts/gpu/ttft_check.py --url "$URL" --lengths "$LENGTHS" --seed $seed \
+        --json "$OUT/ttft_server_$spec.json" | tee -a "$OUT/client_$spec.txt"
+      python scripts/walkthrough/client.py --url "$URL" --max-tokens "$N" | tee -a "$OUT/client_$spec.txt"
+      python -m flashdraft.cli bench --url "$URL" --prompts code $SAMPLING -n "$N" --reps 2 --json \
+        > "$OUT/bench_url_$spec.json" 2> "$OUT/bench_url_$spec.log"
+      tail -8 "$OUT/bench_url_$spec.log"
+      kill $pid; wait $pid 2> /dev/null
+    done
+    python -m flashdraft.cli bench --prompts code $SAMPLING -n "$N" --reps 2 -c "$CTX" --json \
+      > "$OUT/bench_inprocess.json" 2> "$OUT/bench_inprocess.log"
+    tail -8 "$OUT/bench_inprocess.log"
+    demo=src/flashdraft/demo
+    for spec in dflash none; do
+      echo "time to first token, new prompts (in process, $spec):"
+      drafter=(); [ $spec = dflash ] && drafter=(--drafter $demo/drafter)
+      python scripts/gpu/ttft_check.py --model $demo/target "${drafter[@]}" -c "$CTX" --lengths "$LENGTHS" --seed 9 \
+        --json "$OUT/ttft_inprocess_$spec.json" 2>&1 | tee "$OUT/ttft_inprocess_$spec.txt"
+    done
+    for spec in ngram dflash+ngram; do
+      python -m flashdraft.cli bench --spec-type $spec --prompts agent -n 128 --reps 2 -c "$CTX" --json \
+        > "$OUT/bench_agent_$spec.json" 2> "$OUT/bench_agent_$spec.log"
+      tail -6 "$OUT/bench_agent_$spec.log"
+    done
+    ;;
+  synthetic)
+    file=/tmp/$SYNTH_SHAPE-bf16.gguf
+    python .llamacpp-bench/make_gguf.py --shape "$SYNTH_SHAPE" --type bf16 -o "$file" | tail -1 || exit 1
+    serve synthetic -m "$file" --spec-type none -c 32768
+    echo "time to first token, new prompts ($SYNTH_SHAPE bf16 GGUF, through the server):" | tee -a "$OUT/client_synthetic.txt"
+    python scripts/gpu/ttft_check.py --url "$URL" --lengths "$LENGTHS" --vocab "$SYNTH_VOCAB" --seed 11 \
+      --json "$OUT/ttft_server_synthetic.json" | tee -a "$OUT/client_synthetic.txt"
+    echo "a 5-turn conversation, $TURN_TOKENS new tokens a turn, then its cold prefill:" | tee -a "$OUT/client_synthetic.txt"
+    python scripts/gpu/ttft_check.py --url "$URL" --turns 5 --turn-tokens "$TURN_TOKENS" --reply-tokens 64 \
+      --vocab "$SYNTH_VOCAB" --seed 13 --json "$OUT/turns_synthetic.json" | tee -a "$OUT/client_synthetic.txt"
+    kill $pid; wait $pid 2> /dev/null
+    echo "time to first token, new prompts ($SYNTH_SHAPE bf16 GGUF, in process):"
+    python scripts/gpu/ttft_check.py --model "$file" -c 32768 --lengths "$LENGTHS" --seed 12 \
+      --json "$OUT/ttft_inprocess_synthetic.json" 2>&1 | tee "$OUT/ttft_inprocess_synthetic.txt"
+    rm -f "$file"
+    ;;
+  *) echo "usage: $0 demo|synthetic" >&2; exit 2 ;;
+esac

@@ -3,11 +3,15 @@
 Each request is a prompt of random token ids no request before it began with (so no prefix is reused), and
 one generated token. Two ways, to compare:
     python scripts/gpu/ttft_check.py --url http://127.0.0.1:8080 --lengths 100,100,37,250
-        a running server: /v1/completions, streamed, the prompt as token ids; the time to the first event,
+        a running server: llama-server's /completion, streamed, the prompt as token ids; the time to the first event,
         beside the server's own prompt_ms
     python scripts/gpu/ttft_check.py --model PATH [--drafter PATH] --lengths 100,100,37,250
         in process: Engine.load, warmed up as `flashdraft serve` warms up, then the same prompts (prefill and
         the first token, to the host)
+    python scripts/gpu/ttft_check.py --url URL --turns 5 --turn-tokens 6000 --reply-tokens 64
+        a conversation (issue #21): each turn's prompt is the last turn's prompt, its reply and turn-tokens new
+        tokens, sent with cache_prompt on; then the last turn's prompt once more with another first token (nothing
+        reusable: a cold prefill of the whole conversation). Per turn: time to first token, prompt_n, cache_n
 --json FILE keeps the rows. The server's figure includes HTTP and the scheduler; the in-process one is the
 prefill alone: their ratio is what the server adds to a first token.
 """
@@ -28,11 +32,12 @@ def prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
     return [[first] + [rng.randrange(10, vocab) for _ in range(n - 1)] for first, n in zip(firsts, lengths)]
 
 
-def over_http(url: str, ids: list[int], timeout: float) -> dict:
-    body = {"prompt": ids, "max_tokens": 1, "stream": True, "temperature": 0, "cache_prompt": False}
-    request = urllib.request.Request(f"{url.rstrip('/')}/v1/completions", json.dumps(body).encode(),
+def over_http(url: str, ids: list[int], timeout: float, max_tokens: int = 1, cache_prompt: bool = False) -> dict:
+    body = {"prompt": ids, "n_predict": max_tokens, "stream": True, "temperature": 0, "cache_prompt": cache_prompt,
+            "return_tokens": True}
+    request = urllib.request.Request(f"{url.rstrip('/')}/completion", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
-    started, first, timings = time.perf_counter(), None, {}
+    started, first, timings, reply = time.perf_counter(), None, {}, []
     with urllib.request.urlopen(request, timeout=timeout) as response:
         for raw in response:
             line = raw.decode().strip()
@@ -42,7 +47,26 @@ def over_http(url: str, ids: list[int], timeout: float) -> dict:
                 first = 1000 * (time.perf_counter() - started)
             chunk = json.loads(line[5:])
             timings = chunk.get("timings") or timings
-    return {"ttft_ms": first, "server_prompt_ms": timings.get("prompt_ms"), "prompt_n": timings.get("prompt_n")}
+            reply += chunk.get("tokens") or []
+    return {"ttft_ms": first, "server_prompt_ms": timings.get("prompt_ms"), "prompt_n": timings.get("prompt_n"),
+            "cache_n": timings.get("cache_n"), "reply": reply}
+
+
+def conversation(url: str, turns: int, turn_tokens: int, reply_tokens: int, vocab: int, seed: int,
+                 timeout: float) -> list[dict]:
+    """A chat of `turns` turns by token ids (see the module docstring), then the cold prefill of its last prompt."""
+    rng = random.Random(seed)
+    prompt, rows = [], []
+    for turn in range(1, turns + 1):
+        prompt = prompt + [rng.randrange(10, vocab) for _ in range(turn_tokens)]
+        row = over_http(url, prompt, timeout, reply_tokens, cache_prompt=True)
+        rows.append({"turn": turn, "tokens": len(prompt), **row})
+        prompt = prompt + row.pop("reply")
+    cold = [rng.choice([t for t in range(10, 100) if t != prompt[0]])] + prompt[1:]
+    row = over_http(url, cold, timeout, 1)
+    row.pop("reply")
+    rows.append({"turn": "cold", "tokens": len(cold), **row})
+    return rows
 
 
 def in_process(model: str, drafter: str | None, ctx: int | None, lengths: list[int], seed: int
@@ -81,12 +105,30 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --url: token ids are drawn below this (default 8192; in process: the model's)")
     p.add_argument("--seed", type=int, default=0, help="the prompts' seed (use another for each server run)")
     p.add_argument("--timeout", type=float, default=120)
+    p.add_argument("--turns", type=int, default=0, help="with --url: a conversation of this many turns instead")
+    p.add_argument("--turn-tokens", type=int, default=6000, help="new prompt tokens each turn (default 6000)")
+    p.add_argument("--reply-tokens", type=int, default=64, help="tokens generated each turn (default 64)")
     p.add_argument("--json", default=None, help="write the rows to this file")
     args = p.parse_args(argv)
     lengths = [int(n) for n in args.lengths.split(",")]
+    if args.turns:
+        if not args.url:
+            p.error("--turns needs --url")
+        rows = conversation(args.url, args.turns, args.turn_tokens, args.reply_tokens, args.vocab, args.seed,
+                            args.timeout)
+        print(f"{'turn':>5} {'tokens':>7} {'ttft ms':>8} {'prompt ms':>9} {'prompt_n':>8} {'cache_n':>8}")
+        for r in rows:
+            print(f"{r['turn']:>5} {r['tokens']:>7} {r['ttft_ms']:>8.1f} {r['server_prompt_ms']:>9.1f} "
+                  f"{r['prompt_n']:>8} {r['cache_n']:>8}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"turns": rows, "url": args.url}, f, indent=1)
+        return 0
     if args.url:
         cases = prompts(lengths, args.vocab, args.seed)
         rows, meta = [over_http(args.url, ids, args.timeout) for ids in cases], {"url": args.url}
+        for row in rows:
+            row.pop("reply")
     else:
         rows, meta = in_process(args.model, args.drafter, args.ctx_size, lengths, args.seed)
         print(f"loaded in {meta['load_s']:.1f} s, warm-up {meta['warm_up_s'] or 0:.1f} s", file=sys.stderr)

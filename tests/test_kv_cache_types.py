@@ -357,7 +357,7 @@ def test_serve_takes_the_cache_type_flags(tmp_path, capsys):
                                       "--spec-dflash-cross-ctx", "1024"])
     assert settings_from_args(args).cache_options == {"cache_type_k": "q5_0", "cache_type_v": "q4_1",
                                                       "draft_cache_type_k": "q8_0", "draft_cache_type_v": "f16",
-                                                      "draft_window": 1024}
+                                                      "draft_window": 1024, "prefill_chunk": None}
     assert args.no_effect == ["-ngl 99"]  # the cache flags are not among the flags that do nothing
     assert serve_main(["-m", str(tmp_path), "-ctk", "q3_k"]) == 2
     err = capsys.readouterr().err

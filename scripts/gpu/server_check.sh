@@ -11,10 +11,12 @@
 #                   the agent prompts (#21)
 #   synthetic       a Qwen3-8B-shaped bf16 GGUF (random weights, written by make_gguf.py) served with -c 32768: the
 #                   same first-token check through the server and in process, and a 5-turn conversation of 6000 new
-#                   tokens a turn (30K tokens by the last) with its cold prefill (#21)
+#                   tokens a turn (30K tokens by the last) with its cold prefill (#21); prompts of 8K and 30K
+#                   tokens in process, in -ub's default passes and in one pass each
 #     bash scripts/gpu/server_check.sh demo            # N=300 tokens a reply, CTX=32768
 #     N=32 CTX=2048 bash scripts/gpu/server_check.sh demo   # a quick run, also on a CPU
-#     SYNTH_SHAPE=tiny-qwen3 SYNTH_VOCAB=512 TURN_TOKENS=300 bash scripts/gpu/server_check.sh synthetic   # CPU
+#     SYNTH_SHAPE=tiny-qwen3 SYNTH_VOCAB=512 TURN_TOKENS=300 LONG=1000,2000 \
+#       bash scripts/gpu/server_check.sh synthetic   # a quick run, also on a CPU
 # Logs and JSON go to $OUT.
 set -u
 if ! python -c "import fastapi, uvicorn" 2> /dev/null && ls .whl/*.whl > /dev/null 2>&1; then
@@ -31,6 +33,7 @@ CTX=${CTX:-32768}
 PORT=${PORT:-8093}
 PHASE=${1:-demo}
 TURN_TOKENS=${TURN_TOKENS:-6000}
+LONG=${LONG:-8192,30000}  # long prompts in process (synthetic): in passes (-ub's default) and in one pass each
 SYNTH_SHAPE=${SYNTH_SHAPE:-qwen3-8b}
 SYNTH_VOCAB=${SYNTH_VOCAB:-151936}  # the file's vocabulary (make_gguf.py sizes it to the embedding)
 LENGTHS=${LENGTHS:-100,100,100,37,250,512}
@@ -92,8 +95,11 @@ case "$PHASE" in
       --vocab "$SYNTH_VOCAB" --seed 13 --json "$OUT/turns_synthetic.json" | tee -a "$OUT/client_synthetic.txt"
     kill $pid; wait $pid 2> /dev/null
     echo "time to first token, new prompts ($SYNTH_SHAPE bf16 GGUF, in process):"
-    python scripts/gpu/ttft_check.py --model "$file" -c 32768 --lengths "$LENGTHS" --seed 12 \
+    python scripts/gpu/ttft_check.py --model "$file" -c 32768 --lengths "$LENGTHS,$LONG" --seed 12 \
       --json "$OUT/ttft_inprocess_synthetic.json" 2>&1 | tee "$OUT/ttft_inprocess_synthetic.txt"
+    echo "the long prompts in one pass each (-ub 32768), against the default passes above:"
+    python scripts/gpu/ttft_check.py --model "$file" -c 32768 -ub 32768 --lengths "$LONG" --seed 14 \
+      --json "$OUT/ttft_inprocess_synthetic_one_pass.json" 2>&1 | tee "$OUT/ttft_inprocess_synthetic_one_pass.txt"
     rm -f "$file"
     ;;
   *) echo "usage: $0 demo|synthetic" >&2; exit 2 ;;

@@ -69,15 +69,15 @@ def conversation(url: str, turns: int, turn_tokens: int, reply_tokens: int, voca
     return rows
 
 
-def in_process(model: str, drafter: str | None, ctx: int | None, lengths: list[int], seed: int
-               ) -> tuple[list[dict], dict]:
+def in_process(model: str, drafter: str | None, ctx: int | None, lengths: list[int], seed: int,
+               prefill_chunk: int | None = None) -> tuple[list[dict], dict]:
     import torch
 
     from flashdraft.config import SamplingParams
     from flashdraft.engine.generator import Engine
 
     started = time.perf_counter()
-    engine = Engine.load(model, drafter, context_size=ctx)
+    engine = Engine.load(model, drafter, context_size=ctx, prefill_chunk=prefill_chunk)
     loaded = time.perf_counter() - started
     warm = engine.warm_up()
     vocab = engine.decoder.target.config.vocab_size
@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--model", help="a model folder or GGUF file, in process")
     p.add_argument("--drafter", default=None, help="in process: the drafter (loaded, as a server loads it)")
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="in process: the context size")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=None, help="in process: tokens per prefill pass")
     p.add_argument("--lengths", default="100,100,100,37,250,512", help="prompt lengths in tokens, in order")
     p.add_argument("--vocab", type=int, default=8192,
                    help="with --url: token ids are drawn below this (default 8192; in process: the model's)")
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             row.pop("reply")
     else:
-        rows, meta = in_process(args.model, args.drafter, args.ctx_size, lengths, args.seed)
+        rows, meta = in_process(args.model, args.drafter, args.ctx_size, lengths, args.seed, args.ubatch_size)
         print(f"loaded in {meta['load_s']:.1f} s, warm-up {meta['warm_up_s'] or 0:.1f} s", file=sys.stderr)
     print(f"{'request':>7} {'tokens':>6} {'ttft ms':>8} {'prompt ms':>9}")
     for i, (n, row) in enumerate(zip(lengths, rows), 1):

@@ -106,8 +106,10 @@ def _positive_int(text: str) -> int:
 
 
 def add_cache_args(p: argparse.ArgumentParser) -> None:
-    """-ctk/-ctv/-ctkd/-ctvd: KV cache types (flashdraft.quant.kv_formats; an unknown type is an error naming the
-    supported ones); --spec-dflash-cross-ctx: the drafter's context window."""
+    """The flags that set what memory the caches and the prompt's passes take: -ctk/-ctv/-ctkd/-ctvd, KV cache types
+    (flashdraft.quant.kv_formats; an unknown type is an error naming the supported ones); --spec-dflash-cross-ctx,
+    the drafter's context window; -ub/--ubatch-size, the most prompt tokens a prefill pass runs."""
+    from flashdraft.config import PREFILL_CHUNK
     from flashdraft.quant.kv_formats import KV_FORMATS
     for flags, dest, whose in CACHE_TYPE_FLAGS:
         p.add_argument(*flags, dest=dest, default=None, choices=list(KV_FORMATS), metavar="TYPE",
@@ -116,11 +118,22 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
                    type=_positive_int, default=None, metavar="N",
                    help="the drafter sees only the last N committed tokens (its context cache a ring of N + block "
                         "rows), so its memory and time stay constant as the context grows (default: all of them)")
+    p.add_argument("-ub", "--ubatch-size", dest="prefill_chunk", type=_positive_int, default=None, metavar="N",
+                   help=f"a prompt runs in passes of at most N tokens, which bounds the memory a long prompt's "
+                        f"processing takes (default {PREFILL_CHUNK})")
+
+
+def given_cache_flags(args) -> list[str]:
+    """The flags of add_cache_args that were given, by name (for the modes that refuse them)."""
+    flags = [(flags[0], dest) for flags, dest, _ in CACHE_TYPE_FLAGS]
+    flags += [("--spec-dflash-cross-ctx", "draft_window"), ("-ub", "prefill_chunk")]
+    return [flag for flag, dest in flags if getattr(args, dest) is not None]
 
 
 def cache_args_from_args(args) -> dict[str, str | int | None]:
     """The cache flags as Engine.load's keyword arguments."""
-    return {**{dest: getattr(args, dest) for _, dest, _ in CACHE_TYPE_FLAGS}, "draft_window": args.draft_window}
+    return {**{dest: getattr(args, dest) for _, dest, _ in CACHE_TYPE_FLAGS}, "draft_window": args.draft_window,
+            "prefill_chunk": args.prefill_chunk}
 
 
 def resolve_model_paths(model: str | None, drafter: str | None, draft: bool = True) -> tuple[str, str | None]:

@@ -22,6 +22,12 @@ SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
 # tokens differs by at most ~20, so only a logit within 20 * 1e-5 of the top one could have won by sampling.
 GREEDY_BELOW = 1e-5
 
+# A prompt runs in passes of at most this many tokens (-ub/--ubatch-size changes it): a pass's activations, and
+# the attention mask of its rows over the cache, grow with its length, so a 32K-token prompt in one pass would
+# need gigabytes more than the model's steps (a 32K x 32K boolean mask alone is 1 GiB).
+PREFILL_CHUNK = 2048
+
+
 @dataclass
 class ModelConfig:
     """Shape and numerics of a decoder-only transformer (the target, or the drafter's layer stack)."""

@@ -12,8 +12,8 @@ import sys
 
 from tqdm import tqdm
 
-from flashdraft.cli import (CACHE_TYPE_FLAGS, add_cache_args, add_hub_refusals, add_sampling_args,
-                            cache_args_from_args, resolve_model_paths, sampling_from_args, set_threads)
+from flashdraft.cli import (add_cache_args, add_hub_refusals, add_sampling_args, cache_args_from_args,
+                            given_cache_flags, resolve_model_paths, sampling_from_args, set_threads)
 
 PROG = "flashdraft bench"
 # Timed repetitions per prompt and way: enough to see whether they agree (the table's spread), and the
@@ -70,9 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: --context must be >= 0, got {args.context}", file=sys.stderr)
         return 1
     if args.synthetic is not None:
-        cache_flags = [dest for dest, value in cache_args_from_args(args).items() if value is not None]
+        cache_flags = given_cache_flags(args)
         if cache_flags:
-            print(f"{PROG}: error: --synthetic does not take KV cache options yet ({', '.join(cache_flags)})",
+            print(f"{PROG}: error: --synthetic does not take cache or prefill options yet ({', '.join(cache_flags)})",
                   file=sys.stderr)
             return 1
         # the synthetic shapes have their models, drafter, prompt and oracle-planned draft lengths
@@ -136,7 +136,7 @@ def check_args(args) -> None:
             local.append("--spec-type")
         if args.no_adaptive:
             local.append("--no-adaptive")
-        local += [flags[0] for flags, dest, _ in CACHE_TYPE_FLAGS if getattr(args, dest) is not None]
+        local += given_cache_flags(args)
         if local:
             raise ValueError(f"{', '.join(local)} apply to in-process runs; with --url the server has its model "
                              "and its draft policy (flashdraft serve --no-spec-dm-adaptive drafts the full block)")

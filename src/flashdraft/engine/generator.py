@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Protocol
 
-from flashdraft.config import Constraint, SamplingParams
+from flashdraft.config import PREFILL_CHUNK, Constraint, SamplingParams
 from flashdraft.engine.adaptive import AdaptiveDraft
 from flashdraft.loading.tokenizer import IncrementalText
 from flashdraft.engine.grammar import GrammarCompiler
@@ -132,6 +132,15 @@ class Delta:
 
 
 @dataclass
+class PromptProgress:
+    """Between two prefill passes of a long prompt (stream's prompt_progress): how many of its positions the
+    caches hold so far, of how many."""
+
+    processed: int
+    total: int
+
+
+@dataclass
 class GenerationResult:
     text: str
     tokens: list[int]
@@ -154,14 +163,16 @@ class Engine:
                  name: str = "model", adaptive: bool = True, cuda_graphs: bool | None = None,
                  compile: bool | None = None, cache_type_k: str | None = None, cache_type_v: str | None = None,
                  draft_cache_type_k: str | None = None, draft_cache_type_v: str | None = None,
-                 ngram: NgramSettings | None = None, draft_window: int | None = None):
+                 ngram: NgramSettings | None = None, draft_window: int | None = None,
+                 prefill_chunk: int | None = None):
         """Over models already built (with their LayerPlan: Engine.load resolves it from the device)."""
         ctx = context_size or target.config.max_position_embeddings
         self.decoder = SpeculativeDecoder(target, drafter, ctx, cuda_graphs, compile,
                                           cache_type_k=cache_type_k, cache_type_v=cache_type_v,
                                           draft_cache_type_k=draft_cache_type_k,
                                           draft_cache_type_v=draft_cache_type_v, ngram=ngram,
-                                          draft_window=draft_window)
+                                          draft_window=draft_window,
+                                          prefill_chunk=PREFILL_CHUNK if prefill_chunk is None else prefill_chunk)
         self.tokenizer = tokenizer
         self.name = name
         self.eos_ids = set(target.config.eos_token_ids)
@@ -178,7 +189,8 @@ class Engine:
              context_size: int | None = None, adaptive: bool = True, gemm: str | None = None,
              attention: str | None = None, cache_type_k: str | None = None, cache_type_v: str | None = None,
              draft_cache_type_k: str | None = None, draft_cache_type_v: str | None = None,
-             ngram: NgramSettings | None = None, draft_window: int | None = None) -> "Engine":
+             ngram: NgramSettings | None = None, draft_window: int | None = None,
+             prefill_chunk: int | None = None) -> "Engine":
         """Load a target (and optional drafter) from model folders; the context defaults to min(8192, the model's).
         gemm: "cublas" or "triton" (batch-invariant skinny GEMM for decode/verify/draft, CUDA only);
         attention: "sdpa" or "triton" (batch-invariant split-KV attention for the same passes). None (default):
@@ -186,7 +198,8 @@ class Engine:
         draft_cache_type_k / _v: KV cache types of the target's and the drafter's caches (f32, f16, bf16, q8_0,
         q5_1, q5_0, q4_1, q4_0; None: the model's dtype). ngram: draft by n-gram lookup in the sequence itself
         (engine.ngram), with no drafter model. draft_window: the drafter sees only the last N committed tokens
-        (--spec-dflash-cross-ctx; None: all of them)."""
+        (--spec-dflash-cross-ctx; None: all of them). prefill_chunk: a prompt runs in passes of at most this many
+        tokens (-ub/--ubatch-size; None: config.PREFILL_CHUNK)."""
         device, dtype = default_device_dtype(device, dtype)
         block = drafter_block_size(drafter) if drafter else ngram.max_draft + 1 if ngram else 1
         plan = resolve_plan(device, gemm, attention, block_size=block)
@@ -199,7 +212,8 @@ class Engine:
         return cls(loaded.target, loaded.tokenizer, loaded.drafter, loaded.context_size, name=name,
                    adaptive=adaptive, cache_type_k=cache_type_k,
                    cache_type_v=cache_type_v, draft_cache_type_k=draft_cache_type_k,
-                   draft_cache_type_v=draft_cache_type_v, ngram=ngram, draft_window=draft_window)
+                   draft_cache_type_v=draft_cache_type_v, ngram=ngram, draft_window=draft_window,
+                   prefill_chunk=prefill_chunk)
 
     @property
     def context_size(self) -> int:
@@ -311,8 +325,8 @@ class Engine:
 
     def stream(self, prompt_ids: list[int], params: SamplingParams, draft: int | DraftPolicy | None = None,
                sequence: Sequence | None = None, n_min: int = 0, n_max: int | None = None,
-               reuse_prefix: bool = False, context_shift: bool = False,
-               n_keep: int = 0) -> Iterator[Delta | GenerationResult]:
+               reuse_prefix: bool = False, context_shift: bool = False, n_keep: int = 0,
+               prompt_progress: bool = False) -> Iterator[Delta | PromptProgress | GenerationResult]:
         """Yield Delta events as tokens are committed, then one GenerationResult.
 
         draft: None = the engine's default policy (kept across requests: default_policy), an int = that fixed
@@ -323,8 +337,10 @@ class Engine:
         --context-shift): when the context is full, keep the prompt's first n_keep tokens (-1: all of the prompt),
         drop half of the tokens after them and go on (the kept tokens run again at their new positions), instead
         of finishing with "length"; not with a grammar, whose state the shift would lose. The shift happens at
-        the same token count with and without drafting, so greedy DFlash still equals plain decoding. Closing
-        the iterator stops the generation at once.
+        the same token count with and without drafting, so greedy DFlash still equals plain decoding.
+        prompt_progress: yield a PromptProgress between the passes of a prompt longer than one prefill pass (-ub),
+        so that the caller can do other work there (a server steps its other slots). Closing the iterator stops
+        the generation at once, between two prefill passes too.
         """
         grammar = self.check_sampling(params)
         self.check_prompt(prompt_ids)
@@ -341,7 +357,18 @@ class Engine:
         out = _OutputTracker(self, params)
 
         t0 = time.perf_counter()
-        first = self.decoder.prefill(sequence, prompt_ids, params, seed, grammar, reuse=reuse_prefix)
+        passes = self.decoder.prefill_passes(sequence, prompt_ids, params, seed, grammar, reuse=reuse_prefix)
+        try:
+            while True:
+                try:
+                    processed = next(passes)
+                except StopIteration as done:
+                    first = done.value
+                    break
+                if prompt_progress:
+                    yield PromptProgress(processed, len(prompt_ids))
+        finally:
+            passes.close()
         t1 = time.perf_counter()
         stats = GenerationStats(prompt_n=len(prompt_ids) - sequence.reused, cache_n=sequence.reused)
         stats.prompt_ms = 1000 * (t1 - t0)

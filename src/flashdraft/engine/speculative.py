@@ -24,11 +24,12 @@ have had.
 from __future__ import annotations
 
 import time
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import torch
 
-from flashdraft.config import SamplingParams
+from flashdraft.config import PREFILL_CHUNK, SamplingParams
 from flashdraft.engine.cuda_graphs import GraphCache, bucket
 from flashdraft.engine.grammar import GrammarMatcher
 from flashdraft.engine.logit_processor import LogitProcessor, TokenLogprob
@@ -145,7 +146,11 @@ class SpeculativeDecoder:
                  cuda_graphs: bool | None = None, compile: bool | None = None,
                  cache_type_k: str | None = None, cache_type_v: str | None = None,
                  draft_cache_type_k: str | None = None, draft_cache_type_v: str | None = None,
-                 ngram: NgramSettings | None = None, draft_window: int | None = None):
+                 ngram: NgramSettings | None = None, draft_window: int | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK):
+        if prefill_chunk < 1:
+            raise ValueError(f"-ub/--ubatch-size (tokens per prefill pass) must be at least 1, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         if draft_window is not None and (draft_window < 1 or drafter is None):
             raise ValueError(f"--spec-dflash-cross-ctx limits a drafter's context to its last N tokens: it needs a "
                              f"drafter and N >= 1, got {draft_window}" + ("" if drafter else " without a drafter"))
@@ -231,7 +236,6 @@ class SpeculativeDecoder:
                 ctx_rows=zeros(1) if ctx else None)
         return seq.state
 
-    @torch.inference_mode()
     def prefill(self, seq: Sequence, prompt: list[int], params: SamplingParams, seed: int,
                 grammar=None, reuse: bool = False) -> StepResult:
         """Run the prompt and sample the first new token (appended to seq.tokens); returns it as a step's result.
@@ -239,24 +243,53 @@ class SpeculativeDecoder:
         grammar: the compiled grammar of params.constraint (engine.grammar.GrammarCompiler), which it needs.
         reuse: keep the cache rows of the longest prefix the prompt shares with what the sequence holds (a chat's
         earlier turns) and run only the rest; seq.reused says how many."""
+        passes = self.prefill_passes(seq, prompt, params, seed, grammar, reuse)
+        while True:
+            try:
+                next(passes)
+            except StopIteration as done:
+                return done.value
+
+    @torch.inference_mode()
+    def prefill_passes(self, seq: Sequence, prompt: list[int], params: SamplingParams, seed: int,
+                       grammar=None, reuse: bool = False) -> Generator[int, None, StepResult]:
+        """prefill, pass by pass: yields the prompt positions run so far after each pass of at most prefill_chunk
+        tokens but the last, and returns prefill's result, so that a caller can run other work between the passes
+        (a server's other slots) or stop (closing it). Between passes the sequence is a consistent one holding
+        the prompt's first positions (its tokens the prompt up to one past them): a later prompt may reuse them."""
         if params.constraint is not None and grammar is None:
             raise ValueError("a constrained request needs its compiled grammar")
         reused = self.reusable_rows(seq, prompt) if reuse else 0
-        seq.tokens, seq.reused, seq.params, seq.in_flight = list(prompt), reused, params, 0
+        seq.tokens, seq.reused, seq.params, seq.in_flight = list(prompt[:reused + 1]), reused, params, 0
+        if self.drafter is not None:  # no context rows wait: the drafter's cache holds the reused positions
+            seq.projected, seq.waiting = reused, 0
+            if seq.state is not None:
+                seq.state.ctx_rows.zero_()
         vocab = self.target.config.vocab_size
         seq.processor = None
         if params.processes_logits or params.logprobs is not None:
             matcher = GrammarMatcher(grammar, vocab, self.block_size + 1) if grammar is not None else None
             seq.processor = LogitProcessor(params, prompt, vocab, self.device, matcher)
         P = len(prompt)
-        positions = self._positions(reused, P - reused)
-        tokens = torch.tensor(prompt[reused:], device=self.device)
-        logits, taps = self.target(tokens, positions, seq.target_cache, P, self.tap_ids, last_only=True)
+        for begin in range(reused, P, self.prefill_chunk):
+            end = min(P, begin + self.prefill_chunk)
+            positions = self._positions(begin, end - begin)
+            tokens = torch.tensor(prompt[begin:end], device=self.device)
+            logits, taps = self.target(tokens, positions, seq.target_cache, end, self.tap_ids, last_only=True)
+            if taps is not None:
+                self.drafter.add_context(taps, positions, seq.draft_cache)
+            seq.tokens = list(prompt[:end + 1])
+            if self.drafter is not None:
+                seq.projected = end
+            if end < P:
+                yield end
+        return self._first_token(seq, prompt, params, seed, logits)
+
+    def _first_token(self, seq: Sequence, prompt: list[int], params: SamplingParams, seed: int,
+                     logits: torch.Tensor) -> StepResult:
+        """The prefill's sample from the prompt's last logits, and the device state set for the first step."""
+        P = len(prompt)
         state = self._state(seq)
-        if taps is not None:
-            self.drafter.add_context(taps, positions, seq.draft_cache)
-            seq.projected, seq.waiting = P, 0
-            state.ctx_rows.zero_()
         state.key.copy_(seed_key(seed, self.device))
         rows = seq.processor.process(logits, []) if params.processes_logits else logits
         sampled = sample_tokens(rows, params, state.key, self._positions(P, 1))

@@ -26,7 +26,7 @@ log = logging.getLogger("flashdraft.server")
 # llama.cpp flags with no effect here, by how many values they take. Aliases are grouped per flag.
 NO_EFFECT_WITH_VALUE = [
     ("-ngl", "--gpu-layers", "--n-gpu-layers"), ("-ngld", "--spec-draft-ngl", "--gpu-layers-draft", "--n-gpu-layers-draft"),
-    ("-b", "--batch-size"), ("-ub", "--ubatch-size"),
+    ("-b", "--batch-size"),
     ("--spec-draft-p-min", "--draft-p-min"),
     ("--spec-draft-p-split",), ("--spec-branch-budget",), ("--tree-budget",), ("--spec-draft-top-k",),
     ("--spec-draft-temp",), ("--spec-dflash-max-slots",), ("--spec-draft-batch-size",), ("--spec-draft-ubatch-size",),

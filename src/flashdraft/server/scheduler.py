@@ -2,10 +2,11 @@
 
 The engine is not thread-safe, so only the worker thread touches its caches. Each slot owns a Sequence (its
 caches) and a draft policy that keeps learning across the slot's requests. The worker advances every busy slot
-by one stream event per round (one decoding step, or a few when text is held back), so slots share the model
-fairly, and checks each job's cancel flag before every step: a disconnected client stops its generation within
-one step. Events reach the request's asyncio queue through loop.call_soon_threadsafe, so the event loop (and
-with it /health and /metrics) never waits on the model.
+by one stream event per round (one decoding step, or a few when text is held back; one pass of a prompt longer
+than one prefill pass), so slots share the model fairly and a long prompt does not stall the other slots'
+streams, and checks each job's cancel flag before every step: a disconnected client stops its generation within
+one step or pass. Events reach the request's asyncio queue through loop.call_soon_threadsafe, so the event loop
+(and with it /health and /metrics) never waits on the model.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-from flashdraft.engine.generator import Delta, GenerationResult
+from flashdraft.engine.generator import Delta, GenerationResult, PromptProgress
 from flashdraft.engine.prompt_cache import PromptCache
 from flashdraft.engine.speculative import shared_prefix
 from flashdraft.server.errors import APIError
@@ -195,7 +196,7 @@ class Scheduler:
         slot.iterator = self.engine.stream(r.prompt_ids, r.choice_params(choice), draft=slot.policy,
                                            sequence=slot.sequence, n_min=r.n_min, n_max=r.n_max,
                                            reuse_prefix=r.cache_prompt, context_shift=self.context_shift,
-                                           n_keep=r.n_keep)
+                                           n_keep=r.n_keep, prompt_progress=True)
 
     def _release(self, slot: Slot) -> None:
         if slot.iterator is not None:
@@ -217,6 +218,8 @@ class Scheduler:
                 log.exception("slot %d: request %d failed", slot.id, job.id)
             job.post(ERROR, error or e, slot.choice)
             self._release(slot)
+            return
+        if isinstance(event, PromptProgress):  # one pass of a long prompt: the other slots step before the next
             return
         slot.choice_events += 1
         self.metrics.on_step()

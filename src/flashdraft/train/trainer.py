@@ -290,7 +290,8 @@ def train_drafter(cfg: TrainConfig) -> dict:
         return max(step / cfg.steps, (trained_seconds + time.time() - t0) / budget)
 
     with (out / LOG).open("a") as log, StopRequest() as stop:
-        while (p := progress()) < 1:
+        p = progress()
+        while p < 1:
             if stop.requested:
                 save_checkpoint()
                 save_drafter(drafter.eval(), out, getattr(torch, cfg.save_dtype))
@@ -308,7 +309,8 @@ def train_drafter(cfg: TrainConfig) -> dict:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            last = progress() >= 1
+            p = progress()  # once: the step that ends the loop is the one logged and saved as the last
+            last = p >= 1
             first_loss = first_loss if first_loss is not None else loss.item()
             window.add(loss.item(), correct, label_mask)
             if step % cfg.log_every == 0 or last:

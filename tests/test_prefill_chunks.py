@@ -1,6 +1,7 @@
 """A prompt in passes of at most -ub/--ubatch-size tokens (engine.speculative.SpeculativeDecoder.prefill): the same
 tokens as one pass over the whole prompt, the drafter's context projected alike, with and without prefix reuse, on
 full-attention and sliding-window (Gemma 4 ring) targets; the flag in every command that loads a model."""
+import json
 import random
 import threading
 import time
@@ -194,3 +195,51 @@ def test_a_prompt_stopped_between_passes_leaves_what_it_ran_reusable(whole, demo
     cold = run(whole, demo_prompt, draft=draft)
     assert again.tokens == cold.tokens
     assert (again.stats.draft_n, again.stats.draft_n_accepted) == (cold.stats.draft_n, cold.stats.draft_n_accepted)
+
+
+def _stream(url: str, path: str, body: dict, headers: dict) -> list[dict]:
+    import httpx
+
+    with httpx.Client(timeout=60) as client:
+        response = client.post(url + path, json=body, headers=headers)
+    assert response.status_code == 200, response.text
+    return [json.loads(line[6:]) for line in response.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_return_progress_reports_each_pass_before_the_first_token():
+    """llama-server's return_progress: a stream's chunks carry prompt_progress {total, cache, processed, time_ms}
+    after each prefill pass, the last at processed == total, before any text; without it, or without stream, none."""
+    pytest.importorskip("fastapi")
+    import httpx
+    from test_server_hardening import AUTH, LiveServer  # it needs fastapi
+
+    srv = LiveServer(DEMO_DIR / "target", DEMO_DIR / "drafter", ctx_size=256, n_predict=3,
+                     cache_options={"prefill_chunk": 8})
+    try:
+        prompt = list(range(100, 130))  # 30 tokens: passes of 8, 8, 8, 6
+        native = _stream(srv.url, "/completion", {"prompt": prompt, "stream": True, "return_progress": True,
+                                                  "cache_prompt": False}, AUTH)
+        progress = [c["prompt_progress"] for c in native if "prompt_progress" in c]
+        assert [p["processed"] for p in progress] == [8, 16, 24, 30]
+        assert all(p["total"] == 30 and p["cache"] == 0 and p["time_ms"] >= 0 for p in progress)
+        first_text = next(i for i, c in enumerate(native) if c.get("content"))
+        assert all("prompt_progress" not in c for c in native[first_text:])
+        messages = [{"role": "user", "content": "Write a function that parses a CSV line."}]
+        chat = _stream(srv.url, "/v1/chat/completions", {"messages": messages, "stream": True,
+                                                         "return_progress": True}, AUTH)
+        progress = [c for c in chat if "prompt_progress" in c]
+        assert progress and all(c["choices"] == [] and c["object"] == "chat.completion.chunk" for c in progress)
+        assert progress[-1]["prompt_progress"]["processed"] == progress[-1]["prompt_progress"]["total"]
+        # a second turn reuses the first: its progress starts past the cached positions
+        again = _stream(srv.url, "/v1/chat/completions", {"messages": messages, "stream": True,
+                                                          "return_progress": True}, AUTH)
+        cached = [c["prompt_progress"] for c in again if "prompt_progress" in c]
+        assert cached[-1]["cache"] == cached[-1]["total"] - 1 and len(cached) == 1
+        plain = _stream(srv.url, "/v1/completions", {"prompt": prompt, "stream": True, "cache_prompt": False}, AUTH)
+        assert plain and all("prompt_progress" not in c for c in plain)
+        whole = httpx.post(srv.url + "/v1/completions", json={"prompt": prompt, "return_progress": True},
+                           headers=AUTH, timeout=60)
+        assert whole.status_code == 200 and "prompt_progress" not in whole.json()
+    finally:
+        srv.stop()

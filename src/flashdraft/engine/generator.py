@@ -133,11 +133,17 @@ class Delta:
 
 @dataclass
 class PromptProgress:
-    """Between two prefill passes of a long prompt (stream's prompt_progress): how many of its positions the
-    caches hold so far, of how many."""
+    """After each prefill pass of a prompt (stream's prompt_progress): how many of its positions the caches hold
+    so far (processed), of how many (total), how many of them were reused from the caches (cache), and the
+    milliseconds since its processing began: llama-server's prompt_progress."""
 
     processed: int
     total: int
+    cache: int
+    time_ms: float
+
+    def as_dict(self) -> dict:
+        return {"total": self.total, "cache": self.cache, "processed": self.processed, "time_ms": self.time_ms}
 
 
 @dataclass
@@ -338,9 +344,9 @@ class Engine:
         drop half of the tokens after them and go on (the kept tokens run again at their new positions), instead
         of finishing with "length"; not with a grammar, whose state the shift would lose. The shift happens at
         the same token count with and without drafting, so greedy DFlash still equals plain decoding.
-        prompt_progress: yield a PromptProgress between the passes of a prompt longer than one prefill pass (-ub),
-        so that the caller can do other work there (a server steps its other slots). Closing the iterator stops
-        the generation at once, between two prefill passes too.
+        prompt_progress: yield a PromptProgress after each prefill pass (-ub tokens at most), so that the caller
+        can report it or do other work between passes (a server steps its other slots). Closing the iterator
+        stops the generation at once, between two prefill passes too.
         """
         grammar = self.check_sampling(params)
         self.check_prompt(prompt_ids)
@@ -366,10 +372,13 @@ class Engine:
                     first = done.value
                     break
                 if prompt_progress:
-                    yield PromptProgress(processed, len(prompt_ids))
+                    yield PromptProgress(processed, len(prompt_ids), sequence.reused,
+                                         1000 * (time.perf_counter() - t0))
         finally:
             passes.close()
         t1 = time.perf_counter()
+        if prompt_progress:
+            yield PromptProgress(len(prompt_ids), len(prompt_ids), sequence.reused, 1000 * (t1 - t0))
         stats = GenerationStats(prompt_n=len(prompt_ids) - sequence.reused, cache_n=sequence.reused)
         stats.prompt_ms = 1000 * (t1 - t0)
         delta = out.add(first.committed, first.logprobs)

@@ -24,7 +24,7 @@ from starlette.staticfiles import StaticFiles
 from flashdraft import __version__
 from flashdraft.server import anthropic, formats, schemas, tokens
 from flashdraft.server.errors import APIError, error_body
-from flashdraft.server.jobs import DELTA, ENDED, ERROR, RESULT, Job
+from flashdraft.server.jobs import DELTA, ENDED, ERROR, PROGRESS, RESULT, Job
 from flashdraft.server.metrics import ServerMetrics
 from flashdraft.server.requests import (MAX_DEPTH, GenerationRequest, check_json, parse_chat, parse_completion,
                                        parse_native)
@@ -339,7 +339,7 @@ async def _results(job: Job, request: Request) -> list:
         async for kind, payload, _ in _events(job):
             if kind == RESULT:
                 results.append(payload)
-            elif kind != DELTA:
+            elif kind not in (DELTA, PROGRESS):
                 raise _failure(kind, payload)
         return results
     finally:
@@ -588,6 +588,8 @@ async def _openai_stream(job: Job, fmt: formats.OpenAIFormatter, first: tuple | 
         elif kind == RESULT:
             for chunk in fmt.final_chunks(choice, payload):
                 yield formats.sse(chunk)
+        elif kind == PROGRESS:
+            yield formats.sse(fmt.progress_chunk(payload))
         else:
             yield formats.sse(_failure(kind, payload).body())
     yield formats.sse("[DONE]")
@@ -599,6 +601,8 @@ async def _builder_stream(job: Job, builder, first: tuple | None):
     for chunk in builder.start():
         yield chunk
     async for kind, payload, _ in _events(job, first):
+        if kind == PROGRESS:  # not asked for: these APIs have no such event
+            continue
         chunks = (builder.delta(payload.text) if kind == DELTA else builder.finish(payload) if kind == RESULT
                   else [builder.error(_failure(kind, payload))])
         for chunk in chunks:
@@ -620,6 +624,9 @@ async def _native_stream(job: Job, n_max: int, tokenizer, first: tuple | None):
             if r.timings_per_token:
                 chunk["timings"] = _live_timings(job, predicted, payload)
             yield formats.sse(chunk)
+        elif kind == PROGRESS:
+            chunk = formats.native_chunk("", job.slot_id, [], predicted, len(r.prompt_ids))
+            yield formats.sse({**chunk, "prompt_progress": payload.as_dict()})
         elif kind == RESULT:
             final = formats.native_whole(r, payload, job.slot_id, n_max, tokenizer)
             yield formats.sse({**final, "content": "", "tokens": [], "completion_probabilities": []}

@@ -195,6 +195,12 @@ class OpenAIFormatter:
         body["speculative_decoding"] = speculative(results[-1])
         return body
 
+    def progress_chunk(self, progress) -> dict:
+        """A stream chunk with no choices that reports the prompt's processing (llama-server's return_progress)."""
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
+        body["prompt_progress"] = progress.as_dict()
+        return body
+
     def _chunk(self, index: int, delta: dict | str, finish: str | None, entries=None) -> dict:
         if self.chat:
             choice = {"index": index, "delta": delta, "finish_reason": finish,

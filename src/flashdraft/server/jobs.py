@@ -1,7 +1,8 @@
 """A request's job: what the worker thread tells the request handler, through the handler's event loop.
 
 Events are (kind, payload, choice) triples: ("delta", Delta, i), ("result", GenerationResult, i) for each of the
-request's n choices in turn, ("error", Exception, i) or ("ended", reason, i) when a job ends without its results
+request's n choices in turn, ("progress", PromptProgress, i) after each prefill pass when the request asked for
+it (return_progress), ("error", Exception, i) or ("ended", reason, i) when a job ends without its results
 (cancelled, or the server is shutting down). This module
 does not import the engine, so the HTTP side starts (and answers /health) while torch is still loading.
 """
@@ -14,7 +15,7 @@ from typing import Callable
 
 from flashdraft.server.requests import GenerationRequest
 
-DELTA, RESULT, ERROR, ENDED = "delta", "result", "error", "ended"
+DELTA, RESULT, ERROR, ENDED, PROGRESS = "delta", "result", "error", "ended", "progress"
 
 
 class Job:

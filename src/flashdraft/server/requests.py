@@ -70,6 +70,7 @@ class GenerationRequest:
     reasoning: Reasoning | None = None
     constraint_field: str = ""       # the field the constraint came from, for its errors
     cache_prompt: bool = True        # llama-server's: reuse the slot's cached prefix of the prompt
+    return_progress: bool = False    # llama-server's: a stream reports the prompt's processing (prompt_progress)
     n_keep: int = 0                  # llama-server's: prompt tokens a context shift keeps (-1: all)
 
     def choice_params(self, index: int) -> SamplingParams:
@@ -416,7 +417,7 @@ def _compile(engine, params: SamplingParams, field: str) -> None:
 
 def _slot_fields(body: dict, settings: ServerSettings) -> dict:
     """llama-server's fields of how a request uses its slot, the same on every generation route."""
-    return {"cache_prompt": _bool(body, "cache_prompt", True),
+    return {"cache_prompt": _bool(body, "cache_prompt", True), "return_progress": _bool(body, "return_progress"),
             "n_keep": _int(body, "n_keep", settings.keep, minimum=-1)}
 
 

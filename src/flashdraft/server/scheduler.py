@@ -19,7 +19,7 @@ from flashdraft.engine.generator import Delta, GenerationResult, PromptProgress
 from flashdraft.engine.prompt_cache import PromptCache
 from flashdraft.engine.speculative import shared_prefix
 from flashdraft.server.errors import APIError
-from flashdraft.server.jobs import DELTA, ENDED, ERROR, RESULT, Job
+from flashdraft.server.jobs import DELTA, ENDED, ERROR, PROGRESS, RESULT, Job
 
 log = logging.getLogger("flashdraft.server")
 
@@ -219,7 +219,9 @@ class Scheduler:
             job.post(ERROR, error or e, slot.choice)
             self._release(slot)
             return
-        if isinstance(event, PromptProgress):  # one pass of a long prompt: the other slots step before the next
+        if isinstance(event, PromptProgress):  # one pass of a prompt: the other slots step before the next
+            if job.request.return_progress and job.request.stream:
+                job.post(PROGRESS, event, slot.choice)
             return
         slot.choice_events += 1
         self.metrics.on_step()

@@ -91,6 +91,8 @@ class Sampling(BaseModel):
     ignore_eos: bool | None = None
     timings_per_token: bool | None = Field(None, description="every stream chunk carries the timings so far")
     cache_prompt: bool | None = Field(None, description="reuse the slot's cached prefix of the prompt (default true)")
+    return_progress: bool | None = Field(None, description="a stream reports the prompt's processing after each "
+                                                           "prefill pass (prompt_progress)")
     n_keep: int | None = Field(None, ge=-1, description="prompt tokens a context shift keeps (-1: all; default "
                                                         "--keep); shifts happen only with --context-shift")
     speculative_n_max: int | None = Field(None, alias="speculative.n_max", ge=0, description="longest draft")

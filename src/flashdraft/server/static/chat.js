@@ -1,6 +1,7 @@
-// flashdraft web chat: streams replies from /v1/chat/completions. While a reply streams, the speed so far
-// (each chunk's `timings`: the request asks for timings_per_token); under each finished reply, the speed, tau
-// and acceptance from the final chunk's `timings` and `speculative_decoding` objects.
+// flashdraft web chat: streams replies from /v1/chat/completions. While a long prompt runs, how much of it is
+// done (the request asks for return_progress); while a reply streams, the speed so far (each chunk's `timings`:
+// the request asks for timings_per_token); under each finished reply, the speed, tau and acceptance from the
+// final chunk's `timings` and `speculative_decoding` objects.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -95,6 +96,20 @@ function showLive(reply, timings) {
                    ` · ${timings.predicted_n} tokens so far`;
 }
 
+function showPrompt(reply, progress) {
+  // While a long prompt runs pass by pass (the request asks for return_progress): how much of it is done.
+  let live = reply.querySelector(".live-stats");
+  if (progress.processed >= progress.total) {
+    if (live) live.remove();
+    return;
+  }
+  if (!live) {
+    live = Object.assign(document.createElement("div"), { className: "live-stats" });
+    reply.appendChild(live);
+  }
+  live.textContent = `prompt ${progress.processed} / ${progress.total} tokens`;
+}
+
 function showError(div, message) {
   div.classList.add("error");
   div.querySelector(".body").textContent = message;
@@ -106,7 +121,7 @@ async function send(text) {
   const reply = addMessage("assistant", "");
   const body = reply.querySelector(".body");
   const request = { messages: history, stream: true, stream_options: { include_usage: true },
-                    timings_per_token: true, max_tokens: parseInt($("max-tokens").value, 10) || 256 };
+                    timings_per_token: true, return_progress: true, max_tokens: parseInt($("max-tokens").value, 10) || 256 };
   const temperature = $("temperature").value;
   if (temperature !== "") request.temperature = parseFloat(temperature);
   controller = new AbortController();
@@ -136,6 +151,10 @@ async function send(text) {
         if (data === "[DONE]") continue;
         const chunk = JSON.parse(data);
         if (chunk.error) throw new Error(chunk.error.message);
+        if (chunk.prompt_progress) {
+          showPrompt(reply, chunk.prompt_progress);
+          continue;
+        }
         const delta = chunk.choices.length ? chunk.choices[0].delta.content : null;
         if (delta) {
           content += delta;

@@ -3,6 +3,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashdraft.config import ModelConfig
 from flashdraft.layers import decode_attention as attention_kernel
@@ -14,6 +15,11 @@ from flashdraft.layers.skinny_gemm import Linear, linear, skinny_linear
 from flashdraft.quant.kv_formats import read_rows, write_rows
 
 
+# SDPA's kernels for the passes longer than decode_attention takes (prefill): not cuDNN's, which builds an execution
+# plan for every new shape (about 100 ms for each new prompt length on the H200, 2026-12-03: docs/performance.md).
+PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """SDPA of q [b, heads, Tq, hd] over k/v [b, kv_heads, Tk, hd] (grouped query heads: head h reads kv head
     h // (heads // kv_heads)), mask None or boolean, broadcastable to [b, 1, Tq, Tk].
@@ -22,6 +28,11 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     float32. Folding each group's query heads into the query length instead ([b, kv_heads, group * Tq, hd],
     the mask tiled to match) asks the same of a plain multi-head call that the fused kernels take, and copies
     no key or value."""
+    with sdpa_kernel(PREFILL_SDPA):
+        return _grouped_attention(q, k, v, mask)
+
+
+def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     heads, kv_heads = q.shape[-3], k.shape[-3]
     if mask is None or heads == kv_heads:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=heads != kv_heads)

@@ -24,11 +24,13 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
+from torch.nn.attention import sdpa_kernel
 
 from flashdraft.config import read_json
 from flashdraft.models.gemma4.config import FULL, SLIDING, Gemma4Config, RopeSpec
 from flashdraft.models.kv_cache import check_same_types
 from flashdraft.layers import decode_attention as attention_kernel
+from flashdraft.layers.attention import PREFILL_SDPA
 from flashdraft.layers.decode_attention import decode_attention
 from flashdraft.layers.plan import LayerPlan
 from flashdraft.layers.skinny_gemm import Linear
@@ -212,8 +214,9 @@ class Gemma4Attention(nn.Module):
             if T <= self.attention_rows:  # the kernel reads every cache type itself
                 return self.o_proj(decode_attention(q.transpose(0, 1), keys, values, mask, scale=1.0))
             keys, values = read_rows(keys, hd, dtype), read_rows(values, hd, dtype)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
-                                             scale=1.0, enable_gqa=self.n_heads != self.n_kv)
+        with sdpa_kernel(PREFILL_SDPA):
+            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+                                                 scale=1.0, enable_gqa=self.n_heads != self.n_kv)
         return self.o_proj(out[0].transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
 
 

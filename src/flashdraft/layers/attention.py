@@ -8,7 +8,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from flashdraft.config import ModelConfig
 from flashdraft.layers import decode_attention as attention_kernel
 from flashdraft.layers.decode_attention import decode_attention
-from flashdraft.layers.elementwise import RMSNorm, apply_rope
+from flashdraft.layers.elementwise import RMSNorm, rope
 from flashdraft.layers.plan import LayerPlan
 from flashdraft.layers.qkv_prep import qkv_prep
 from flashdraft.layers.skinny_gemm import Linear, linear, skinny_linear
@@ -114,7 +114,7 @@ class Attention(nn.Module):
         x = x.unflatten(-1, (heads, self.head_dim))
         if norm is not None:
             x = norm(x)
-        return apply_rope(x.transpose(-3, -2), cos.unsqueeze(-3), sin.unsqueeze(-3))
+        return rope(x.transpose(-3, -2), cos.unsqueeze(-3), sin.unsqueeze(-3))
 
     def _value_heads(self, v: torch.Tensor) -> torch.Tensor:
         return v.unflatten(-1, (self.n_kv, self.head_dim)).transpose(-3, -2)

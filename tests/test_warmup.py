@@ -1,6 +1,7 @@
 """The warm-up at load (llama-server's, --no-warmup to skip it): a short generation per slot that makes what the
 loop makes on first use, and leaves nothing behind that a request could see."""
 import logging
+import threading
 
 import pytest
 
@@ -40,7 +41,9 @@ def test_warm_up_makes_the_graphs_and_leaves_the_sequence_as_new(qwen3_dir, draf
 
 def test_the_server_warms_up_each_slot_where_there_is_something_to_make(qwen3_dir, drafter_dir, caplog):
     """--warmup is the default, --no-warmup turns it off; the scheduler warms every slot's sequence (graphs are
-    per sequence) with the server's default sampling; a CPU engine, with no graphs or compiled layers, skips it."""
+    per sequence) with the server's default sampling, in its worker thread (the thread that serves: CUDA's
+    per-thread handles are made there) before that takes jobs; a CPU engine, with no graphs or compiled layers,
+    skips it."""
     pytest.importorskip("fastapi")
     from flashdraft.server.scheduler import Scheduler
     from test_server_hardening import LiveServer
@@ -48,10 +51,25 @@ def test_the_server_warms_up_each_slot_where_there_is_something_to_make(qwen3_di
     assert settings_from_args(build_parser().parse_args([])).warmup is True
     assert settings_from_args(build_parser().parse_args(["--no-warmup"])).warmup is False
     engine = Engine.load(qwen3_dir, drafter_dir, device="cpu", context_size=256)
-    assert Scheduler(engine, 1, None, metrics=None).warm_up([]) is None  # no graphs, no compiled layers
+    scheduler = Scheduler(engine, 1, None, metrics=None)
+    assert scheduler.start([]) is None  # no graphs, no compiled layers
+    scheduler.stop()
+    scheduler.join(10)
     engine.decoder.graphs = InlineGraphs()
+    warmed_in, warm_up = [], engine.warm_up
+
+    def recording_warm_up(*args):
+        warmed_in.append(threading.current_thread())
+        return warm_up(*args)
+
+    engine.warm_up = recording_warm_up
     scheduler = Scheduler(engine, 2, None, metrics=None)
-    assert scheduler.warm_up([SamplingParams(temperature=0.8)]) > 0
+    try:
+        assert scheduler.start([SamplingParams(temperature=0.8)]) > 0
+        assert len(warmed_in) == 2 and set(warmed_in) == {scheduler._thread} and scheduler._thread.is_alive()
+    finally:
+        scheduler.stop()
+        scheduler.join(10)
     tied = {key[1] for key in engine.decoder.graphs.graphs if key[0] == "step"}
     assert tied == {engine.decoder.graphs.lifetime_key(slot.sequence.target_cache) for slot in scheduler.slots}
     assert all(slot.sequence.tokens == [] and slot.requests == 0 for slot in scheduler.slots)
@@ -62,6 +80,25 @@ def test_the_server_warms_up_each_slot_where_there_is_something_to_make(qwen3_di
         assert not any("warmed up" in r.getMessage() for r in caplog.records)
     finally:
         srv.stop()
+
+
+def test_a_failed_warm_up_fails_the_start_and_ends_the_worker(qwen3_dir):
+    """An error in the worker's warm-up reaches the thread that loads the model (the server then ends with its
+    message, as for any load failure) and no worker is left behind."""
+    pytest.importorskip("fastapi")
+    from flashdraft.server.scheduler import Scheduler
+
+    engine = Engine.load(qwen3_dir, None, device="cpu", context_size=64)
+
+    def failing_warm_up(*args):
+        raise RuntimeError("out of memory in the warm-up")
+
+    engine.warm_up = failing_warm_up
+    scheduler = Scheduler(engine, 1, 0, metrics=None)
+    with pytest.raises(RuntimeError, match="out of memory in the warm-up"):
+        scheduler.start([])
+    scheduler._thread.join(10)
+    assert not scheduler._thread.is_alive()
 
 
 def test_warm_up_fits_a_small_context(qwen3_dir, drafter_dir):

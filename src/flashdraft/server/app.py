@@ -81,12 +81,13 @@ class ServerState:
             if s.cache_ram_mib != 0:  # -1: no limit
                 prompt_cache = PromptCache(engine.decoder, None if s.cache_ram_mib < 0 else s.cache_ram_mib << 20)
             scheduler = Scheduler(engine, s.n_slots, fixed_draft, self.metrics, prompt_cache, s.context_shift)
+            warm_up = None
             if s.warmup:  # the default sampling settings' graphs too, when they sample
                 defaults = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
-                seconds = scheduler.warm_up([] if defaults.greedy else [defaults])
-                if seconds is not None:
-                    log.info("warmed up %d slot(s) in %.1f s", s.n_slots, seconds)
-            scheduler.start()
+                warm_up = [] if defaults.greedy else [defaults]
+            seconds = scheduler.start(warm_up)
+            if seconds is not None:
+                log.info("warmed up %d slot(s) in %.1f s", s.n_slots, seconds)
             if self.templates is not None:
                 self.templates.warm()
             self.engine, self.scheduler = engine, scheduler

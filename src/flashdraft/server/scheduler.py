@@ -66,18 +66,39 @@ class Scheduler:
         self._started = 0  # jobs started, the clock of Slot.last_used
         self._cv = threading.Condition()
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="flashdraft-worker", daemon=True)
+        self._thread: threading.Thread | None = None
 
     # --- called from the event loop ----------------------------------------------------------------------------
 
-    def warm_up(self, sampling: list) -> float | None:
-        """Engine.warm_up on every slot's sequence (each has graphs of its own), before the worker starts; the
-        slots' draft policies learn nothing from it. Returns the seconds it took (None: nothing to warm up)."""
-        seconds = [self.engine.warm_up(slot.sequence, sampling) for slot in self.slots]
-        return None if None in seconds else sum(seconds)
-
-    def start(self) -> None:
+    def start(self, warm_up: list | None = None) -> float | None:
+        """Start the worker thread. warm_up: None for no warm-up, else the sampling settings to warm up with
+        besides greedy (Engine.warm_up on every slot's sequence: each has graphs of its own). The worker runs it
+        before it takes any job and this waits for it, so that what a thread makes on first use (the CUDA
+        libraries' per-thread handles, with the graphs and compiled layers) is made in the thread that serves,
+        not in the loading thread; the slots' draft policies learn nothing from it. Returns the warm-up's seconds
+        (None: no warm-up, or nothing to warm up); an error in it is raised here and the worker ends."""
+        outcome: dict = {}
+        done = threading.Event()
+        self._thread = threading.Thread(target=self._work, args=(warm_up, outcome, done), name="flashdraft-worker",
+                                        daemon=True)
         self._thread.start()
+        done.wait()
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome.get("seconds")
+
+    def _work(self, warm_up: list | None, outcome: dict, done: threading.Event) -> None:
+        """The worker thread: the warm-up, if asked for (its outcome handed to start()), then the jobs."""
+        try:
+            if warm_up is not None:
+                seconds = [self.engine.warm_up(slot.sequence, warm_up) for slot in self.slots]
+                outcome["seconds"] = None if None in seconds else sum(seconds)
+        except BaseException as e:  # noqa: BLE001 - raised by start(), in the thread that loads the model
+            outcome["error"] = e
+            return
+        finally:
+            done.set()
+        self._run()
 
     def submit(self, job: Job) -> None:
         with self._cv:
@@ -104,7 +125,7 @@ class Scheduler:
             self._cv.notify()
 
     def join(self, timeout: float) -> None:
-        if self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout)
 
     @property

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flashdraft.quant import dequantize, mma_kernels
-from flashdraft.quant.mma_kernels import MAX_SPLIT, MmaTiling, default_tiling, tiling_for
+from flashdraft.quant.mma_kernels import MAX_SPLIT, MmaTiling, default_tiling, tilings_for
 from test_gguf_quant import random_blocks
 
 
@@ -26,18 +26,29 @@ def test_default_tiling_splits_k_evenly_and_fills_the_gpu(n, k):
         assert t.split == max(d for d in range(1, MAX_SPLIT + 1) if nsb % d == 0)
 
 
-def test_measured_tilings_take_precedence_and_divide_their_k():
-    for (n, k), t in mma_kernels.TILINGS.items():
-        assert tiling_for(n, k) == t and (k // 256) % t.split == 0
-    assert tiling_for(4096, 4096) == default_tiling(4096, 4096)
+def test_measured_tilings_take_precedence_divide_their_k_and_split_it_alike_for_every_m():
+    for (n, k), pair in mma_kernels.TILINGS.items():
+        assert tilings_for(n, k) == pair and (k // 256) % pair[0].split == 0
+        assert pair[0].split == pair[1].split  # the same bits for 1-8 and 9-16 rows
+    assert tilings_for(4096, 4096) == (default_tiling(4096, 4096),) * 2
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernel needs a GPU")
 
 
+def test_a_ring_of_one_stage_is_refused_and_rings_take_shared_memory_per_warp():
+    for stages in (1, -2):
+        with pytest.raises(ValueError, match="stages"):
+            MmaTiling(1, 2, 3, 1, stages)
+    assert MmaTiling(1, 2, 3, 1).shared_bytes == 0
+    assert MmaTiling(2, 4, 3, 1, 4).shared_bytes == 4 * 4 * 2 * 16 * 160  # warps x stages x rows x padded row
+
+
 @cuda
-@pytest.mark.parametrize("n,k,tiling", [(64, 512, None), (4096, 5376, None), (1040, 2048, MmaTiling(2, 4, 8, 1)),
-                                        (48, 1024, MmaTiling(1, 2, 1, 1))])
+@pytest.mark.parametrize("n,k,tiling", [(64, 512, None), (4096, 5376, None), (21504, 5376, None), (5376, 21504, None),
+                                        (1040, 2048, MmaTiling(2, 4, 8, 1)),
+                                        (48, 1024, MmaTiling(1, 2, 1, 1)), (1040, 2048, MmaTiling(2, 4, 2, 1, 3)),
+                                        (4096, 5376, MmaTiling(1, 2, 3, 1, 4)), (48, 1024, MmaTiling(1, 2, 4, 1, 2))])
 def test_mma_kernel_matches_dequantized_matmul_and_is_batch_invariant(n, k, tiling):
     blocks = torch.from_numpy(random_blocks("Q4_K", rows=n, blocks_per_row=k // 256)).cuda()
     x = torch.randn(16, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0)).bfloat16()
@@ -60,3 +71,24 @@ def test_quant_linear_takes_the_mma_kernel_for_q4_k_decoding():
     layer = QuantLinear(blocks, "Q4_K", k, torch.bfloat16)
     x = torch.randn(3, k, device="cuda").bfloat16()
     assert torch.equal(layer(x), mma_kernels.launch(x, blocks, n))
+
+
+@cuda
+@pytest.mark.parametrize("n,k,split", [(1040, 2048, 2), (4096, 5376, 3), (48, 1024, 1)])
+def test_the_shared_memory_ring_gives_the_bits_of_the_direct_loads(n, k, split):
+    """Staging the weights through shared memory changes where the bytes come from, not the arithmetic: the same
+    K split gives the same bits with every ring depth and warp shape."""
+    blocks = torch.from_numpy(random_blocks("Q4_K", rows=n, blocks_per_row=k // 256)).cuda()
+    x = torch.randn(16, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)).bfloat16()
+    direct = mma_kernels.launch(x, blocks, n, MmaTiling(1, 2, split, 1))
+    for tiling in (MmaTiling(1, 2, split, 1, 2), MmaTiling(2, 4, split, 1, 4), MmaTiling(1, 4, split, 2, 3)):
+        for m in (1, 5, 16):
+            assert torch.equal(mma_kernels.launch(x[:m], blocks, n, tiling), direct[:m]), (tiling, m)
+
+
+@cuda
+def test_tilings_for_few_and_many_rows_must_split_k_alike():
+    blocks = torch.from_numpy(random_blocks("Q4_K", rows=64, blocks_per_row=4)).cuda()
+    x = torch.randn(3, 1024, device="cuda").bfloat16()
+    with pytest.raises(ValueError, match="split K differently"):
+        mma_kernels.launch(x, blocks, 64, (MmaTiling(1, 2, 2, 1), MmaTiling(1, 2, 4, 1)))

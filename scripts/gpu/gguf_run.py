@@ -835,6 +835,8 @@ def main(argv=None) -> int:
                     help="leave the target's and the drafter's layers uncompiled (Engine compiles them on CUDA)")
     ap.add_argument("--configs", type=Path, default=None,
                     help="gguf_sweep.py's gguf_configs.json: measured tilings for the shapes it lists")
+    ap.add_argument("--mma-tilings", type=Path, default=None,
+                    help="mma_tilings.py's mma_tilings.json: its best tilings for the CUDA Q4_K kernel's shapes")
     ap.add_argument("--gemm", default=None, help="Engine's gemm backend for float layers, where supported")
     ap.add_argument("--skip-kernels", action="store_true")
     ap.add_argument("--skip-model", action="store_true")
@@ -874,6 +876,16 @@ def main(argv=None) -> int:
             log(f"tilings from {args.configs}: {run.result['configs']}")
         except Exception as e:  # noqa: BLE001
             run.error("configs", e)
+    if args.mma_tilings is not None:
+        try:
+            from flashdraft.quant import mma_kernels
+            for entry in json.loads(args.mma_tilings.read_text())["table"].values():
+                few, many = (mma_kernels.MmaTiling(*tiling) for tiling in entry["tilings"])
+                mma_kernels.TILINGS[(entry["n"], entry["k"])] = (few, many)
+            run.result["mma_tilings"] = {f"{n}x{k}": str(t) for (n, k), t in mma_kernels.TILINGS.items()}
+            log(f"Q4_K tilings from {args.mma_tilings}: {run.result['mma_tilings']}")
+        except Exception as e:  # noqa: BLE001
+            run.error("mma_tilings", e)
     bw = 0.0
     try:
         bw = stage_bandwidth(run, dev)

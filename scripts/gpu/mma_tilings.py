@@ -1,7 +1,9 @@
-"""Time flashdraft.quant.mma_kernels over a grid of tilings on every Q4_K shape of the Q4_K_S-shaped Gemma-4-31B
-(random valid blocks, CUDA graphs over weight copies that defeat the L2), check each result (against dequantize +
-matmul, and M = 1 against row 0 of M = 16), and print the TILINGS table: per shape the tiling with the lowest
-M = 1 + M = 16 time, next to the default tiling and the Triton kernel.
+"""Time flashdraft.quant.mma_kernels over a grid of tilings (direct loads, and shared-memory rings of STAGES
+super-blocks) on every Q4_K shape of the Q4_K_S-shaped Gemma-4-31B (random valid blocks, CUDA graphs over weight
+copies that defeat the L2), check each result (against dequantize + matmul, M = 1 against row 0 of M = 16, and
+every tiling of a K split against the others: the same bits), and print the TILINGS table: per shape the K split
+with the lowest M = 1 + M = 16 time, each with its fastest tiling at M = 1 and at M = 16, next to the best without a
+ring, the default tiling and the Triton kernel.
 
 Usage (GPU machine, repo root): PYTHONPATH=src python scripts/gpu/mma_tilings.py OUT
 """
@@ -21,6 +23,8 @@ from gguf_run import bench_ms, copies_for, random_blocks, rel_err  # noqa: E402
 from flashdraft.quant import dequantize, mma_kernels, triton_kernels  # noqa: E402
 from flashdraft.quant.mma_kernels import MmaTiling  # noqa: E402
 
+STAGES = (3, 4)  # shared-memory ring depths tried beside the direct loads (the direct tilings were swept on
+# 2026-12-02: r 1-2, w 2-4, every split; TILINGS holds the best)
 SHAPES = {"gate/up": (21504, 5376), "down": (5376, 21504), "sliding q": (8192, 5376), "sliding k/v": (4096, 5376),
           "sliding o": (5376, 8192), "full q": (16384, 5376), "full k": (2048, 5376), "full o": (5376, 16384)}
 
@@ -38,9 +42,11 @@ def main() -> int:
         x = torch.randn(16, k, device=dev, dtype=torch.bfloat16, generator=gen)
         ref = x.double() @ dequantize(ws[0], "Q4_K").double().T
         default = mma_kernels.default_tiling(n, k)
-        grid = [MmaTiling(r, w, s, b) for r, (w, b), s in itertools.product(
-            (1, 2), ((2, 1), (2, 6), (4, 1), (4, 3)), [d for d in range(1, 17) if nsb % d == 0])]
-        results = []
+        splits = [d for d in range(1, 17) if nsb % d == 0]
+        grid = list(dict.fromkeys([mma_kernels.tiling_for(n, k), default]))  # the direct loads as adopted
+        grid += [MmaTiling(r, w, s, b, st) for st, r, (w, b), s in itertools.product(
+            STAGES, (1, 2), ((2, 1), (4, 1), (4, 2)), splits)]
+        results, by_split = [], {}
         for tiling in [None] + grid:
             def call(w, m, tiling=tiling):
                 if tiling is None:
@@ -49,33 +55,49 @@ def main() -> int:
             try:
                 y16, y1 = call(ws[0], 16), call(ws[0], 1)
                 ok = rel_err(y16, ref) < 4e-3 and torch.equal(y16[:1], y1)
+                if tiling is not None:  # every tiling of one K split does the same arithmetic: the same bits
+                    ok = ok and torch.equal(by_split.setdefault(tiling.split, y16), y16)
                 us = [1000 * bench_ms([lambda w=w, m=m: call(w, m) for w in ws], False) for m in (1, 16)]
             except Exception as e:  # noqa: BLE001 - reported; the other tilings still run
                 print(f"{shape} {tiling}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
-            name = "triton" if tiling is None else f"r{tiling.r_tiles} w{tiling.warps} s{tiling.split} b{tiling.min_blocks}"
+            name = "triton" if tiling is None else (f"r{tiling.r_tiles} w{tiling.warps} s{tiling.split} "
+                                                    f"b{tiling.min_blocks} st{tiling.stages}")
             row = {"shape": shape, "n": n, "k": k, "tiling": name, "us_m1": us[0], "us_m16": us[1], "ok": ok,
                    "default": tiling == default}
             rows.append(row)
             results.append((tiling, row))
         triton = next(r for t, r in results if t is None)
         good = [(t, r) for t, r in results if t is not None and r["ok"]]
-        best_t, best = min(good, key=lambda tr: tr[1]["us_m1"] + tr[1]["us_m16"])
+        # per K split the fastest tiling at M = 1 and at M = 16 (one split for both: the same bits); the split
+        # with the lowest sum of the two
+        pairs = []
+        for split in sorted({t.split for t, _ in good}):
+            of_split = [(t, r) for t, r in good if t.split == split]
+            few = min(of_split, key=lambda tr: tr[1]["us_m1"])
+            many = min(of_split, key=lambda tr: tr[1]["us_m16"])
+            pairs.append((few[1]["us_m1"] + many[1]["us_m16"], few, many))
+        _, (few_t, few), (many_t, many) = min(pairs, key=lambda p: p[0])
         dflt = next((r for t, r in good if t == default), None)
-        table[shape] = {"n": n, "k": k, "best": best["tiling"], "best_us": [best["us_m1"], best["us_m16"]],
+        table[shape] = {"n": n, "k": k, "best": [few["tiling"], many["tiling"]],
+                        "best_us": [few["us_m1"], many["us_m16"]],
                         "default_us": [dflt["us_m1"], dflt["us_m16"]] if dflt else None,
                         "triton_us": [triton["us_m1"], triton["us_m16"]],
-                        "tiling": [best_t.r_tiles, best_t.warps, best_t.split, best_t.min_blocks],
+                        "tilings": [[t.r_tiles, t.warps, t.split, t.min_blocks, t.stages] for t in (few_t, many_t)],
+                        "best_direct_us": min(([r["us_m1"], r["us_m16"]] for t, r in good if t.stages == 0),
+                                              key=sum),
                         "all_ok": all(r["ok"] for _, r in results if _ is not None)}
-        print(f"{shape:12s} {n}x{k}: best {best['tiling']} {best['us_m1']:.1f} / {best['us_m16']:.1f} us; default "
+        direct = table[shape]["best_direct_us"]
+        print(f"{shape:12s} {n}x{k}: best {few['tiling']} / {many['tiling']}: {few['us_m1']:.1f} / "
+              f"{many['us_m16']:.1f} us; best without a ring {direct[0]:.1f} / {direct[1]:.1f}; default "
               f"{table[shape]['default_us']}; triton {triton['us_m1']:.1f} / {triton['us_m16']:.1f}; "
               f"all correct and invariant: {table[shape]['all_ok']}", flush=True)
         del ws
         torch.cuda.empty_cache()
     print("\nTILINGS = {")
     for shape, t in table.items():
-        r, w, s, b = t["tiling"]
-        print(f"    ({t['n']}, {t['k']}): MmaTiling({r}, {w}, {s}, {b}),  # {shape}: {t['best_us'][0]:.1f} / "
+        few, many = (f"MmaTiling({', '.join(map(str, tiling))})" for tiling in t["tilings"])
+        print(f"    ({t['n']}, {t['k']}): ({few}, {many}),  # {shape}: {t['best_us'][0]:.1f} / "
               f"{t['best_us'][1]:.1f} us at M = 1 / 16")
     print("}")
     (out / "mma_tilings.json").write_text(json.dumps({"rows": rows, "table": table, "elapsed_s": time.time() - t0},

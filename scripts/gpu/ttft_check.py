@@ -12,8 +12,10 @@ one generated token. Two ways, to compare:
         a conversation (issue #21): each turn's prompt is the last turn's prompt, its reply and turn-tokens new
         tokens, sent with cache_prompt on; then the last turn's prompt once more with another first token (nothing
         reusable: a cold prefill of the whole conversation). Per turn: time to first token, prompt_n, cache_n
---json FILE keeps the rows. The server's figure includes HTTP and the scheduler; the in-process one is the
-prefill alone: their ratio is what the server adds to a first token.
+With --url the client first sends GET /health (timed and printed apart), so that its own first use of urllib and
+of a connection is not counted in the first prompt's figure. --json FILE keeps the rows. The server's figure
+includes HTTP and the scheduler; the in-process one is the prefill alone: their ratio is what the server adds to
+a first token.
 """
 from __future__ import annotations
 
@@ -127,7 +129,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.url:
         cases = prompts(lengths, args.vocab, args.seed)
-        rows, meta = [over_http(args.url, ids, args.timeout) for ids in cases], {"url": args.url}
+        # the client's own first use (urllib, its first connection) before any timed request, timed apart
+        started = time.perf_counter()
+        urllib.request.urlopen(f"{args.url.rstrip('/')}/health", timeout=args.timeout).read()
+        health_ms = 1000 * (time.perf_counter() - started)
+        print(f"the client's first request (GET /health): {health_ms:.1f} ms")
+        rows = [over_http(args.url, ids, args.timeout) for ids in cases]
+        meta = {"url": args.url, "first_health_ms": health_ms}
         for row in rows:
             row.pop("reply")
     else:

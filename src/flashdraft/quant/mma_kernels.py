@@ -10,7 +10,8 @@ the weights are never rounded (docs/performance.md, issue #18).
 
 Used by flashdraft.quant.linear for Q4_K when x is bf16 with at most MAX_ROWS rows, K a multiple of 256 and N of
 16, on a GPU of compute capability 8.0 or newer; anything else, or a failed compile (warned once), goes to the
-Triton kernels. Rows are bitwise the same for every M <= 16 (batch invariance: the kernel's header says why).
+Triton kernels. Rows are bitwise the same for every M <= 16 (batch invariance: the kernel's header says why;
+the tilings for up to 8 and for 9-16 rows of a shape split K alike).
 """
 from __future__ import annotations
 
@@ -29,25 +30,38 @@ SOURCE = Path(__file__).with_name("q4k_mma.cu")
 
 @dataclass(frozen=True)
 class MmaTiling:
-    """Work per warp and grid shape; chosen per (N, K) and the SM count, never per M."""
+    """Work per warp and grid shape; chosen per (N, K), the SM count and whether x has more than 8 rows. Tilings
+    with the same K split give the same bits (the same sums in the same order), so the split never depends on M."""
 
     r_tiles: int = 2      # 16-row tiles per warp
     warps: int = 2        # warps per block
     split: int = 1        # K ranges, each a program column; a divisor of K / 256
     min_blocks: int = 1   # __launch_bounds__ blocks per SM (caps the registers a thread may use)
+    stages: int = 0       # 0: fragments loaded from global memory; n >= 2: a ring of n super-blocks per warp in
+                          # shared memory, filled by cp.async n - 1 ahead (q4k_mma.cu says why)
+
+    def __post_init__(self):
+        if self.stages == 1 or self.stages < 0:
+            raise ValueError(f"stages is 0 or at least 2, not {self.stages}")
+
+    @property
+    def shared_bytes(self) -> int:
+        return self.warps * self.stages * self.r_tiles * 16 * 160
 
 
-# (N, K) -> the tiling with the lowest M = 1 plus M = 16 time for Gemma-4-31B's Q4_K shapes (scripts/gpu/mma_tilings.py
-# on an H200, 2026-12-02; docs/performance.md); other shapes get default_tiling.
-TILINGS: dict[tuple[int, int], MmaTiling] = {
-    (21504, 5376): MmaTiling(1, 2, 3, 6),    # gate/up: 31.0 / 50.9 us at M = 1 / 16
-    (5376, 21504): MmaTiling(1, 2, 14, 6),   # down: 32.8 / 48.6 us
-    (8192, 5376): MmaTiling(1, 2, 3, 6),     # sliding q: 15.5 / 20.3 us
-    (4096, 5376): MmaTiling(2, 4, 7, 1),     # sliding k/v: 11.7 / 13.5 us
-    (5376, 8192): MmaTiling(1, 2, 4, 6),     # sliding o: 16.7 / 22.0 us
-    (16384, 5376): MmaTiling(1, 2, 3, 6),    # full q: 26.2 / 38.0 us
-    (2048, 5376): MmaTiling(1, 4, 7, 1),     # full k: 8.0 / 9.9 us
-    (5376, 16384): MmaTiling(1, 2, 16, 6),   # full o: 26.2 / 41.6 us
+# (N, K) -> the tilings for 1-8 and for 9-16 rows of x: per shape the K split with the lowest M = 1 plus M = 16 time,
+# each with the fastest tiling of that split at its row count (scripts/gpu/mma_tilings.py on an H200, 2026-12-02 and
+# 2026-12-03; docs/performance.md). One K split per shape, so that every M gives the same bits; other shapes get
+# default_tiling for both.
+TILINGS: dict[tuple[int, int], tuple[MmaTiling, MmaTiling]] = {
+    (21504, 5376): (MmaTiling(1, 2, 3, 6), MmaTiling(2, 2, 3, 1, 3)),        # gate/up: 30.2 / 44.7 us at M = 1 / 16
+    (5376, 21504): (MmaTiling(2, 2, 6, 1, 3), MmaTiling(2, 2, 6, 1, 3)),     # down: 31.3 / 41.1 us
+    (8192, 5376): (MmaTiling(1, 2, 3, 6),) * 2,                             # sliding q: 15.2 / 20.1 us
+    (4096, 5376): (MmaTiling(2, 2, 7, 1), MmaTiling(2, 4, 7, 1)),           # sliding k/v: 10.7 / 13.1 us
+    (5376, 8192): (MmaTiling(1, 2, 4, 6),) * 2,                             # sliding o: 16.4 / 21.7 us
+    (16384, 5376): (MmaTiling(1, 2, 3, 6),) * 2,                            # full q: 26.2 / 37.6 us
+    (2048, 5376): (MmaTiling(1, 4, 7, 1),) * 2,                             # full k: 8.0 / 9.6 us
+    (5376, 16384): (MmaTiling(1, 2, 16, 6),) * 2,                           # full o: 25.9 / 41.7 us
 }
 MAX_SPLIT = 16
 BLOCKS_PER_SM = 12   # enough warps in flight to cover the loads' latency (the measured tilings give 10-18)
@@ -64,8 +78,9 @@ def default_tiling(n: int, k: int, sms: int = 132) -> MmaTiling:
     return MmaTiling(tiling.r_tiles, tiling.warps, split, tiling.min_blocks)
 
 
-def tiling_for(n: int, k: int, sms: int = 132) -> MmaTiling:
-    return TILINGS.get((n, k)) or default_tiling(n, k, sms)
+def tilings_for(n: int, k: int, sms: int = 132) -> tuple[MmaTiling, MmaTiling]:
+    """The tilings for up to 8 and for 9-16 rows of x."""
+    return TILINGS.get((n, k)) or (default_tiling(n, k, sms),) * 2
 
 
 def supported(x: torch.Tensor, blocks: torch.Tensor, out_features: int) -> bool:
@@ -75,7 +90,7 @@ def supported(x: torch.Tensor, blocks: torch.Tensor, out_features: int) -> bool:
             and out_features % 16 == 0 and blocks.shape == (out_features, k // 256 * 144)):
         return False
     device_index = _device_index(x)
-    return _builds(tiling_for(out_features, k, sm_count(device_index)), device_index)
+    return _builds(tilings_for(out_features, k, sm_count(device_index)), device_index)
 
 
 def _device_index(x: torch.Tensor) -> int:
@@ -83,13 +98,13 @@ def _device_index(x: torch.Tensor) -> int:
 
 
 @functools.cache
-def _builds(tiling: MmaTiling, device_index: int) -> bool:
-    """Compute capability >= 8.0 (bf16 mma.sync) and NVRTC builds this tiling's kernels (warned if it does not)."""
+def _builds(tilings: tuple[MmaTiling, MmaTiling], device_index: int) -> bool:
+    """Compute capability >= 8.0 (bf16 mma.sync) and NVRTC builds these tilings' kernels (warned if it does not)."""
     if torch.cuda.get_device_capability(device_index) < (8, 0) or not hasattr(torch.cuda, "_compile_kernel"):
         return False
     try:
         _reduce_kernel(device_index)
-        for nt in (1, 2):
+        for nt, tiling in enumerate(tilings, 1):
             _matmul_kernel(tiling, nt, device_index)
     except Exception as e:  # noqa: BLE001 - any failure (no NVRTC, a driver error) means: use the Triton kernels
         warnings.warn(f"flashdraft: the CUDA Q4_K kernel did not compile ({type(e).__name__}: {e}); using the "
@@ -103,9 +118,11 @@ def _matmul_kernel(tiling: MmaTiling, nt: int, device_index: int):
     """q4k_mma for this tiling and NT 8-token tiles, compiled by NVRTC for and loaded on that GPU (a module is
     loaded per device)."""
     head = (f"#define R_TILES {tiling.r_tiles}\n#define NT {nt}\n#define WARPS {tiling.warps}\n"
-            f"#define MINB {tiling.min_blocks}\n")
+            f"#define MINB {tiling.min_blocks}\n#define STAGES {tiling.stages}\n")
     with torch.cuda.device(device_index):
-        return torch.cuda._compile_kernel(head + SOURCE.read_text(), "q4k_mma")
+        kernel = torch.cuda._compile_kernel(head + SOURCE.read_text(), "q4k_mma")
+        kernel.set_shared_memory_config(tiling.shared_bytes)  # past 48 KB a kernel must ask for it
+    return kernel
 
 
 @functools.cache
@@ -115,8 +132,10 @@ def _reduce_kernel(device_index: int):
         return torch.cuda._compile_kernel(SOURCE.read_text(), "q_split_reduce")
 
 
-def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, tiling: MmaTiling | None = None) -> torch.Tensor:
+def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int,
+           tiling: MmaTiling | tuple[MmaTiling, MmaTiling] | None = None) -> torch.Tensor:
     """y = x @ W^T for W [out_features, K] held as Q4_K blocks; x bf16 [..., K] with at most MAX_ROWS rows.
+    tiling: one for every M, or the pair for up to 8 and 9-16 rows (of one K split), or None for tilings_for's.
     No host sync; allocates only the output and the fp32 partial sums: safe in CUDA graphs."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -134,18 +153,25 @@ def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, tiling: Mma
         return y.reshape(*lead, n)
     device_index = _device_index(x)
     if tiling is None:
-        tiling = tiling_for(n, k, sm_count(device_index))
+        tiling = tilings_for(n, k, sm_count(device_index))
+    tilings = (tiling, tiling) if isinstance(tiling, MmaTiling) else tiling
     nsb = k // 256
-    if nsb % tiling.split:
-        raise ValueError(f"split {tiling.split} does not divide the {nsb} super-blocks of K = {k}")
-    # both builds at the first call of a tiling, so that a later M never compiles during CUDA-graph capture
-    builds = [_matmul_kernel(tiling, nt, device_index) for nt in (1, 2)]
-    matmul = builds[0] if m <= 8 else builds[1]
+    if tilings[0].split != tilings[1].split:
+        raise ValueError(f"the tilings for up to 8 and 9-16 rows split K differently ({tilings[0].split} and "
+                         f"{tilings[1].split}): rows would differ with M")
+    if nsb % tilings[0].split:
+        raise ValueError(f"split {tilings[0].split} does not divide the {nsb} super-blocks of K = {k}")
+    # both builds at the first call, so that a later M never compiles during CUDA-graph capture
+    builds = [_matmul_kernel(t, nt, device_index) for nt, t in enumerate(tilings, 1)]
+    matmul, tiling = (builds[0], tilings[0]) if m <= 8 else (builds[1], tilings[1])
     reduce = _reduce_kernel(device_index)
-    part = torch.empty((tiling.split, m, n), dtype=torch.float32, device=x.device)
+    # one K range: the kernel writes y itself (the partial-sum argument is then never read or written)
+    part = torch.empty((tiling.split, m, n), dtype=torch.float32, device=x.device) if tiling.split > 1 else y
     rows_per_block = 16 * tiling.r_tiles * tiling.warps
     stream = torch.cuda.current_stream(x.device)
     matmul(grid=(-(-n // rows_per_block), tiling.split, 1), block=(32 * tiling.warps, 1, 1),
-           args=[blocks, x2, part, m, n, nsb, nsb // tiling.split], stream=stream)
-    reduce(grid=(-(-(m * n) // 256), 1, 1), block=(256, 1, 1), args=[part, y, tiling.split, m * n], stream=stream)
+           args=[blocks, x2, part, y, m, n, nsb, nsb // tiling.split], shared_mem=tiling.shared_bytes, stream=stream)
+    if tiling.split > 1:
+        reduce(grid=(-(-(m * n) // 256), 1, 1), block=(256, 1, 1), args=[part, y, tiling.split, m * n],
+               stream=stream)
     return y.reshape(*lead, n)

@@ -7,6 +7,7 @@ import random
 
 import httpx
 import pytest
+import torch
 
 from flashdraft.config import SamplingParams
 from flashdraft.demo import DEMO_DIR
@@ -147,3 +148,25 @@ def test_n_tokens_max_counts_the_cached_prompt_tokens():
                                        stopping_word="", seed=0, stats=stats))
     assert b"llamacpp:n_tokens_max 115.0" in metrics.render()
     assert b"llamacpp:prompt_tokens_total 5.0" in metrics.render()  # the tokens processed, as llama-server's
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host copies need a GPU")
+def test_a_gpu_snapshot_goes_to_pinned_memory_without_waiting_and_keeps_the_rows_it_was_taken_with():
+    """The snapshot is queued, not waited for: the next prompt's writes, queued after it, do not reach it, and the
+    copy back gives the rows as they were."""
+    from flashdraft.models.kv_cache import KVCache
+
+    cfg = Engine.load(DEMO_DIR / "target", None, device="cpu").decoder.target.config
+    cache = KVCache(cfg, 256, torch.device("cuda"), torch.bfloat16)
+    for t in cache.k + cache.v:
+        t.normal_()
+    before = [t[:, :200].cpu() for t in cache.k + cache.v]
+    snap = cache.snapshot(200)
+    for t in cache.k + cache.v:
+        t.fill_(7.0)  # the next prompt overwriting the rows
+    back = KVCache(cfg, 256, torch.device("cuda"), torch.bfloat16)
+    back.copy_prefix(snap, 200)
+    torch.cuda.synchronize()
+    assert all(s.is_pinned() for s in snap.k + snap.v)
+    assert all(torch.equal(s, b) for s, b in zip(snap.k + snap.v, before))
+    assert all(torch.equal(t[:, :200].cpu(), b) for t, b in zip(back.k + back.v, before))

@@ -47,15 +47,15 @@ class KVCache:
         """Take positions [0, rows) from another sequence's cache (one that shares those tokens and cache types)."""
         check_same_types(self, source)
         for dst, src in zip(self.k + self.v, source.k + source.v):
-            dst[:, :rows].copy_(src[:, :rows])
+            dst[:, :rows].copy_(src[:, :rows], non_blocking=True)  # from pinned host memory: queued, not waited for
 
     def snapshot(self, rows: int, device: torch.device | str = "cpu") -> "KVCache":
         """A copy of positions [0, rows) on `device`, holding only those rows: the host prompt cache keeps
         evicted prefixes so, and copy_prefix takes one as its source to bring them back."""
         snap = copy.copy(self)
         snap.capacity = rows
-        snap.k = [t[:, :rows].to(device, copy=True) for t in self.k]
-        snap.v = [t[:, :rows].to(device, copy=True) for t in self.v]
+        snap.k = [copy_to(t[:, :rows], device) for t in self.k]
+        snap.v = [copy_to(t[:, :rows], device) for t in self.v]
         return snap
 
     def nbytes(self) -> int:
@@ -111,16 +111,28 @@ class WindowKVCache(KVCache):
         past `rows` are stale here, and hidden until overwritten."""
         check_same_types(self, source)
         for dst, src in zip(self.k + self.v, source.k + source.v):
-            dst.copy_(src)
+            dst.copy_(src, non_blocking=True)
         self.ring_pos.copy_(source.ring_pos)
 
     def snapshot(self, rows: int, device: torch.device | str = "cpu") -> "WindowKVCache":
         """The whole ring and the positions it holds, on `device` (copy_prefix takes it as a source)."""
         snap = copy.copy(self)
-        snap.k = [t.to(device, copy=True) for t in self.k]
-        snap.v = [t.to(device, copy=True) for t in self.v]
-        snap.ring_pos = self.ring_pos.to(device, copy=True)
+        snap.ring_pos = self.ring_pos.to(device, copy=True)  # first and waited for: reusable() reads it on the host
+        snap.k = [copy_to(t, device) for t in self.k]
+        snap.v = [copy_to(t, device) for t in self.v]
         return snap
+
+
+def copy_to(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A copy of t on `device`. From a GPU to the host it goes to pinned memory, queued on the current stream and
+    not waited for: the host goes on at once, work queued after it (a new prompt overwriting those rows) runs after
+    it, and so does a copy back (copy_prefix). A copy to pageable memory waited for every byte: 4.4 s for the
+    4.4 GB of a 30K-token prefix of Qwen3-8B on the H200 (docs/performance.md). Read such a copy on the host only
+    after synchronizing. Pinned blocks are cached by torch's host allocator, in power-of-two sizes."""
+    if t.is_cuda and torch.device(device).type == "cpu":
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return host.copy_(t, non_blocking=True)
+    return t.to(device, copy=True)
 
 
 def check_same_types(cache, source) -> None:

@@ -28,7 +28,7 @@ from torch.nn.attention import sdpa_kernel
 
 from flashdraft.config import read_json
 from flashdraft.models.gemma4.config import FULL, SLIDING, Gemma4Config, RopeSpec
-from flashdraft.models.kv_cache import check_same_types
+from flashdraft.models.kv_cache import check_same_types, copy_to
 from flashdraft.layers import decode_attention as attention_kernel
 from flashdraft.layers.attention import PREFILL_SDPA
 from flashdraft.layers.decode_attention import decode_attention
@@ -134,11 +134,11 @@ class Gemma4Cache:
         check_same_types(self, source)
         for sliding, dst_k, dst_v, src_k, src_v in zip(self._sliding, self.k, self.v, source.k, source.v):
             if sliding:
-                dst_k.copy_(src_k)
-                dst_v.copy_(src_v)
+                dst_k.copy_(src_k, non_blocking=True)
+                dst_v.copy_(src_v, non_blocking=True)
             else:
-                dst_k[:, :rows].copy_(src_k[:, :rows])
-                dst_v[:, :rows].copy_(src_v[:, :rows])
+                dst_k[:, :rows].copy_(src_k[:, :rows], non_blocking=True)
+                dst_v[:, :rows].copy_(src_v[:, :rows], non_blocking=True)
         self.ring_pos.copy_(source.ring_pos)
 
     def snapshot(self, rows: int, device: torch.device | str = "cpu") -> Gemma4Cache:
@@ -146,11 +146,9 @@ class Gemma4Cache:
         whole rings with the positions they hold, which copy_prefix takes as a source."""
         snap = copy.copy(self)
         snap.capacity = rows
-        snap.k = [t.to(device, copy=True) if sliding else t[:, :rows].to(device, copy=True)
-                  for sliding, t in zip(self._sliding, self.k)]
-        snap.v = [t.to(device, copy=True) if sliding else t[:, :rows].to(device, copy=True)
-                  for sliding, t in zip(self._sliding, self.v)]
-        snap.ring_pos = self.ring_pos.to(device, copy=True)
+        snap.ring_pos = self.ring_pos.to(device, copy=True)  # first and waited for: reusable() reads it on the host
+        snap.k = [copy_to(t if sliding else t[:, :rows], device) for sliding, t in zip(self._sliding, self.k)]
+        snap.v = [copy_to(t if sliding else t[:, :rows], device) for sliding, t in zip(self._sliding, self.v)]
         return snap
 
     def nbytes(self) -> int:

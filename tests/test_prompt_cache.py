@@ -170,3 +170,85 @@ def test_a_gpu_snapshot_goes_to_pinned_memory_without_waiting_and_keeps_the_rows
     assert all(s.is_pinned() for s in snap.k + snap.v)
     assert all(torch.equal(s, b) for s, b in zip(snap.k + snap.v, before))
     assert all(torch.equal(t[:, :200].cpu(), b) for t, b in zip(back.k + back.v, before))
+
+
+def _serve_in_turn(scheduler, prompts, params):
+    """Submit the prompts one after another to a started scheduler; each job's events, in order."""
+    import asyncio
+
+    from flashdraft.server.jobs import Job
+    from flashdraft.server.requests import GenerationRequest
+
+    loop = asyncio.new_event_loop()
+    try:
+        events = []
+        for prompt in prompts:
+            job = Job(GenerationRequest(prompt, params, None, 0, False, False, "m", "", cache_prompt=True), loop)
+            scheduler.submit(job)
+            got = []
+            while not got or got[-1][0] not in ("result", "error", "ended"):
+                got.append(loop.run_until_complete(asyncio.wait_for(job.events.get(), 60)))
+            events.append(got)
+        return events
+    finally:
+        loop.close()
+
+
+class _NoMetrics:
+    def on_round(self, active):
+        pass
+
+    def on_step(self):
+        pass
+
+    def on_result(self, result):
+        pass
+
+
+def test_a_prefix_that_cannot_be_kept_in_host_memory_costs_the_request_nothing(demo, caplog):
+    """Host memory short when a slot's prefix is saved: a warning, the prefix is not kept, and the request that
+    needed the slot runs and answers as without a prompt cache."""
+    from flashdraft.server.scheduler import Scheduler
+
+    class FullHostMemory(PromptCache):
+        def save(self, seq):
+            raise RuntimeError("out of pinned memory")
+
+    scheduler = Scheduler(demo, 1, 0, _NoMetrics(), FullHostMemory(demo.decoder, None))
+    scheduler.start()
+    a, b = ask(demo, "Write a function that parses a CSV line."), ask(demo, "Explain what a mutex is.")
+    try:
+        first, second = _serve_in_turn(scheduler, [a, b], GREEDY)
+    finally:
+        scheduler.stop()
+        scheduler.join(10)
+    assert first[-1][0] == second[-1][0] == "result"
+    assert second[-1][1].tokens == demo.generate(b, GREEDY, 0).tokens
+    assert "could not be kept in host memory" in caplog.text
+
+
+def test_a_failure_placing_a_job_ends_that_job_and_the_worker_serves_the_next(demo):
+    """An error while a job is given its slot (copying a kept prefix in) is that job's error; the slot's caches,
+    perhaps half copied, are not reused; the next job is served as by a cold server."""
+    from flashdraft.server.scheduler import Scheduler
+
+    class FailingRestore(PromptCache):
+        failures = 1
+
+        def restore(self, seq, prompt, have):
+            if self.failures:
+                self.failures -= 1
+                raise RuntimeError("copy failed")
+            return super().restore(seq, prompt, have)
+
+    scheduler = Scheduler(demo, 1, 0, _NoMetrics(), FailingRestore(demo.decoder, None))
+    scheduler.start()
+    a = ask(demo, "Write a function that parses a CSV line.")
+    try:
+        failed, served = _serve_in_turn(scheduler, [a, a], GREEDY)
+    finally:
+        scheduler.stop()
+        scheduler.join(10)
+    assert failed[-1][0] == "error" and "copy failed" in str(failed[-1][1])
+    assert served[-1][0] == "result" and served[-1][1].tokens == demo.generate(a, GREEDY, 0).tokens
+    assert served[-1][1].stats.cache_n == 0

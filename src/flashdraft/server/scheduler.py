@@ -170,7 +170,15 @@ class Scheduler:
             if job.cancelled.is_set():
                 job.post(ENDED, "cancelled")
                 continue
-            self._start(self._slot_for(job, free), job)
+            try:
+                slot = self._slot_for(job, free)
+            except Exception as e:  # a failure placing a job (copying a prefix in) ends that job, not the worker
+                log.exception("request %d: could not be given a slot", job.id)
+                for s in free:  # a copy may have stopped halfway: nothing these caches hold is reused
+                    s.sequence.tokens = []
+                job.post(ERROR, e)
+                continue
+            self._start(slot, job)
         return any(s.job is not None for s in self.slots)
 
     def _slot_for(self, job: Job, free: list[Slot]) -> Slot:
@@ -202,7 +210,10 @@ class Scheduler:
     def _keep(self, slot: Slot, shared: int) -> None:
         """Leave the slot's prefix in the prompt cache when the next prompt keeps only `shared` tokens of it."""
         if self.prompt_cache is not None and shared < len(slot.sequence.tokens) - 1:
-            self.prompt_cache.save(slot.sequence)
+            try:
+                self.prompt_cache.save(slot.sequence)
+            except Exception:  # noqa: BLE001 - host memory short (pinned or not): the prefix is not kept, no more
+                log.warning("slot %d: its prefix could not be kept in host memory", slot.id, exc_info=True)
 
     def _start(self, slot: Slot, job: Job, choice: int = 0) -> None:
         """Start one of the job's choices (they run one after another on the slot)."""

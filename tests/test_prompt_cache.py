@@ -15,6 +15,7 @@ from flashdraft.engine.generator import Engine
 from flashdraft.engine.prompt_cache import PromptCache
 from flashdraft.server.cli import build_parser, settings_from_args
 from test_gemma4_tiny import build_gemma4_target
+from test_prefill_chunks import _NoMetrics
 from test_server_hardening import AUTH, LiveServer
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -192,17 +193,6 @@ def _serve_in_turn(scheduler, prompts, params):
         return events
     finally:
         loop.close()
-
-
-class _NoMetrics:
-    def on_round(self, active):
-        pass
-
-    def on_step(self):
-        pass
-
-    def on_result(self, result):
-        pass
 
 
 def test_a_prefix_that_cannot_be_kept_in_host_memory_costs_the_request_nothing(demo, caplog):

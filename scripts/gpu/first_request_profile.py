@@ -95,9 +95,8 @@ def main() -> int:
     print(f"loaded and warmed up in {time.perf_counter() - started:.1f} s")
     server, url = serve_in_thread(state)
     sampler = StackSampler()
-    sampler.skip = {threading.get_ident(), sampler.ident}
     sampler.start()
-    sampler.skip.add(sampler.ident)
+    sampler.skip = {threading.get_ident(), sampler.ident}  # the client (this thread) and the sampler itself
     vocab = state.engine.decoder.target.config.vocab_size
     print("request  ttft ms  prompt ms")
     for i, ids in enumerate(prompts([100] * args.requests, vocab, seed=31)):

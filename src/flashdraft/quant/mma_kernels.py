@@ -164,7 +164,6 @@ def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int,
     # both builds at the first call, so that a later M never compiles during CUDA-graph capture
     builds = [_matmul_kernel(t, nt, device_index) for nt, t in enumerate(tilings, 1)]
     matmul, tiling = (builds[0], tilings[0]) if m <= 8 else (builds[1], tilings[1])
-    reduce = _reduce_kernel(device_index)
     # one K range: the kernel writes y itself (the partial-sum argument is then never read or written)
     part = torch.empty((tiling.split, m, n), dtype=torch.float32, device=x.device) if tiling.split > 1 else y
     rows_per_block = 16 * tiling.r_tiles * tiling.warps
@@ -172,6 +171,6 @@ def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int,
     matmul(grid=(-(-n // rows_per_block), tiling.split, 1), block=(32 * tiling.warps, 1, 1),
            args=[blocks, x2, part, y, m, n, nsb, nsb // tiling.split], shared_mem=tiling.shared_bytes, stream=stream)
     if tiling.split > 1:
-        reduce(grid=(-(-(m * n) // 256), 1, 1), block=(256, 1, 1), args=[part, y, tiling.split, m * n],
-               stream=stream)
+        _reduce_kernel(device_index)(grid=(-(-(m * n) // 256), 1, 1), block=(256, 1, 1),
+                                     args=[part, y, tiling.split, m * n], stream=stream)
     return y.reshape(*lead, n)

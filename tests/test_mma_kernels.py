@@ -1,5 +1,6 @@
-"""The CUDA tensor-core Q4_K kernel (flashdraft.quant.mma_kernels): which products it takes, its tilings, and on a
-GPU its results (against dequantize + matmul in float64) and bitwise batch invariance over every M <= 16."""
+"""The CUDA tensor-core k-quant kernel (flashdraft.quant.mma_kernels; Q4_K, Q5_K, Q6_K): which products it takes,
+its tilings, and on a GPU its results (against dequantize + matmul in float64) and bitwise batch invariance over
+every M <= 16."""
 import pytest
 import torch
 
@@ -10,7 +11,12 @@ from test_gguf_quant import random_blocks
 
 def test_products_off_the_gpu_are_not_taken():
     x = torch.zeros(2, 512, dtype=torch.bfloat16)
-    assert not mma_kernels.supported(x, torch.zeros(32, 288, dtype=torch.uint8), 32)
+    assert not mma_kernels.supported(x, torch.zeros(32, 288, dtype=torch.uint8), 32, "Q4_K")
+
+
+def test_types_without_the_kernel_are_not_taken():
+    x = torch.zeros(2, 512, dtype=torch.bfloat16)
+    assert not mma_kernels.supported(x, torch.zeros(32, 68, dtype=torch.uint8), 32, "Q8_0")
 
 
 @pytest.mark.parametrize("n,k", [(21504, 5376), (5376, 21504), (4096, 4096), (1024, 2816), (16, 256), (151936, 4096)])
@@ -27,10 +33,14 @@ def test_default_tiling_splits_k_evenly_and_fills_the_gpu(n, k):
 
 
 def test_measured_tilings_take_precedence_divide_their_k_and_split_it_alike_for_every_m():
-    for (n, k), pair in mma_kernels.TILINGS.items():
-        assert tilings_for(n, k) == pair and (k // 256) % pair[0].split == 0
+    for (qtype, n, k), pair in mma_kernels.TILINGS.items():
+        assert qtype in mma_kernels.QTYPES
+        assert tilings_for(qtype, n, k) == pair and (k // 256) % pair[0].split == 0
         assert pair[0].split == pair[1].split  # the same bits for 1-8 and 9-16 rows
-    assert tilings_for(4096, 4096) == (default_tiling(4096, 4096),) * 2
+        for tiling in pair:
+            tiling.shared_bytes(qtype)  # a ring only for a type that takes one
+    assert tilings_for("Q4_K", 4096, 4096) == (default_tiling(4096, 4096),) * 2
+    assert tilings_for("Q6_K", 21504, 5376) == (default_tiling(21504, 5376),) * 2  # measured for Q4_K only
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernel needs a GPU")
@@ -40,50 +50,59 @@ def test_a_ring_of_one_stage_is_refused_and_rings_take_shared_memory_per_warp():
     for stages in (1, -2):
         with pytest.raises(ValueError, match="stages"):
             MmaTiling(1, 2, 3, 1, stages)
-    assert MmaTiling(1, 2, 3, 1).shared_bytes == 0
-    assert MmaTiling(2, 4, 3, 1, 4).shared_bytes == 4 * 4 * 2 * 16 * 160  # warps x stages x rows x padded row
+    assert MmaTiling(1, 2, 3, 1).shared_bytes("Q4_K") == MmaTiling(1, 2, 3, 1).shared_bytes("Q6_K") == 0
+    assert MmaTiling(2, 4, 3, 1, 4).shared_bytes("Q4_K") == 4 * 4 * 2 * 16 * 160  # warps x stages x rows x padded row
+    assert MmaTiling(2, 4, 3, 1, 4).shared_bytes("Q5_K") == 4 * 4 * 2 * 16 * 224
+    with pytest.raises(ValueError, match="Q6_K weights take no shared-memory ring"):
+        MmaTiling(2, 4, 3, 1, 4).shared_bytes("Q6_K")
+
+
+SHAPES = [(64, 512, None), (4096, 5376, None), (21504, 5376, None), (5376, 21504, None),
+          (1040, 2048, MmaTiling(2, 4, 8, 1)), (48, 1024, MmaTiling(1, 2, 1, 1))]
+RINGS = [(1040, 2048, MmaTiling(2, 4, 2, 1, 3)), (4096, 5376, MmaTiling(1, 2, 3, 1, 4)),
+         (48, 1024, MmaTiling(1, 2, 4, 1, 2))]
 
 
 @cuda
-@pytest.mark.parametrize("n,k,tiling", [(64, 512, None), (4096, 5376, None), (21504, 5376, None), (5376, 21504, None),
-                                        (1040, 2048, MmaTiling(2, 4, 8, 1)),
-                                        (48, 1024, MmaTiling(1, 2, 1, 1)), (1040, 2048, MmaTiling(2, 4, 2, 1, 3)),
-                                        (4096, 5376, MmaTiling(1, 2, 3, 1, 4)), (48, 1024, MmaTiling(1, 2, 4, 1, 2))])
-def test_mma_kernel_matches_dequantized_matmul_and_is_batch_invariant(n, k, tiling):
-    blocks = torch.from_numpy(random_blocks("Q4_K", rows=n, blocks_per_row=k // 256)).cuda()
+@pytest.mark.parametrize("qtype,n,k,tiling", [(q, *s) for q in ("Q4_K", "Q5_K") for s in SHAPES + RINGS]
+                         + [("Q6_K", *s) for s in SHAPES + [(65536, 5376, None), (1024, 4096, MmaTiling(1, 4, 16, 1))]])
+def test_mma_kernel_matches_dequantized_matmul_and_is_batch_invariant(qtype, n, k, tiling):
+    blocks = torch.from_numpy(random_blocks(qtype, rows=n, blocks_per_row=k // 256)).cuda()
     x = torch.randn(16, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0)).bfloat16()
-    assert mma_kernels.supported(x, blocks, n)
-    y = mma_kernels.launch(x, blocks, n, tiling)
-    ref = x.double() @ dequantize(blocks, "Q4_K").double().T
+    assert mma_kernels.supported(x, blocks, n, qtype)
+    y = mma_kernels.launch(x, blocks, n, qtype, tiling)
+    ref = x.double() @ dequantize(blocks, qtype).double().T
     # the weights are exact and the sums fp32: only the bf16 output rounds
     assert ((y.double() - ref).norm() / ref.norm()).item() < 4e-3
     assert ((y.double() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-4 * ref.abs().max()).all()
     for m in range(1, 16):
-        assert torch.equal(mma_kernels.launch(x[:m], blocks, n, tiling), y[:m]), m
+        assert torch.equal(mma_kernels.launch(x[:m], blocks, n, qtype, tiling), y[:m]), m
 
 
 @cuda
-def test_quant_linear_takes_the_mma_kernel_for_q4_k_decoding():
+@pytest.mark.parametrize("qtype", list(mma_kernels.QTYPES))
+def test_quant_linear_takes_the_mma_kernel_for_decoding(qtype):
     from flashdraft.quant.linear import QuantLinear
 
     n, k = 256, 1024
-    blocks = torch.from_numpy(random_blocks("Q4_K", rows=n, blocks_per_row=k // 256)).cuda()
-    layer = QuantLinear(blocks, "Q4_K", k, torch.bfloat16)
+    blocks = torch.from_numpy(random_blocks(qtype, rows=n, blocks_per_row=k // 256)).cuda()
+    layer = QuantLinear(blocks, qtype, k, torch.bfloat16)
     x = torch.randn(3, k, device="cuda").bfloat16()
-    assert torch.equal(layer(x), mma_kernels.launch(x, blocks, n))
+    assert torch.equal(layer(x), mma_kernels.launch(x, blocks, n, qtype))
 
 
 @cuda
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K"])
 @pytest.mark.parametrize("n,k,split", [(1040, 2048, 2), (4096, 5376, 3), (48, 1024, 1)])
-def test_the_shared_memory_ring_gives_the_bits_of_the_direct_loads(n, k, split):
+def test_the_shared_memory_ring_gives_the_bits_of_the_direct_loads(qtype, n, k, split):
     """Staging the weights through shared memory changes where the bytes come from, not the arithmetic: the same
     K split gives the same bits with every ring depth and warp shape."""
-    blocks = torch.from_numpy(random_blocks("Q4_K", rows=n, blocks_per_row=k // 256)).cuda()
+    blocks = torch.from_numpy(random_blocks(qtype, rows=n, blocks_per_row=k // 256)).cuda()
     x = torch.randn(16, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)).bfloat16()
-    direct = mma_kernels.launch(x, blocks, n, MmaTiling(1, 2, split, 1))
+    direct = mma_kernels.launch(x, blocks, n, qtype, MmaTiling(1, 2, split, 1))
     for tiling in (MmaTiling(1, 2, split, 1, 2), MmaTiling(2, 4, split, 1, 4), MmaTiling(1, 4, split, 2, 3)):
         for m in (1, 5, 16):
-            assert torch.equal(mma_kernels.launch(x[:m], blocks, n, tiling), direct[:m]), (tiling, m)
+            assert torch.equal(mma_kernels.launch(x[:m], blocks, n, qtype, tiling), direct[:m]), (tiling, m)
 
 
 @cuda
@@ -91,4 +110,4 @@ def test_tilings_for_few_and_many_rows_must_split_k_alike():
     blocks = torch.from_numpy(random_blocks("Q4_K", rows=64, blocks_per_row=4)).cuda()
     x = torch.randn(3, 1024, device="cuda").bfloat16()
     with pytest.raises(ValueError, match="split K differently"):
-        mma_kernels.launch(x, blocks, 64, (MmaTiling(1, 2, 2, 1), MmaTiling(1, 2, 4, 1)))
+        mma_kernels.launch(x, blocks, 64, "Q4_K", (MmaTiling(1, 2, 2, 1), MmaTiling(1, 2, 4, 1)))

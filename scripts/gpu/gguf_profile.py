@@ -20,7 +20,7 @@ import gguf_run  # noqa: E402
 from flashdraft.engine.generator import Engine  # noqa: E402
 from flashdraft.config import SamplingParams  # noqa: E402
 
-FAMILIES = (("q4k mma", ("q4k_mma",)), ("compiled layer ops", ("triton_poi", "triton_red", "triton_per")),
+FAMILIES = (("k-quant mma", ("kq_mma",)), ("compiled layer ops", ("triton_poi", "triton_red", "triton_per")),
             ("split reduce", ("split_reduce",)),
             ("triton quant matmul", ("_quant_matmul",)), ("attention", ("attention", "attn", "flash", "sdpa")),
             ("norm", ("norm", "rms")), ("gemm (float)", ("gemm", "gemv", "nvjet", "cutlass", "sm90")),

@@ -836,7 +836,7 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", type=Path, default=None,
                     help="gguf_sweep.py's gguf_configs.json: measured tilings for the shapes it lists")
     ap.add_argument("--mma-tilings", type=Path, default=None,
-                    help="mma_tilings.py's mma_tilings.json: its best tilings for the CUDA Q4_K kernel's shapes")
+                    help="mma_tilings.py's mma_tilings.json: its best tilings for the CUDA k-quant kernel's shapes")
     ap.add_argument("--gemm", default=None, help="Engine's gemm backend for float layers, where supported")
     ap.add_argument("--skip-kernels", action="store_true")
     ap.add_argument("--skip-model", action="store_true")
@@ -881,9 +881,9 @@ def main(argv=None) -> int:
             from flashdraft.quant import mma_kernels
             for entry in json.loads(args.mma_tilings.read_text())["table"].values():
                 few, many = (mma_kernels.MmaTiling(*tiling) for tiling in entry["tilings"])
-                mma_kernels.TILINGS[(entry["n"], entry["k"])] = (few, many)
-            run.result["mma_tilings"] = {f"{n}x{k}": str(t) for (n, k), t in mma_kernels.TILINGS.items()}
-            log(f"Q4_K tilings from {args.mma_tilings}: {run.result['mma_tilings']}")
+                mma_kernels.TILINGS[(entry.get("qtype", "Q4_K"), entry["n"], entry["k"])] = (few, many)
+            run.result["mma_tilings"] = {f"{q} {n}x{k}": str(t) for (q, n, k), t in mma_kernels.TILINGS.items()}
+            log(f"k-quant kernel tilings from {args.mma_tilings}: {run.result['mma_tilings']}")
         except Exception as e:  # noqa: BLE001
             run.error("mma_tilings", e)
     bw = 0.0

@@ -1,14 +1,19 @@
 """Time flashdraft.quant.mma_kernels over a grid of tilings (direct loads, and shared-memory rings of STAGES
-super-blocks) on every Q4_K shape of the Q4_K_S-shaped Gemma-4-31B (random valid blocks, CUDA graphs over weight
-copies that defeat the L2), check each result (against dequantize + matmul, M = 1 against row 0 of M = 16, and
-every tiling of a K split against the others: the same bits), and print the TILINGS table: per shape the K split
-with the lowest M = 1 + M = 16 time, each with its fastest tiling at M = 1 and at M = 16, next to the best without a
-ring, the default tiling and the Triton kernel.
+super-blocks for the types that take one) on the k-quant shapes of the Q4_K_S-shaped Gemma-4-31B and the
+Q4_K_M-shaped Qwen3-8B (random valid blocks, CUDA graphs over weight copies that defeat the L2), check each result
+(against dequantize + matmul, M = 1 against row 0 of M = 16, and every tiling of a K split against the others: the
+same bits), and print the TILINGS table: per shape the K split with the lowest M = 1 + M = 16 time, each with its
+fastest tiling at M = 1 and at M = 16, next to the best without a ring, the default tiling and the Triton kernel.
 
-Usage (GPU machine, repo root): PYTHONPATH=src python scripts/gpu/mma_tilings.py OUT
+Usage (GPU machine, repo root):
+    PYTHONPATH=src python scripts/gpu/mma_tilings.py OUT [--only gemma-q4k,gemma-q5k,...] [--no-rings]
+        [--budget-s S]
+--only: the shape sets (SETS below; default all); --no-rings: direct loads only; --budget-s: no new shape is
+started past this many seconds (what was measured is printed and written).
 """
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import sys
@@ -23,35 +28,63 @@ from gguf_run import bench_ms, copies_for, random_blocks, rel_err  # noqa: E402
 from flashdraft.quant import dequantize, mma_kernels, triton_kernels  # noqa: E402
 from flashdraft.quant.mma_kernels import MmaTiling  # noqa: E402
 
-STAGES = (3, 4)  # shared-memory ring depths tried beside the direct loads (the direct tilings were swept on
-# 2026-12-02: r 1-2, w 2-4, every split; TILINGS holds the best)
-SHAPES = {"gate/up": (21504, 5376), "down": (5376, 21504), "sliding q": (8192, 5376), "sliding k/v": (4096, 5376),
-          "sliding o": (5376, 8192), "full q": (16384, 5376), "full k": (2048, 5376), "full o": (5376, 16384)}
+STAGES = (3, 4)  # shared-memory ring depths tried beside the direct loads
+DIRECT = ((2, 1), (4, 1), (2, 6))  # (warps, min_blocks) of the direct-load tilings, with 1-2 tiles a warp
+RING = ((2, 1), (4, 1), (4, 2))    # the same for rings (shared memory bounds the blocks a multiprocessor holds)
+# name -> (type, {shape: (N, K)}): Gemma-4-31B Q4_K_S (Q5_K: attn_v of layers 0-3, ffn_down of layers 0-6; Q6_K:
+# the tied embedding / LM head) and Qwen3-8B Q4_K_M (Q6_K: attn_v and ffn_down of half the layers, the LM head)
+SETS = {
+    "gemma-q4k": ("Q4_K", {"gate/up": (21504, 5376), "down": (5376, 21504), "sliding q": (8192, 5376),
+                           "sliding k/v": (4096, 5376), "sliding o": (5376, 8192), "full q": (16384, 5376),
+                           "full k": (2048, 5376), "full o": (5376, 16384)}),
+    "gemma-q5k": ("Q5_K", {"sliding v": (4096, 5376), "down": (5376, 21504)}),
+    "gemma-q6k": ("Q6_K", {"lm head": (262144, 5376)}),
+    "qwen-q4k": ("Q4_K", {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (12288, 4096), "down": (4096, 12288),
+                          "embedding": (151936, 4096)}),
+    "qwen-q6k": ("Q6_K", {"v": (1024, 4096), "down": (4096, 12288), "lm head": (151936, 4096)}),
+}
 
 
 def main() -> int:
-    out = Path(sys.argv[1])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--only", default=",".join(SETS), help="comma-separated shape sets: " + ", ".join(SETS))
+    ap.add_argument("--no-rings", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=float("inf"))
+    args = ap.parse_args()
+    unknown = [name for name in args.only.split(",") if name not in SETS]
+    if unknown:
+        ap.error(f"unknown shape set(s) {unknown}: choose from {list(SETS)}")
+    out = args.out
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     rows, table = [], {}
     t0 = time.time()
-    for shape, (n, k) in SHAPES.items():
+    shapes = [(f"{name} {shape}", qtype, n, k) for name in args.only.split(",")
+              for qtype, of_set in [SETS[name]] for shape, (n, k) in of_set.items()]
+    for shape, qtype, n, k in shapes:
+        if time.time() - t0 > args.budget_s:
+            print(f"budget spent: {shape} and later shapes not measured", flush=True)
+            break
         nsb = k // 256
-        ws = [random_blocks("Q4_K", n, k, gen, dev) for _ in range(copies_for(n * nsb * 144, False))]
+        ws = [random_blocks(qtype, n, k, gen, dev)
+              for _ in range(copies_for(n * nsb * mma_kernels.BLOCK_BYTES[qtype], False))]
         x = torch.randn(16, k, device=dev, dtype=torch.bfloat16, generator=gen)
-        ref = x.double() @ dequantize(ws[0], "Q4_K").double().T
+        ref = x.double() @ dequantize(ws[0], qtype).double().T
         default = mma_kernels.default_tiling(n, k)
         splits = [d for d in range(1, 17) if nsb % d == 0]
-        grid = list(dict.fromkeys([mma_kernels.tiling_for(n, k), default]))  # the direct loads as adopted
-        grid += [MmaTiling(r, w, s, b, st) for st, r, (w, b), s in itertools.product(
-            STAGES, (1, 2), ((2, 1), (4, 1), (4, 2)), splits)]
+        grid = list(dict.fromkeys([*mma_kernels.tilings_for(qtype, n, k), default]))  # as adopted
+        grid += [MmaTiling(r, w, s, b) for r, (w, b), s in itertools.product((1, 2), DIRECT, splits)]
+        if qtype in mma_kernels.RING_ROW_BYTES and not args.no_rings:
+            grid += [MmaTiling(r, w, s, b, st) for st, r, (w, b), s in itertools.product(STAGES, (1, 2), RING, splits)]
+        grid = list(dict.fromkeys(grid))
         results, by_split = [], {}
         for tiling in [None] + grid:
             def call(w, m, tiling=tiling):
                 if tiling is None:
-                    return triton_kernels.launch(x[:m], w, n, "Q4_K")
-                return mma_kernels.launch(x[:m], w, n, tiling)
+                    return triton_kernels.launch(x[:m], w, n, qtype)
+                return mma_kernels.launch(x[:m], w, n, qtype, tiling)
             try:
                 y16, y1 = call(ws[0], 16), call(ws[0], 1)
                 ok = rel_err(y16, ref) < 4e-3 and torch.equal(y16[:1], y1)
@@ -63,12 +96,15 @@ def main() -> int:
                 continue
             name = "triton" if tiling is None else (f"r{tiling.r_tiles} w{tiling.warps} s{tiling.split} "
                                                     f"b{tiling.min_blocks} st{tiling.stages}")
-            row = {"shape": shape, "n": n, "k": k, "tiling": name, "us_m1": us[0], "us_m16": us[1], "ok": ok,
-                   "default": tiling == default}
+            row = {"shape": shape, "qtype": qtype, "n": n, "k": k, "tiling": name, "us_m1": us[0], "us_m16": us[1],
+                   "ok": ok, "default": tiling == default}
             rows.append(row)
             results.append((tiling, row))
-        triton = next(r for t, r in results if t is None)
+        triton = next((r for t, r in results if t is None), {"us_m1": float("nan"), "us_m16": float("nan")})
         good = [(t, r) for t, r in results if t is not None and r["ok"]]
+        if not good:
+            print(f"{shape}: no tiling gave correct, invariant results", flush=True)
+            continue
         # per K split the fastest tiling at M = 1 and at M = 16 (one split for both: the same bits); the split
         # with the lowest sum of the two
         pairs = []
@@ -79,7 +115,7 @@ def main() -> int:
             pairs.append((few[1]["us_m1"] + many[1]["us_m16"], few, many))
         _, (few_t, few), (many_t, many) = min(pairs, key=lambda p: p[0])
         dflt = next((r for t, r in good if t == default), None)
-        table[shape] = {"n": n, "k": k, "best": [few["tiling"], many["tiling"]],
+        table[shape] = {"qtype": qtype, "n": n, "k": k, "best": [few["tiling"], many["tiling"]],
                         "best_us": [few["us_m1"], many["us_m16"]],
                         "default_us": [dflt["us_m1"], dflt["us_m16"]] if dflt else None,
                         "triton_us": [triton["us_m1"], triton["us_m16"]],
@@ -88,21 +124,27 @@ def main() -> int:
                                               key=sum),
                         "all_ok": all(r["ok"] for _, r in results if _ is not None)}
         direct = table[shape]["best_direct_us"]
-        print(f"{shape:12s} {n}x{k}: best {few['tiling']} / {many['tiling']}: {few['us_m1']:.1f} / "
+        print(f"{shape:22s} {n}x{k}: best {few['tiling']} / {many['tiling']}: {few['us_m1']:.1f} / "
               f"{many['us_m16']:.1f} us; best without a ring {direct[0]:.1f} / {direct[1]:.1f}; default "
               f"{table[shape]['default_us']}; triton {triton['us_m1']:.1f} / {triton['us_m16']:.1f}; "
               f"all correct and invariant: {table[shape]['all_ok']}", flush=True)
-        del ws
+        del ws, ref
         torch.cuda.empty_cache()
+        write(out, rows, table, t0)
+    write(out, rows, table, t0)
     print("\nTILINGS = {")
     for shape, t in table.items():
         few, many = (f"MmaTiling({', '.join(map(str, tiling))})" for tiling in t["tilings"])
-        print(f"    ({t['n']}, {t['k']}): ({few}, {many}),  # {shape}: {t['best_us'][0]:.1f} / "
+        print(f"    (\"{t['qtype']}\", {t['n']}, {t['k']}): ({few}, {many}),  # {shape}: {t['best_us'][0]:.1f} / "
               f"{t['best_us'][1]:.1f} us at M = 1 / 16")
     print("}")
+    return 0
+
+
+def write(out: Path, rows: list, table: dict, t0: float) -> None:
+    """What has been measured so far (rewritten after each shape: a call that runs out of time keeps it)."""
     (out / "mma_tilings.json").write_text(json.dumps({"rows": rows, "table": table, "elapsed_s": time.time() - t0},
                                                      indent=2))
-    return 0
 
 
 if __name__ == "__main__":

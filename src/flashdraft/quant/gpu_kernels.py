@@ -1,6 +1,7 @@
 """The GPU product of x with GGUF blocks that QuantLinear calls: one custom op, so that torch.compile'd code sees
-an opaque call with a known output shape, which takes the CUDA tensor-core kernel where it applies (Q4_K, bf16 x of
-at most 16 rows: decoding and speculative verify) and the Triton kernels otherwise (other types, prefill, fp32)."""
+an opaque call with a known output shape, which takes the CUDA tensor-core kernel where it applies (Q4_K, Q5_K, Q6_K;
+bf16 x of at most 16 rows: decoding and speculative verify) and the Triton kernels otherwise (other types, prefill,
+fp32)."""
 from __future__ import annotations
 
 import torch
@@ -10,8 +11,8 @@ from flashdraft.quant import mma_kernels, triton_kernels
 
 @torch.library.custom_op("flashdraft::quant_matmul", mutates_args=())
 def _quant_matmul_op(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str) -> torch.Tensor:
-    if qtype == "Q4_K" and mma_kernels.supported(x, blocks, out_features):
-        return mma_kernels.launch(x, blocks, out_features)
+    if mma_kernels.supported(x, blocks, out_features, qtype):
+        return mma_kernels.launch(x, blocks, out_features, qtype)
     return triton_kernels.launch(x, blocks, out_features, qtype)
 
 

@@ -1,5 +1,6 @@
-"""Q4_K weights times 1-16 rows of bf16 x with a CUDA kernel written against the tensor cores' register fragments
-(q4k_mma.cu), compiled at first use by NVRTC through torch.cuda._compile_kernel: no build step and no nvcc.
+"""GGUF k-quant weights (Q4_K, Q5_K, Q6_K) times 1-16 rows of bf16 x with a CUDA kernel written against the tensor
+cores' register fragments (kquant_mma.cu), compiled at first use by NVRTC through torch.cuda._compile_kernel: no
+build step and no nvcc.
 
 Why a hand-written kernel: Triton's tl.dot takes decoded weights through shared memory (2-byte reads, byte
 permutes and barriers per K step; scripts/gpu/q4k_lab.py measured every formulation at 16-24% of the bandwidth
@@ -8,13 +9,15 @@ weights' and x's loads touch memory, and the scales apply per 32-weight sub-bloc
 products: 1.8-2.7x faster at one row and 1.5-1.8x at 16 than the Triton kernel on Gemma-4-31B's Q4_K shapes, and
 the weights are never rounded (docs/performance.md, issue #18).
 
-Used by flashdraft.quant.linear for Q4_K when x is bf16 with at most MAX_ROWS rows, K a multiple of 256 and N of
-16, on a GPU of compute capability 8.0 or newer; anything else, or a failed compile (warned once), goes to the
-Triton kernels. Rows are bitwise the same for every M <= 16 (batch invariance: the kernel's header says why;
-the tilings for up to 8 and for 9-16 rows of a shape split K alike).
+Used by flashdraft.quant.linear for these types when x is bf16 with at most MAX_ROWS rows, K a multiple of 256 and N
+of 16, on a GPU of compute capability 8.0 or newer; anything else, or a failed compile (warned once), goes to the
+Triton kernels. Q5_K and Q6_K do the arithmetic of Q4_K's kernel with their own bit unpacking (the kernel's
+header). Rows are bitwise the same for every M <= 16 (batch invariance: the kernel's header says why; the tilings
+for up to 8 and for 9-16 rows of a shape split K alike).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from dataclasses import dataclass
@@ -25,7 +28,12 @@ import torch
 from flashdraft.quant.triton_kernels import sm_count
 
 MAX_ROWS = 16
-SOURCE = Path(__file__).with_name("q4k_mma.cu")
+SOURCE = Path(__file__).with_name("kquant_mma.cu")
+QTYPES = {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6}              # the kernel's QTYPE per GGUF type
+BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # per super-block of 256 weights
+# bytes a row of a super-block takes in a shared-memory ring stage (the block padded to 8 mod 32 words: the
+# kernel's header says why); Q6_K blocks are 2-byte aligned, too little for cp.async: no ring
+RING_ROW_BYTES = {"Q4_K": 160, "Q5_K": 224}
 
 
 @dataclass(frozen=True)
@@ -38,30 +46,32 @@ class MmaTiling:
     split: int = 1        # K ranges, each a program column; a divisor of K / 256
     min_blocks: int = 1   # __launch_bounds__ blocks per SM (caps the registers a thread may use)
     stages: int = 0       # 0: fragments loaded from global memory; n >= 2: a ring of n super-blocks per warp in
-                          # shared memory, filled by cp.async n - 1 ahead (q4k_mma.cu says why)
+                          # shared memory, filled by cp.async n - 1 ahead (kquant_mma.cu says why)
 
     def __post_init__(self):
         if self.stages == 1 or self.stages < 0:
             raise ValueError(f"stages is 0 or at least 2, not {self.stages}")
 
-    @property
-    def shared_bytes(self) -> int:
-        return self.warps * self.stages * self.r_tiles * 16 * 160
+    def shared_bytes(self, qtype: str) -> int:
+        """The dynamic shared memory a block of this tiling takes for weights of this type."""
+        if self.stages and qtype not in RING_ROW_BYTES:
+            raise ValueError(f"{qtype} weights take no shared-memory ring (stages 0), got stages {self.stages}")
+        return self.warps * self.stages * self.r_tiles * 16 * RING_ROW_BYTES.get(qtype, 0)
 
 
-# (N, K) -> the tilings for 1-8 and for 9-16 rows of x: per shape the K split with the lowest M = 1 plus M = 16 time,
-# each with the fastest tiling of that split at its row count (scripts/gpu/mma_tilings.py on an H200, 2026-12-02 and
-# 2026-12-03; docs/performance.md). One K split per shape, so that every M gives the same bits; other shapes get
-# default_tiling for both.
-TILINGS: dict[tuple[int, int], tuple[MmaTiling, MmaTiling]] = {
-    (21504, 5376): (MmaTiling(1, 2, 3, 6), MmaTiling(2, 2, 3, 1, 3)),        # gate/up: 30.2 / 44.7 us at M = 1 / 16
-    (5376, 21504): (MmaTiling(2, 2, 6, 1, 3), MmaTiling(2, 2, 6, 1, 3)),     # down: 31.3 / 41.1 us
-    (8192, 5376): (MmaTiling(1, 2, 3, 6),) * 2,                             # sliding q: 15.2 / 20.1 us
-    (4096, 5376): (MmaTiling(2, 2, 7, 1), MmaTiling(2, 4, 7, 1)),           # sliding k/v: 10.7 / 13.1 us
-    (5376, 8192): (MmaTiling(1, 2, 4, 6),) * 2,                             # sliding o: 16.4 / 21.7 us
-    (16384, 5376): (MmaTiling(1, 2, 3, 6),) * 2,                            # full q: 26.2 / 37.6 us
-    (2048, 5376): (MmaTiling(1, 4, 7, 1),) * 2,                             # full k: 8.0 / 9.6 us
-    (5376, 16384): (MmaTiling(1, 2, 16, 6),) * 2,                           # full o: 25.9 / 41.7 us
+# (type, N, K) -> the tilings for 1-8 and for 9-16 rows of x: per shape the K split with the lowest M = 1 plus M = 16
+# time, each with the fastest tiling of that split at its row count (scripts/gpu/mma_tilings.py on an H200,
+# 2026-12-02 and 2026-12-03; docs/performance.md). One K split per shape, so that every M gives the same bits; other
+# shapes get default_tiling for both.
+TILINGS: dict[tuple[str, int, int], tuple[MmaTiling, MmaTiling]] = {
+    ("Q4_K", 21504, 5376): (MmaTiling(1, 2, 3, 6), MmaTiling(2, 2, 3, 1, 3)),     # gate/up: 30.2 / 44.7 us, M 1 / 16
+    ("Q4_K", 5376, 21504): (MmaTiling(2, 2, 6, 1, 3), MmaTiling(2, 2, 6, 1, 3)),  # down: 31.3 / 41.1 us
+    ("Q4_K", 8192, 5376): (MmaTiling(1, 2, 3, 6),) * 2,                          # sliding q: 15.2 / 20.1 us
+    ("Q4_K", 4096, 5376): (MmaTiling(2, 2, 7, 1), MmaTiling(2, 4, 7, 1)),        # sliding k/v: 10.7 / 13.1 us
+    ("Q4_K", 5376, 8192): (MmaTiling(1, 2, 4, 6),) * 2,                          # sliding o: 16.4 / 21.7 us
+    ("Q4_K", 16384, 5376): (MmaTiling(1, 2, 3, 6),) * 2,                         # full q: 26.2 / 37.6 us
+    ("Q4_K", 2048, 5376): (MmaTiling(1, 4, 7, 1),) * 2,                          # full k: 8.0 / 9.6 us
+    ("Q4_K", 5376, 16384): (MmaTiling(1, 2, 16, 6),) * 2,                        # full o: 25.9 / 41.7 us
 }
 MAX_SPLIT = 16
 BLOCKS_PER_SM = 12   # enough warps in flight to cover the loads' latency (the measured tilings give 10-18)
@@ -78,19 +88,20 @@ def default_tiling(n: int, k: int, sms: int = 132) -> MmaTiling:
     return MmaTiling(tiling.r_tiles, tiling.warps, split, tiling.min_blocks)
 
 
-def tilings_for(n: int, k: int, sms: int = 132) -> tuple[MmaTiling, MmaTiling]:
+def tilings_for(qtype: str, n: int, k: int, sms: int = 132) -> tuple[MmaTiling, MmaTiling]:
     """The tilings for up to 8 and for 9-16 rows of x."""
-    return TILINGS.get((n, k)) or (default_tiling(n, k, sms),) * 2
+    return TILINGS.get((qtype, n, k)) or (default_tiling(n, k, sms),) * 2
 
 
-def supported(x: torch.Tensor, blocks: torch.Tensor, out_features: int) -> bool:
+def supported(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str) -> bool:
     """Whether launch() takes this product (otherwise the Triton kernels do)."""
     k = x.shape[-1]
-    if not (x.is_cuda and x.dtype == torch.bfloat16 and x.numel() // max(k, 1) <= MAX_ROWS and k % 256 == 0
-            and out_features % 16 == 0 and blocks.shape == (out_features, k // 256 * 144)):
+    if not (qtype in QTYPES and x.is_cuda and x.dtype == torch.bfloat16 and x.numel() // max(k, 1) <= MAX_ROWS
+            and k % 256 == 0 and out_features % 16 == 0
+            and blocks.shape == (out_features, k // 256 * BLOCK_BYTES[qtype])):
         return False
     device_index = _device_index(x)
-    return _builds(tilings_for(out_features, k, sm_count(device_index)), device_index)
+    return _builds(tilings_for(qtype, out_features, k, sm_count(device_index)), qtype, device_index)
 
 
 def _device_index(x: torch.Tensor) -> int:
@@ -98,30 +109,36 @@ def _device_index(x: torch.Tensor) -> int:
 
 
 @functools.cache
-def _builds(tilings: tuple[MmaTiling, MmaTiling], device_index: int) -> bool:
+def _builds(tilings: tuple[MmaTiling, MmaTiling], qtype: str, device_index: int) -> bool:
     """Compute capability >= 8.0 (bf16 mma.sync) and NVRTC builds these tilings' kernels (warned if it does not)."""
     if torch.cuda.get_device_capability(device_index) < (8, 0) or not hasattr(torch.cuda, "_compile_kernel"):
         return False
     try:
         _reduce_kernel(device_index)
         for nt, tiling in enumerate(tilings, 1):
-            _matmul_kernel(tiling, nt, device_index)
+            _matmul_kernel(_code_of(tiling), nt, qtype, device_index)
     except Exception as e:  # noqa: BLE001 - any failure (no NVRTC, a driver error) means: use the Triton kernels
-        warnings.warn(f"flashdraft: the CUDA Q4_K kernel did not compile ({type(e).__name__}: {e}); using the "
+        warnings.warn(f"flashdraft: the CUDA {qtype} kernel did not compile ({type(e).__name__}: {e}); using the "
                       f"Triton kernels", RuntimeWarning, stacklevel=2)
         return False
     return True
 
 
+def _code_of(tiling: MmaTiling) -> MmaTiling:
+    """The tiling with what only the grid depends on (the K split) set aside: one compile per kernel variant."""
+    return dataclasses.replace(tiling, split=1)
+
+
 @functools.cache
-def _matmul_kernel(tiling: MmaTiling, nt: int, device_index: int):
-    """q4k_mma for this tiling and NT 8-token tiles, compiled by NVRTC for and loaded on that GPU (a module is
+def _matmul_kernel(tiling: MmaTiling, nt: int, qtype: str, device_index: int):
+    """kq_mma for this type, tiling and NT 8-token tiles, compiled by NVRTC for and loaded on that GPU (a module is
     loaded per device)."""
-    head = (f"#define R_TILES {tiling.r_tiles}\n#define NT {nt}\n#define WARPS {tiling.warps}\n"
-            f"#define MINB {tiling.min_blocks}\n#define STAGES {tiling.stages}\n")
+    shared = tiling.shared_bytes(qtype)  # refuses a ring for a type that takes none
+    head = (f"#define QTYPE {QTYPES[qtype]}\n#define R_TILES {tiling.r_tiles}\n#define NT {nt}\n"
+            f"#define WARPS {tiling.warps}\n#define MINB {tiling.min_blocks}\n#define STAGES {tiling.stages}\n")
     with torch.cuda.device(device_index):
-        kernel = torch.cuda._compile_kernel(head + SOURCE.read_text(), "q4k_mma")
-        kernel.set_shared_memory_config(tiling.shared_bytes)  # past 48 KB a kernel must ask for it
+        kernel = torch.cuda._compile_kernel(head + SOURCE.read_text(), "kq_mma")
+        kernel.set_shared_memory_config(shared)  # past 48 KB a kernel must ask for it
     return kernel
 
 
@@ -132,9 +149,10 @@ def _reduce_kernel(device_index: int):
         return torch.cuda._compile_kernel(SOURCE.read_text(), "q_split_reduce")
 
 
-def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int,
+def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str,
            tiling: MmaTiling | tuple[MmaTiling, MmaTiling] | None = None) -> torch.Tensor:
-    """y = x @ W^T for W [out_features, K] held as Q4_K blocks; x bf16 [..., K] with at most MAX_ROWS rows.
+    """y = x @ W^T for W [out_features, K] held as blocks of qtype (QTYPES); x bf16 [..., K] with at most MAX_ROWS
+    rows.
     tiling: one for every M, or the pair for up to 8 and 9-16 rows (of one K split), or None for tilings_for's.
     No host sync; allocates only the output and the fp32 partial sums: safe in CUDA graphs."""
     lead, k = x.shape[:-1], x.shape[-1]
@@ -143,7 +161,7 @@ def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int,
         x2 = x2.contiguous()
     if blocks.stride(1) != 1 or blocks.stride(0) != blocks.shape[1]:
         blocks = blocks.contiguous()
-    if blocks.data_ptr() % 16:  # 16-byte loads of headers and x
+    if blocks.data_ptr() % 16:  # 16-byte loads of Q4_K / Q5_K headers
         blocks = blocks.clone()
     if x2.data_ptr() % 16:
         x2 = x2.clone()
@@ -153,7 +171,7 @@ def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int,
         return y.reshape(*lead, n)
     device_index = _device_index(x)
     if tiling is None:
-        tiling = tilings_for(n, k, sm_count(device_index))
+        tiling = tilings_for(qtype, n, k, sm_count(device_index))
     tilings = (tiling, tiling) if isinstance(tiling, MmaTiling) else tiling
     nsb = k // 256
     if tilings[0].split != tilings[1].split:
@@ -162,14 +180,15 @@ def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int,
     if nsb % tilings[0].split:
         raise ValueError(f"split {tilings[0].split} does not divide the {nsb} super-blocks of K = {k}")
     # both builds at the first call, so that a later M never compiles during CUDA-graph capture
-    builds = [_matmul_kernel(t, nt, device_index) for nt, t in enumerate(tilings, 1)]
+    builds = [_matmul_kernel(_code_of(t), nt, qtype, device_index) for nt, t in enumerate(tilings, 1)]
     matmul, tiling = (builds[0], tilings[0]) if m <= 8 else (builds[1], tilings[1])
     # one K range: the kernel writes y itself (the partial-sum argument is then never read or written)
     part = torch.empty((tiling.split, m, n), dtype=torch.float32, device=x.device) if tiling.split > 1 else y
     rows_per_block = 16 * tiling.r_tiles * tiling.warps
     stream = torch.cuda.current_stream(x.device)
     matmul(grid=(-(-n // rows_per_block), tiling.split, 1), block=(32 * tiling.warps, 1, 1),
-           args=[blocks, x2, part, y, m, n, nsb, nsb // tiling.split], shared_mem=tiling.shared_bytes, stream=stream)
+           args=[blocks, x2, part, y, m, n, nsb, nsb // tiling.split], shared_mem=tiling.shared_bytes(qtype),
+           stream=stream)
     if tiling.split > 1:
         _reduce_kernel(device_index)(grid=(-(-(m * n) // 256), 1, 1), block=(256, 1, 1),
                                      args=[part, y, tiling.split, m * n], stream=stream)

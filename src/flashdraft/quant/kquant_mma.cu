@@ -1,0 +1,421 @@
+// GGUF k-quant weights (Q4_K, Q5_K, Q6_K) times 1-16 rows of bf16 x on the tensor cores, from register fragments
+// (no block barriers). Compiled at first use by NVRTC (flashdraft.quant.mma_kernels): kq_mma with QTYPE (4, 5 or 6),
+// R_TILES, NT, WARPS, MINB and STAGES defined in front of this text, once per type and tiling; q_split_reduce, which
+// depends on none of them, without.
+//
+// W: GGUF blocks, row-major uint8 [N, K / 256 * BLOCK_BYTES]. X: bf16 [M, K], M <= 8 * NT. P: float32 partial sums
+// [split, M, N], one K range (a split) each, added in split order by q_split_reduce; with one K range (gridDim.y
+// 1) the kernel rounds its sums to bf16 into Y [M, N] itself, as q_split_reduce would, and P is not touched.
+//
+// Q4_K and Q5_K (one kernel body). Each warp owns R_TILES tiles of 16 weight rows and one K range. Per 32-weight
+// sub-block j of a super-block the tensor cores form s = x . (128 + q) for NT tiles of 8 tokens (bf16 128 + q is
+// exact for q < 128, so are the products; fp32 sums), and x . 1 (the ones-MMA: every row of its output is
+// sum(x_j)); the warp then adds d sc_j s - (128 d sc_j + dmin m_j) sum(x_j) = sum over the sub-block of
+// x (d sc_j q - dmin m_j), gguf's weight, per row and token, in fp32. The weights are never rounded: only the
+// products' sums are. Q5_K's fifth bit (qh) is put under the nibble before the byte permute; nothing else differs.
+//
+// Fragments: lane (g = lane / 4, c = lane % 4) reads, of rows g and g + 8 of a tile, the 8 bytes at 8c of each
+// 32-byte run of quants, and x[token][32 j + 8c .. 8c + 7]. Reading the sub-block's position p = 8c + 4s + e as MMA
+// k-step s, k = 2c + e (e < 2) or 2c + 8 + e - 2 (e >= 2), both operands' fragments are exactly those loads: one
+// byte permute puts two nibbles under the exponent byte of 128.0 (bf16 0x43), giving the A register of k 2c, 2c + 1
+// (bytes 0, 1) or 2c + 8, 2c + 9 (bytes 2, 3).
+//
+// Where the weight bytes come from: with STAGES 0, each lane loads its fragments' bytes from global memory when
+// it reaches a super-block (the loads in flight are what the warps' registers hold). With STAGES n > 0, each warp
+// keeps a ring of n super-blocks of its rows in shared memory, filled by cp.async STAGES - 1 super-blocks ahead of
+// the one it computes: more bytes in flight per multiprocessor without more registers. Rows sit ROWB bytes apart
+// there (the block padded so that the fragment reads of a half-warp hit 32 different banks). Same arithmetic.
+//
+// Q6_K (its own kernel body below): weights d sc q - 32 d sc with a signed scale per 16 weights and no minimum, so
+// one MMA k-step is one 16-weight group: lane c holds the group's positions 4c .. 4c + 3, 128 + q is again exact in
+// bf16 (q < 64) and the group adds d sc (s - 160 sum(x)). Q6_K blocks are 210 bytes, so only 2-byte aligned: the
+// bytes are read as 16-bit words and there is no shared-memory ring.
+//
+// Batch invariance: a token's output depends only on its own x row and the fixed K ranges; the NT = 1 and NT = 2
+// builds run the same instructions for tokens 0-7 (the second 8-token tile is separate MMAs), so rows are bitwise
+// the same for every M <= 16.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+__device__ __forceinline__ float f16_bits_to_f32(u32 bits) {
+    float f;
+    asm("{ .reg .b16 h; cvt.u16.u32 h, %1; cvt.f32.f16 %0, h; }" : "=f"(f) : "r"(bits));
+    return f;
+}
+
+// float of byte j % 4 of `packed`, exactly and without an int-to-float conversion: the byte under the bits of 2**23
+__device__ __forceinline__ float byte_to_f32(u32 packed, int j) {
+    return __uint_as_float(__byte_perm(packed, 0x4B000000u, 0x7440u | (j & 3))) - 8388608.0f;
+}
+
+// bf16 bits of v, rounded to nearest even; NaN stays NaN
+__device__ __forceinline__ u16 f32_to_bf16_bits(float v) {
+    u32 bits = __float_as_uint(v);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    bits += 0x7FFFu + ((bits >> 16) & 1u);
+    return (u16)(bits >> 16);
+}
+
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+#ifdef R_TILES
+#if QTYPE == 4
+#define BLOCK_BYTES 144  // d, dmin, 12 bytes of scales and mins, 128 of nibbles
+#define QS 16            // where the nibbles start
+#elif QTYPE == 5
+#define BLOCK_BYTES 176  // d, dmin, scales and mins, 32 bytes of fifth bits (qh), 128 of nibbles
+#define QS 48
+#elif QTYPE == 6
+#define BLOCK_BYTES 210  // 128 bytes of low nibbles (ql), 64 of high bit pairs (qh), 16 int8 scales, d
+#else
+#error "QTYPE must be 4 (Q4_K), 5 (Q5_K) or 6 (Q6_K)"
+#endif
+
+// The warp's sums: rounded to bf16 into Y with one K range, else into this range's partial sums.
+__device__ __forceinline__ void store_sums(const float (&tot)[R_TILES][NT][4], float *__restrict__ P,
+                                           u16 *__restrict__ Y, int M, int N, int tile0, int g, int c) {
+    float *out = P + (size_t)blockIdx.y * M * N;
+#pragma unroll
+    for (int r = 0; r < R_TILES; ++r) {
+        if ((tile0 + r) * 16 >= N) continue;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {  // C fragment: rows g (i < 2), g + 8; tokens 2c + i % 2
+                int token = 8 * nt + 2 * c + (i & 1);
+                if (token >= M) continue;
+                size_t at = (size_t)token * N + (tile0 + r) * 16 + g + 8 * (i >> 1);
+                if (gridDim.y == 1)
+                    Y[at] = f32_to_bf16_bits(tot[r][nt][i]);
+                else
+                    out[at] = tot[r][nt][i];
+            }
+    }
+}
+
+#if QTYPE == 4 || QTYPE == 5
+#if STAGES > 0
+// bytes per row of a stage: the block padded to 8 mod 32 words (160 = 40 words, 224 = 56), so that the 8-byte
+// reads of rows g = 0-3 at 8c fall on 32 different banks
+#define ROWB (QTYPE == 4 ? 160 : 224)
+#define STAGE_BYTES (R_TILES * 16 * ROWB)
+#define ROW_CHUNKS (BLOCK_BYTES / 16)
+#define CHUNKS ((R_TILES * 16 * ROW_CHUNKS + 31) / 32)   // 16-byte copies per lane per super-block
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void *src, bool on) {
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, %2, 0; @p cp.async.cg.shared.global [%0], [%1], 16; }"
+                 :: "r"(dst), "l"(src), "r"((int)on));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_async_wait_ahead() { asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 2)); }
+#endif
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)
+kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__restrict__ P, u16 *__restrict__ Y,
+        int M, int N, int nsb, int sb_per_split) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, c = lane & 3;
+    const int tile0 = (blockIdx.x * WARPS + warp) * R_TILES;
+    if (tile0 * 16 >= N) return;
+    const int sb0 = blockIdx.y * sb_per_split;
+    const int K = nsb * 256;
+
+    float tot[R_TILES][NT][4];
+#pragma unroll
+    for (int r = 0; r < R_TILES; ++r)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) tot[r][nt][i] = 0.0f;
+    const u16 *xrow[NT];
+    bool xok[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        int n = g + 8 * nt;
+        xok[nt] = n < M;
+        xrow[nt] = X + (size_t)(xok[nt] ? n : 0) * K + 8 * c;
+    }
+#if STAGES == 0
+    const unsigned char *rowp[R_TILES][2];
+#pragma unroll
+    for (int r = 0; r < R_TILES; ++r)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+            rowp[r][hh] = W + (size_t)min((tile0 + r) * 16 + g + 8 * hh, N - 1) * nsb * BLOCK_BYTES;
+#endif
+
+#if STAGES > 0
+    // this lane's 16-byte copies of a super-block: chunk i = lane + 32 t of the warp's rows' 9 chunks each
+    extern __shared__ uint4 smem[];
+    const unsigned char *ring = (const unsigned char *)smem + warp * STAGES * STAGE_BYTES;
+    u32 ring_addr;  // its shared-window address, for cp.async
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(ring_addr) : "l"(ring));
+    const unsigned char *csrc[CHUNKS];
+    u32 cdst[CHUNKS];
+    bool con[CHUNKS];
+#pragma unroll
+    for (int t = 0; t < CHUNKS; ++t) {
+        const int i = lane + 32 * t, row = i / ROW_CHUNKS, col = i % ROW_CHUNKS;
+        con[t] = i < R_TILES * 16 * ROW_CHUNKS;
+        csrc[t] = W + (size_t)min(tile0 * 16 + (con[t] ? row : 0), N - 1) * nsb * BLOCK_BYTES + 16 * col;
+        cdst[t] = ring_addr + row * ROWB + 16 * col;
+    }
+    const int sb_end = sb0 + sb_per_split;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+#pragma unroll
+        for (int t = 0; t < CHUNKS; ++t)
+            cp_async16(cdst[t] + s * STAGE_BYTES, csrc[t] + (size_t)(sb0 + s) * BLOCK_BYTES, con[t] && sb0 + s < sb_end);
+        cp_async_commit();
+    }
+#endif
+    for (int sb = sb0; sb < sb0 + sb_per_split; ++sb) {
+        uint4 hdr[R_TILES][2];
+        uint2 q[R_TILES][2][4];
+#if QTYPE == 5
+        uint2 qh[R_TILES][2];  // bit j of byte i: the fifth bit of position i (of 32) of sub-block j
+#endif
+#if STAGES > 0
+        const int stage = (sb - sb0) % STAGES;
+        cp_async_wait_ahead();  // this super-block's copies (this lane's) are done
+        __syncwarp();           // and every lane's; and every lane is done with the stage refilled next
+        {
+            const int ahead = sb + STAGES - 1, slot = (stage + STAGES - 1) % STAGES;
+#pragma unroll
+            for (int t = 0; t < CHUNKS; ++t)
+                cp_async16(cdst[t] + slot * STAGE_BYTES, csrc[t] + (size_t)ahead * BLOCK_BYTES, con[t] && ahead < sb_end);
+            cp_async_commit();
+        }
+#pragma unroll
+        for (int r = 0; r < R_TILES; ++r)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const unsigned char *blk = ring + stage * STAGE_BYTES + (r * 16 + g + 8 * hh) * ROWB;
+                hdr[r][hh] = *(const uint4 *)blk;
+#if QTYPE == 5
+                qh[r][hh] = *(const uint2 *)(blk + 16 + 8 * c);
+#endif
+#pragma unroll
+                for (int gq = 0; gq < 4; ++gq) q[r][hh][gq] = *(const uint2 *)(blk + QS + 32 * gq + 8 * c);
+            }
+#else
+#pragma unroll
+        for (int r = 0; r < R_TILES; ++r)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const unsigned char *blk = rowp[r][hh] + sb * BLOCK_BYTES;
+                hdr[r][hh] = __ldg((const uint4 *)blk);
+#if QTYPE == 5
+                qh[r][hh] = __ldg((const uint2 *)(blk + 16 + 8 * c));
+#endif
+#pragma unroll
+                for (int gq = 0; gq < 4; ++gq) q[r][hh][gq] = __ldg((const uint2 *)(blk + QS + 32 * gq + 8 * c));
+            }
+#endif
+        // d, dmin, and the 6-bit scales and mins of the 8 sub-blocks one per byte ([0]: sub-blocks 0-3, [1]: 4-7)
+        float d[R_TILES][2], dmin[R_TILES][2];
+        u32 scp[R_TILES][2][2], mnp[R_TILES][2][2];
+#pragma unroll
+        for (int r = 0; r < R_TILES; ++r)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                uint4 h = hdr[r][hh];
+                d[r][hh] = f16_bits_to_f32(h.x & 0xFFFF);
+                dmin[r][hh] = f16_bits_to_f32(h.x >> 16);
+                scp[r][hh][0] = h.y & 0x3F3F3F3Fu;
+                mnp[r][hh][0] = h.z & 0x3F3F3F3Fu;
+                scp[r][hh][1] = (h.w & 0x0F0F0F0Fu) | ((h.y >> 2) & 0x30303030u);
+                mnp[r][hh][1] = ((h.w >> 4) & 0x0F0F0F0Fu) | ((h.z >> 2) & 0x30303030u);
+            }
+#pragma unroll
+        for (int gq = 0; gq < 4; ++gq) {  // the 32 bytes gq hold sub-blocks 2gq (low nibbles) and 2gq + 1 (high)
+            uint4 xv[NT][2];
+            float xs[NT][2][2];  // sum(x) over sub-block 2gq + h for tokens 8nt + 2c + i (the C fragment's columns)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    xv[nt][h] = xok[nt] ? __ldg((const uint4 *)(xrow[nt] + sb * 256 + 32 * (2 * gq + h)))
+                                        : make_uint4(0, 0, 0, 0);
+                    float ones[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                    mma_bf16_16816(ones, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u, xv[nt][h].x, xv[nt][h].y);
+                    mma_bf16_16816(ones, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u, xv[nt][h].z, xv[nt][h].w);
+                    xs[nt][h][0] = ones[0];
+                    xs[nt][h][1] = ones[1];
+                }
+#pragma unroll
+            for (int r = 0; r < R_TILES; ++r)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int j = 2 * gq + h;
+                    float dl[2], corr[2];
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        dl[hh] = d[r][hh] * byte_to_f32(scp[r][hh][j >> 2], j);
+                        corr[hh] = fmaf(128.0f, dl[hh], dmin[r][hh] * byte_to_f32(mnp[r][hh][j >> 2], j));
+                    }
+                    float acc[NT][4];
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) acc[nt][i] = 0.0f;
+#pragma unroll
+                    for (int s = 0; s < 2; ++s) {
+                        u32 w0 = s ? q[r][0][gq].y : q[r][0][gq].x;  // row g
+                        u32 w1 = s ? q[r][1][gq].y : q[r][1][gq].x;  // row g + 8
+                        u32 t0 = (h ? (w0 >> 4) : w0) & 0x0F0F0F0Fu;
+                        u32 t1 = (h ? (w1 >> 4) : w1) & 0x0F0F0F0Fu;
+#if QTYPE == 5
+                        t0 |= (((s ? qh[r][0].y : qh[r][0].x) >> j) & 0x01010101u) << 4;
+                        t1 |= (((s ? qh[r][1].y : qh[r][1].x) >> j) & 0x01010101u) << 4;
+#endif
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt)
+                            mma_bf16_16816(acc[nt], __byte_perm(t0, 0x43434343u, 0x4140),
+                                           __byte_perm(t1, 0x43434343u, 0x4140),
+                                           __byte_perm(t0, 0x43434343u, 0x4342),
+                                           __byte_perm(t1, 0x43434343u, 0x4342),
+                                           s ? xv[nt][h].z : xv[nt][h].x, s ? xv[nt][h].w : xv[nt][h].y);
+                    }
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {  // C fragment: rows g (i < 2), g + 8; tokens 2c + i % 2
+                            float t = fmaf(acc[nt][i], dl[i >> 1], tot[r][nt][i]);
+                            tot[r][nt][i] = fmaf(-corr[i >> 1], xs[nt][h][i & 1], t);
+                        }
+                }
+        }
+    }
+    store_sums(tot, P, Y, M, N, tile0, g, c);
+}
+#endif  // QTYPE 4 or 5
+
+#if QTYPE == 6
+#if STAGES > 0
+#error "Q6_K blocks are 2-byte aligned: no shared-memory ring (STAGES 0)"
+#endif
+// 4 bytes from a 2-byte aligned address
+__device__ __forceinline__ u32 ld_u32(const u16 *p) { return __byte_perm(__ldg(p), __ldg(p + 1), 0x5410); }
+
+// float of the signed byte j % 4 of `packed`, exactly: the byte plus 128 under the bits of 2**23
+__device__ __forceinline__ float sbyte_to_f32(u32 packed, int j) {
+    return __uint_as_float(__byte_perm(packed ^ 0x80808080u, 0x4B000000u, 0x7440u | (j & 3))) - 8388736.0f;
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)
+kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__restrict__ P, u16 *__restrict__ Y,
+       int M, int N, int nsb, int sb_per_split) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, c = lane & 3;
+    const int tile0 = (blockIdx.x * WARPS + warp) * R_TILES;
+    if (tile0 * 16 >= N) return;
+    const int sb0 = blockIdx.y * sb_per_split;
+    const int K = nsb * 256;
+
+    float tot[R_TILES][NT][4];
+#pragma unroll
+    for (int r = 0; r < R_TILES; ++r)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) tot[r][nt][i] = 0.0f;
+    const u16 *xrow[NT];
+    bool xok[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        int n = g + 8 * nt;
+        xok[nt] = n < M;
+        xrow[nt] = X + (size_t)(xok[nt] ? n : 0) * K + 4 * c;
+    }
+    const u16 *rowp[R_TILES][2];  // the rows' blocks as 16-bit words (105 a block)
+#pragma unroll
+    for (int r = 0; r < R_TILES; ++r)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+            rowp[r][hh] = (const u16 *)(W + (size_t)min((tile0 + r) * 16 + g + 8 * hh, N - 1) * nsb * BLOCK_BYTES);
+
+    for (int sb = sb0; sb < sb0 + sb_per_split; ++sb) {
+        // Of half n (128 weights) and group gg, this lane's bytes: ql at 64n + 16gg + 4c (runs 0 and 2, low and
+        // high nibbles) and at 64n + 32 + 16gg + 4c (runs 1 and 3), qh at 128 + 32n + 16gg + 4c (run qq: bits 2qq)
+        u32 qlo[R_TILES][2][2][2], qhi[R_TILES][2][2][2], qhb[R_TILES][2][2][2], scw[R_TILES][2][4];
+        float d[R_TILES][2];
+#pragma unroll
+        for (int r = 0; r < R_TILES; ++r)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const u16 *blk = rowp[r][hh] + (size_t)sb * (BLOCK_BYTES / 2);
+#pragma unroll
+                for (int n = 0; n < 2; ++n)
+#pragma unroll
+                    for (int gg = 0; gg < 2; ++gg) {
+                        qlo[r][hh][n][gg] = ld_u32(blk + 32 * n + 8 * gg + 2 * c);
+                        qhi[r][hh][n][gg] = ld_u32(blk + 32 * n + 16 + 8 * gg + 2 * c);
+                        qhb[r][hh][n][gg] = ld_u32(blk + 64 + 16 * n + 8 * gg + 2 * c);
+                    }
+#pragma unroll
+                for (int i = 0; i < 4; ++i) scw[r][hh][i] = ld_u32(blk + 96 + 2 * i);  // scales 4i .. 4i + 3
+                d[r][hh] = f16_bits_to_f32(__ldg(blk + 104));
+            }
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int qq = 0; qq < 4; ++qq)
+#pragma unroll
+                for (int gg = 0; gg < 2; ++gg) {  // one MMA k-step: the 16 weights of group 8n + 2qq + gg
+                    const int grp = 8 * n + 2 * qq + gg;
+                    uint2 xv[NT];
+                    float xs[NT][2];  // sum(x) over the group for tokens 8nt + 2c + i
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        xv[nt] = xok[nt] ? __ldg((const uint2 *)(xrow[nt] + sb * 256 + 16 * grp)) : make_uint2(0, 0);
+                        float ones[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                        mma_bf16_16816(ones, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u, xv[nt].x, xv[nt].y);
+                        xs[nt][0] = ones[0];
+                        xs[nt][1] = ones[1];
+                    }
+#pragma unroll
+                    for (int r = 0; r < R_TILES; ++r) {
+                        u32 t[2];
+                        float dl[2];
+#pragma unroll
+                        for (int hh = 0; hh < 2; ++hh) {
+                            u32 lo = (qq & 1) ? qhi[r][hh][n][gg] : qlo[r][hh][n][gg];
+                            t[hh] = (((qq & 2) ? (lo >> 4) : lo) & 0x0F0F0F0Fu)
+                                    | (((qhb[r][hh][n][gg] >> (2 * qq)) & 0x03030303u) << 4);
+                            dl[hh] = d[r][hh] * sbyte_to_f32(scw[r][hh][grp >> 2], grp);
+                        }
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt) {
+                            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                            mma_bf16_16816(acc, __byte_perm(t[0], 0x43434343u, 0x4140),
+                                           __byte_perm(t[1], 0x43434343u, 0x4140),
+                                           __byte_perm(t[0], 0x43434343u, 0x4342),
+                                           __byte_perm(t[1], 0x43434343u, 0x4342), xv[nt].x, xv[nt].y);
+#pragma unroll
+                            for (int i = 0; i < 4; ++i)  // d sc sum(x (128 + q - 160)) = d sc sum(x (q - 32))
+                                tot[r][nt][i] = fmaf(dl[i >> 1], fmaf(-160.0f, xs[nt][i & 1], acc[i]), tot[r][nt][i]);
+                        }
+                    }
+                }
+    }
+    store_sums(tot, P, Y, M, N, tile0, g, c);
+}
+#endif  // QTYPE 6
+#endif  // R_TILES
+
+// y[m][n] = bf16(p[0][m][n] + p[1][m][n] + ...), always in split order.
+extern "C" __global__ void q_split_reduce(const float *__restrict__ P, u16 *__restrict__ Y, int split, int MN) {
+    int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= MN) return;
+    float v = P[idx];
+    for (int s = 1; s < split; ++s) v += P[(size_t)s * MN + idx];
+    Y[idx] = f32_to_bf16_bits(v);
+}

@@ -169,6 +169,7 @@ def test_a_gpu_snapshot_goes_to_pinned_memory_without_waiting_and_keeps_the_rows
     back.copy_prefix(snap, 200)
     torch.cuda.synchronize()
     assert all(s.is_pinned() for s in snap.k + snap.v)
+    assert len({s.untyped_storage().data_ptr() for s in snap.k + snap.v}) == 1  # one pinned allocation
     assert all(torch.equal(s, b) for s, b in zip(snap.k + snap.v, before))
     assert all(torch.equal(t[:, :200].cpu(), b) for t, b in zip(back.k + back.v, before))
 

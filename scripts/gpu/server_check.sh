@@ -24,7 +24,7 @@ if ! python -c "import fastapi, uvicorn" 2> /dev/null && ls .whl/*.whl > /dev/nu
     || exit 1
   export PYTHONPATH=src:/tmp/site
 else
-  export PYTHONPATH=src
+  export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}  # keep where fastapi was found
 fi
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}

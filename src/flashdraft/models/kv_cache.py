@@ -54,8 +54,8 @@ class KVCache:
         evicted prefixes so, and copy_prefix takes one as its source to bring them back."""
         snap = copy.copy(self)
         snap.capacity = rows
-        snap.k = [copy_to(t[:, :rows], device) for t in self.k]
-        snap.v = [copy_to(t[:, :rows], device) for t in self.v]
+        copies = copy_all_to([t[:, :rows] for t in self.k + self.v], device)
+        snap.k, snap.v = copies[:len(self.k)], copies[len(self.k):]
         return snap
 
     def nbytes(self) -> int:
@@ -118,21 +118,27 @@ class WindowKVCache(KVCache):
         """The whole ring and the positions it holds, on `device` (copy_prefix takes it as a source)."""
         snap = copy.copy(self)
         snap.ring_pos = self.ring_pos.to(device, copy=True)  # first and waited for: reusable() reads it on the host
-        snap.k = [copy_to(t, device) for t in self.k]
-        snap.v = [copy_to(t, device) for t in self.v]
+        copies = copy_all_to(self.k + self.v, device)
+        snap.k, snap.v = copies[:len(self.k)], copies[len(self.k):]
         return snap
 
 
-def copy_to(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A copy of t on `device`. From a GPU to the host it goes to pinned memory, queued on the current stream and
-    not waited for: the host goes on at once, work queued after it (a new prompt overwriting those rows) runs after
-    it, and so does a copy back (copy_prefix). A copy to pageable memory waited for every byte: 4.4 s for the
-    4.4 GB of a 30K-token prefix of Qwen3-8B on the H200 (docs/performance.md). Read such a copy on the host only
-    after synchronizing. Pinned blocks are cached by torch's host allocator, in power-of-two sizes."""
-    if t.is_cuda and torch.device(device).type == "cpu":
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        return host.copy_(t, non_blocking=True)
-    return t.to(device, copy=True)
+def copy_all_to(tensors: list[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
+    """Copies of `tensors` on `device`. From a GPU to the host they go to one pinned block (a view each), queued on
+    the current stream and not waited for: the host goes on at once, work queued after it (a new prompt overwriting
+    those rows) runs after it, and so does a copy back (copy_prefix). A copy to pageable memory waited for every
+    byte: 4.4 s for the 4.4 GB of a 30K-token prefix of Qwen3-8B on the H200 (docs/performance.md). One block, not
+    one per layer: each pinned allocation of a size torch's host allocator has not cached is a driver call that
+    pins pages. Read such a copy on the host only after synchronizing."""
+    if not tensors or not (tensors[0].is_cuda and torch.device(device).type == "cpu"):
+        return [t.to(device, copy=True) for t in tensors]
+    nbytes = [t.numel() * t.element_size() for t in tensors]
+    starts = [0]
+    for n in nbytes:
+        starts.append(starts[-1] + -(-n // 64) * 64)  # each view aligned for any dtype
+    block = torch.empty(starts[-1], dtype=torch.uint8, pin_memory=True)
+    return [block[start:start + n].view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
+            for t, start, n in zip(tensors, starts, nbytes)]
 
 
 def check_same_types(cache, source) -> None:

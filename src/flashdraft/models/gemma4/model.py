@@ -28,7 +28,7 @@ from torch.nn.attention import sdpa_kernel
 
 from flashdraft.config import read_json
 from flashdraft.models.gemma4.config import FULL, SLIDING, Gemma4Config, RopeSpec
-from flashdraft.models.kv_cache import check_same_types, copy_to
+from flashdraft.models.kv_cache import check_same_types, copy_all_to
 from flashdraft.layers import decode_attention as attention_kernel
 from flashdraft.layers.attention import PREFILL_SDPA
 from flashdraft.layers.decode_attention import decode_attention
@@ -147,8 +147,9 @@ class Gemma4Cache:
         snap = copy.copy(self)
         snap.capacity = rows
         snap.ring_pos = self.ring_pos.to(device, copy=True)  # first and waited for: reusable() reads it on the host
-        snap.k = [copy_to(t if sliding else t[:, :rows], device) for sliding, t in zip(self._sliding, self.k)]
-        snap.v = [copy_to(t if sliding else t[:, :rows], device) for sliding, t in zip(self._sliding, self.v)]
+        taken = [t if sliding else t[:, :rows] for sliding, t in zip(self._sliding + self._sliding, self.k + self.v)]
+        copies = copy_all_to(taken, device)
+        snap.k, snap.v = copies[:len(self.k)], copies[len(self.k):]
         return snap
 
     def nbytes(self) -> int:

@@ -27,6 +27,26 @@ GREEDY_BELOW = 1e-5
 # need gigabytes more than the model's steps (a 32K x 32K boolean mask alone is 1 GiB).
 PREFILL_CHUNK = 2048
 
+# A pass's token count is padded with filler rows up to one of a few sizes (prefill_buckets; on CUDA by default,
+# SpeculativeDecoder's pad_prefill). On a GPU every new row count pays a first use of its GEMM and attention kernels
+# (cuBLAS's heuristics, Triton kernels specialised on sizes), so a server's first prompt of a length ran slower than
+# its tenth; a few sizes can all be run once at load (Engine.warm_up). Powers of two up to PREFILL_BUCKET_STEP,
+# where a pass reads the weights more than it computes (up to about 200 rows on an H200, by its peak compute over
+# its memory bandwidth) and extra rows cost little; multiples of it beyond, where the time grows with the rows, so a
+# long pass pads by less than PREFILL_BUCKET_STEP rows.
+PREFILL_BUCKET_MIN = 16  # a tile of the few-row GEMM (layers.skinny_gemm.BLOCK_M), which the decoding steps run too
+PREFILL_BUCKET_STEP = 256
+
+
+def prefill_buckets(chunk: int) -> tuple[int, ...]:
+    """The sizes passes of at most `chunk` tokens are padded to, ascending: powers of two from PREFILL_BUCKET_MIN to
+    PREFILL_BUCKET_STEP, then its multiples, those below `chunk`, and `chunk` itself (a long prompt's full passes)."""
+    sizes, size = [], PREFILL_BUCKET_MIN
+    while size < chunk:
+        sizes.append(size)
+        size = 2 * size if size < PREFILL_BUCKET_STEP else size + PREFILL_BUCKET_STEP
+    return (*sizes, chunk)
+
 
 @dataclass
 class ModelConfig:

@@ -170,7 +170,7 @@ class Engine:
                  compile: bool | None = None, cache_type_k: str | None = None, cache_type_v: str | None = None,
                  draft_cache_type_k: str | None = None, draft_cache_type_v: str | None = None,
                  ngram: NgramSettings | None = None, draft_window: int | None = None,
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, pad_prefill: bool | None = None):
         """Over models already built (with their LayerPlan: Engine.load resolves it from the device)."""
         ctx = context_size or target.config.max_position_embeddings
         self.decoder = SpeculativeDecoder(target, drafter, ctx, cuda_graphs, compile,
@@ -178,7 +178,8 @@ class Engine:
                                           draft_cache_type_k=draft_cache_type_k,
                                           draft_cache_type_v=draft_cache_type_v, ngram=ngram,
                                           draft_window=draft_window,
-                                          prefill_chunk=PREFILL_CHUNK if prefill_chunk is None else prefill_chunk)
+                                          prefill_chunk=PREFILL_CHUNK if prefill_chunk is None else prefill_chunk,
+                                          pad_prefill=pad_prefill)
         self.tokenizer = tokenizer
         self.name = name
         self.eos_ids = set(target.config.eos_token_ids)
@@ -196,7 +197,7 @@ class Engine:
              attention: str | None = None, cache_type_k: str | None = None, cache_type_v: str | None = None,
              draft_cache_type_k: str | None = None, draft_cache_type_v: str | None = None,
              ngram: NgramSettings | None = None, draft_window: int | None = None,
-             prefill_chunk: int | None = None) -> "Engine":
+             prefill_chunk: int | None = None, pad_prefill: bool | None = None) -> "Engine":
         """Load a target (and optional drafter) from model folders; the context defaults to min(8192, the model's).
         gemm: "cublas" or "triton" (batch-invariant skinny GEMM for decode/verify/draft, CUDA only);
         attention: "sdpa" or "triton" (batch-invariant split-KV attention for the same passes). None (default):
@@ -205,7 +206,8 @@ class Engine:
         q5_1, q5_0, q4_1, q4_0; None: the model's dtype). ngram: draft by n-gram lookup in the sequence itself
         (engine.ngram), with no drafter model. draft_window: the drafter sees only the last N committed tokens
         (--spec-dflash-cross-ctx; None: all of them). prefill_chunk: a prompt runs in passes of at most this many
-        tokens (-ub/--ubatch-size; None: config.PREFILL_CHUNK)."""
+        tokens (-ub/--ubatch-size; None: config.PREFILL_CHUNK). pad_prefill: pad each pass to one of a few sizes
+        (config.prefill_buckets), which the warm-up runs once; None: on CUDA."""
         device, dtype = default_device_dtype(device, dtype)
         block = drafter_block_size(drafter) if drafter else ngram.max_draft + 1 if ngram else 1
         plan = resolve_plan(device, gemm, attention, block_size=block)
@@ -219,7 +221,7 @@ class Engine:
                    adaptive=adaptive, cache_type_k=cache_type_k,
                    cache_type_v=cache_type_v, draft_cache_type_k=draft_cache_type_k,
                    draft_cache_type_v=draft_cache_type_v, ngram=ngram, draft_window=draft_window,
-                   prefill_chunk=prefill_chunk)
+                   prefill_chunk=prefill_chunk, pad_prefill=pad_prefill)
 
     @property
     def context_size(self) -> int:
@@ -293,17 +295,34 @@ class Engine:
         return result
 
     def warm_up(self, sequence: Sequence | None = None, sampling: list[SamplingParams] = ()) -> float | None:
-        """A short generation over a made-up prompt, so that the first request finds what the loop makes on first
-        use (compiled layers, CUDA graphs) already made: llama-server's warm-up at load. Plain and full-block
-        steps, greedy and with each of `sampling`'s settings (graphs are kept per sequence and per warping
-        settings). The sequence is left empty, as new. Returns the seconds it took, or None where the loop makes
-        nothing on first use (no graphs, no compiled layers: a CPU, where it would only add to the load time)."""
-        if self.decoder.graphs is None and not self.decoder.compiled:
+        """Run what the loop makes or meets on first use, so that the first request finds it done: llama-server's
+        warm-up at load. Where prefill passes are padded to buckets, one prompt of each bucket's size that fits the
+        context (each pass length's first use of its kernels); with CUDA graphs or compiled layers, a short
+        generation over a made-up prompt: plain and full-block steps, greedy and with each of `sampling`'s settings
+        (graphs are kept per sequence and per warping settings). The sequence is left empty, as new. Returns the
+        seconds it took, or None where nothing is made on first use (no buckets, no graphs, no compiled layers: a
+        CPU by default, where it would only add to the load time)."""
+        decoder = self.decoder
+        steps = decoder.graphs is not None or decoder.compiled
+        if not steps and not decoder.prefill_buckets:
             return None
         started = time.perf_counter()
         sequence = sequence if sequence is not None else self.new_sequence()
+        for size in decoder.prefill_buckets:
+            if size < self.context_size:
+                decoder.prefill(sequence, self._made_up_prompt(size), SamplingParams(), seed=0)
+        if steps:
+            self._warm_up_steps(sequence, sampling)
+        sequence.tokens = []
+        return time.perf_counter() - started
+
+    def _made_up_prompt(self, length: int) -> list[int]:
         vocab = self.decoder.target.config.vocab_size
-        prompt = [1 + i % (vocab - 1) for i in range(max(1, min(32, self.context_size // 2)))]
+        return [1 + i % (vocab - 1) for i in range(length)]
+
+    def _warm_up_steps(self, sequence: Sequence, sampling: list[SamplingParams]) -> None:
+        """warm_up's generations: the steps' graphs and compiled layers, for each sampling setting and draft."""
+        prompt = self._made_up_prompt(max(1, min(32, self.context_size // 2)))
         tokens = min(2 * self.decoder.block_size + 2, self.context_size - len(prompt))
         drafts = (0, self.max_draft) if self.drafts else (0,)
         for params in [SamplingParams(), *sampling]:
@@ -311,8 +330,6 @@ class Engine:
                                     min_p=params.min_p, seed=0, max_tokens=max(1, tokens), ignore_eos=True)
             for draft in drafts:
                 self.generate(prompt, params, draft, sequence=sequence)
-        sequence.tokens = []
-        return time.perf_counter() - started
 
     def make_policy(self) -> DraftPolicy:
         """A new default draft-length policy, for a new slot (keep it for the slot's requests: it learns across

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashdraft.config import PREFILL_CHUNK, SamplingParams
+from flashdraft.config import PREFILL_CHUNK, SamplingParams, prefill_buckets
 from flashdraft.engine.cuda_graphs import GraphCache, bucket
 from flashdraft.engine.grammar import GrammarMatcher
 from flashdraft.engine.logit_processor import LogitProcessor, TokenLogprob
@@ -147,7 +147,7 @@ class SpeculativeDecoder:
                  cache_type_k: str | None = None, cache_type_v: str | None = None,
                  draft_cache_type_k: str | None = None, draft_cache_type_v: str | None = None,
                  ngram: NgramSettings | None = None, draft_window: int | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK):
+                 prefill_chunk: int = PREFILL_CHUNK, pad_prefill: bool | None = None):
         if prefill_chunk < 1:
             raise ValueError(f"-ub/--ubatch-size (tokens per prefill pass) must be at least 1, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
@@ -180,6 +180,10 @@ class SpeculativeDecoder:
         # Decode, verify and draft passes replayed as CUDA graphs (default on CUDA); prefill stays eager.
         on_cuda = self.device.type == "cuda"
         self.graphs = GraphCache() if (on_cuda if cuda_graphs is None else cuda_graphs) else None
+        # The sizes prefill passes are padded to (config.prefill_buckets; default on CUDA, where a new pass length
+        # pays its kernels' first use), or none: passes of the prompt's own lengths.
+        pads = on_cuda if pad_prefill is None else pad_prefill
+        self.prefill_buckets = prefill_buckets(prefill_chunk) if pads else ()
         self._mask_tail = None  # the drafter block's B - 1 mask tokens, on the device
         self._guess_buffer = None  # pinned landing place of a step's guesses, for the host's grammar masks
         # The models come built with the plan of their few-row passes (engine.model_prep.resolve_plan); both with
@@ -273,17 +277,35 @@ class SpeculativeDecoder:
         P = len(prompt)
         for begin in range(reused, P, self.prefill_chunk):
             end = min(P, begin + self.prefill_chunk)
-            positions = self._positions(begin, end - begin)
-            tokens = torch.tensor(prompt[begin:end], device=self.device)
-            logits, taps = self.target(tokens, positions, seq.target_cache, end, self.tap_ids, last_only=True)
+            logits, taps = self._prefill_pass(seq, prompt[begin:end], begin)
             if taps is not None:
-                self.drafter.add_context(taps, positions, seq.draft_cache)
+                self.drafter.add_context(taps, self._positions(begin, end - begin), seq.draft_cache)
             seq.tokens = list(prompt[:end + 1])
             if self.drafter is not None:
                 seq.projected = end
             if end < P:
                 yield end
         return self._first_token(seq, prompt, params, seed, logits)
+
+    def _prefill_pass(self, seq: Sequence, tokens: list[int], begin: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target's pass over a prompt's tokens at positions begin..: the last token's logits, and the tokens'
+        taps. Filler rows (the last token repeated, at the positions after it) pad the pass to a bucket where
+        _padding allows; what they write lies past the sequence's length, and their logits and taps are dropped."""
+        real = len(tokens)
+        rows = real + self._padding(seq.target_cache, begin + real, real)
+        ids = torch.tensor(tokens + tokens[-1:] * (rows - real), device=self.device)
+        logits, taps = self.target(ids, self._positions(begin, rows), seq.target_cache, begin + rows, self.tap_ids,
+                                   logits_row=real - 1)
+        return logits, taps[:real] if taps is not None else None
+
+    def _padding(self, cache: KVCache, end: int, rows: int) -> int:
+        """How many filler rows pad a prefill pass of `rows` tokens ending before position `end`: up to the smallest
+        bucket that holds it, or none when the cache cannot take that many past `end` (its capacity, a ring's
+        overhang: filler_rows); a size in between would be as new to the kernels as `rows`."""
+        if not self.prefill_buckets:
+            return 0
+        filler = next(size for size in self.prefill_buckets if size >= rows) - rows
+        return filler if filler <= cache.filler_rows(end) else 0
 
     def _first_token(self, seq: Sequence, prompt: list[int], params: SamplingParams, seed: int,
                      logits: torch.Tensor) -> StepResult:

@@ -43,6 +43,12 @@ class KVCache:
         rows are stored at their absolute positions and nothing past the owner's length overwrites them."""
         return rows
 
+    def filler_rows(self, end: int) -> int:
+        """The most filler rows (a prefill pass padded to a bucket) a pass may write at positions end, end + 1, ...:
+        the rows left (a WindowKVCache's: before its ring comes round). Like a rejected guess's row they lie past the
+        owner's length, hidden by position, and a real row replaces each before any query reads it."""
+        return self.capacity - end
+
     def copy_prefix(self, source: "KVCache", rows: int) -> None:
         """Take positions [0, rows) from another sequence's cache (one that shares those tokens and cache types)."""
         check_same_types(self, source)

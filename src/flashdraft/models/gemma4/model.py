@@ -97,7 +97,8 @@ class Gemma4Cache:
     each row holds, and attention masks by those stored positions: rows at or after the call's first position are
     stale (rolled back or being rewritten) and hidden. Rollback is thus O(1), as for full layers, and a call
     repeated at the same positions (CUDA-graph warm-up, then capture) gives the same result. A ring row is lost
-    only when a later position overwrites it, which RING_OVERHANG rules out for rollbacks within one verify block.
+    only when a later position overwrites it, which RING_OVERHANG rules out for rollbacks within one verify block
+    and for a prefill pass's filler rows (filler_rows).
     Nothing here needs the host to know the current length, so the forward pass can be captured as a CUDA graph.
     """
 
@@ -126,6 +127,14 @@ class Gemma4Cache:
             return 0
         wanted = torch.arange(max(0, rows - self.window), rows, device=self.ring_pos.device)
         return rows if bool((self.ring_pos[wanted % self.ring] == wanted).all()) else 0
+
+    def filler_rows(self, end: int) -> int:
+        """The most filler rows (a prefill pass padded to a bucket) a pass may write at positions end, end + 1, ...:
+        within the capacity, and on the rings either before they come round or within their RING_OVERHANG rows past
+        the window. Filler at position p takes the ring slot of position p - ring, older than the window of any
+        query from `end` on, as a rejected verify block's rows do; like those, the rows hold positions past the
+        sequence's length, stale and hidden until real rows replace them."""
+        return min(self.capacity - end, max(self.ring - end, self.ring - self.window))
 
     def copy_prefix(self, source: "Gemma4Cache", rows: int) -> None:
         """Take positions [0, rows) from another sequence's cache (one that shares those tokens and for which
@@ -416,7 +425,7 @@ class Gemma4LM(nn.Module):
         return masks
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Gemma4Cache, kv_len: int,
-                tap_ids: list[int] | None = None, last_only: bool = False):
+                tap_ids: list[int] | None = None, logits_row: int | None = None):
         """tokens [T] at ascending contiguous positions [T], reading full-layer cache rows below kv_len (at least the
         last position + 1); see DecoderLM.forward.
 
@@ -435,8 +444,8 @@ class Gemma4LM(nn.Module):
         if SLIDING in self.config.layer_types:
             keep = min(T, cache.ring)
             cache.ring_pos.index_copy_(0, positions[-keep:] % cache.ring, positions[-keep:])
-        if last_only:
-            h = h[-1:]
+        if logits_row is not None:
+            h = h[logits_row:logits_row + 1]
         logits = self.logits(self.model.norm(h))
         return logits, (torch.cat([taps[i] for i in tap_ids], dim=-1) if tap_ids else None)
 

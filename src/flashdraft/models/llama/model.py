@@ -48,11 +48,12 @@ class DecoderLM(nn.Module):
         return KVCache(self.config, capacity, p.device, p.dtype, k_type, v_type)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int,
-                tap_ids: list[int] | None = None, last_only: bool = False):
+                tap_ids: list[int] | None = None, logits_row: int | None = None):
         """Run tokens [T] at absolute positions [T] (ascending), reading cache rows [0, kv_len).
 
-        Returns float32 logits [T, vocab] (or [1, vocab] with last_only) and, if tap_ids is given, the
-        outputs of those decoder layers concatenated in list order ([T, len(tap_ids) * hidden]) else None.
+        Returns float32 logits [T, vocab] (or [1, vocab] of row logits_row alone: a prefill pass wants its last real
+        row's) and, if tap_ids is given, the outputs of those decoder layers concatenated in list order
+        ([T, len(tap_ids) * hidden]) else None.
         Tap id i is the output of decoder layer i (HF hidden_states[i + 1]).
         """
         cos, sin = self.rope(positions)
@@ -65,8 +66,8 @@ class DecoderLM(nn.Module):
             h = layer(h, cos, sin, cache.k[i], cache.v[i], positions, kv_len, mask)
             if i in wanted:
                 taps[i] = h
-        if last_only:
-            h = h[-1:]
+        if logits_row is not None:
+            h = h[logits_row:logits_row + 1]
         logits = self.logits(self.model.norm(h))
         tap_out = torch.cat([taps[i] for i in tap_ids], dim=-1) if tap_ids else None
         return logits, tap_out

@@ -8,10 +8,13 @@ import torch
 
 from flashdraft.config import PREFILL_CHUNK, SamplingParams, prefill_buckets
 from flashdraft.demo import DEMO_DIR
+from flashdraft.engine.cuda_graphs import bucket
 from flashdraft.engine.generator import Engine
 from flashdraft.engine.prompt_cache import PromptCache
+from flashdraft.engine.speculative import PREFILL_GRAPH_ROWS
 from flashdraft.models.gemma4.model import RING_OVERHANG
 from test_gemma4_tiny import build_gemma4_target, build_gemma_drafter
+from test_lossless import InlineGraphs
 from test_prefill_chunks import run
 
 GEMMA_WINDOW = 8  # the tiny Gemma 4's sliding window: its rings hold GEMMA_WINDOW + RING_OVERHANG rows
@@ -225,3 +228,27 @@ def test_the_warm_up_runs_each_bucket_the_context_holds(qwen3_dir, drafter_dir):
     run(engine, prompt, seq, draft=0)
     assert sizes[0] == 128
     assert Engine.load(qwen3_dir, drafter_dir, device="cpu", context_size=300).warm_up() is None
+
+
+def test_short_padded_passes_replay_graphs_the_warm_up_captured(prompts):
+    """With CUDA graphs (here the CPU stand-in), the warm-up captures one prefill graph per bucket of at most
+    PREFILL_GRAPH_ROWS rows; a request's padded pass replays one and gives the tokens and drafts of eager unpadded
+    passes; a pass no graph was captured for (a follow-up reading more rows than any) runs eagerly: a request never
+    captures one."""
+    engine, reference = demo_pair(True, True), demo_pair(True, False)
+    graphs = engine.decoder.graphs = InlineGraphs()
+    seq = engine.new_sequence()
+    engine.warm_up(seq)
+    captured = sorted(key[2:] for key in graphs.graphs if key[0] == "prefill")
+    assert captured == [(rows, bucket(rows, engine.decoder.capacity)) for rows in prefill_buckets(PREFILL_CHUNK)
+                        if rows <= PREFILL_GRAPH_ROWS]
+    draft = engine.max_draft
+    first, follow_up = prompts[0], prompts[0] + [7] * 300  # the follow-up's new rows: a pass of 512 reading 768
+    for prompt in (first, follow_up):
+        graphs.keys.clear()
+        ours, theirs = run(engine, prompt, seq, reuse=True, draft=draft), run(reference, prompt, draft=draft)
+        assert ours.tokens == theirs.tokens
+        assert (ours.stats.draft_n, ours.stats.draft_n_accepted) == (theirs.stats.draft_n,
+                                                                    theirs.stats.draft_n_accepted)
+        assert graphs.keys.count("prefill") == (1 if prompt is first else 0)
+    assert sorted(key[2:] for key in graphs.graphs if key[0] == "prefill") == captured

@@ -297,9 +297,9 @@ class Engine:
     def warm_up(self, sequence: Sequence | None = None, sampling: list[SamplingParams] = ()) -> float | None:
         """Run what the loop makes or meets on first use, so that the first request finds it done: llama-server's
         warm-up at load. Where prefill passes are padded to buckets, one prompt of each bucket's size that fits the
-        context (each pass length's first use of its kernels); with CUDA graphs or compiled layers, a short
-        generation over a made-up prompt: plain and full-block steps, greedy and with each of `sampling`'s settings
-        (graphs are kept per sequence and per warping settings). The sequence is left empty, as new. Returns the
+        context (each pass length's first use of its kernels, and the short passes' CUDA graphs); with CUDA graphs
+        or compiled layers, a short generation over a made-up prompt: plain and full-block steps, greedy and with
+        each of `sampling`'s settings (graphs are kept per sequence and per warping settings). The sequence is left empty, as new. Returns the
         seconds it took, or None where nothing is made on first use (no buckets, no graphs, no compiled layers: a
         CPU by default, where it would only add to the load time)."""
         decoder = self.decoder
@@ -310,7 +310,7 @@ class Engine:
         sequence = sequence if sequence is not None else self.new_sequence()
         for size in decoder.prefill_buckets:
             if size < self.context_size:
-                decoder.prefill(sequence, self._made_up_prompt(size), SamplingParams(), seed=0)
+                decoder.prefill(sequence, self._made_up_prompt(size), SamplingParams(), seed=0, capture_graphs=True)
         if steps:
             self._warm_up_steps(sequence, sampling)
         sequence.tokens = []

@@ -55,6 +55,11 @@ LONG_LOOKUP = 8
 # B steps instead of every step (docs/performance.md, "Plain steps with a drafter loaded").
 MAX_WAITING_ROWS = 256
 
+# Prefill passes padded to a bucket of at most this many rows replay a CUDA graph captured by the warm-up: below it
+# an eager pass is bound by the host launching its kernels (a 37-512-token prompt of an 8B took 37-47 ms on the
+# H200, its GPU work under 10 ms: docs/performance.md); beyond, the GPU's work takes longer than the launches.
+PREFILL_GRAPH_ROWS = 512
+
 
 def accept(verify: torch.Tensor, samples: torch.Tensor, n: int) -> torch.Tensor:
     """[accepted, samples...]: how many of the n guesses verify[1..n] equal the target's samples before them (the
@@ -177,7 +182,8 @@ class SpeculativeDecoder:
         # device it runs inside the step (and its graph) with start a device scalar, so it must be capturable (no
         # host syncs): bench.oracle.PlantedOracle is.
         self.oracle = None
-        # Decode, verify and draft passes replayed as CUDA graphs (default on CUDA); prefill stays eager.
+        # Decode, verify and draft passes replayed as CUDA graphs (default on CUDA), and short prefill passes
+        # (_prefill_pass)
         on_cuda = self.device.type == "cuda"
         self.graphs = GraphCache() if (on_cuda if cuda_graphs is None else cuda_graphs) else None
         # The sizes prefill passes are padded to (config.prefill_buckets; default on CUDA, where a new pass length
@@ -241,13 +247,15 @@ class SpeculativeDecoder:
         return seq.state
 
     def prefill(self, seq: Sequence, prompt: list[int], params: SamplingParams, seed: int,
-                grammar=None, reuse: bool = False) -> StepResult:
+                grammar=None, reuse: bool = False, capture_graphs: bool = False) -> StepResult:
         """Run the prompt and sample the first new token (appended to seq.tokens); returns it as a step's result.
         The prompt's context goes into the drafter cache here, and the device state is set for the first step.
         grammar: the compiled grammar of params.constraint (engine.grammar.GrammarCompiler), which it needs.
         reuse: keep the cache rows of the longest prefix the prompt shares with what the sequence holds (a chat's
-        earlier turns) and run only the rest; seq.reused says how many."""
-        passes = self.prefill_passes(seq, prompt, params, seed, grammar, reuse)
+        earlier turns) and run only the rest; seq.reused says how many. capture_graphs: capture the CUDA graph of
+        each pass that can have one and has none (the warm-up at load does; otherwise a pass replays a graph only if
+        one was captured, and runs eagerly where none was: a capture takes longer than the pass)."""
+        passes = self.prefill_passes(seq, prompt, params, seed, grammar, reuse, capture_graphs)
         while True:
             try:
                 next(passes)
@@ -256,7 +264,8 @@ class SpeculativeDecoder:
 
     @torch.inference_mode()
     def prefill_passes(self, seq: Sequence, prompt: list[int], params: SamplingParams, seed: int,
-                       grammar=None, reuse: bool = False) -> Generator[int, None, StepResult]:
+                       grammar=None, reuse: bool = False,
+                       capture_graphs: bool = False) -> Generator[int, None, StepResult]:
         """prefill, pass by pass: yields the prompt positions run so far after each pass of at most prefill_chunk
         tokens but the last, and returns prefill's result, so that a caller can run other work between the passes
         (a server's other slots) or stop (closing it). Between passes the sequence is a consistent one holding
@@ -277,7 +286,7 @@ class SpeculativeDecoder:
         P = len(prompt)
         for begin in range(reused, P, self.prefill_chunk):
             end = min(P, begin + self.prefill_chunk)
-            logits, taps = self._prefill_pass(seq, prompt[begin:end], begin)
+            logits, taps = self._prefill_pass(seq, prompt[begin:end], begin, capture_graphs)
             if taps is not None:
                 self.drafter.add_context(taps, self._positions(begin, end - begin), seq.draft_cache)
             seq.tokens = list(prompt[:end + 1])
@@ -287,16 +296,35 @@ class SpeculativeDecoder:
                 yield end
         return self._first_token(seq, prompt, params, seed, logits)
 
-    def _prefill_pass(self, seq: Sequence, tokens: list[int], begin: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _prefill_pass(self, seq: Sequence, tokens: list[int], begin: int,
+                      capture: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target's pass over a prompt's tokens at positions begin..: the last token's logits, and the tokens'
         taps. Filler rows (the last token repeated, at the positions after it) pad the pass to a bucket where
-        _padding allows; what they write lies past the sequence's length, and their logits and taps are dropped."""
+        _padding allows; what they write lies past the sequence's length, and their logits and taps are dropped.
+        A padded pass of at most PREFILL_GRAPH_ROWS rows replays its CUDA graph where one was captured (capture:
+        make it if missing): a short pass costs the host more to launch than the GPU to run (docs/performance.md).
+        The outputs are then the graph's, valid until a graph replays: the caller uses them at once."""
         real = len(tokens)
         rows = real + self._padding(seq.target_cache, begin + real, real)
         ids = torch.tensor(tokens + tokens[-1:] * (rows - real), device=self.device)
-        logits, taps = self.target(ids, self._positions(begin, rows), seq.target_cache, begin + rows, self.tap_ids,
-                                   logits_row=real - 1)
+        positions, row = self._positions(begin, rows), torch.tensor([real - 1], device=self.device)
+        key = self._prefill_graph_key(seq, begin, rows)
+        if key is not None and (capture or key in self.graphs.graphs):
+            kv_len = key[-1]  # rows past a query's position are hidden by position, as in the steps' graphs
+            logits, taps = self.graphs.run(key, lambda ids, positions, row: self.target(
+                ids, positions, seq.target_cache, kv_len, self.tap_ids, logits_row=row), ids=ids, positions=positions,
+                row=row)
+        else:
+            logits, taps = self.target(ids, positions, seq.target_cache, begin + rows, self.tap_ids, logits_row=row)
         return logits, taps[:real] if taps is not None else None
+
+    def _prefill_graph_key(self, seq: Sequence, begin: int, rows: int) -> tuple | None:
+        """The graph key of a prefill pass of `rows` rows from position `begin`, or None where passes run eagerly
+        (no graphs; a pass longer than PREFILL_GRAPH_ROWS, or not of a bucket's size). The attention length is
+        rounded up to a KV bucket, so that one graph serves every pass of that size reading that many rows."""
+        if self.graphs is None or rows > PREFILL_GRAPH_ROWS or rows not in self.prefill_buckets:
+            return None
+        return ("prefill", self.graphs.lifetime_key(seq.target_cache), rows, bucket(begin + rows, self.capacity))
 
     def _padding(self, cache: KVCache, end: int, rows: int) -> int:
         """How many filler rows pad a prefill pass of `rows` tokens ending before position `end`: up to the smallest

@@ -425,7 +425,7 @@ class Gemma4LM(nn.Module):
         return masks
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Gemma4Cache, kv_len: int,
-                tap_ids: list[int] | None = None, logits_row: int | None = None):
+                tap_ids: list[int] | None = None, logits_row: torch.Tensor | None = None):
         """tokens [T] at ascending contiguous positions [T], reading full-layer cache rows below kv_len (at least the
         last position + 1); see DecoderLM.forward.
 
@@ -444,8 +444,8 @@ class Gemma4LM(nn.Module):
         if SLIDING in self.config.layer_types:
             keep = min(T, cache.ring)
             cache.ring_pos.index_copy_(0, positions[-keep:] % cache.ring, positions[-keep:])
-        if logits_row is not None:
-            h = h[logits_row:logits_row + 1]
+        if logits_row is not None:  # a [1] index on the device: a graphed pass's varies from replay to replay
+            h = h.index_select(0, logits_row)
         logits = self.logits(self.model.norm(h))
         return logits, (torch.cat([taps[i] for i in tap_ids], dim=-1) if tap_ids else None)
 

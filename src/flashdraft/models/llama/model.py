@@ -48,7 +48,7 @@ class DecoderLM(nn.Module):
         return KVCache(self.config, capacity, p.device, p.dtype, k_type, v_type)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int,
-                tap_ids: list[int] | None = None, logits_row: int | None = None):
+                tap_ids: list[int] | None = None, logits_row: torch.Tensor | None = None):
         """Run tokens [T] at absolute positions [T] (ascending), reading cache rows [0, kv_len).
 
         Returns float32 logits [T, vocab] (or [1, vocab] of row logits_row alone: a prefill pass wants its last real
@@ -66,8 +66,8 @@ class DecoderLM(nn.Module):
             h = layer(h, cos, sin, cache.k[i], cache.v[i], positions, kv_len, mask)
             if i in wanted:
                 taps[i] = h
-        if logits_row is not None:
-            h = h[logits_row:logits_row + 1]
+        if logits_row is not None:  # a [1] index on the device: a graphed pass's varies from replay to replay
+            h = h.index_select(0, logits_row)
         logits = self.logits(self.model.norm(h))
         tap_out = torch.cat([taps[i] for i in tap_ids], dim=-1) if tap_ids else None
         return logits, tap_out

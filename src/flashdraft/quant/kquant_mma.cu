@@ -44,9 +44,10 @@ __device__ __forceinline__ float f16_bits_to_f32(u32 bits) {
     return f;
 }
 
-// float of byte j % 4 of `packed`, exactly and without an int-to-float conversion: the byte under the bits of 2**23
-__device__ __forceinline__ float byte_to_f32(u32 packed, int j) {
-    return __uint_as_float(__byte_perm(packed, 0x4B000000u, 0x7440u | (j & 3))) - 8388608.0f;
+// 2**23 + byte j % 4 of `packed`, exactly and without an int-to-float conversion: the byte under the bits of 2**23.
+// s * byte is then fmaf(s, byte_magic(...), -s * 2**23): one rounding of the exact s * byte, as s * float(byte).
+__device__ __forceinline__ float byte_magic(u32 packed, int j) {
+    return __uint_as_float(__byte_perm(packed, 0x4B000000u, 0x7440u | (j & 3)));
 }
 
 // bf16 bits of v, rounded to nearest even; NaN stays NaN
@@ -220,7 +221,7 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
             }
 #endif
         // d, dmin, and the 6-bit scales and mins of the 8 sub-blocks one per byte ([0]: sub-blocks 0-3, [1]: 4-7)
-        float d[R_TILES][2], dmin[R_TILES][2];
+        float d[R_TILES][2], dmin[R_TILES][2], d_off[R_TILES][2], dmin_off[R_TILES][2];  // off: -2**23 d, dmin
         u32 scp[R_TILES][2][2], mnp[R_TILES][2][2];
 #pragma unroll
         for (int r = 0; r < R_TILES; ++r)
@@ -229,6 +230,8 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
                 uint4 h = hdr[r][hh];
                 d[r][hh] = f16_bits_to_f32(h.x & 0xFFFF);
                 dmin[r][hh] = f16_bits_to_f32(h.x >> 16);
+                d_off[r][hh] = -8388608.0f * d[r][hh];
+                dmin_off[r][hh] = -8388608.0f * dmin[r][hh];
                 scp[r][hh][0] = h.y & 0x3F3F3F3Fu;
                 mnp[r][hh][0] = h.z & 0x3F3F3F3Fu;
                 scp[r][hh][1] = (h.w & 0x0F0F0F0Fu) | ((h.y >> 2) & 0x30303030u);
@@ -258,8 +261,9 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
                     float dl[2], corr[2];
 #pragma unroll
                     for (int hh = 0; hh < 2; ++hh) {
-                        dl[hh] = d[r][hh] * byte_to_f32(scp[r][hh][j >> 2], j);
-                        corr[hh] = fmaf(128.0f, dl[hh], dmin[r][hh] * byte_to_f32(mnp[r][hh][j >> 2], j));
+                        dl[hh] = fmaf(d[r][hh], byte_magic(scp[r][hh][j >> 2], j), d_off[r][hh]);  // d sc
+                        corr[hh] = fmaf(128.0f, dl[hh],
+                                        fmaf(dmin[r][hh], byte_magic(mnp[r][hh][j >> 2], j), dmin_off[r][hh]));
                     }
                     float acc[NT][4];
 #pragma unroll

@@ -252,3 +252,24 @@ def test_short_padded_passes_replay_graphs_the_warm_up_captured(prompts):
                                                                     theirs.stats.draft_n_accepted)
         assert graphs.keys.count("prefill") == (1 if prompt is first else 0)
     assert sorted(key[2:] for key in graphs.graphs if key[0] == "prefill") == captured
+
+
+def test_a_prefill_that_cannot_be_captured_runs_eagerly(prompts):
+    """A model whose prefill pass fails to capture (a host sync in it) warns once at the warm-up and prefills
+    eagerly from then on, with the tokens of unpadded passes."""
+
+    class FailingPrefillCapture(InlineGraphs):
+        def run(self, key, fn, mutable=(), **inputs):
+            if key[0] == "prefill" and key not in self.graphs:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return super().run(key, fn, mutable, **inputs)
+
+    engine, reference = demo_pair(True, True), demo_pair(True, False)
+    graphs = engine.decoder.graphs = FailingPrefillCapture()
+    seq = engine.new_sequence()
+    with pytest.warns(RuntimeWarning, match="could not be captured") as caught:
+        engine.warm_up(seq)
+    assert len([w for w in caught if "could not be captured" in str(w.message)]) == 1
+    graphs.keys.clear()
+    ours, theirs = run(engine, prompts[0], seq, draft=0), run(reference, prompts[0], draft=0)
+    assert ours.tokens == theirs.tokens and "prefill" not in graphs.keys

@@ -24,6 +24,7 @@ have had.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
@@ -190,6 +191,7 @@ class SpeculativeDecoder:
         # pays its kernels' first use), or none: passes of the prompt's own lengths.
         pads = on_cuda if pad_prefill is None else pad_prefill
         self.prefill_buckets = prefill_buckets(prefill_chunk) if pads else ()
+        self._prefill_graph_rows = PREFILL_GRAPH_ROWS  # 0 once a prefill pass could not be captured
         self._mask_tail = None  # the drafter block's B - 1 mask tokens, on the device
         self._guess_buffer = None  # pinned landing place of a step's guesses, for the host's grammar masks
         # The models come built with the plan of their few-row passes (engine.model_prep.resolve_plan); both with
@@ -309,20 +311,29 @@ class SpeculativeDecoder:
         ids = torch.tensor(tokens + tokens[-1:] * (rows - real), device=self.device)
         positions, row = self._positions(begin, rows), torch.tensor([real - 1], device=self.device)
         key = self._prefill_graph_key(seq, begin, rows)
+        graphed = None
         if key is not None and (capture or key in self.graphs.graphs):
             kv_len = key[-1]  # rows past a query's position are hidden by position, as in the steps' graphs
-            logits, taps = self.graphs.run(key, lambda ids, positions, row: self.target(
-                ids, positions, seq.target_cache, kv_len, self.tap_ids, logits_row=row), ids=ids, positions=positions,
-                row=row)
-        else:
-            logits, taps = self.target(ids, positions, seq.target_cache, begin + rows, self.tap_ids, logits_row=row)
+            try:
+                graphed = self.graphs.run(key, lambda ids, positions, row: self.target(
+                    ids, positions, seq.target_cache, kv_len, self.tap_ids, logits_row=row), ids=ids,
+                    positions=positions, row=row)
+            except RuntimeError as e:
+                if not capture:
+                    raise
+                # a model whose prefill cannot be captured (a host sync in it) prefills eagerly, as before graphs
+                warnings.warn(f"flashdraft: a prefill pass of {rows} rows could not be captured as a CUDA graph "
+                              f"({type(e).__name__}: {e}); prompts run eagerly", RuntimeWarning, stacklevel=2)
+                self._prefill_graph_rows = 0
+        logits, taps = graphed or self.target(ids, positions, seq.target_cache, begin + rows, self.tap_ids,
+                                               logits_row=row)
         return logits, taps[:real] if taps is not None else None
 
     def _prefill_graph_key(self, seq: Sequence, begin: int, rows: int) -> tuple | None:
         """The graph key of a prefill pass of `rows` rows from position `begin`, or None where passes run eagerly
         (no graphs; a pass longer than PREFILL_GRAPH_ROWS, or not of a bucket's size). The attention length is
         rounded up to a KV bucket, so that one graph serves every pass of that size reading that many rows."""
-        if self.graphs is None or rows > PREFILL_GRAPH_ROWS or rows not in self.prefill_buckets:
+        if self.graphs is None or rows > self._prefill_graph_rows or rows not in self.prefill_buckets:
             return None
         return ("prefill", self.graphs.lifetime_key(seq.target_cache), rows, bucket(begin + rows, self.capacity))
 

@@ -9,6 +9,8 @@
 #                   first token for new prompts of 100 and more tokens from the first request on
 #                   (scripts/gpu/ttft_check.py), through the server and in process; n-gram drafting in process on
 #                   the agent prompts (#21)
+#   ttft            the demo phase's time-to-first-token checks alone (through the server with the drafter and
+#                   without, then in process), for a short call
 #   synthetic       a Qwen3-8B-shaped bf16 GGUF (random weights, written by make_gguf.py) served with -c 32768: the
 #                   same first-token check through the server and in process, and a 5-turn conversation of 6000 new
 #                   tokens a turn (30K tokens by the last) with its cold prefill (#21); prompts of 8K and 30K
@@ -52,15 +54,37 @@ serve() {  # serve NAME ARGS...: start `flashdraft serve ARGS` and wait until it
   done
   echo "$name: ready (loaded and warmed up) after $((SECONDS - started)) s" | tee "$OUT/client_$name.txt"
 }
+ttft_demo() {  # ttft_demo SPEC SEED: time to first token through a served demo pair (serve first)
+  echo "time to first token, new prompts (through the server):" | tee -a "$OUT/client_$1.txt"
+  python scripts/gpu/ttft_check.py --url "$URL" --lengths "$LENGTHS" --seed "$2" \
+    --json "$OUT/ttft_server_$1.json" | tee -a "$OUT/client_$1.txt"
+}
+ttft_in_process() {  # the same prompts in process, with the drafter and without
+  local demo=src/flashdraft/demo spec drafter
+  for spec in dflash none; do
+    echo "time to first token, new prompts (in process, $spec):"
+    drafter=(); [ $spec = dflash ] && drafter=(--drafter $demo/drafter)
+    python scripts/gpu/ttft_check.py --model $demo/target "${drafter[@]}" -c "$CTX" --lengths "$LENGTHS" --seed 9 \
+      --json "$OUT/ttft_inprocess_$spec.json" 2>&1 | tee "$OUT/ttft_inprocess_$spec.txt"
+  done
+}
 case "$PHASE" in
+  ttft)
+    seed=0
+    for spec in dflash none; do
+      serve $spec --spec-type $spec -c "$CTX" $SAMPLING
+      seed=$((seed + 1))
+      ttft_demo $spec $seed
+      kill $pid; wait $pid 2> /dev/null
+    done
+    ttft_in_process
+    ;;
   demo)
     seed=0
     for spec in dflash none; do
       serve $spec --spec-type $spec -c "$CTX" $SAMPLING
       seed=$((seed + 1))
-      echo "time to first token, new prompts (through the server):" | tee -a "$OUT/client_$spec.txt"
-      python scripts/gpu/ttft_check.py --url "$URL" --lengths "$LENGTHS" --seed $seed \
-        --json "$OUT/ttft_server_$spec.json" | tee -a "$OUT/client_$spec.txt"
+      ttft_demo $spec $seed
       python scripts/walkthrough/client.py --url "$URL" --max-tokens "$N" | tee -a "$OUT/client_$spec.txt"
       python -m flashdraft.cli bench --url "$URL" --prompts code $SAMPLING -n "$N" --reps 2 --json \
         > "$OUT/bench_url_$spec.json" 2> "$OUT/bench_url_$spec.log"
@@ -70,13 +94,7 @@ case "$PHASE" in
     python -m flashdraft.cli bench --prompts code $SAMPLING -n "$N" --reps 2 -c "$CTX" --json \
       > "$OUT/bench_inprocess.json" 2> "$OUT/bench_inprocess.log"
     tail -8 "$OUT/bench_inprocess.log"
-    demo=src/flashdraft/demo
-    for spec in dflash none; do
-      echo "time to first token, new prompts (in process, $spec):"
-      drafter=(); [ $spec = dflash ] && drafter=(--drafter $demo/drafter)
-      python scripts/gpu/ttft_check.py --model $demo/target "${drafter[@]}" -c "$CTX" --lengths "$LENGTHS" --seed 9 \
-        --json "$OUT/ttft_inprocess_$spec.json" 2>&1 | tee "$OUT/ttft_inprocess_$spec.txt"
-    done
+    ttft_in_process
     for spec in ngram dflash+ngram; do
       python -m flashdraft.cli bench --spec-type $spec --prompts agent -n 128 --reps 2 -c "$CTX" --json \
         > "$OUT/bench_agent_$spec.json" 2> "$OUT/bench_agent_$spec.log"
@@ -102,5 +120,5 @@ case "$PHASE" in
       --json "$OUT/ttft_inprocess_synthetic_one_pass.json" 2>&1 | tee "$OUT/ttft_inprocess_synthetic_one_pass.txt"
     rm -f "$file"
     ;;
-  *) echo "usage: $0 demo|synthetic" >&2; exit 2 ;;
+  *) echo "usage: $0 demo|ttft|synthetic" >&2; exit 2 ;;
 esac

@@ -125,12 +125,8 @@ def test_identical_greedy_generations_repeat_their_draft_lengths_under_random_ti
     runs = []
     for _ in range(2):
         oracle.reset()
-        engine.decoder.oracle = oracle
-        try:
-            policy = Recording(AdaptiveDraft(engine.max_draft, config, cost))
-            result = engine.generate(prompt, params, draft=policy)
-        finally:
-            engine.decoder.oracle = None
+        policy = Recording(AdaptiveDraft(engine.max_draft, config, cost))
+        result = engine.generate(prompt, params, draft=policy, sequence=engine.new_sequence(oracle=oracle))
         assert result.tokens == plain.tokens
         runs.append((policy.lengths, result.stats.tau, result.stats.draft_lengths))
     assert runs[0] == runs[1]
@@ -445,11 +441,8 @@ def test_engine_output_with_the_controller_is_lossless(engine):
     # (drafting switches off), then planted again.
     results = []
     for planted in (True, False, True):
-        engine.decoder.oracle = oracle if planted else None
-        try:
-            results.append(engine.generate(prompt, params, draft=policy))
-        finally:
-            engine.decoder.oracle = None
+        sequence = engine.new_sequence(oracle=oracle if planted else None)
+        results.append(engine.generate(prompt, params, draft=policy, sequence=sequence))
         assert results[-1].tokens == plain.tokens
     assert results[0].stats.draft_lengths.get(engine.max_draft, 0) >= policy.config.min_samples
     assert results[0].stats.draft_n_accepted > 0

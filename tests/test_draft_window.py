@@ -7,7 +7,7 @@ from flashdraft.config import SamplingParams
 from flashdraft.engine.generator import Engine
 from flashdraft.models.kv_cache import KVCache, WindowKVCache
 from flashdraft.bench.oracle import PlantedOracle
-from test_lossless import InlineGraphs, _prompts, without_warm_up_repeats
+from test_lossless import InlineGraphs, _prompts, logging_oracle, without_warm_up_repeats
 from tiny_models import build_drafter
 
 BLOCK = 8
@@ -26,14 +26,19 @@ def _engine(pair, window, graphed=False):
     return engine
 
 
-def _own_guesses(engine, prompt, params, reuse_prefix=False):
-    """The drafter's own guesses at every drafted step (start, guesses), through the oracle hook."""
+def _logging_sequence(engine):
+    """A new sequence whose oracle changes nothing and logs the drafter's own guesses at every drafted step (start,
+    guesses), and that log."""
     log = []
-    engine.decoder.oracle = lambda start, guesses: log.append((int(start), guesses.tolist())) or guesses
-    try:
-        result = [e for e in engine.stream(prompt, params, BLOCK - 1, reuse_prefix=reuse_prefix)][-1]
-    finally:
-        engine.decoder.oracle = None
+    return engine.new_sequence(oracle=logging_oracle(log)), log
+
+
+def _own_guesses(engine, prompt, params, logged=None, reuse_prefix=False):
+    """The tokens and the drafter's own guesses at every drafted step (start, guesses) of a generation in `logged`
+    (a _logging_sequence, holding a conversation to reuse), or in a new sequence."""
+    seq, log = logged if logged is not None else _logging_sequence(engine)
+    log.clear()
+    result = [e for e in engine.stream(prompt, params, BLOCK - 1, sequence=seq, reuse_prefix=reuse_prefix)][-1]
     return result.tokens, without_warm_up_repeats(log)
 
 
@@ -84,11 +89,8 @@ def test_greedy_dflash_with_a_window_equals_plain_decoding(pair, window, graphed
         tokens, guesses = _own_guesses(engine, prompt, params)
         assert tokens == base and len(guesses) > 3
         vocab = engine.decoder.target.config.vocab_size
-        engine.decoder.oracle = PlantedOracle(prompt + base, lambda s: BLOCK - 1, vocab, "cpu")
-        try:
-            out = engine.generate(prompt, params, draft=BLOCK - 1)
-        finally:
-            engine.decoder.oracle = None
+        planted = engine.new_sequence(oracle=PlantedOracle(prompt + base, lambda s: BLOCK - 1, vocab, "cpu"))
+        out = engine.generate(prompt, params, draft=BLOCK - 1, sequence=planted)
         assert out.tokens == base and out.stats.draft_n_accepted == out.stats.draft_n > 0
 
 
@@ -108,13 +110,14 @@ def test_prefix_reuse_keeps_the_ring_only_while_it_holds_the_window(pair):
     dec = engine.decoder
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     first = _prompts(dec.target.config.vocab_size, 1, seed=4)[0]
-    out = engine.generate(first, params, draft=BLOCK - 1).tokens
+    logged = _logging_sequence(engine)
+    seq = logged[0]
+    out = engine.generate(first, params, draft=BLOCK - 1, sequence=seq).tokens
     follow = first + out + [5, 6, 7]
     fresh = _engine(pair, 6)
     want = _own_guesses(fresh, follow, params)
-    got = _own_guesses(engine, follow, params, reuse_prefix=True)
-    assert engine._sequence.reused > len(first) and got == want
-    seq = engine._sequence
+    got = _own_guesses(engine, follow, params, logged, reuse_prefix=True)
+    assert seq.reused > len(first) and got == want
     assert dec.reusable_rows(seq, seq.tokens) == len(seq.tokens) - 1  # all of it, the ring's window included
     early = len(seq.tokens) - 1 - 6 - BLOCK - 2  # its window's rows were overwritten since
     assert seq.draft_cache.reusable(early) == 0
@@ -145,16 +148,16 @@ def test_an_evicted_conversation_brings_its_ring_back_from_host_memory(pair):
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     vocab = engine.decoder.target.config.vocab_size
     first, other = _prompts(vocab, 2, seed=12)
-    slot, cache = engine.new_sequence(), PromptCache(engine.decoder, None)
+    logged, cache = _logging_sequence(engine), PromptCache(engine.decoder, None)
+    slot = logged[0]
     out = [e for e in engine.stream(first, params, BLOCK - 1, sequence=slot)][-1].tokens
     assert cache.save(slot)
     [e for e in engine.stream(other + other, params, BLOCK - 1, sequence=slot)]  # overwrites the slot's ring
     follow = first + out + [9, 10]
     restored = cache.restore(slot, follow, engine.decoder.reusable_rows(slot, follow))
     assert restored == len(first) + len(out) - 1
-    engine._sequence = slot
     want = _own_guesses(_engine(pair, 6), follow, params)
-    assert _own_guesses(engine, follow, params, reuse_prefix=True) == want and slot.reused == restored
+    assert _own_guesses(engine, follow, params, logged, reuse_prefix=True) == want and slot.reused == restored
 
 
 @pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])

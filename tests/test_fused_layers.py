@@ -17,7 +17,7 @@ from flashdraft.engine.generator import Engine  # noqa: E402
 from flashdraft.layers import decode_attention, qkv_prep, skinny_gemm  # noqa: E402
 from flashdraft.layers import DecoderLayer, LayerPlan  # noqa: E402
 from flashdraft.models import load_model  # noqa: E402
-from test_lossless import InlineGraphs, without_warm_up_repeats  # noqa: E402
+from test_lossless import InlineGraphs, logging_oracle, without_warm_up_repeats  # noqa: E402
 from tiny_models import build_drafter, build_target  # noqa: E402
 
 interpret_without_gpu("flashdraft.layers._skinny_triton", skinny_gemm._kernels)
@@ -106,9 +106,9 @@ def test_engine_fused_path_is_lossless(tmp_path):
     unfused = Engine.load(target_dir, drafter_dir, gemm="cublas", attention="sdpa", **load)
     ref = unfused.generate(prompt, params, 0).tokens
     guesses = {"unfused": [], "fused": []}  # the drafter's own guesses, step by step
-    if not ON_CUDA:  # the logging oracle syncs with the host, which a captured step cannot
-        unfused.decoder.oracle = lambda start, g, log=guesses["unfused"]: log.append((int(start), g.tolist())) or g
-    assert unfused.generate(prompt, params, 3).tokens == ref
+    # the logging oracle syncs with the host, which a captured step cannot
+    logged = unfused.new_sequence(oracle=None if ON_CUDA else logging_oracle(guesses["unfused"]))
+    assert unfused.generate(prompt, params, 3, sequence=logged).tokens == ref
     engine = Engine.load(target_dir, drafter_dir, gemm="triton", attention="triton", **load)
     decoder = engine.decoder
     assert decoder.fused_target and not decoder.compiled and decoder._plain_rows() == 1
@@ -119,8 +119,8 @@ def test_engine_fused_path_is_lossless(tmp_path):
     if ON_CUDA:  # tokens only (no logging oracle there)
         assert engine.generate(prompt, params, 3).tokens == ref
         return
-    decoder.oracle = lambda start, g, log=guesses["fused"]: log.append((int(start), g.tolist())) or g
-    assert engine.generate(prompt, params, 3).tokens == ref
+    logged = engine.new_sequence(oracle=logging_oracle(guesses["fused"]))
+    assert engine.generate(prompt, params, 3, sequence=logged).tokens == ref
     # the fused drafter guesses what the unfused one does: its context keys and values too (unfolded k/v weights)
     fused = without_warm_up_repeats(guesses["fused"])
     assert fused == guesses["unfused"] and len(fused) >= 2

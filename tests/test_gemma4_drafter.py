@@ -168,9 +168,7 @@ def test_greedy_dflash_equals_target_alone(tmp_path, dense, target_dir, drafter_
             right = torch.tensor((truth + [0] * 64)[start + 1:start + 1 + k], dtype=guesses.dtype)
             return torch.cat([right, guesses[k:]])
 
-        engine.decoder.oracle = oracle
-        drafted = engine.generate(prompt, params, draft=engine.max_draft)
-        engine.decoder.oracle = None
+        drafted = engine.generate(prompt, params, draft=engine.max_draft, sequence=engine.new_sequence(oracle=oracle))
         assert drafted.tokens == plain.tokens
         assert drafted.stats.draft_n_accepted > 0
 

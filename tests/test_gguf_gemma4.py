@@ -393,9 +393,7 @@ def test_gemma4_gguf_target_and_drafter_decode_losslessly(request, tmp_path, tok
         right = torch.tensor((truth + [0] * 64)[start + 1:start + 1 + k], dtype=guesses.dtype)
         return torch.cat([right, guesses[k:]])
 
-    engine.decoder.oracle = oracle
-    drafted = engine.generate(prompt, params, draft=engine.max_draft)
-    engine.decoder.oracle = None
+    drafted = engine.generate(prompt, params, draft=engine.max_draft, sequence=engine.new_sequence(oracle=oracle))
     assert drafted.tokens == plain.tokens and drafted.stats.draft_n_accepted > 0
 
 

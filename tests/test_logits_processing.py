@@ -54,11 +54,8 @@ def _prompts(vocab, count, seed=0):
 def _with_oracle(engine, prompt, reference, params, pattern=lambda s: s % 7):
     """A DFlash run whose guesses are plain decoding's output (reference) with a planted mismatch per step."""
     vocab = engine.decoder.target.config.vocab_size
-    engine.decoder.oracle = PlantedOracle(prompt + reference, pattern, vocab, "cpu")
-    try:
-        return engine.generate(prompt, params, draft=engine.max_draft)
-    finally:
-        engine.decoder.oracle = None
+    planted = engine.new_sequence(oracle=PlantedOracle(prompt + reference, pattern, vocab, "cpu"))
+    return engine.generate(prompt, params, draft=engine.max_draft, sequence=planted)
 
 
 def _check_lossless(engine, prompt, params, draft=None):

@@ -55,12 +55,8 @@ def test_long_acceptance_with_oracle_drafter(engine, pattern_name, pattern):
     params = SamplingParams(max_tokens=90, ignore_eos=True)
     for prompt in _prompts(engine.decoder.target.config.vocab_size, 3, seed=7):
         base = engine.generate(prompt, params, draft=0)
-        engine.decoder.oracle = PlantedOracle(prompt + base.tokens, pattern,
-                                              engine.decoder.target.config.vocab_size, "cpu")
-        try:
-            out = engine.generate(prompt, params, draft=engine.max_draft)
-        finally:
-            engine.decoder.oracle = None
+        oracle = PlantedOracle(prompt + base.tokens, pattern, engine.decoder.target.config.vocab_size, "cpu")
+        out = engine.generate(prompt, params, draft=engine.max_draft, sequence=engine.new_sequence(oracle=oracle))
         assert out.tokens == base.tokens
         per_pos = out.stats.accepted_per_position
         if pattern_name == "full":
@@ -109,11 +105,8 @@ def test_sampled_oracle_full_acceptance(engine):
     params = SamplingParams(temperature=1.0, seed=42, max_tokens=64, ignore_eos=True)
     prompt = [5, 6, 7, 8]
     base = engine.generate(prompt, params, draft=0)
-    engine.decoder.oracle = PlantedOracle(prompt + base.tokens, lambda s: 99, engine.decoder.target.config.vocab_size, "cpu")
-    try:
-        out = engine.generate(prompt, params, draft=engine.max_draft)
-    finally:
-        engine.decoder.oracle = None
+    oracle = PlantedOracle(prompt + base.tokens, lambda s: 99, engine.decoder.target.config.vocab_size, "cpu")
+    out = engine.generate(prompt, params, draft=engine.max_draft, sequence=engine.new_sequence(oracle=oracle))
     assert out.tokens == base.tokens
     assert out.stats.tau > 6
 
@@ -161,6 +154,12 @@ class PlainThenDraft:
 
     def record(self, drafted: int, accepted: int, seconds: float) -> None:
         pass
+
+
+def logging_oracle(log: list):
+    """An oracle that changes nothing: it appends each drafted step's (start, guesses) to `log`, the drafter's own
+    guesses. It reads them on the host, so only the eager loop and InlineGraphs can run it, not a CUDA graph."""
+    return lambda start, guesses: log.append((int(start), guesses.tolist())) or guesses
 
 
 def without_warm_up_repeats(log: list) -> list:
@@ -250,32 +249,24 @@ def test_graphed_plain_steps_project_the_context_once_a_block(tmp_path, qwen3_di
     assert len(projections) <= 1 + 40 // 8 + 2 and projections[1:] == [8] * (len(projections) - 1)
     seen = {"graphed": [], "eager": []}
     for name, engine in (("graphed", graphed), ("eager", eager)):
-        engine.decoder.oracle = lambda start, guesses, log=seen[name]: log.append((int(start), guesses.tolist())) \
-            or guesses
-        try:
-            for plain in (3, 8, 13, 21):
-                assert engine.generate(prompt, greedy, draft=PlainThenDraft(plain, 7)).tokens == base
-        finally:
-            engine.decoder.oracle = None
+        seq = engine.new_sequence(oracle=logging_oracle(seen[name]))
+        for plain in (3, 8, 13, 21):
+            assert engine.generate(prompt, greedy, draft=PlainThenDraft(plain, 7), sequence=seq).tokens == base
     assert without_warm_up_repeats(seen["graphed"]) == seen["eager"] and len(seen["eager"]) > 8
     # the next turn of a chat finds the whole conversation in the caches, the drafter's context too, though rows
     # were still waiting and (graphed) a step had been queued past the end of the turn (its EOS)
     seen = {"graphed": [], "eager": []}
     for name, engine in (("graphed", graphed), ("eager", eager)):
-        seq, eos_ids = engine.new_sequence(), engine.eos_ids
+        seq, eos_ids = engine.new_sequence(oracle=logging_oracle(seen[name])), engine.eos_ids
         engine.eos_ids = {base[24]}
         try:
             engine.generate(prompt, SamplingParams(max_tokens=41), draft=PlainThenDraft(12, 7), sequence=seq)
         finally:
             engine.eos_ids = eos_ids
         assert seq.tokens[-1] == base[24] and (seq.in_flight > 0) == (name == "graphed")
+        seen[name].clear()  # the next turn's guesses only
         follow = seq.tokens + [7, 8, 9]
-        engine.decoder.oracle = lambda start, guesses, log=seen[name]: log.append((int(start), guesses.tolist())) \
-            or guesses
-        try:
-            *_, result = engine.stream(follow, greedy, draft=7, sequence=seq, reuse_prefix=True)
-        finally:
-            engine.decoder.oracle = None
+        *_, result = engine.stream(follow, greedy, draft=7, sequence=seq, reuse_prefix=True)
         assert result.stats.cache_n == len(follow) - 4
         assert result.tokens == eager.generate(follow, greedy, draft=0).tokens
     assert without_warm_up_repeats(seen["graphed"]) == seen["eager"]
@@ -300,24 +291,16 @@ def test_graphed_paths_equal_the_eager_loop(tmp_path, qwen3_dir):
         base = eager.generate(prompt, greedy, draft=0).tokens
         assert graphed.generate(prompt, greedy, draft=0).tokens == base
         vocab = eager.decoder.target.config.vocab_size
-        graphed.decoder.oracle = PlantedOracle(prompt + base, lambda s: s % 5, vocab, "cpu")
-        eager.decoder.oracle = PlantedOracle(prompt + base, lambda s: s % 5, vocab, "cpu")
-        try:
-            out, ref = graphed.generate(prompt, greedy, draft=7), eager.generate(prompt, greedy, draft=7)
-        finally:
-            graphed.decoder.oracle = eager.decoder.oracle = None
+        out, ref = [engine.generate(prompt, greedy, draft=7, sequence=engine.new_sequence(
+            oracle=PlantedOracle(prompt + base, lambda s: s % 5, vocab, "cpu"))) for engine in (graphed, eager)]
         assert out.tokens == base
         assert out.stats.draft_n_accepted == ref.stats.draft_n_accepted > 0  # the same guesses were accepted
         # the random drafter's own guesses, drafting every other step: the same as the eager loop's, so its
         # context (the taps that graphed verify and plain steps hand over) is the same too
         seen = {"graphed": [], "eager": []}
         for name, engine in (("graphed", graphed), ("eager", eager)):
-            engine.decoder.oracle = lambda start, guesses, log=seen[name]: log.append((int(start), guesses.tolist())) \
-                or guesses
-            try:
-                assert engine.generate(prompt, greedy, draft=EveryOtherStep(7)).tokens == base
-            finally:
-                engine.decoder.oracle = None
+            seq = engine.new_sequence(oracle=logging_oracle(seen[name]))
+            assert engine.generate(prompt, greedy, draft=EveryOtherStep(7), sequence=seq).tokens == base
         assert without_warm_up_repeats(seen["graphed"]) == seen["eager"] and len(seen["eager"]) > 3
         assert graphed.generate(prompt, sampled, draft=7).tokens == eager.generate(prompt, sampled, draft=0).tokens
         # a request the host processes between the passes (draft graph, verify graph, host, acceptance)
@@ -337,14 +320,16 @@ def test_graphed_paths_equal_the_eager_loop(tmp_path, qwen3_dir):
         finally:
             graphed.eos_ids, eager.eos_ids = saved_eos
     assert {"step", "target", "draft"} <= set(graphed.decoder.graphs.keys)
-    # the graphs of a freed oracle go with it (a new object can get its id() back, and must not replay them)
+    # the graphs of a freed oracle go with it (a new object can get its id() back, and must not replay them), even
+    # while the cache they were captured for lives on
     graphs = graphed.decoder.graphs.graphs
     oracle = PlantedOracle(prompt + base, lambda s: 1, vocab, "cpu")
     token = graphed.decoder.graphs.lifetime_key(oracle)
-    graphed.decoder.oracle = oracle
-    graphed.generate(prompt, greedy, draft=7)
-    assert any(token in key for key in graphs)
-    graphed.decoder.oracle = oracle = None
+    seq = graphed.new_sequence(oracle=oracle)
+    graphed.generate(prompt, greedy, draft=7, sequence=seq)
+    cache = seq.target_cache
+    assert any(token in key and graphed.decoder.graphs.lifetime_key(cache) in key for key in graphs)
+    seq = oracle = None
     gc.collect()
     assert graphs and not any(token in key for key in graphs)
     assert any(queued_behind) and not all(queued_behind)  # pipelined while far from the end, not near it

@@ -180,8 +180,6 @@ def test_sampled_dflash_follows_target_distribution(qwen3_dir, drafter_dir):
             for c in (i for i, q in enumerate(p3) if q > 0):
                 expected[(a, b, c)] = p1[a] * p2[b] * p3[c]
 
-    seq = engine.new_sequence()
-
     @torch.no_grad()
     def greedy_oracle(start, guesses):
         prefix = seq.tokens[:start + 1]
@@ -192,13 +190,12 @@ def test_sampled_dflash_follows_target_distribution(qwen3_dir, drafter_dir):
             out.append(int(logits[-1].argmax()))
         return torch.tensor(out)
 
-    engine.decoder.oracle = greedy_oracle
+    seq = engine.new_sequence(oracle=greedy_oracle)
     n, counts, accepted = 1500, {}, 0
     for seed in range(n):
         out = engine.generate(prompt, SamplingParams(**{**params.__dict__, "seed": seed}), draft=2, sequence=seq)
         counts[tuple(out.tokens)] = counts.get(tuple(out.tokens), 0) + 1
         accepted += out.stats.draft_n_accepted
-    engine.decoder.oracle = None
     assert accepted > n // 4  # the verify block really accepted guesses
     stat, df = _chi2(counts, expected, n)
     assert df >= 5

@@ -685,7 +685,10 @@ def stage_model(run: Run, bw: float, dev, gen, args) -> None:
     dflash: list = []
     model["dflash"] = dflash
     draft_bytes = model["drafter_bytes"] + model["lm_head_bytes"]  # the drafter's logits go through the LM head
-    oracle = None
+    # DFlash generates in a sequence made with the oracle, in the place of the plain one (one sequence's caches
+    # are held at a time), and the long-context steps below in a plain one again (the oracle's reference ends
+    # long before their positions).
+    oracle = planted = seq = engine._sequence = None
     for tau in (2, 4, 6, 8):
         if run.left() < (25 if not run.tiny else 0):
             run.skip(f"dflash tau {tau}")
@@ -695,14 +698,11 @@ def stage_model(run: Run, bw: float, dev, gen, args) -> None:
             accept = min(tau - 1, B - 1)
             if oracle is None:
                 oracle = PlantedOracle(reference, lambda s, k=accept: k, target.config.vocab_size, dev)
+                planted = engine.new_sequence(oracle=oracle)
             oracle.replan(lambda s, k=accept: k)  # one oracle: the step graphs captured with it serve every tau
-            decoder.oracle = oracle
-            try:
-                engine.generate(prompt, params, B - 1)  # untimed: captures any verify length this pattern needs
-                decoder.oracle.reset()
-                out = engine.generate(prompt, params, B - 1)
-            finally:
-                decoder.oracle = None
+            engine.generate(prompt, params, B - 1, sequence=planted)  # untimed: any verify length it needs
+            oracle.reset()
+            out = engine.generate(prompt, params, B - 1, sequence=planted)
             d_tok_s = decode_tok_s(out)
             roof = (accept + 1) * bw * GB / (step_bytes + draft_bytes)
             row = {"tau_planned": accept + 1, "tau": out.stats.tau, "tok_s": d_tok_s,
@@ -718,6 +718,8 @@ def stage_model(run: Run, bw: float, dev, gen, args) -> None:
 
     # step times with the context nearly full (~8K tokens): full layers read every cached row. The rows past the
     # prompt were never written (zeros): the work and the bytes are those of a real long context.
+    oracle = planted = None
+    seq = engine.new_sequence()
     if run.left() > (15 if not run.tiny else 0):
         try:
             long_start = context - 2 * B

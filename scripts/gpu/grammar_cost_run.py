@@ -64,10 +64,10 @@ def synthetic_tokenizer(folder: Path, vocab_size: int) -> Tokenizer:
     return Tokenizer(folder)
 
 
-def timed(engine: Engine, prompt: list[int], params: SamplingParams, draft: int) -> dict:
+def timed(engine: Engine, prompt: list[int], params: SamplingParams, draft: int, sequence=None) -> dict:
     torch.cuda.synchronize()
     start = time.perf_counter()
-    out = engine.generate(prompt, params, draft)
+    out = engine.generate(prompt, params, draft, sequence=sequence)
     torch.cuda.synchronize()
     s = out.stats
     return {"tokens": len(out.tokens), "tok_s": (s.predicted_n - 1) / (s.predicted_ms / 1000), "tau": s.tau,
@@ -97,13 +97,10 @@ def main(out: Path) -> int:
         engine.generate(prompt, params, 0)  # warm-up: graphs, compiles, the grammar's caches
         plain = timed(engine, prompt, params, 0)
         oracle = PlantedOracle(prompt + plain["ids"], lambda s: ACCEPT, vocab, dev)
-        engine.decoder.oracle = oracle
-        try:
-            engine.generate(prompt, params, B - 1)  # captures every verify length this pattern needs
-            oracle.reset()
-            dflash = timed(engine, prompt, params, B - 1)
-        finally:
-            engine.decoder.oracle = None
+        planted = engine.new_sequence(oracle=oracle)
+        engine.generate(prompt, params, B - 1, sequence=planted)  # captures every verify length this pattern needs
+        oracle.reset()
+        dflash = timed(engine, prompt, params, B - 1, planted)
         same = dflash["ids"] == plain["ids"]
         report["rows"][name] = {"plain": {k: v for k, v in plain.items() if k != "ids"},
                                 "dflash": {k: v for k, v in dflash.items() if k != "ids"}, "identical": same}

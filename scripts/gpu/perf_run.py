@@ -37,9 +37,9 @@ def check_graphed_path_is_lossless(tmp: Path, gemm: str = "cublas", attention: s
         prompt = list(range(3 + i, 40 + 5 * i))
         ref = eager.generate(prompt, params, 0).tokens
         outs = [graphed.generate(prompt, params, 0).tokens, graphed.generate(prompt, params, 15).tokens]
-        graphed.decoder.oracle = PlantedOracle(prompt + ref, lambda s: (s * 7) % 17, 384, "cuda")
-        outs.append(graphed.generate(prompt, params, 15).tokens)
-        graphed.decoder.oracle = None
+        oracle = PlantedOracle(prompt + ref, lambda s: (s * 7) % 17, 384, "cuda")
+        # in a sequence of its own, freed with the graphs captured for it (graphs_captured counts the others)
+        outs.append(graphed.generate(prompt, params, 15, sequence=graphed.new_sequence(oracle=oracle)).tokens)
         sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=200, ignore_eos=True)
         outs.append(graphed.generate(prompt, sampled, 15).tokens == eager.generate(prompt, sampled, 0).tokens)
         checked += 1

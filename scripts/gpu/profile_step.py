@@ -73,9 +73,9 @@ def generations(shape: str) -> None:
     engine = Engine(target, None, drafter, context_size=1024)
     B = drafter.block_size
     oracle = PlantedOracle(prompt + base.tokens, lambda s: 5, target.config.vocab_size, dev)
-    engine.decoder.oracle = oracle
+    planted = engine.new_sequence(oracle=oracle)
     runs = {"plain decoding": lambda: plain.generate(prompt, params, 0),
-            "DFlash, tau 6": lambda: (oracle.reset(), engine.generate(prompt, params, B - 1))[1]}
+            "DFlash, tau 6": lambda: (oracle.reset(), engine.generate(prompt, params, B - 1, sequence=planted))[1]}
     for title, fn in runs.items():
         fn()  # captures the graphs
         out = fn()

@@ -78,12 +78,14 @@ def prompt_of(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=g).tolist()
 
 
-def timed_generate(engine, prompt: list[int], tokens: int, reps: int, draft: int = 0):
-    """An untimed warm-up run (graph captures, compiles), then the median (by decode speed) of reps timed runs."""
+def timed_generate(engine, prompt: list[int], tokens: int, reps: int, draft: int = 0, sequence=None):
+    """An untimed warm-up run (graph captures, compiles), then the median (by decode speed) of reps timed runs (in
+    `sequence`: None for the engine's own)."""
     from flashdraft.config import SamplingParams
 
-    engine.generate(prompt, SamplingParams(max_tokens=min(tokens, 16), ignore_eos=True), draft)
-    runs = [engine.generate(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True), draft) for _ in range(reps)]
+    engine.generate(prompt, SamplingParams(max_tokens=min(tokens, 16), ignore_eos=True), draft, sequence)
+    runs = [engine.generate(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True), draft, sequence)
+            for _ in range(reps)]
     return sorted(runs, key=decode_tok_s)[len(runs) // 2]
 
 
@@ -203,12 +205,12 @@ def dflash(target, tokenizer, rec: Record, base, args, dev, context: int) -> Non
     prompt = prompt_of(args.dflash_prompt, target.config.vocab_size, seed=args.dflash_prompt)
     base_tok_s = decode_tok_s(base)
     oracle = PlantedOracle(prompt + base.tokens, lambda s: B - 1, target.config.vocab_size, dev)
-    spec.decoder.oracle = oracle
+    planted = spec.new_sequence(oracle=oracle)
     for tau in args.taus:
         accept = min(tau - 1, B - 1)
         try:
             oracle.replan(lambda s, k=accept: k)  # one oracle: graphs captured with it replay the new pattern
-            out = timed_generate(spec, prompt, args.tokens, args.reps, draft=B - 1)
+            out = timed_generate(spec, prompt, args.tokens, args.reps, draft=B - 1, sequence=planted)
             row = {"tau_planned": accept + 1, "tau": out.stats.tau, "tok_s": decode_tok_s(out),
                    "speedup": decode_tok_s(out) / base_tok_s, "identical": out.tokens == base.tokens}
             rec.data["dflash"].append(row)

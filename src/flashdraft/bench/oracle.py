@@ -10,7 +10,8 @@ class PlantedOracle:
     """Replaces the drafter's guesses at step s by reference[start+1 : start+1+n] with the guess at index
     accept_pattern(s) changed to a wrong token, so that exactly that many guesses are accepted (all of them
     when the pattern says n or more). `reference` must be the sequence the target itself produces (the
-    baseline's tokens, prompt included); the drafter still runs, so its cost is real.
+    baseline's tokens, prompt included); the drafter still runs, so its cost is real. It replaces the guesses of
+    the sequence made with it: engine.generate(prompt, params, draft, sequence=engine.new_sequence(oracle=...)).
 
     Everything it reads lives on the device, its step counter included, and start may be a device scalar, so a
     call can be captured in a pipelined step's CUDA graph (engine.speculative) and replayed step after step."""

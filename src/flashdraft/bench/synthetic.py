@@ -209,7 +209,7 @@ def run(shape: str, device: str | None = None, tokens: int = 256, variants: tupl
     for i, variant in enumerate(variants):
         # each variant over models of its own plan (the last variant's DFlash table is run)
         if i:
-            plain = engine = oracle = target = drafter = None
+            plain = engine = planted = oracle = target = drafter = None
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
             target, drafter = build(variant)
@@ -222,10 +222,9 @@ def run(shape: str, device: str | None = None, tokens: int = 256, variants: tupl
         base = plain.generate(prompt, params, 0)
         engine = Engine(target, None, drafter, **options)
         oracle = PlantedOracle(prompt + base.tokens, lambda s: s % B, target.config.vocab_size, dev)
+        planted = engine.new_sequence(oracle=oracle)  # DFlash generates in it, the oracle's guesses planted
         if graphs:
-            engine.decoder.oracle = oracle  # capture every verify length before timing anything
-            engine.generate(prompt, params, B - 1)
-            engine.decoder.oracle = None
+            engine.generate(prompt, params, B - 1, sequence=planted)  # capture every verify length before timing
         tok_s = decode_tok_s(base)
         report.variants[variant] = {"baseline_tok_s": tok_s, "gb_s": tok_s * report.target_gb}
         log(f"  {variant:24s} baseline {tok_s:8.1f} tok/s = {tok_s * report.target_gb:6.0f} GB/s "
@@ -247,13 +246,9 @@ def run(shape: str, device: str | None = None, tokens: int = 256, variants: tupl
     for tau in taus:
         accept = min(tau - 1, B - 1)
         oracle.replan(lambda s, k=accept: k)  # one oracle object: the graphs captured with it serve every pattern
-        decoder.oracle = oracle
-        try:
-            engine.generate(prompt, params, B - 1)  # untimed pass: any capture or compile this pattern needs
-            oracle.reset()
-            out = engine.generate(prompt, params, B - 1)
-        finally:
-            decoder.oracle = None
+        engine.generate(prompt, params, B - 1, sequence=planted)  # untimed: any capture or compile it needs
+        oracle.reset()
+        out = engine.generate(prompt, params, B - 1, sequence=planted)
         tok_s = decode_tok_s(out)
         roofline = (accept + 1) * report.bandwidth_gb_s / step_bytes
         row = {"tau_planned": tau if accept + 1 == tau else accept + 1, "tau": out.stats.tau,

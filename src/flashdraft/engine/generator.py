@@ -17,7 +17,7 @@ from flashdraft.engine.logit_processor import TokenLogprob
 from flashdraft.engine.model_prep import resolve_plan
 from flashdraft.engine.ngram import NgramSettings
 from flashdraft.engine.sampling import resolve_seed
-from flashdraft.engine.speculative import Sequence, SpeculativeDecoder
+from flashdraft.engine.speculative import Oracle, Sequence, SpeculativeDecoder
 from flashdraft.loading import Tokenizer
 from flashdraft.loading.checkpoint import default_device_dtype
 from flashdraft.models import drafter_block_size, load_model
@@ -240,8 +240,10 @@ class Engine:
     def max_draft(self) -> int:
         return self.decoder.max_draft if self.drafts else 0
 
-    def new_sequence(self) -> Sequence:
-        return self.decoder.new_sequence()
+    def new_sequence(self, oracle: Oracle | None = None) -> Sequence:
+        """A sequence to generate in (generate's and stream's `sequence`); oracle: what replaces its drafter's
+        guesses (engine.speculative.Oracle: benchmarks and tests with a chosen acceptance pattern)."""
+        return self.decoder.new_sequence(oracle)
 
     def encode_prompt(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
         if self.tokenizer is None:

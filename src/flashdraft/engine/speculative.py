@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 import torch
@@ -106,6 +106,13 @@ class Launched:
     projected: bool = False  # the step projected the context rows waiting before it
 
 
+# Replaces the drafter's guesses (benchmarks and tests with a chosen acceptance pattern): called as
+# oracle(start, guesses) after the drafter has run, so the drafter's cost stays real. In a step on the device it
+# runs inside the step (and its graph, whose key holds it) with start a device scalar, so it must be capturable (no
+# host syncs): bench.oracle.PlantedOracle is.
+Oracle = Callable[[int | torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 @dataclass
 class Sequence:
     """One generation's state: its tokens, caches and device state. Reused across requests by re-prefilling."""
@@ -133,6 +140,10 @@ class Sequence:
     processor: LogitProcessor | None = None
     proposer: NgramProposer | None = None  # n-gram drafting's index of this sequence's tokens
     reused: int = 0  # prompt positions the last prefill found in the caches (prefill's reuse)
+    # What replaces the drafter's guesses (Oracle), or None. Given when the sequence is made (new_sequence), not
+    # written into the decoder: an oracle is made for one prompt's generations (PlantedOracle plants one reference
+    # continuation), and the decoder's other sequences (a server's slots, the warm-up's) draft with the drafter.
+    oracle: Oracle | None = None
 
 
 @dataclass
@@ -178,11 +189,6 @@ class SpeculativeDecoder:
         self.capacity = context_size + self.block_size
         self.tap_ids = drafter.config.target_layer_ids if drafter is not None else None
         self.device = target.model.norm.weight.device  # a float parameter even when weights are quantized
-        # Optional replacement of the drafter's guesses (benchmarks with a chosen acceptance pattern): called
-        # as oracle(start, guesses) after the drafter has run, so the drafter's cost stays real. In a step on the
-        # device it runs inside the step (and its graph) with start a device scalar, so it must be capturable (no
-        # host syncs): bench.oracle.PlantedOracle is.
-        self.oracle = None
         # Decode, verify and draft passes replayed as CUDA graphs (default on CUDA), and short prefill passes
         # (_prefill_pass)
         on_cuda = self.device.type == "cuda"
@@ -225,12 +231,14 @@ class SpeculativeDecoder:
         """Whether steps can verify guesses: from a drafter model or from n-gram lookup."""
         return self.drafter is not None or self.ngram is not None
 
-    def new_sequence(self) -> Sequence:
+    def new_sequence(self, oracle: Oracle | None = None) -> Sequence:
+        """A new sequence, its caches of the whole capacity; oracle: what replaces its drafter's guesses
+        (Sequence.oracle; None: the drafter's own)."""
         return Sequence(target_cache=self.target.new_cache(self.capacity, *self.cache_types),
                         draft_cache=self.drafter.new_cache(self.capacity, *self.draft_cache_types,
                                                            window=self.draft_window)
                         if self.drafter is not None else None,
-                        proposer=self.ngram.proposer() if self.ngram is not None else None)
+                        proposer=self.ngram.proposer() if self.ngram is not None else None, oracle=oracle)
 
     def _positions(self, start: int | torch.Tensor, count: int) -> torch.Tensor:
         """Positions start..start+count-1 on the device; start an int or a [1] device tensor (a step's state)."""
@@ -492,14 +500,14 @@ class SpeculativeDecoder:
 
     def _device_step(self, seq: Sequence, n: int, T: int, kv_len: int, draft_kv_len: int,
                      project: bool) -> torch.Tensor:
-        """One step from the device state alone: draft (n > 0, the oracle's guesses in their place when set), or
-        for a plain step project the waiting context rows when `project`; verify T rows, sample, accept, advance.
-        Run eagerly, or captured as one graph by launch. Returns [accepted, samples 0..n]."""
+        """One step from the device state alone: draft (n > 0, the sequence's oracle's guesses in their place when
+        it has one), or for a plain step project the waiting context rows when `project`; verify T rows, sample,
+        accept, advance. Run eagerly, or captured as one graph by launch. Returns [accepted, samples 0..n]."""
         state = seq.state
         if n > 0:
             guesses = self._draft_pass(seq, n, draft_kv_len)[:n]
-            if self.oracle is not None:
-                guesses = self.oracle(state.start[0], guesses)
+            if seq.oracle is not None:
+                guesses = seq.oracle(state.start[0], guesses)
             tokens = torch.cat([state.last, guesses])
         else:
             if project:
@@ -538,9 +546,9 @@ class SpeculativeDecoder:
         # sequence's device state, which lives as long as its cache), so their graphs go when they do (an id() alone
         # could come back on a new object while the old graph stays).
         lifetime = self.graphs.lifetime_key
-        key = ("step", lifetime(seq.target_cache), n, T, kv_len, draft_kv_len, lifetime(self.oracle), sampling,
+        key = ("step", lifetime(seq.target_cache), n, T, kv_len, draft_kv_len, lifetime(seq.oracle), sampling,
                project)
-        counters = [self.oracle.calls] if isinstance(getattr(self.oracle, "calls", None), torch.Tensor) else []
+        counters = [seq.oracle.calls] if isinstance(getattr(seq.oracle, "calls", None), torch.Tensor) else []
         timed = self.device.type == "cuda"
         began_event = torch.cuda.Event(enable_timing=True) if timed else None
         if timed:
@@ -645,9 +653,9 @@ class SpeculativeDecoder:
             drafted = self.graphs.run(("draft", self.graphs.lifetime_key(seq.draft_cache), kv_len, candidates),
                                       lambda: self._draft_pass(seq, n, kv_len, candidates),
                                       mutable=seq.state.tensors())[:n]
-        if self.oracle is None:
+        if seq.oracle is None:
             return drafted
-        return self.oracle(start, drafted[:, 0])[:, None] if candidates > 1 else self.oracle(start, drafted)
+        return seq.oracle(start, drafted[:, 0])[:, None] if candidates > 1 else seq.oracle(start, drafted)
 
     @torch.inference_mode()
     def target_pass(self, seq: Sequence, tokens: torch.Tensor, start: int, project: bool = False):

@@ -151,6 +151,19 @@ def test_n_tokens_max_counts_the_cached_prompt_tokens():
     assert b"llamacpp:prompt_tokens_total 5.0" in metrics.render()  # the tokens processed, as llama-server's
 
 
+def test_snapshots_pin_host_memory_in_few_bounded_blocks():
+    """Tensors share a pinned block while they fit in its bound (torch rounds a block up to a power of two, and pinning
+    costs by the byte), a larger one gets its own, and no tensor is left out or taken twice."""
+    from flashdraft.models.kv_cache import pinned_blocks
+
+    assert pinned_blocks([100, 100, 100], limit=256) == [[0, 1], [2]]  # each rounded to 128
+    assert pinned_blocks([10, 300, 10, 10], limit=256) == [[0], [1], [2, 3]]
+    sizes = [30244 * 8 * 128 * 2] * 72  # a 30K-token Qwen3-8B prefix: 72 tensors of 62 MB, 4.46 GB
+    blocks = pinned_blocks(sizes)
+    assert sorted(i for block in blocks for i in block) == list(range(72))
+    assert len(blocks) == 18 and all(sum(sizes[i] for i in block) <= 256 << 20 for block in blocks)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host copies need a GPU")
 def test_a_gpu_snapshot_goes_to_pinned_memory_without_waiting_and_keeps_the_rows_it_was_taken_with():
     """The snapshot is queued, not waited for: the next prompt's writes, queued after it, do not reach it, and the
@@ -169,7 +182,7 @@ def test_a_gpu_snapshot_goes_to_pinned_memory_without_waiting_and_keeps_the_rows
     back.copy_prefix(snap, 200)
     torch.cuda.synchronize()
     assert all(s.is_pinned() for s in snap.k + snap.v)
-    assert len({s.untyped_storage().data_ptr() for s in snap.k + snap.v}) == 1  # one pinned allocation
+    assert len({s.untyped_storage().data_ptr() for s in snap.k + snap.v}) == 1  # one block: under 256 MiB
     assert all(torch.equal(s, b) for s, b in zip(snap.k + snap.v, before))
     assert all(torch.equal(t[:, :200].cpu(), b) for t, b in zip(back.k + back.v, before))
 

@@ -81,9 +81,9 @@ def in_process(model: str, drafter: str | None, ctx: int | None, lengths: list[i
     started = time.perf_counter()
     engine = Engine.load(model, drafter, context_size=ctx, prefill_chunk=prefill_chunk)
     loaded = time.perf_counter() - started
-    warm = engine.warm_up()
+    sequence = engine.new_sequence()  # warmed up and then serving, as a server's slot (graphs are per sequence)
+    warm = engine.warm_up(sequence)
     vocab = engine.decoder.target.config.vocab_size
-    sequence = engine.new_sequence()
     rows = []
     for ids in prompts(lengths, vocab, seed):
         if torch.cuda.is_available():

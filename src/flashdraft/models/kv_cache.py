@@ -129,22 +129,47 @@ class WindowKVCache(KVCache):
         return snap
 
 
+PINNED_BLOCK = 256 << 20  # bytes of host memory pinned per allocation at most (copy_all_to)
+
+
 def copy_all_to(tensors: list[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
-    """Copies of `tensors` on `device`. From a GPU to the host they go to one pinned block (a view each), queued on
-    the current stream and not waited for: the host goes on at once, work queued after it (a new prompt overwriting
-    those rows) runs after it, and so does a copy back (copy_prefix). A copy to pageable memory waited for every
-    byte: 4.4 s for the 4.4 GB of a 30K-token prefix of Qwen3-8B on the H200 (docs/performance.md). One block, not
-    one per layer: each pinned allocation of a size torch's host allocator has not cached is a driver call that
-    pins pages. Read such a copy on the host only after synchronizing."""
+    """Copies of `tensors` on `device`. From a GPU to the host they go to pinned memory (a view each into blocks of
+    at most PINNED_BLOCK bytes), queued on the current stream and not waited for: the host goes on at once, work
+    queued after it (a new prompt overwriting those rows) runs after it, and so does a copy back (copy_prefix). A copy
+    to pageable memory waited for every byte: 4.4 s for the 4.4 GB of a 30K-token prefix of Qwen3-8B on the H200
+    (docs/performance.md). Few blocks, not one per layer: each pinned allocation is a driver call; bounded blocks,
+    not one: torch's host allocator rounds a block up to a power of two, and pinning takes time by the byte.
+    Read such a copy on the host only after synchronizing."""
     if not tensors or not (tensors[0].is_cuda and torch.device(device).type == "cpu"):
         return [t.to(device, copy=True) for t in tensors]
     nbytes = [t.numel() * t.element_size() for t in tensors]
-    starts = [0]
-    for n in nbytes:
-        starts.append(starts[-1] + -(-n // 64) * 64)  # each view aligned for any dtype
-    block = torch.empty(starts[-1], dtype=torch.uint8, pin_memory=True)
-    return [block[start:start + n].view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
-            for t, start, n in zip(tensors, starts, nbytes)]
+    copies = []
+    for group in pinned_blocks(nbytes):
+        block = torch.empty(sum(_aligned(nbytes[i]) for i in group), dtype=torch.uint8, pin_memory=True)
+        start = 0
+        for i in group:
+            t = tensors[i]
+            copies.append(block[start:start + nbytes[i]].view(t.dtype).view(t.shape).copy_(t, non_blocking=True))
+            start += _aligned(nbytes[i])
+    return copies
+
+
+def pinned_blocks(nbytes: list[int], limit: int = PINNED_BLOCK) -> list[list[int]]:
+    """The indices of the tensors (of these sizes) that share each pinned block, in order: a block takes tensors
+    while they fit in `limit` bytes (a larger tensor gets a block of its own)."""
+    blocks, used = [], 0
+    for i, n in enumerate(nbytes):
+        if not blocks or used + _aligned(n) > limit:
+            blocks.append([])
+            used = 0
+        blocks[-1].append(i)
+        used += _aligned(n)
+    return blocks
+
+
+def _aligned(nbytes: int) -> int:
+    """nbytes rounded up to 64: where the next view in a block may start, aligned for any dtype."""
+    return -(-nbytes // 64) * 64
 
 
 def check_same_types(cache, source) -> None:

@@ -97,6 +97,61 @@ def test_gemma4_rings_survive_the_round_trip(tmp_path):
     assert run(engine, follow, slot, draft=0).tokens == run(engine, follow, engine.new_sequence(), False, 0).tokens
 
 
+def test_a_host_arena_gives_views_all_or_none_and_takes_back_freed_bytes():
+    from flashdraft.models.kv_cache import ArenaFull, HostArena
+
+    arena = HostArena(1024, pin_memory=False)
+    a, b = arena.take([torch.zeros(16, dtype=torch.float32), torch.zeros(2, 8, dtype=torch.bfloat16)])
+    assert a.shape == (16,) and b.shape == (2, 8) and b.dtype == torch.bfloat16
+    assert arena.free_bytes() == 1024 - 64 - 64  # each view aligned to 64 bytes
+    a.fill_(1.0)
+    b.fill_(2.0)
+    assert torch.equal(a, torch.ones(16)) and a.data_ptr() + 64 == b.data_ptr()  # distinct bytes
+    with pytest.raises(ArenaFull):
+        arena.take([torch.zeros(64, dtype=torch.uint8), torch.zeros(2048, dtype=torch.uint8)])
+    assert arena.free_bytes() == 1024 - 128  # a failed take gives back what it took
+    del a
+    assert arena.free_bytes() == 1024 - 64  # freed views' bytes come back
+    (c,) = arena.take([torch.zeros(64, dtype=torch.uint8)])
+    assert c.data_ptr() == arena.buffer.data_ptr()  # first fit: the freed bytes
+    del b, c
+    assert arena.free_bytes() == 1024 and arena._free == [(0, 1024)]  # merged back into one range
+    (whole,) = arena.take([torch.zeros(1024, dtype=torch.uint8)])
+    assert whole.numel() == 1024
+
+
+def test_with_an_arena_the_least_recently_used_make_room_and_prefixes_come_back_alike(demo):
+    """A prompt cache whose copies take an arena's memory (the server's on a GPU; unpinned here): entries are dropped
+    oldest first when the arena is full, a prefix larger than the whole arena is not kept, and what comes back gives
+    the output of a cold run."""
+    from flashdraft.models.kv_cache import HostArena
+
+    slot = demo.new_sequence()
+    prompts = [ask(demo, f"Write a function number {i} that sorts a list of records by a key.") for i in range(3)]
+    run(demo, prompts[0], slot, draft=0)
+    one = demo.decoder.snapshot(slot)
+    size = one.target_cache.nbytes() + one.draft_cache.nbytes()
+    del one
+    arena = HostArena(int(2.5 * size), pin_memory=False)
+    cache = PromptCache(demo.decoder, None, arena)
+    firsts = []
+    for p in prompts:
+        firsts.append(run(demo, p, slot, draft=demo.max_draft).tokens)
+        assert cache.save(slot)
+    held = [e.tokens for e in cache.entries.values()]
+    assert len(held) == 2 and held[0][:len(prompts[1])] == prompts[1]  # the first dropped for room
+    taken = [t for e in cache.entries.values() for c in (e.target_cache, e.draft_cache) for t in c.k + c.v]
+    assert arena.free_bytes() == arena.nbytes - sum(-(-t.numel() * t.element_size() // 64) * 64 for t in taken)
+    follow = prompts[1] + firsts[1] + [5, 6, 7]
+    restored = cache.restore(slot, follow, demo.decoder.reusable_rows(slot, follow))
+    assert restored == len(prompts[1]) + len(firsts[1]) - 1
+    warm = run(demo, follow, slot, draft=demo.max_draft)
+    cold = run(demo, follow, demo.new_sequence(), reuse=False, draft=demo.max_draft)
+    assert warm.tokens == cold.tokens and warm.stats.draft_n_accepted == cold.stats.draft_n_accepted
+    small = PromptCache(demo.decoder, None, HostArena(size // 2, pin_memory=False))
+    assert small.save(slot) is False and not small.entries  # larger than the whole arena
+
+
 def chat(server, messages, **extra) -> dict:
     body = {"messages": messages, "max_tokens": 12, "temperature": 0, **extra}
     r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120)

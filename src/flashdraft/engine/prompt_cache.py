@@ -6,13 +6,16 @@ prompt that shares more with a kept prefix than with any slot gets those rows co
 recomputing them (a user coming back to an earlier conversation, agents taking turns on one slot). Entries are
 dropped least recently used first to stay within the byte budget; a prefix that another entry already holds is
 not kept twice. Copies go through SpeculativeDecoder.snapshot / copy_prefix, so the rows restored are exactly
-the rows saved: output is what a cold prefill gives (greedy), as with prefix reuse within a slot.
+the rows saved: output is what a cold prefill gives (greedy), as with prefix reuse within a slot. With a HostArena
+(the server's, on a GPU) the copies take their host memory from it, made once at load, instead of pinning new
+memory per prefix; entries are dropped as needed to make room in it.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 
 from flashdraft.engine.speculative import Sequence, SpeculativeDecoder, shared_prefix
+from flashdraft.models.kv_cache import ArenaFull, HostArena
 
 MIN_ROWS = 16  # shorter prefixes cost more to keep track of than to recompute
 
@@ -27,10 +30,12 @@ def _nbytes(seq: Sequence) -> int:
 
 
 class PromptCache:
-    def __init__(self, decoder: SpeculativeDecoder, max_bytes: int | None):
-        """max_bytes: the budget for the kept prefixes' caches (None: no limit)."""
+    def __init__(self, decoder: SpeculativeDecoder, max_bytes: int | None, arena: HostArena | None = None):
+        """max_bytes: the budget for the kept prefixes' caches (None: no limit); arena: host memory the copies take
+        (None: each copy allocates its own)."""
         self.decoder = decoder
         self.max_bytes = max_bytes
+        self.arena = arena
         self.entries: OrderedDict[int, Sequence] = OrderedDict()  # least recently used first
         self._next_id = 0
         self.bytes = 0
@@ -38,13 +43,9 @@ class PromptCache:
     def save(self, seq: Sequence) -> bool:
         """Keep seq's reusable prefix (called before the slot's caches are overwritten); True if it was kept."""
         tokens = seq.tokens
-        if len(tokens) - 1 < MIN_ROWS:
+        if len(tokens) - 1 < MIN_ROWS or self._touch_holder(tokens):  # too short, or already kept (or more of it)
             return False
-        for key, entry in self.entries.items():
-            if _holds(entry.tokens, tokens):  # already kept (or more of it)
-                self.entries.move_to_end(key)
-                return False
-        snap = self.decoder.snapshot(seq)
+        snap = self._snapshot(seq)
         if snap is None or snap.projected < MIN_ROWS:
             return False
         size = _nbytes(snap)
@@ -58,6 +59,26 @@ class PromptCache:
         self._next_id += 1
         self.bytes += size
         return True
+
+    def _touch_holder(self, tokens: list[int]) -> bool:
+        """Whether an entry already holds what `tokens` could reuse (it becomes the most recently used)."""
+        key = next((key for key, entry in self.entries.items() if _holds(entry.tokens, tokens)), None)
+        if key is not None:
+            self.entries.move_to_end(key)
+        return key is not None
+
+    def _snapshot(self, seq: Sequence) -> Sequence | None:
+        """seq's reusable prefix copied to host memory: into the arena, dropping the least recently used entries
+        until it fits (None if it does not fit the empty arena), or to memory of its own without one."""
+        if self.arena is None:
+            return self.decoder.snapshot(seq)
+        while True:
+            try:
+                return self.decoder.snapshot(seq, self.arena)
+            except ArenaFull:
+                if not self.entries:
+                    return None
+                self._drop(next(iter(self.entries)))
 
     def restore(self, seq: Sequence, prompt: list[int], have: int) -> int:
         """Copy the kept prefix sharing the most with `prompt` into seq's caches if it holds more than `have`

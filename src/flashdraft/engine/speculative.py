@@ -39,7 +39,7 @@ from flashdraft.engine.ngram import NgramProposer, NgramSettings
 from flashdraft.engine.sampling import sample_tokens, seed_key
 from flashdraft.layers import DecoderLayer
 from flashdraft.models import DecoderLM, DFlashDrafter
-from flashdraft.models.kv_cache import KVCache, WindowKVCache
+from flashdraft.models.kv_cache import HostArena, KVCache, WindowKVCache
 
 # With a grammar, each drafted slot takes the best of the drafter's this many candidates that the grammar allows
 # after the slots before it (a draft that ends in a forbidden guess could not be accepted past it).
@@ -393,10 +393,10 @@ class SpeculativeDecoder:
             dst.draft_cache.copy_prefix(src.draft_cache, rows)
         dst.tokens, dst.projected, dst.in_flight = src.tokens[:rows + 1], rows, 0
 
-    def snapshot(self, seq: Sequence, device: torch.device | str = "cpu") -> Sequence | None:
-        """The positions of seq's caches that a prompt starting with its tokens could reuse, copied to `device`
-        as a Sequence that reusable_rows and copy_prefix take as a source (engine.prompt_cache keeps evicted
-        prefixes so); None when there are none."""
+    def snapshot(self, seq: Sequence, device: torch.device | str | HostArena = "cpu") -> Sequence | None:
+        """The positions of seq's caches that a prompt starting with its tokens could reuse, copied to `device` (or
+        into a HostArena: ArenaFull when it cannot hold them) as a Sequence that reusable_rows and copy_prefix take
+        as a source (engine.prompt_cache keeps evicted prefixes so); None when there are none."""
         rows = self.reusable_rows(seq, seq.tokens)
         if rows == 0:
             return None

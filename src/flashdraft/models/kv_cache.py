@@ -1,4 +1,6 @@
 import copy
+import threading
+import weakref
 
 import torch
 
@@ -55,9 +57,10 @@ class KVCache:
         for dst, src in zip(self.k + self.v, source.k + source.v):
             dst[:, :rows].copy_(src[:, :rows], non_blocking=True)  # from pinned host memory: queued, not waited for
 
-    def snapshot(self, rows: int, device: torch.device | str = "cpu") -> "KVCache":
-        """A copy of positions [0, rows) on `device`, holding only those rows: the host prompt cache keeps
-        evicted prefixes so, and copy_prefix takes one as its source to bring them back."""
+    def snapshot(self, rows: int, device: "torch.device | str | HostArena" = "cpu") -> "KVCache":
+        """A copy of positions [0, rows) on `device` (or in a HostArena's host memory), holding only those rows:
+        the host prompt cache keeps evicted prefixes so, and copy_prefix takes one as its source to bring them
+        back."""
         snap = copy.copy(self)
         snap.capacity = rows
         copies = copy_all_to([t[:, :rows] for t in self.k + self.v], device)
@@ -120,26 +123,94 @@ class WindowKVCache(KVCache):
             dst.copy_(src, non_blocking=True)
         self.ring_pos.copy_(source.ring_pos)
 
-    def snapshot(self, rows: int, device: torch.device | str = "cpu") -> "WindowKVCache":
+    def snapshot(self, rows: int, device: "torch.device | str | HostArena" = "cpu") -> "WindowKVCache":
         """The whole ring and the positions it holds, on `device` (copy_prefix takes it as a source)."""
         snap = copy.copy(self)
-        snap.ring_pos = self.ring_pos.to(device, copy=True)  # first and waited for: reusable() reads it on the host
+        snap.ring_pos = self.ring_pos.to(device_of(device), copy=True)  # waited for: reusable() reads it on the host
         copies = copy_all_to(self.k + self.v, device)
         snap.k, snap.v = copies[:len(self.k)], copies[len(self.k):]
         return snap
 
 
+class ArenaFull(MemoryError):
+    """A HostArena's free bytes do not hold a snapshot's tensors."""
+
+
+class HostArena:
+    """Host memory made once for the prompt cache's snapshots (--cache-ram), pinned when the caches are on a GPU;
+    each snapshot's tensors are views cut from it, and their bytes come back when the views are freed (the prompt
+    cache drops an entry). Why: pinning host memory is a driver call that takes time by the byte (12-34 ms for a
+    short prompt's prefix on the H200, seconds for a long one: docs/performance.md); made at load, it is off the
+    requests' path. Copies into it are queued on the stream like every other cache copy, so bytes taken again
+    after a view is freed are written only after what was queued before (a copy back from it)."""
+
+    def __init__(self, nbytes: int, pin_memory: bool):
+        self.nbytes = nbytes
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+        self._free = [(0, nbytes)]  # (start, end) ranges, ascending, none touching another
+        self._lock = threading.Lock()  # views may be freed from any thread
+
+    def take(self, like: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Uninitialised views shaped as `like`'s tensors, all or none (ArenaFull)."""
+        views = []
+        with self._lock:
+            for t in like:
+                size = _aligned(t.numel() * t.element_size())
+                start = next((a for a, b in self._free if b - a >= size), None)
+                if start is None:  # none of the views is returned: their bytes go back now
+                    for _, (a, n) in views:
+                        self._give_back(a, n)
+                    raise ArenaFull(f"{size} bytes wanted, {self.free_bytes()} free in pieces")
+                self._cut(start, size)
+                view = self.buffer[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                views.append((view, (start, size)))
+        for view, (start, size) in views:
+            weakref.finalize(view, self._release, start, size)
+        return [view for view, _ in views]
+
+    def free_bytes(self) -> int:
+        return sum(b - a for a, b in self._free)
+
+    def _cut(self, start: int, size: int) -> None:
+        i = next(i for i, (a, _) in enumerate(self._free) if a == start)
+        a, b = self._free[i]
+        self._free[i:i + 1] = [(a + size, b)] if a + size < b else []
+
+    def _release(self, start: int, size: int) -> None:
+        with self._lock:
+            self._give_back(start, size)
+
+    def _give_back(self, start: int, size: int) -> None:
+        """Return [start, start + size) to the free ranges, merged with the ranges it touches."""
+        end = start + size
+        i = next((i for i, (a, _) in enumerate(self._free) if a > start), len(self._free))
+        if i < len(self._free) and self._free[i][0] == end:
+            end = self._free.pop(i)[1]
+        if i > 0 and self._free[i - 1][1] == start:
+            start = self._free.pop(i - 1)[0]
+            i -= 1
+        self._free.insert(i, (start, end))
+
+
+def device_of(to: "torch.device | str | HostArena") -> "torch.device | str":
+    """Where a copy to `to` lies: the host for a HostArena."""
+    return "cpu" if isinstance(to, HostArena) else to
+
+
 PINNED_BLOCK = 256 << 20  # bytes of host memory pinned per allocation at most (copy_all_to)
 
 
-def copy_all_to(tensors: list[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
-    """Copies of `tensors` on `device`. From a GPU to the host they go to pinned memory (a view each into blocks of
-    at most PINNED_BLOCK bytes), queued on the current stream and not waited for: the host goes on at once, work
-    queued after it (a new prompt overwriting those rows) runs after it, and so does a copy back (copy_prefix). A copy
-    to pageable memory waited for every byte: 4.4 s for the 4.4 GB of a 30K-token prefix of Qwen3-8B on the H200
-    (docs/performance.md). Few blocks, not one per layer: each pinned allocation is a driver call; bounded blocks,
-    not one: torch's host allocator rounds a block up to a power of two, and pinning takes time by the byte.
-    Read such a copy on the host only after synchronizing."""
+def copy_all_to(tensors: list[torch.Tensor], device: "torch.device | str | HostArena") -> list[torch.Tensor]:
+    """Copies of `tensors` on `device`, or in a HostArena (ArenaFull when it cannot hold them). From a GPU to the host
+    they go to pinned memory (the arena's, or a view each into blocks of at most PINNED_BLOCK bytes), queued on the
+    current stream and not waited for: the host goes on at once, work queued after it (a new prompt overwriting
+    those rows) runs after it, and so does a copy back (copy_prefix). A copy to pageable memory waited for every
+    byte: 4.4 s for the 4.4 GB of a 30K-token prefix of Qwen3-8B on the H200 (docs/performance.md). Few blocks, not
+    one per layer: each pinned allocation is a driver call; bounded blocks, not one: torch's host allocator rounds a
+    block up to a power of two, and pinning takes time by the byte. Read such a copy on the host only after
+    synchronizing."""
+    if isinstance(device, HostArena):
+        return [view.copy_(t, non_blocking=True) for view, t in zip(device.take(tensors), tensors)]
     if not tensors or not (tensors[0].is_cuda and torch.device(device).type == "cpu"):
         return [t.to(device, copy=True) for t in tensors]
     nbytes = [t.numel() * t.element_size() for t in tensors]

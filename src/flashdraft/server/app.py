@@ -60,6 +60,7 @@ class ServerState:
             from flashdraft.engine.generator import Engine
             from flashdraft.engine.ngram import NgramSettings
             from flashdraft.engine.prompt_cache import PromptCache
+            from flashdraft.models.kv_cache import HostArena
             from flashdraft.server.scheduler import Scheduler
 
             s = self.settings
@@ -79,7 +80,16 @@ class ServerState:
                 fixed_draft = None if s.adaptive_draft else engine.max_draft  # capped per request by n_max
             prompt_cache = None
             if s.cache_ram_mib != 0:  # -1: no limit
-                prompt_cache = PromptCache(engine.decoder, None if s.cache_ram_mib < 0 else s.cache_ram_mib << 20)
+                budget = None if s.cache_ram_mib < 0 else s.cache_ram_mib << 20
+                arena = None
+                if budget is not None and engine.decoder.device.type == "cuda":
+                    # pinned once here: pinning per saved prefix cost a request 12-34 ms on the H200, seconds for a
+                    # long prefix (docs/server.md)
+                    pinning = time.perf_counter()
+                    arena = HostArena(budget, pin_memory=True)
+                    log.info("prompt cache: %.1f GiB of host memory pinned in %.1f s", budget / 2 ** 30,
+                             time.perf_counter() - pinning)
+                prompt_cache = PromptCache(engine.decoder, budget, arena)
             scheduler = Scheduler(engine, s.n_slots, fixed_draft, self.metrics, prompt_cache, s.context_shift)
             warm_up = None
             if s.warmup:  # the default sampling settings' graphs too, when they sample

@@ -28,7 +28,7 @@ from torch.nn.attention import sdpa_kernel
 
 from flashdraft.config import read_json
 from flashdraft.models.gemma4.config import FULL, SLIDING, Gemma4Config, RopeSpec
-from flashdraft.models.kv_cache import check_same_types, copy_all_to
+from flashdraft.models.kv_cache import HostArena, check_same_types, copy_all_to, device_of
 from flashdraft.layers import decode_attention as attention_kernel
 from flashdraft.layers.attention import PREFILL_SDPA
 from flashdraft.layers.decode_attention import decode_attention
@@ -150,13 +150,13 @@ class Gemma4Cache:
                 dst_v[:, :rows].copy_(src_v[:, :rows], non_blocking=True)
         self.ring_pos.copy_(source.ring_pos)
 
-    def snapshot(self, rows: int, device: torch.device | str = "cpu") -> Gemma4Cache:
+    def snapshot(self, rows: int, device: torch.device | str | HostArena = "cpu") -> Gemma4Cache:
         """A copy of positions [0, rows) on `device` (KVCache.snapshot): the full layers' first rows and the
         whole rings with the positions they hold, which copy_prefix takes as a source."""
         snap = copy.copy(self)
         snap.capacity = rows
-        snap.ring_pos = self.ring_pos.to(device, copy=True)  # first and waited for: reusable() reads it on the host
-        taken = [t if sliding else t[:, :rows] for sliding, t in zip(self._sliding + self._sliding, self.k + self.v)]
+        snap.ring_pos = self.ring_pos.to(device_of(device), copy=True)  # waited for: reusable() reads it on the host
+        taken = [t if sliding else t[:, :rows] for sliding, t in zip(self._sliding * 2, self.k + self.v)]
         copies = copy_all_to(taken, device)
         snap.k, snap.v = copies[:len(self.k)], copies[len(self.k):]
         return snap

@@ -79,6 +79,23 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], u32 a0, u32 a1, u3
 #error "QTYPE must be 4 (Q4_K), 5 (Q5_K) or 6 (Q6_K)"
 #endif
 
+// The warp's sums at zero, and where this lane reads x: token g + 8 nt's row (a row of zeros past M), from `col`.
+__device__ __forceinline__ void start_sums(float (&tot)[R_TILES][NT][4], const u16 *(&xrow)[NT], bool (&xok)[NT],
+                                           const u16 *__restrict__ X, int M, int K, int g, int col) {
+#pragma unroll
+    for (int r = 0; r < R_TILES; ++r)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) tot[r][nt][i] = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        int n = g + 8 * nt;
+        xok[nt] = n < M;
+        xrow[nt] = X + (size_t)(xok[nt] ? n : 0) * K + col;
+    }
+}
+
 // The warp's sums: rounded to bf16 into Y with one K range, else into this range's partial sums.
 __device__ __forceinline__ void store_sums(const float (&tot)[R_TILES][NT][4], float *__restrict__ P,
                                            u16 *__restrict__ Y, int M, int N, int tile0, int g, int c) {
@@ -129,20 +146,9 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
     const int K = nsb * 256;
 
     float tot[R_TILES][NT][4];
-#pragma unroll
-    for (int r = 0; r < R_TILES; ++r)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) tot[r][nt][i] = 0.0f;
     const u16 *xrow[NT];
     bool xok[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        int n = g + 8 * nt;
-        xok[nt] = n < M;
-        xrow[nt] = X + (size_t)(xok[nt] ? n : 0) * K + 8 * c;
-    }
+    start_sums(tot, xrow, xok, X, M, K, g, 8 * c);
 #if STAGES == 0
     const unsigned char *rowp[R_TILES][2];
 #pragma unroll
@@ -325,20 +331,9 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
     const int K = nsb * 256;
 
     float tot[R_TILES][NT][4];
-#pragma unroll
-    for (int r = 0; r < R_TILES; ++r)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) tot[r][nt][i] = 0.0f;
     const u16 *xrow[NT];
     bool xok[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        int n = g + 8 * nt;
-        xok[nt] = n < M;
-        xrow[nt] = X + (size_t)(xok[nt] ? n : 0) * K + 4 * c;
-    }
+    start_sums(tot, xrow, xok, X, M, K, g, 4 * c);
     const u16 *rowp[R_TILES][2];  // the rows' blocks as 16-bit words (105 a block)
 #pragma unroll
     for (int r = 0; r < R_TILES; ++r)

@@ -182,6 +182,8 @@ class HostArena:
 
     def _give_back(self, start: int, size: int) -> None:
         """Return [start, start + size) to the free ranges, merged with the ranges it touches."""
+        if size == 0:  # an empty view took nothing
+            return
         end = start + size
         i = next((i for i, (a, _) in enumerate(self._free) if a > start), len(self._free))
         if i < len(self._free) and self._free[i][0] == end:

@@ -118,6 +118,11 @@ def test_a_host_arena_gives_views_all_or_none_and_takes_back_freed_bytes():
     assert arena.free_bytes() == 1024 and arena._free == [(0, 1024)]  # merged back into one range
     (whole,) = arena.take([torch.zeros(1024, dtype=torch.uint8)])
     assert whole.numel() == 1024
+    (empty,) = arena.take([torch.zeros(0, 4)])  # nothing left, and nothing wanted
+    assert empty.shape == (0, 4)
+    with arena._lock:  # a garbage collection inside take frees a view: its finalizer must not wait for the lock
+        del whole
+    assert arena.free_bytes() == 1024
 
 
 def test_with_an_arena_the_least_recently_used_make_room_and_prefixes_come_back_alike(demo):
@@ -148,8 +153,12 @@ def test_with_an_arena_the_least_recently_used_make_room_and_prefixes_come_back_
     warm = run(demo, follow, slot, draft=demo.max_draft)
     cold = run(demo, follow, demo.new_sequence(), reuse=False, draft=demo.max_draft)
     assert warm.tokens == cold.tokens and warm.stats.draft_n_accepted == cold.stats.draft_n_accepted
-    small = PromptCache(demo.decoder, None, HostArena(size // 2, pin_memory=False))
+    small = PromptCache(demo.decoder, None, HostArena(int(0.9 * size), pin_memory=False))
     assert small.save(slot) is False and not small.entries  # larger than the whole arena
+    short = demo.new_sequence()
+    run(demo, prompts[0][:8], short, draft=0)  # a prefix (31 rows) that fits
+    small.save(short)
+    assert len(small.entries) == 1 and not small.save(slot) and len(small.entries) == 1  # not emptied for nothing
 
 
 def chat(server, messages, **extra) -> dict:

@@ -29,6 +29,12 @@ def _nbytes(seq: Sequence) -> int:
     return seq.target_cache.nbytes() + (seq.draft_cache.nbytes() if seq.draft_cache is not None else 0)
 
 
+def _tensors(seq: Sequence) -> list:
+    """The key and value tensors of seq's caches."""
+    caches = [seq.target_cache] + ([seq.draft_cache] if seq.draft_cache is not None else [])
+    return [t for cache in caches for t in cache.k + cache.v]
+
+
 class PromptCache:
     def __init__(self, decoder: SpeculativeDecoder, max_bytes: int | None, arena: HostArena | None = None):
         """max_bytes: the budget for the kept prefixes' caches (None: no limit); arena: host memory the copies take
@@ -69,9 +75,14 @@ class PromptCache:
 
     def _snapshot(self, seq: Sequence) -> Sequence | None:
         """seq's reusable prefix copied to host memory: into the arena, dropping the least recently used entries
-        until it fits (None if it does not fit the empty arena), or to memory of its own without one."""
+        until it fits, or to memory of its own without one. None, dropping nothing, for a prefix that the empty
+        arena or the budget could not hold or too short to keep (measured first on meta tensors, no bytes)."""
         if self.arena is None:
             return self.decoder.snapshot(seq)
+        shape = self.decoder.snapshot(seq, "meta")
+        if shape is None or shape.projected < MIN_ROWS or not self.arena.fits(_tensors(shape)) or (
+                self.max_bytes is not None and _nbytes(shape) > self.max_bytes):
+            return None
         while True:
             try:
                 return self.decoder.snapshot(seq, self.arena)

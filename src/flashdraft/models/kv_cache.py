@@ -148,37 +148,52 @@ class HostArena:
         self.nbytes = nbytes
         self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
         self._free = [(0, nbytes)]  # (start, end) ranges, ascending, none touching another
-        self._lock = threading.Lock()  # views may be freed from any thread
+        self._lock = threading.Lock()
+        # ranges of freed views, given back by the next take: a finalizer may run in any thread, also inside take
+        # (a garbage collection), so it takes no lock and touches nothing but this list
+        self._freed: list[tuple[int, int]] = []
 
     def take(self, like: list[torch.Tensor]) -> list[torch.Tensor]:
         """Uninitialised views shaped as `like`'s tensors, all or none (ArenaFull)."""
         views = []
         with self._lock:
+            self._give_back_freed()
             for t in like:
                 size = _aligned(t.numel() * t.element_size())
-                start = next((a for a, b in self._free if b - a >= size), None)
+                start = next((a for a, b in self._free if b - a >= size), None) if size else 0
                 if start is None:  # none of the views is returned: their bytes go back now
                     for _, (a, n) in views:
                         self._give_back(a, n)
-                    raise ArenaFull(f"{size} bytes wanted, {self.free_bytes()} free in pieces")
+                    raise ArenaFull(f"{size} bytes wanted, {self._free_total()} free in pieces")
                 self._cut(start, size)
                 view = self.buffer[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
                 views.append((view, (start, size)))
         for view, (start, size) in views:
-            weakref.finalize(view, self._release, start, size)
+            weakref.finalize(view, self._freed.append, (start, size))
         return [view for view, _ in views]
 
+    def fits(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether views like these could be taken from the whole arena, empty."""
+        return sum(_aligned(t.numel() * t.element_size()) for t in tensors) <= self.nbytes
+
     def free_bytes(self) -> int:
+        with self._lock:
+            self._give_back_freed()
+            return self._free_total()
+
+    def _free_total(self) -> int:
         return sum(b - a for a, b in self._free)
 
     def _cut(self, start: int, size: int) -> None:
+        if size == 0:
+            return
         i = next(i for i, (a, _) in enumerate(self._free) if a == start)
         a, b = self._free[i]
         self._free[i:i + 1] = [(a + size, b)] if a + size < b else []
 
-    def _release(self, start: int, size: int) -> None:
-        with self._lock:
-            self._give_back(start, size)
+    def _give_back_freed(self) -> None:
+        while self._freed:
+            self._give_back(*self._freed.pop())
 
     def _give_back(self, start: int, size: int) -> None:
         """Return [start, start + size) to the free ranges, merged with the ranges it touches."""

@@ -120,8 +120,8 @@ __device__ __forceinline__ void store_sums(const float (&tot)[R_TILES][NT][4], f
 
 #if QTYPE == 4 || QTYPE == 5
 #if STAGES > 0
-// bytes per row of a stage: the block padded to 8 mod 32 words (160 = 40 words, 224 = 56), so that the 8-byte
-// reads of rows g = 0-3 at 8c fall on 32 different banks
+// bytes per row of a stage: the block padded to 8 or 24 mod 32 words (160 = 40 words, 224 = 56), so that the
+// 8-byte reads of rows g = 0-3 at 8c fall on 32 different banks
 #define ROWB (QTYPE == 4 ? 160 : 224)
 #define STAGE_BYTES (R_TILES * 16 * ROWB)
 #define ROW_CHUNKS (BLOCK_BYTES / 16)

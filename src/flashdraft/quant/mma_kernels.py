@@ -31,7 +31,7 @@ MAX_ROWS = 16
 SOURCE = Path(__file__).with_name("kquant_mma.cu")
 QTYPES = {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6}              # the kernel's QTYPE per GGUF type
 BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # per super-block of 256 weights
-# bytes a row of a super-block takes in a shared-memory ring stage (the block padded to 8 mod 32 words: the
+# bytes a row of a super-block takes in a shared-memory ring stage (the block padded to 8 or 24 mod 32 words: the
 # kernel's header says why); Q6_K blocks are 2-byte aligned, too little for cp.async: no ring
 RING_ROW_BYTES = {"Q4_K": 160, "Q5_K": 224}
 

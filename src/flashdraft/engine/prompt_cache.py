@@ -76,20 +76,27 @@ class PromptCache:
     def _snapshot(self, seq: Sequence) -> Sequence | None:
         """seq's reusable prefix copied to host memory: into the arena, dropping the least recently used entries
         until it fits, or to memory of its own without one. None, dropping nothing, for a prefix that the empty
-        arena or the budget could not hold or too short to keep (measured first on meta tensors, no bytes)."""
+        arena or the budget could not hold or too short to keep (measured on meta tensors, no bytes, once the
+        arena is found full)."""
         if self.arena is None:
             return self.decoder.snapshot(seq)
-        shape = self.decoder.snapshot(seq, "meta")
-        if shape is None or shape.projected < MIN_ROWS or not self.arena.fits(_tensors(shape)) or (
-                self.max_bytes is not None and _nbytes(shape) > self.max_bytes):
-            return None
+        worth_room = None  # measured at the first ArenaFull
         while True:
             try:
                 return self.decoder.snapshot(seq, self.arena)
             except ArenaFull:
-                if not self.entries:
+                if worth_room is None:
+                    worth_room = self._worth_room(seq)
+                if not self.entries or not worth_room:
                     return None
                 self._drop(next(iter(self.entries)))
+
+    def _worth_room(self, seq: Sequence) -> bool:
+        """Whether seq's prefix is worth dropping kept ones for: long enough to keep, and within the empty arena
+        and the budget."""
+        shape = self.decoder.snapshot(seq, "meta")
+        return shape is not None and shape.projected >= MIN_ROWS and self.arena.fits(_tensors(shape)) and (
+            self.max_bytes is None or _nbytes(shape) <= self.max_bytes)
 
     def restore(self, seq: Sequence, prompt: list[int], have: int) -> int:
         """Copy the kept prefix sharing the most with `prompt` into seq's caches if it holds more than `have`

@@ -224,6 +224,9 @@ def test_the_warm_up_runs_each_bucket_the_context_holds(qwen3_dir, drafter_dir):
     assert sorted(sizes) == [16, 32, 64, 128, 256]
     assert seq.tokens == [] and engine.decoder.reusable_rows(seq, list(range(3, 40))) == 0
     sizes.clear()
+    engine.warm_up(engine.new_sequence())  # another slot: the lengths are met (no graphs here to make per slot)
+    assert sizes == []
+    sizes.clear()
     prompt = [random.Random(7).randrange(3, engine.decoder.target.config.vocab_size) for _ in range(100)]
     run(engine, prompt, seq, draft=0)
     assert sizes[0] == 128

@@ -190,6 +190,7 @@ class Engine:
         self._grammars_lock = threading.Lock()
         self.adaptive = adaptive  # default policy: the adaptive controller (True) or the full block (False)
         self._default_policy: tuple[bool, DraftPolicy] | None = None  # (adaptive when made, the policy)
+        self._prefill_lengths_met = False  # a warm-up has run every bucket's pass length once (warm_up)
 
     @classmethod
     def load(cls, model: str | Path, drafter: str | Path | None = None, device=None, dtype=None,
@@ -299,20 +300,22 @@ class Engine:
     def warm_up(self, sequence: Sequence | None = None, sampling: list[SamplingParams] = ()) -> float | None:
         """Run what the loop makes or meets on first use, so that the first request finds it done: llama-server's
         warm-up at load. Where prefill passes are padded to buckets, one prompt of each bucket's size that fits the
-        context (each pass length's first use of its kernels, and the short passes' CUDA graphs); with CUDA graphs
-        or compiled layers, a short generation over a made-up prompt: plain and full-block steps, greedy and with
-        each of `sampling`'s settings (graphs are kept per sequence and per warping settings). The sequence is left empty, as new. Returns the
-        seconds it took, or None where nothing is made on first use (no buckets, no graphs, no compiled layers: a
-        CPU by default, where it would only add to the load time)."""
+        context (each pass length's first use of its kernels, met once per engine, and the short passes' CUDA
+        graphs, made per sequence); with CUDA graphs or compiled layers, a short generation over a made-up prompt:
+        plain and full-block steps, greedy and with each of `sampling`'s settings (graphs are kept per sequence and
+        per warping settings). The sequence is left empty, as new. Returns the seconds it took, or None where
+        nothing is made on first use (no buckets, no graphs, no compiled layers: a CPU by default, where it would
+        only add to the load time)."""
         decoder = self.decoder
         steps = decoder.graphs is not None or decoder.compiled
         if not steps and not decoder.prefill_buckets:
             return None
         started = time.perf_counter()
         sequence = sequence if sequence is not None else self.new_sequence()
-        for size in decoder.prefill_buckets:
-            if size < self.context_size:
+        for size in decoder.prefill_buckets:  # a length's first use once per engine; graphs once per sequence
+            if size < self.context_size and (decoder.graphs_prefill(size) or not self._prefill_lengths_met):
                 decoder.prefill(sequence, self._made_up_prompt(size), SamplingParams(), seed=0, capture_graphs=True)
+        self._prefill_lengths_met = True
         if steps:
             self._warm_up_steps(sequence, sampling)
         sequence.tokens = []

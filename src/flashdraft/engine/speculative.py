@@ -337,11 +337,16 @@ class SpeculativeDecoder:
                                                logits_row=row)
         return logits, taps[:real] if taps is not None else None
 
+    def graphs_prefill(self, rows: int) -> bool:
+        """Whether a prefill pass of `rows` rows can replay a graph (of a sequence's own, captured at its warm-up):
+        with graphs, a bucket's size of at most PREFILL_GRAPH_ROWS, while captures have not failed."""
+        return self.graphs is not None and rows <= self._prefill_graph_rows and rows in self.prefill_buckets
+
     def _prefill_graph_key(self, seq: Sequence, begin: int, rows: int) -> tuple | None:
         """The graph key of a prefill pass of `rows` rows from position `begin`, or None where passes run eagerly
-        (no graphs; a pass longer than PREFILL_GRAPH_ROWS, or not of a bucket's size). The attention length is
-        rounded up to a KV bucket, so that one graph serves every pass of that size reading that many rows."""
-        if self.graphs is None or rows > self._prefill_graph_rows or rows not in self.prefill_buckets:
+        (graphs_prefill). The attention length is rounded up to a KV bucket, so that one graph serves every pass of
+        that size reading that many rows."""
+        if not self.graphs_prefill(rows):
             return None
         return ("prefill", self.graphs.lifetime_key(seq.target_cache), rows, bucket(begin + rows, self.capacity))
 

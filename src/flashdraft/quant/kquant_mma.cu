@@ -7,12 +7,12 @@
 // [split, M, N], one K range (a split) each, added in split order by q_split_reduce; with one K range (gridDim.y
 // 1) the kernel rounds its sums to bf16 into Y [M, N] itself, as q_split_reduce would, and P is not touched.
 //
-// Q4_K and Q5_K (one kernel body). Each warp owns R_TILES tiles of 16 weight rows and one K range. Per 32-weight
-// sub-block j of a super-block the tensor cores form s = x . (128 + q) for NT tiles of 8 tokens (bf16 128 + q is
-// exact for q < 128, so are the products; fp32 sums), and x . 1 (the ones-MMA: every row of its output is
-// sum(x_j)); the warp then adds d sc_j s - (128 d sc_j + dmin m_j) sum(x_j) = sum over the sub-block of
-// x (d sc_j q - dmin m_j), gguf's weight, per row and token, in fp32. The weights are never rounded: only the
-// products' sums are. Q5_K's fifth bit (qh) is put under the nibble before the byte permute; nothing else differs.
+// Q4_K and Q5_K (one part of the kernel). Each warp owns R_TILES tiles of 16 weight rows and one K range. Per 32-weight
+// sub-block j of a super-block the tensor cores form s = x . (128 + q) for NT tiles of 8 tokens (bf16 128 + q is exact
+// for q < 128, so are the products; fp32 sums), and x . 1 (the ones-MMA: every row of its output is sum(x_j)); the warp
+// then adds d sc_j s - (128 d sc_j + dmin m_j) sum(x_j) = sum over the sub-block of x (d sc_j q - dmin m_j), gguf's
+// weight, per row and token, in fp32. The weights are never rounded: only the products' sums are. Q5_K's fifth bit (qh)
+// is put under the nibble before the byte permute; nothing else differs.
 //
 // Fragments: lane (g = lane / 4, c = lane % 4) reads, of rows g and g + 8 of a tile, the 8 bytes at 8c of each
 // 32-byte run of quants, and x[token][32 j + 8c .. 8c + 7]. Reading the sub-block's position p = 8c + 4s + e as MMA
@@ -26,7 +26,7 @@
 // the one it computes: more bytes in flight per multiprocessor without more registers. Rows sit ROWB bytes apart
 // there (the block padded so that the fragment reads of a half-warp hit 32 different banks). Same arithmetic.
 //
-// Q6_K (its own kernel body below): weights d sc q - 32 d sc with a signed scale per 16 weights and no minimum, so
+// Q6_K (its own part of the kernel): weights d sc q - 32 d sc with a signed scale per 16 weights and no minimum, so
 // one MMA k-step is one 16-weight group: lane c holds the group's positions 4c .. 4c + 3, 128 + q is again exact in
 // bf16 (q < 64) and the group adds d sc (s - 160 sum(x)). Q6_K blocks are 210 bytes, so only 2-byte aligned: the
 // bytes are read as 16-bit words and there is no shared-memory ring.
@@ -118,7 +118,6 @@ __device__ __forceinline__ void store_sums(const float (&tot)[R_TILES][NT][4], f
     }
 }
 
-#if QTYPE == 4 || QTYPE == 5
 #if STAGES > 0
 // bytes per row of a stage: the block padded to 8 or 24 mod 32 words (160 = 40 words, 224 = 56), so that the
 // 8-byte reads of rows g = 0-3 at 8c fall on 32 different banks
@@ -133,7 +132,20 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void *src, bool on) {
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 __device__ __forceinline__ void cp_async_wait_ahead() { asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 2)); }
+#endif  // STAGES > 0
+
+#if QTYPE == 6
+#if STAGES > 0
+#error "Q6_K blocks are 2-byte aligned: no shared-memory ring (STAGES 0)"
 #endif
+// 4 bytes from a 2-byte aligned address
+__device__ __forceinline__ u32 ld_u32(const u16 *p) { return __byte_perm(__ldg(p), __ldg(p + 1), 0x5410); }
+
+// float of the signed byte j % 4 of `packed`, exactly: the byte plus 128 under the bits of 2**23
+__device__ __forceinline__ float sbyte_to_f32(u32 packed, int j) {
+    return __uint_as_float(__byte_perm(packed ^ 0x80808080u, 0x4B000000u, 0x7440u | (j & 3))) - 8388736.0f;
+}
+#endif  // QTYPE 6
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)
 kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__restrict__ P, u16 *__restrict__ Y,
@@ -148,7 +160,80 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
     float tot[R_TILES][NT][4];
     const u16 *xrow[NT];
     bool xok[NT];
-    start_sums(tot, xrow, xok, X, M, K, g, 8 * c);
+    start_sums(tot, xrow, xok, X, M, K, g, QTYPE == 6 ? 4 * c : 8 * c);
+#if QTYPE == 6
+    const u16 *rowp[R_TILES][2];  // the rows' blocks as 16-bit words (105 a block)
+#pragma unroll
+    for (int r = 0; r < R_TILES; ++r)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+            rowp[r][hh] = (const u16 *)(W + (size_t)min((tile0 + r) * 16 + g + 8 * hh, N - 1) * nsb * BLOCK_BYTES);
+
+    for (int sb = sb0; sb < sb0 + sb_per_split; ++sb) {
+        // Of half n (128 weights) and group gg, this lane's bytes: ql at 64n + 16gg + 4c (runs 0 and 2, low and
+        // high nibbles) and at 64n + 32 + 16gg + 4c (runs 1 and 3), qh at 128 + 32n + 16gg + 4c (run qq: bits 2qq)
+        u32 qlo[R_TILES][2][2][2], qhi[R_TILES][2][2][2], qhb[R_TILES][2][2][2], scw[R_TILES][2][4];
+        float d[R_TILES][2];
+#pragma unroll
+        for (int r = 0; r < R_TILES; ++r)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const u16 *blk = rowp[r][hh] + (size_t)sb * (BLOCK_BYTES / 2);
+#pragma unroll
+                for (int n = 0; n < 2; ++n)
+#pragma unroll
+                    for (int gg = 0; gg < 2; ++gg) {
+                        qlo[r][hh][n][gg] = ld_u32(blk + 32 * n + 8 * gg + 2 * c);
+                        qhi[r][hh][n][gg] = ld_u32(blk + 32 * n + 16 + 8 * gg + 2 * c);
+                        qhb[r][hh][n][gg] = ld_u32(blk + 64 + 16 * n + 8 * gg + 2 * c);
+                    }
+#pragma unroll
+                for (int i = 0; i < 4; ++i) scw[r][hh][i] = ld_u32(blk + 96 + 2 * i);  // scales 4i .. 4i + 3
+                d[r][hh] = f16_bits_to_f32(__ldg(blk + 104));
+            }
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int qq = 0; qq < 4; ++qq)
+#pragma unroll
+                for (int gg = 0; gg < 2; ++gg) {  // one MMA k-step: the 16 weights of group 8n + 2qq + gg
+                    const int grp = 8 * n + 2 * qq + gg;
+                    uint2 xv[NT];
+                    float xs[NT][2];  // sum(x) over the group for tokens 8nt + 2c + i
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        xv[nt] = xok[nt] ? __ldg((const uint2 *)(xrow[nt] + sb * 256 + 16 * grp)) : make_uint2(0, 0);
+                        float ones[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                        mma_bf16_16816(ones, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u, xv[nt].x, xv[nt].y);
+                        xs[nt][0] = ones[0];
+                        xs[nt][1] = ones[1];
+                    }
+#pragma unroll
+                    for (int r = 0; r < R_TILES; ++r) {
+                        u32 t[2];
+                        float dl[2];
+#pragma unroll
+                        for (int hh = 0; hh < 2; ++hh) {
+                            u32 lo = (qq & 1) ? qhi[r][hh][n][gg] : qlo[r][hh][n][gg];
+                            t[hh] = (((qq & 2) ? (lo >> 4) : lo) & 0x0F0F0F0Fu)
+                                    | (((qhb[r][hh][n][gg] >> (2 * qq)) & 0x03030303u) << 4);
+                            dl[hh] = d[r][hh] * sbyte_to_f32(scw[r][hh][grp >> 2], grp);
+                        }
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt) {
+                            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                            mma_bf16_16816(acc, __byte_perm(t[0], 0x43434343u, 0x4140),
+                                           __byte_perm(t[1], 0x43434343u, 0x4140),
+                                           __byte_perm(t[0], 0x43434343u, 0x4342),
+                                           __byte_perm(t[1], 0x43434343u, 0x4342), xv[nt].x, xv[nt].y);
+#pragma unroll
+                            for (int i = 0; i < 4; ++i)  // d sc sum(x (128 + q - 160)) = d sc sum(x (q - 32))
+                                tot[r][nt][i] = fmaf(dl[i >> 1], fmaf(-160.0f, xs[nt][i & 1], acc[i]), tot[r][nt][i]);
+                        }
+                    }
+                }
+    }
+#else  // Q4_K, Q5_K
 #if STAGES == 0
     const unsigned char *rowp[R_TILES][2];
 #pragma unroll
@@ -179,7 +264,8 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
     for (int s = 0; s < STAGES - 1; ++s) {
 #pragma unroll
         for (int t = 0; t < CHUNKS; ++t)
-            cp_async16(cdst[t] + s * STAGE_BYTES, csrc[t] + (size_t)(sb0 + s) * BLOCK_BYTES, con[t] && sb0 + s < sb_end);
+            cp_async16(cdst[t] + s * STAGE_BYTES, csrc[t] + (size_t)(sb0 + s) * BLOCK_BYTES,
+                       con[t] && sb0 + s < sb_end);
         cp_async_commit();
     }
 #endif
@@ -197,7 +283,8 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
             const int ahead = sb + STAGES - 1, slot = (stage + STAGES - 1) % STAGES;
 #pragma unroll
             for (int t = 0; t < CHUNKS; ++t)
-                cp_async16(cdst[t] + slot * STAGE_BYTES, csrc[t] + (size_t)ahead * BLOCK_BYTES, con[t] && ahead < sb_end);
+                cp_async16(cdst[t] + slot * STAGE_BYTES, csrc[t] + (size_t)ahead * BLOCK_BYTES,
+                           con[t] && ahead < sb_end);
             cp_async_commit();
         }
 #pragma unroll
@@ -304,110 +391,9 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
                 }
         }
     }
+#endif  // QTYPE
     store_sums(tot, P, Y, M, N, tile0, g, c);
 }
-#endif  // QTYPE 4 or 5
-
-#if QTYPE == 6
-#if STAGES > 0
-#error "Q6_K blocks are 2-byte aligned: no shared-memory ring (STAGES 0)"
-#endif
-// 4 bytes from a 2-byte aligned address
-__device__ __forceinline__ u32 ld_u32(const u16 *p) { return __byte_perm(__ldg(p), __ldg(p + 1), 0x5410); }
-
-// float of the signed byte j % 4 of `packed`, exactly: the byte plus 128 under the bits of 2**23
-__device__ __forceinline__ float sbyte_to_f32(u32 packed, int j) {
-    return __uint_as_float(__byte_perm(packed ^ 0x80808080u, 0x4B000000u, 0x7440u | (j & 3))) - 8388736.0f;
-}
-
-extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)
-kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__restrict__ P, u16 *__restrict__ Y,
-       int M, int N, int nsb, int sb_per_split) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, c = lane & 3;
-    const int tile0 = (blockIdx.x * WARPS + warp) * R_TILES;
-    if (tile0 * 16 >= N) return;
-    const int sb0 = blockIdx.y * sb_per_split;
-    const int K = nsb * 256;
-
-    float tot[R_TILES][NT][4];
-    const u16 *xrow[NT];
-    bool xok[NT];
-    start_sums(tot, xrow, xok, X, M, K, g, 4 * c);
-    const u16 *rowp[R_TILES][2];  // the rows' blocks as 16-bit words (105 a block)
-#pragma unroll
-    for (int r = 0; r < R_TILES; ++r)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-            rowp[r][hh] = (const u16 *)(W + (size_t)min((tile0 + r) * 16 + g + 8 * hh, N - 1) * nsb * BLOCK_BYTES);
-
-    for (int sb = sb0; sb < sb0 + sb_per_split; ++sb) {
-        // Of half n (128 weights) and group gg, this lane's bytes: ql at 64n + 16gg + 4c (runs 0 and 2, low and
-        // high nibbles) and at 64n + 32 + 16gg + 4c (runs 1 and 3), qh at 128 + 32n + 16gg + 4c (run qq: bits 2qq)
-        u32 qlo[R_TILES][2][2][2], qhi[R_TILES][2][2][2], qhb[R_TILES][2][2][2], scw[R_TILES][2][4];
-        float d[R_TILES][2];
-#pragma unroll
-        for (int r = 0; r < R_TILES; ++r)
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const u16 *blk = rowp[r][hh] + (size_t)sb * (BLOCK_BYTES / 2);
-#pragma unroll
-                for (int n = 0; n < 2; ++n)
-#pragma unroll
-                    for (int gg = 0; gg < 2; ++gg) {
-                        qlo[r][hh][n][gg] = ld_u32(blk + 32 * n + 8 * gg + 2 * c);
-                        qhi[r][hh][n][gg] = ld_u32(blk + 32 * n + 16 + 8 * gg + 2 * c);
-                        qhb[r][hh][n][gg] = ld_u32(blk + 64 + 16 * n + 8 * gg + 2 * c);
-                    }
-#pragma unroll
-                for (int i = 0; i < 4; ++i) scw[r][hh][i] = ld_u32(blk + 96 + 2 * i);  // scales 4i .. 4i + 3
-                d[r][hh] = f16_bits_to_f32(__ldg(blk + 104));
-            }
-#pragma unroll
-        for (int n = 0; n < 2; ++n)
-#pragma unroll
-            for (int qq = 0; qq < 4; ++qq)
-#pragma unroll
-                for (int gg = 0; gg < 2; ++gg) {  // one MMA k-step: the 16 weights of group 8n + 2qq + gg
-                    const int grp = 8 * n + 2 * qq + gg;
-                    uint2 xv[NT];
-                    float xs[NT][2];  // sum(x) over the group for tokens 8nt + 2c + i
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) {
-                        xv[nt] = xok[nt] ? __ldg((const uint2 *)(xrow[nt] + sb * 256 + 16 * grp)) : make_uint2(0, 0);
-                        float ones[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                        mma_bf16_16816(ones, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u, xv[nt].x, xv[nt].y);
-                        xs[nt][0] = ones[0];
-                        xs[nt][1] = ones[1];
-                    }
-#pragma unroll
-                    for (int r = 0; r < R_TILES; ++r) {
-                        u32 t[2];
-                        float dl[2];
-#pragma unroll
-                        for (int hh = 0; hh < 2; ++hh) {
-                            u32 lo = (qq & 1) ? qhi[r][hh][n][gg] : qlo[r][hh][n][gg];
-                            t[hh] = (((qq & 2) ? (lo >> 4) : lo) & 0x0F0F0F0Fu)
-                                    | (((qhb[r][hh][n][gg] >> (2 * qq)) & 0x03030303u) << 4);
-                            dl[hh] = d[r][hh] * sbyte_to_f32(scw[r][hh][grp >> 2], grp);
-                        }
-#pragma unroll
-                        for (int nt = 0; nt < NT; ++nt) {
-                            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                            mma_bf16_16816(acc, __byte_perm(t[0], 0x43434343u, 0x4140),
-                                           __byte_perm(t[1], 0x43434343u, 0x4140),
-                                           __byte_perm(t[0], 0x43434343u, 0x4342),
-                                           __byte_perm(t[1], 0x43434343u, 0x4342), xv[nt].x, xv[nt].y);
-#pragma unroll
-                            for (int i = 0; i < 4; ++i)  // d sc sum(x (128 + q - 160)) = d sc sum(x (q - 32))
-                                tot[r][nt][i] = fmaf(dl[i >> 1], fmaf(-160.0f, xs[nt][i & 1], acc[i]), tot[r][nt][i]);
-                        }
-                    }
-                }
-    }
-    store_sums(tot, P, Y, M, N, tile0, g, c);
-}
-#endif  // QTYPE 6
 #endif  // R_TILES
 
 // y[m][n] = bf16(p[0][m][n] + p[1][m][n] + ...), always in split order.

@@ -68,29 +68,29 @@ ttft_in_process() {  # the same prompts in process, with the drafter and without
       --json "$OUT/ttft_inprocess_$spec.json" 2>&1 | tee "$OUT/ttft_inprocess_$spec.txt"
   done
 }
+serve_demo_each() {  # serve_demo_each FN: the demo pair served with the drafter, then without; FN SPEC SEED on each
+  local seed=0 spec
+  for spec in dflash none; do
+    serve $spec --spec-type $spec -c "$CTX" $SAMPLING
+    seed=$((seed + 1))
+    "$1" $spec $seed
+    kill $pid; wait $pid 2> /dev/null
+  done
+}
+demo_clients() {  # demo_clients SPEC SEED: first tokens, the walkthrough's client and bench --url on a served pair
+  ttft_demo "$1" "$2"
+  python scripts/walkthrough/client.py --url "$URL" --max-tokens "$N" | tee -a "$OUT/client_$1.txt"
+  python -m flashdraft.cli bench --url "$URL" --prompts code $SAMPLING -n "$N" --reps 2 --json \
+    > "$OUT/bench_url_$1.json" 2> "$OUT/bench_url_$1.log"
+  tail -8 "$OUT/bench_url_$1.log"
+}
 case "$PHASE" in
   ttft)
-    seed=0
-    for spec in dflash none; do
-      serve $spec --spec-type $spec -c "$CTX" $SAMPLING
-      seed=$((seed + 1))
-      ttft_demo $spec $seed
-      kill $pid; wait $pid 2> /dev/null
-    done
+    serve_demo_each ttft_demo
     ttft_in_process
     ;;
   demo)
-    seed=0
-    for spec in dflash none; do
-      serve $spec --spec-type $spec -c "$CTX" $SAMPLING
-      seed=$((seed + 1))
-      ttft_demo $spec $seed
-      python scripts/walkthrough/client.py --url "$URL" --max-tokens "$N" | tee -a "$OUT/client_$spec.txt"
-      python -m flashdraft.cli bench --url "$URL" --prompts code $SAMPLING -n "$N" --reps 2 --json \
-        > "$OUT/bench_url_$spec.json" 2> "$OUT/bench_url_$spec.log"
-      tail -8 "$OUT/bench_url_$spec.log"
-      kill $pid; wait $pid 2> /dev/null
-    done
+    serve_demo_each demo_clients
     python -m flashdraft.cli bench --prompts code $SAMPLING -n "$N" --reps 2 -c "$CTX" --json \
       > "$OUT/bench_inprocess.json" 2> "$OUT/bench_inprocess.log"
     tail -8 "$OUT/bench_inprocess.log"

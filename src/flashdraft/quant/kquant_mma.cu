@@ -8,11 +8,13 @@
 // 1) the kernel rounds its sums to bf16 into Y [M, N] itself, as q_split_reduce would, and P is not touched.
 //
 // Q4_K and Q5_K (one part of the kernel). Each warp owns R_TILES tiles of 16 weight rows and one K range. Per 32-weight
-// sub-block j of a super-block the tensor cores form s = x . (128 + q) for NT tiles of 8 tokens (bf16 128 + q is exact
-// for q < 128, so are the products; fp32 sums), and x . 1 (the ones-MMA: every row of its output is sum(x_j)); the warp
-// then adds d sc_j s - (128 d sc_j + dmin m_j) sum(x_j) = sum over the sub-block of x (d sc_j q - dmin m_j), gguf's
-// weight, per row and token, in fp32. The weights are never rounded: only the products' sums are. Q5_K's fifth bit (qh)
-// is put under the nibble before the byte permute; nothing else differs.
+// sub-block j of a super-block the tensor cores form s_j = x . (128 + q) for NT tiles of 8 tokens (bf16 128 + q is
+// exact for q < 128, so are the products; fp32 sums) and sum(x_j) (the ones-MMA), and the warp adds d sc_j s_j per row
+// and token. Once per super-block it subtracts sum over j of (128 d sc_j + dmin m_j) sum(x_j) with two more MMAs
+// (A: the 6-bit sc_j or m_j of the rows, exact in bf16; B: the sums of x, split into three bf16 parts, exact to
+// fp32's precision, and transposed by movmatrix into B's layout), instead of two fmas per sub-block, row and token.
+// Together: sum over the super-block of x (d sc_j q - dmin m_j), gguf's weight. The weights are never rounded: only
+// the products' sums are. Q5_K's fifth bit (qh) is put under the nibble before the byte permute; nothing else differs.
 //
 // Fragments: lane (g = lane / 4, c = lane % 4) reads, of rows g and g + 8 of a tile, the 8 bytes at 8c of each
 // 32-byte run of quants, and x[token][32 j + 8c .. 8c + 7]. Reading the sub-block's position p = 8c + 4s + e as MMA
@@ -46,8 +48,39 @@ __device__ __forceinline__ float f16_bits_to_f32(u32 bits) {
 
 // 2**23 + byte j % 4 of `packed`, exactly and without an int-to-float conversion: the byte under the bits of 2**23.
 // s * byte is then fmaf(s, byte_magic(...), -s * 2**23): one rounding of the exact s * byte, as s * float(byte).
-__device__ __forceinline__ float byte_magic(u32 packed, int j) {
-    return __uint_as_float(__byte_perm(packed, 0x4B000000u, 0x7440u | (j & 3)));
+__device__ __forceinline__ float byte_magic(u32 packed, int j, u32 two23) {
+    return __uint_as_float(__byte_perm(packed, two23, 0x7440u | (j & 3)));
+}
+
+// v in a register whose value the compiler cannot see (the grid is launched with gridDim.z 1): PRMT takes one
+// immediate, and with two constants the compiler materializes the other one again before each use
+__device__ __forceinline__ u32 opaque(u32 v) { return v * gridDim.z; }
+
+// bf16 pair {byte 2 (c % 2), byte 2 (c % 2) + 1} of `packed` (bytes below 128), exactly: 128 + byte under the
+// exponent of 128.0, less 128
+__device__ __forceinline__ u32 byte_pair_bf16(u32 packed, int c) {
+    u32 v, p = __byte_perm(packed, 0x43434343u, (c & 1) ? 0x4342u : 0x4140u);
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(v) : "r"(p), "r"(0x3F803F80u), "r"(0xC300C300u));
+    return v;
+}
+
+// the 8x8 matrix of 16-bit values whose row lane / 4, columns 2 (lane % 4) + 0, 1 this lane holds, transposed
+__device__ __forceinline__ u32 transpose8x8(u32 v) {
+    u32 t;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(t) : "r"(v));
+    return t;
+}
+
+// a (low halves) and b (high halves) as three bf16 pairs whose sum is a, b to about 24 bits: hi, mid, lo
+__device__ __forceinline__ void split_bf16x3(float a, float b, u32 (&out)[3]) {
+#pragma unroll
+    for (int part = 0; part < 3; ++part) {
+        u32 p;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(p) : "f"(b), "f"(a));
+        out[part] = p;
+        a -= __uint_as_float(p << 16);
+        b -= __uint_as_float(p & 0xFFFF0000u);
+    }
 }
 
 // bf16 bits of v, rounded to nearest even; NaN stays NaN
@@ -142,8 +175,8 @@ __device__ __forceinline__ void cp_async_wait_ahead() { asm volatile("cp.async.w
 __device__ __forceinline__ u32 ld_u32(const u16 *p) { return __byte_perm(__ldg(p), __ldg(p + 1), 0x5410); }
 
 // float of the signed byte j % 4 of `packed`, exactly: the byte plus 128 under the bits of 2**23
-__device__ __forceinline__ float sbyte_to_f32(u32 packed, int j) {
-    return __uint_as_float(__byte_perm(packed ^ 0x80808080u, 0x4B000000u, 0x7440u | (j & 3))) - 8388736.0f;
+__device__ __forceinline__ float sbyte_to_f32(u32 packed, int j, u32 two23) {
+    return __uint_as_float(__byte_perm(packed ^ 0x80808080u, two23, 0x7440u | (j & 3))) - 8388736.0f;
 }
 #endif  // QTYPE 6
 
@@ -161,6 +194,7 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
     const u16 *xrow[NT];
     bool xok[NT];
     start_sums(tot, xrow, xok, X, M, K, g, QTYPE == 6 ? 4 * c : 8 * c);
+    const u32 bf16_128 = opaque(0x43434343u), two23 = opaque(0x4B000000u);  // bytes of bf16 128.0, float 2**23
 #if QTYPE == 6
     const u16 *rowp[R_TILES][2];  // the rows' blocks as 16-bit words (105 a block)
 #pragma unroll
@@ -217,15 +251,15 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
                             u32 lo = (qq & 1) ? qhi[r][hh][n][gg] : qlo[r][hh][n][gg];
                             t[hh] = (((qq & 2) ? (lo >> 4) : lo) & 0x0F0F0F0Fu)
                                     | (((qhb[r][hh][n][gg] >> (2 * qq)) & 0x03030303u) << 4);
-                            dl[hh] = d[r][hh] * sbyte_to_f32(scw[r][hh][grp >> 2], grp);
+                            dl[hh] = d[r][hh] * sbyte_to_f32(scw[r][hh][grp >> 2], grp, two23);
                         }
 #pragma unroll
                         for (int nt = 0; nt < NT; ++nt) {
                             float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                            mma_bf16_16816(acc, __byte_perm(t[0], 0x43434343u, 0x4140),
-                                           __byte_perm(t[1], 0x43434343u, 0x4140),
-                                           __byte_perm(t[0], 0x43434343u, 0x4342),
-                                           __byte_perm(t[1], 0x43434343u, 0x4342), xv[nt].x, xv[nt].y);
+                            mma_bf16_16816(acc, __byte_perm(t[0], bf16_128, 0x4140),
+                                           __byte_perm(t[1], bf16_128, 0x4140),
+                                           __byte_perm(t[0], bf16_128, 0x4342),
+                                           __byte_perm(t[1], bf16_128, 0x4342), xv[nt].x, xv[nt].y);
 #pragma unroll
                             for (int i = 0; i < 4; ++i)  // d sc sum(x (128 + q - 160)) = d sc sum(x (q - 32))
                                 tot[r][nt][i] = fmaf(dl[i >> 1], fmaf(-160.0f, xs[nt][i & 1], acc[i]), tot[r][nt][i]);
@@ -314,7 +348,7 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
             }
 #endif
         // d, dmin, and the 6-bit scales and mins of the 8 sub-blocks one per byte ([0]: sub-blocks 0-3, [1]: 4-7)
-        float d[R_TILES][2], dmin[R_TILES][2], d_off[R_TILES][2], dmin_off[R_TILES][2];  // off: -2**23 d, dmin
+        float d[R_TILES][2], dmin[R_TILES][2], d_off[R_TILES][2];  // d_off: -2**23 d
         u32 scp[R_TILES][2][2], mnp[R_TILES][2][2];
 #pragma unroll
         for (int r = 0; r < R_TILES; ++r)
@@ -324,40 +358,48 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
                 d[r][hh] = f16_bits_to_f32(h.x & 0xFFFF);
                 dmin[r][hh] = f16_bits_to_f32(h.x >> 16);
                 d_off[r][hh] = -8388608.0f * d[r][hh];
-                dmin_off[r][hh] = -8388608.0f * dmin[r][hh];
                 scp[r][hh][0] = h.y & 0x3F3F3F3Fu;
                 mnp[r][hh][0] = h.z & 0x3F3F3F3Fu;
                 scp[r][hh][1] = (h.w & 0x0F0F0F0Fu) | ((h.y >> 2) & 0x30303030u);
                 mnp[r][hh][1] = ((h.w >> 4) & 0x0F0F0F0Fu) | ((h.z >> 2) & 0x30303030u);
             }
+        // sum(x_j) of tokens 8 nt + 2c, 8 nt + 2c + 1 in row j = g ([0], [1]) of xsum[nt]: the C of an MMA whose A
+        // selects sub-block j into row j (rows 8-15 stay zero) and whose B is x
+        float xsum[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) xsum[nt][i] = 0.0f;
 #pragma unroll
         for (int gq = 0; gq < 4; ++gq) {  // the 32 bytes gq hold sub-blocks 2gq (low nibbles) and 2gq + 1 (high)
             uint4 xv[NT][2];
-            float xs[NT][2][2];  // sum(x) over sub-block 2gq + h for tokens 8nt + 2c + i (the C fragment's columns)
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
+                for (int h = 0; h < 2; ++h)
                     xv[nt][h] = xok[nt] ? __ldg((const uint4 *)(xrow[nt] + sb * 256 + 32 * (2 * gq + h)))
                                         : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int j = 2 * gq + h;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
                     float ones[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                    mma_bf16_16816(ones, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u, xv[nt][h].x, xv[nt][h].y);
-                    mma_bf16_16816(ones, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u, xv[nt][h].z, xv[nt][h].w);
-                    xs[nt][h][0] = ones[0];
-                    xs[nt][h][1] = ones[1];
+#pragma unroll
+                    for (int s = 0; s < 2; ++s)
+                        mma_bf16_16816(ones, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u,
+                                       s ? xv[nt][h].z : xv[nt][h].x, s ? xv[nt][h].w : xv[nt][h].y);
+                    if (g == j) {
+                        xsum[nt][0] = ones[0];
+                        xsum[nt][1] = ones[1];
+                    }
                 }
 #pragma unroll
-            for (int r = 0; r < R_TILES; ++r)
+                for (int r = 0; r < R_TILES; ++r) {
+                    float dl[2];
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int j = 2 * gq + h;
-                    float dl[2], corr[2];
-#pragma unroll
-                    for (int hh = 0; hh < 2; ++hh) {
-                        dl[hh] = fmaf(d[r][hh], byte_magic(scp[r][hh][j >> 2], j), d_off[r][hh]);  // d sc
-                        corr[hh] = fmaf(128.0f, dl[hh],
-                                        fmaf(dmin[r][hh], byte_magic(mnp[r][hh][j >> 2], j), dmin_off[r][hh]));
-                    }
+                    for (int hh = 0; hh < 2; ++hh)
+                        dl[hh] = fmaf(d[r][hh], byte_magic(scp[r][hh][j >> 2], j, two23), d_off[r][hh]);  // d sc
                     float acc[NT][4];
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt)
@@ -375,20 +417,50 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
 #endif
 #pragma unroll
                         for (int nt = 0; nt < NT; ++nt)
-                            mma_bf16_16816(acc[nt], __byte_perm(t0, 0x43434343u, 0x4140),
-                                           __byte_perm(t1, 0x43434343u, 0x4140),
-                                           __byte_perm(t0, 0x43434343u, 0x4342),
-                                           __byte_perm(t1, 0x43434343u, 0x4342),
+                            mma_bf16_16816(acc[nt], __byte_perm(t0, bf16_128, 0x4140),
+                                           __byte_perm(t1, bf16_128, 0x4140),
+                                           __byte_perm(t0, bf16_128, 0x4342),
+                                           __byte_perm(t1, bf16_128, 0x4342),
                                            s ? xv[nt][h].z : xv[nt][h].x, s ? xv[nt][h].w : xv[nt][h].y);
                     }
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                        for (int i = 0; i < 4; ++i) {  // C fragment: rows g (i < 2), g + 8; tokens 2c + i % 2
-                            float t = fmaf(acc[nt][i], dl[i >> 1], tot[r][nt][i]);
-                            tot[r][nt][i] = fmaf(-corr[i >> 1], xs[nt][h][i & 1], t);
-                        }
+                        for (int i = 0; i < 4; ++i)  // C fragment: rows g (i < 2), g + 8; tokens 2c + i % 2
+                            tot[r][nt][i] = fmaf(acc[nt][i], dl[i >> 1], tot[r][nt][i]);
                 }
+            }
+        }
+        // The super-block's - sum over j of (128 d sc_j + dmin m_j) sum(x_j), as MMAs over its 8 sub-blocks:
+        // A = the 6-bit scales or mins of rows g, g + 8 at k 2c, 2c + 1 (again at 2c + 8, 2c + 9), B = the sums of x
+        // as bf16 hi, mid (k + 8) and lo parts, transposed to B's layout (sub-blocks 2c, 2c + 1 of token g): the
+        // sums to about 24 bits, the products exact, fp32 sums.
+        u32 xs3[NT][3];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            split_bf16x3(xsum[nt][0], xsum[nt][1], xs3[nt]);
+#pragma unroll
+            for (int part = 0; part < 3; ++part) xs3[nt][part] = transpose8x8(xs3[nt][part]);
+        }
+#pragma unroll
+        for (int r = 0; r < R_TILES; ++r) {
+            u32 am[2], asc[2];
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {  // sub-blocks 2c, 2c + 1: bytes of word c / 2
+                am[hh] = byte_pair_bf16((c & 2) ? mnp[r][hh][1] : mnp[r][hh][0], c);
+                asc[hh] = byte_pair_bf16((c & 2) ? scp[r][hh][1] : scp[r][hh][0], c);
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                float cm[4] = {0.0f, 0.0f, 0.0f, 0.0f}, cs[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                mma_bf16_16816(cm, am[0], am[1], am[0], am[1], xs3[nt][0], xs3[nt][1]);
+                mma_bf16_16816(cm, am[0], am[1], am[0], am[1], xs3[nt][2], 0u);
+                mma_bf16_16816(cs, asc[0], asc[1], asc[0], asc[1], xs3[nt][0], xs3[nt][1]);
+                mma_bf16_16816(cs, asc[0], asc[1], asc[0], asc[1], xs3[nt][2], 0u);
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    tot[r][nt][i] = fmaf(-dmin[r][i >> 1], cm[i], fmaf(-128.0f * d[r][i >> 1], cs[i], tot[r][nt][i]));
+            }
         }
     }
 #endif  // QTYPE

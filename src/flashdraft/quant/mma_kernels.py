@@ -61,17 +61,17 @@ class MmaTiling:
 
 # (type, N, K) -> the tilings for 1-8 and for 9-16 rows of x: per shape the K split with the lowest M = 1 plus M = 16
 # time, each with the fastest tiling of that split at its row count (scripts/gpu/mma_tilings.py on an H200,
-# 2026-12-02 and 2026-12-03; docs/performance.md). One K split per shape, so that every M gives the same bits; other
-# shapes get default_tiling for both.
+# 2026-12-03, the kernel with its per-super-block correction; docs/performance.md). One K split per shape, so that
+# every M gives the same bits; other shapes get default_tiling for both.
 TILINGS: dict[tuple[str, int, int], tuple[MmaTiling, MmaTiling]] = {
-    ("Q4_K", 21504, 5376): (MmaTiling(1, 2, 3, 6), MmaTiling(2, 2, 3, 1, 3)),     # gate/up: 30.2 / 44.7 us, M 1 / 16
-    ("Q4_K", 5376, 21504): (MmaTiling(2, 2, 6, 1, 3), MmaTiling(2, 2, 6, 1, 3)),  # down: 31.3 / 41.1 us
-    ("Q4_K", 8192, 5376): (MmaTiling(1, 2, 3, 6),) * 2,                          # sliding q: 15.2 / 20.1 us
-    ("Q4_K", 4096, 5376): (MmaTiling(2, 2, 7, 1), MmaTiling(2, 4, 7, 1)),        # sliding k/v: 10.7 / 13.1 us
-    ("Q4_K", 5376, 8192): (MmaTiling(1, 2, 4, 6),) * 2,                          # sliding o: 16.4 / 21.7 us
-    ("Q4_K", 16384, 5376): (MmaTiling(1, 2, 3, 6),) * 2,                         # full q: 26.2 / 37.6 us
-    ("Q4_K", 2048, 5376): (MmaTiling(1, 4, 7, 1),) * 2,                          # full k: 8.0 / 9.6 us
-    ("Q4_K", 5376, 16384): (MmaTiling(1, 2, 16, 6),) * 2,                        # full o: 25.9 / 41.7 us
+    ("Q4_K", 21504, 5376): (MmaTiling(1, 4, 1, 2, 3), MmaTiling(1, 2, 1, 6)),     # gate/up: 29.2 / 44.3 us, M 1 / 16
+    ("Q4_K", 5376, 21504): (MmaTiling(2, 2, 6, 1, 3), MmaTiling(2, 4, 6, 1, 3)),  # down: 28.6 / 42.2 us
+    ("Q4_K", 8192, 5376): (MmaTiling(1, 4, 3, 2, 3), MmaTiling(1, 2, 3, 6)),      # sliding q: 14.7 / 19.3 us
+    ("Q4_K", 4096, 5376): (MmaTiling(1, 2, 7, 1), MmaTiling(2, 4, 7, 1)),        # sliding k/v: 10.0 / 12.8 us
+    ("Q4_K", 5376, 8192): (MmaTiling(1, 4, 4, 1, 3), MmaTiling(1, 2, 4, 6)),      # sliding o: 15.5 / 21.1 us
+    ("Q4_K", 16384, 5376): (MmaTiling(1, 4, 1, 1, 3), MmaTiling(1, 2, 1, 1, 3)),  # full q: 22.9 / 32.2 us
+    ("Q4_K", 2048, 5376): (MmaTiling(1, 4, 7, 1, 3), MmaTiling(1, 4, 7, 1)),      # full k: 7.8 / 9.4 us
+    ("Q4_K", 5376, 16384): (MmaTiling(2, 2, 8, 1), MmaTiling(1, 2, 8, 6)),        # full o: 25.4 / 37.4 us
 }
 MAX_SPLIT = 16
 BLOCKS_PER_SM = 12   # enough warps in flight to cover the loads' latency (the measured tilings give 10-18)

@@ -105,18 +105,22 @@ def test_measure_arguments_are_checked(tmp_path, capsys):
 @pytest.mark.parametrize("qtype", ["Q5_K", "bf16"])
 def test_random_drafter_for_a_qwen3_target(tmp_path, qtype):
     """Llama/Qwen3 targets get a Qwen3-style drafter of their own shape whose projections hold qtype blocks (the
-    Gemma 4 drafter is built in the end-to-end run below); it drafts losslessly with the oracle's guesses."""
+    Gemma 4 drafter is built in the end-to-end run below), with the target's LayerPlan (the engine refuses a pair
+    built with two, as on the GPU, whose plan is not the default); it drafts losslessly with the oracle's guesses."""
     import torch
 
     from flashdraft.config import SamplingParams
     from flashdraft.engine.generator import Engine
+    from flashdraft.layers.plan import LayerPlan
     from flashdraft.models import load_target
     from flashdraft.quant import QuantLinear
     from tiny_models import build_target
 
-    target = load_target(build_target(tmp_path / "t", hidden=256), 256, torch.device("cpu"), torch.float32)
+    plan = LayerPlan(fuse_projections=True)
+    target = load_target(build_target(tmp_path / "t", hidden=256), 256, torch.device("cpu"), torch.float32, plan)
     gen = torch.Generator().manual_seed(0)
     drafter = sbs.build_drafter(target, 256, qtype, True, torch.device("cpu"), torch.float32, gen)
+    assert drafter.plan == target.plan == plan
     cfg = drafter.config
     assert (cfg.block_size, cfg.layers.num_hidden_layers, cfg.layers.hidden_size) == (8, 2, target.config.hidden_size)
     assert cfg.target_layer_ids and max(cfg.target_layer_ids) < target.config.num_hidden_layers
@@ -198,9 +202,13 @@ def test_dry_run_prints_the_plan(tmp_path):
                 in out)
         assert f"llama-bench -m {f} -p 512,8192 -n 0 -ngl 99 -fa 1 -r 3 -o json -oe md" in out
         assert f"llama-bench -m {f} -p 0 -n 128 -d 0,8192,32768 -ngl 99 -fa 1 -r 3 -o json -oe md" in out
+    order = [out.index(s) for s in ("BEE_BUDGET_S=60", "BEE_BUDGET_S=5", "make_gguf.py",
+                                    "side_by_side_gguf.py measure", "llama-bench -m")]
+    assert order == sorted(order), "by default: build start, build wait, files, flashdraft, llama.cpp"
+    out = run_script(["--dry-run"], {**env, "SBS_SERIAL": "0"}).stdout
     order = [out.index(s) for s in ("BEE_BUDGET_S=60", "make_gguf.py", "side_by_side_gguf.py measure",
                                     "BEE_BUDGET_S=5", "llama-bench -m")]
-    assert order == sorted(order), "build start, files, flashdraft, build wait, llama.cpp"
+    assert order == sorted(order), "SBS_SERIAL=0: build start, files, flashdraft during the build, build wait, llama"
     # one phase: llama.cpp only (a missing file is written first), no build
     proc = run_script(["--dry-run", "llama"], {**env, "SBS_MODELS": "qwen3-8b:bf16", "SBS_REPS": "5"})
     assert "BEE_BUDGET_S" not in proc.stdout and "side_by_side_gguf.py measure" not in proc.stdout

@@ -6,7 +6,8 @@
 # Usage, from the repository root on the GPU machine (results and logs go to $OUT):
 #     bash scripts/gpu/side_by_side.sh [--dry-run] [PHASE ...]
 # PHASE: build | files | flashdraft | llama | table | all (the default: all five, in that order, except that
-# flashdraft runs while llama.cpp builds unless SBS_SERIAL=1; llama.cpp is measured once the build is done).
+# with SBS_SERIAL=0 flashdraft runs while llama.cpp builds, which saves device time but not for a claim: the build
+# on the same CPUs took 10% off flashdraft's plain decoding, 80.1 against 89.6-91.3 tok/s, docs/performance.md).
 #   build       llama-bench with CUDA, by the bench folder's device_cmd.sh (about 8 min on 16 cores; detached, so
 #               it goes on between calls while the machine stays warm)
 #   files       make_gguf.py writes the files (about 10-20 s each; 40 GB for the three default models)
@@ -27,7 +28,7 @@
 # SBS_DFLASH_PROMPT (512, prompt tokens before DFlash and its plain baseline),
 # SBS_TOKENS (128), SBS_REPS (3, llama-bench -r), SBS_FD_REPS (1, flashdraft's timed runs per test),
 # SBS_DRAFTER (auto: bf16 for float files, Q5_K blocks for quantized ones; or Q5_K, Q8_0, Q4_K, Q6_K, bf16),
-# SBS_SERIAL (0), SBS_KEEP_GGUF (0: a file is deleted once both sides measured it),
+# SBS_SERIAL (1), SBS_KEEP_GGUF (0: a file is deleted once both sides measured it),
 # SBS_JOBS (16, build jobs), PYTHON (python3).
 set -uo pipefail
 
@@ -47,7 +48,7 @@ TOKENS="${SBS_TOKENS:-128}"
 REPS="${SBS_REPS:-3}"
 FD_REPS="${SBS_FD_REPS:-1}"
 DRAFTER="${SBS_DRAFTER:-auto}"
-SERIAL="${SBS_SERIAL:-0}"
+SERIAL="${SBS_SERIAL:-1}"
 KEEP="${SBS_KEEP_GGUF:-0}"
 PY="${PYTHON:-python3}"
 OUT="${OUT:-$ROOT/out}"

@@ -79,11 +79,12 @@ def prompt_of(n: int, vocab: int, seed: int) -> list[int]:
 
 
 def timed_generate(engine, prompt: list[int], tokens: int, reps: int, draft: int = 0, sequence=None):
-    """An untimed warm-up run (graph captures, compiles), then the median (by decode speed) of reps timed runs (in
-    `sequence`: None for the engine's own)."""
+    """An untimed warm-up run of the same length (graph captures and compiles for every attention length and verify
+    length the timed runs meet: a shorter one left DFlash's captures inside the first timed runs), then the median
+    (by decode speed) of reps timed runs (in `sequence`: None for the engine's own)."""
     from flashdraft.config import SamplingParams
 
-    engine.generate(prompt, SamplingParams(max_tokens=min(tokens, 16), ignore_eos=True), draft, sequence)
+    engine.generate(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True), draft, sequence)
     runs = [engine.generate(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True), draft, sequence)
             for _ in range(reps)]
     return sorted(runs, key=decode_tok_s)[len(runs) // 2]
@@ -92,7 +93,8 @@ def timed_generate(engine, prompt: list[int], tokens: int, reps: int, draft: int
 def build_drafter(target, capacity: int, qtype: str, tiny: bool, dev, dtype, gen):
     """A random DFlash drafter for the target: Gemma 4 targets get z-lab's Gemma-4-31B drafter layout (gguf_run's),
     others a Qwen3-style drafter of the target's own shape (z-lab's rule; bench/synthetic.py's), 5 layers, block 16
-    (tiny: 2 layers, block 8). qtype: the projections' GGUF block type, or "bf16"."""
+    (tiny: 2 layers, block 8), built with the target's LayerPlan (the engine refuses a pair built with two).
+    qtype: the projections' GGUF block type, or "bf16"."""
     import gguf_run
 
     from flashdraft.config import DrafterConfig, ModelConfig, default_tap_ids
@@ -104,7 +106,7 @@ def build_drafter(target, capacity: int, qtype: str, tiny: bool, dev, dtype, gen
     if cfg.model_type in GEMMA4_MODEL_TYPES:
         dcfg = Gemma4DrafterConfig.from_dict(gguf_run.DRAFTER_TINY if tiny else gguf_run.DRAFTER_31B, "drafter")
         with torch.device("meta"):
-            drafter = Gemma4DFlashDrafter(dcfg, capacity, float(target.embed_scale))
+            drafter = Gemma4DFlashDrafter(dcfg, capacity, float(target.embed_scale), target.plan)
     else:
         layers, block = (2, 8) if tiny else (5, 16)
         raw = {k: getattr(cfg, k) for k in ("model_type", "vocab_size", "hidden_size", "intermediate_size",
@@ -115,7 +117,7 @@ def build_drafter(target, capacity: int, qtype: str, tiny: bool, dev, dtype, gen
                              target_layer_ids=default_tap_ids(cfg.num_hidden_layers, layers),
                              num_target_layers=cfg.num_hidden_layers)
         with torch.device("meta"):
-            drafter = DFlashDrafter(dcfg, capacity)
+            drafter = DFlashDrafter(dcfg, capacity, target.plan)
     if qtype != "bf16":
         gguf_run.quantize_linears(drafter, lambda name: qtype, dev, dtype, gen)
     gguf_run.materialize(drafter, dev, dtype, gen, {"norm.weight": 1.0})

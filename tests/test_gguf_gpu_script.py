@@ -164,6 +164,30 @@ if (dflt.block_k, dflt.num_stages, dflt.packed) != (256, 3, True):
     failures.append(("K-quant default is not the packed 256-wide tiling, 3 stages", dflt.name))
 if tk.config_for("Q8_0", 40, 512) != tk.heuristic_config("Q8_0", 40, 512):
     failures.append(("legacy default changed",))
+# the dequantized copy for passes of many rows: bitwise the fp32 values of dequantize, rounded once to the dtype,
+# and the op takes it from DEQUANT_MIN_ROWS rows on
+for qtype in ["Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]:
+    fmt = QUANT_FORMATS[qtype]
+    n, k = 40, 2 * 256 if qtype in tk.K_QUANTS else 288  # a ragged N-tile; 288: a ragged K-tile of 32-blocks
+    blocks = torch.from_numpy(random_blocks(qtype, rows=n, blocks_per_row=k // fmt.block_elems, seed=4))
+    w = dequantize(blocks, qtype)
+    for dtype in (torch.float32, torch.bfloat16):
+        got = tk.dequantize(blocks, qtype, k, dtype)
+        if got.dtype != dtype or not torch.equal(got, w.to(dtype)):
+            failures.append((qtype, dtype, "dequantize kernel differs from dequantize"))
+    x = torch.randn(tk.DEQUANT_MIN_ROWS, k, generator=torch.Generator().manual_seed(1)).bfloat16()
+    if not torch.equal(gpu_kernels.KERNELS[qtype](x, blocks, n), torch.nn.functional.linear(x, w.bfloat16())):
+        failures.append((qtype, "the op's many-row pass is not F.linear on the dequantized weight"))
+try:
+    tk.dequantize(torch.zeros(8, 100, dtype=torch.uint8), "Q4_K", 256, torch.bfloat16)
+    failures.append(("dequantize accepted blocks of the wrong size",))
+except ValueError as e:
+    if "Q4_K blocks of 256 weights a row must be uint8 [N, 144]" not in str(e):
+        failures.append(("dequantize's error", str(e)))
+rule = tk.dequantizes
+if not (rule(tk.DEQUANT_MIN_ROWS, 4096, 4096, torch.bfloat16) and not rule(tk.DEQUANT_MIN_ROWS - 1, 4096, 4096,
+        torch.bfloat16) and not rule(512, 262144, 5376, torch.bfloat16)):
+    failures.append(("dequantizes: rows from DEQUANT_MIN_ROWS, copies of at most DEQUANT_MAX_BYTES",))
 print("FAILURES", failures)
 sys.exit(1 if failures else 0)
 """
@@ -172,7 +196,7 @@ sys.exit(1 if failures else 0)
 @pytest.mark.skipif(not _has_triton(), reason="needs Triton (its interpreter on the CPU)")
 def test_every_kernel_matches_dequantize_and_is_batch_invariant():
     """Every quant type, both decode formulations (and the packed one for the K-quants), with and without a K split,
-    a ragged N edge, two M-tiles, under the interpreter (in a fresh process: TRITON_INTERPRET must be set before
+    a ragged N edge, two M-tiles, and the dequantized copy that passes of many rows take, under the interpreter (in a fresh process: TRITON_INTERPRET must be set before
     Triton is first imported): fp32 activations give the product with the dequantized weights to fp32 accuracy;
     bf16 ones agree with a bf16 reference and are bitwise the same row by row for M = 1..17. The packed decode's
     weights are bitwise the dequantized ones, its x permutation is a permutation of range(K), and a strided x gives

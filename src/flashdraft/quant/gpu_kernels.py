@@ -1,7 +1,7 @@
 """The GPU product of x with GGUF blocks that QuantLinear calls: one custom op, so that torch.compile'd code sees
 an opaque call with a known output shape, which takes the CUDA tensor-core kernel where it applies (Q4_K, Q5_K, Q6_K;
-bf16 x of at most 16 rows: decoding and speculative verify) and the Triton kernels otherwise (other types, prefill,
-fp32)."""
+bf16 x of at most 16 rows: decoding and speculative verify), a dequantized copy and cuBLAS for passes of many rows
+(prefill; triton_kernels.dequantizes), and the Triton kernels otherwise (other types, fp32, short passes)."""
 from __future__ import annotations
 
 import torch
@@ -13,6 +13,8 @@ from flashdraft.quant import mma_kernels, triton_kernels
 def _quant_matmul_op(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str) -> torch.Tensor:
     if mma_kernels.supported(x, blocks, out_features, qtype):
         return mma_kernels.launch(x, blocks, out_features, qtype)
+    if triton_kernels.dequantizes(x.numel() // max(x.shape[-1], 1), out_features, x.shape[-1], x.dtype):
+        return triton_kernels.dequantize_matmul(x, blocks, out_features, qtype)
     return triton_kernels.launch(x, blocks, out_features, qtype)
 
 

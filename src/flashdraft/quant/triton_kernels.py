@@ -499,6 +499,20 @@ def _quant_matmul_packed_kernel(x_ptr, w_ptr, y_ptr, p_ptr, M, N, row_bytes, str
     _store_tile(acc, y_ptr, p_ptr, rm, rn, m_ok, M, N, stride_ym, pid_k, SPLIT_K, UPCAST)
 
 
+@triton.jit
+def _dequantize_kernel(w_ptr, out_ptr, N, row_bytes, K: tl.constexpr, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """out[rows, k0:k0 + BLOCK_K] = the weights of those rows (_decode_tile_2d's fp32 formulas), cast to out's dtype."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (rn < N)[:, None] & (k < K)[None, :]  # K a multiple of 32: whole blocks are in or out
+    w = _decode_tile_2d(w_ptr + (rn.to(tl.int64) * row_bytes)[:, None], tl.program_id(1) * BLOCK_K, ok, QTYPE,
+                        BLOCK_K)
+    if UPCAST:  # the interpreter's own casts truncate
+        w = round_like(w, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rn.to(tl.int64)[:, None] * K + k[None, :], w, mask=ok)
+
+
 def _interpreting() -> bool:
     """Whether these kernels run under Triton's interpreter (decided when this module was imported)."""
     return type(_quant_matmul_kernel).__name__ == "InterpretedFunction"
@@ -595,3 +609,38 @@ def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str,
         split_reduce_kernel[(triton.cdiv(n, block), m)](part, y, y, m, n, y.stride(0), HAS_BIAS=False,
                                                         UPCAST=_interpreting(), SPLIT_K=split, BLOCK=block, num_warps=4)
     return y.reshape(*lead, n)
+
+
+DEQUANT_MIN_ROWS = 128       # from this many rows of x (prefill passes), dequantize_matmul instead of launch
+DEQUANT_MAX_BYTES = 1 << 29  # ... for weights whose dequantized copy takes at most this much memory (512 MiB)
+
+
+def dequantizes(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
+    """Whether a product of m rows takes dequantize_matmul: launch's tiles of BLOCK_M rows decode every weight
+    again for each tile (a 512-token prefill decodes the model 32 times), while a dequantized copy is decoded once
+    and multiplied by cuBLAS; the copy's memory bounds it (not for a large vocabulary's LM head)."""
+    return m >= DEQUANT_MIN_ROWS and n * k * torch.finfo(dtype).bits // 8 <= DEQUANT_MAX_BYTES
+
+
+def dequantize(blocks: torch.Tensor, qtype: str, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The weights [N, k] of `qtype` blocks (uint8 [N, row_bytes]) in dtype: the fp32 values of
+    flashdraft.quant.dequant, rounded once to dtype (as QuantLinear.weight). One kernel, no host sync."""
+    n = blocks.shape[0]
+    elems = 256 if qtype in K_QUANTS else 32
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or k % elems or blocks.shape[1] != k // elems * BLOCK_BYTES[qtype]:
+        raise ValueError(f"{qtype} blocks of {k} weights a row must be uint8 [N, {k // elems * BLOCK_BYTES[qtype]}], "
+                         f"got {blocks.dtype} {list(blocks.shape)}")
+    if blocks.stride(1) != 1 or blocks.stride(0) != blocks.shape[1]:
+        blocks = blocks.contiguous()
+    out = torch.empty((n, k), dtype=dtype, device=blocks.device)
+    block_n, block_k = 32, 256
+    _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        blocks, out, n, blocks.shape[1], K=k, QTYPE=QTYPE_CODES[qtype], BLOCK_N=block_n, BLOCK_K=block_k,
+        UPCAST=_interpreting(), num_warps=4)
+    return out
+
+
+def dequantize_matmul(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str) -> torch.Tensor:
+    """y = x @ W^T through a dequantized copy of W in x's dtype (freed on return) and F.linear: for passes of
+    many rows (dequantizes)."""
+    return torch.nn.functional.linear(x, dequantize(blocks, qtype, x.shape[-1], x.dtype))

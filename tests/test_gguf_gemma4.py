@@ -371,15 +371,25 @@ def test_gemma_drafter_gguf_loads_as_safetensors(tmp_path, dense_dir, tok_dir, d
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
-@pytest.mark.parametrize("layout", ["dense", "moe"])
-def test_gemma4_gguf_target_and_drafter_decode_losslessly(request, tmp_path, tok_dir, layout):
+@pytest.mark.parametrize("layout,fuse", [("dense", False), ("moe", False), ("dense", True)])
+def test_gemma4_gguf_target_and_drafter_decode_losslessly(request, tmp_path, tok_dir, layout, fuse):
     """Q8_0 target and drafter; guesses partly replaced by the target's own tokens so that every acceptance
-    length, and so every rollback depth, occurs, past both windows and the target's ring."""
+    length, and so every rollback depth, occurs, past both windows and the target's ring. fuse: both built with
+    the GPU's fused projections (one q/k/v and one gate/up product per layer)."""
+    from flashdraft.engine.generator import MAX_BLOCK_SIZE
+    from flashdraft.layers.plan import LayerPlan
+
     folder = request.getfixturevalue(f"{layout}_dir")
     drafter = build_gemma_drafter(tmp_path / "src", folder, window=DRAFT_WINDOW, block_size=6, seed=9)
-    engine = Engine.load(gemma4_to_gguf(folder, tok_dir, tmp_path / "t.gguf", q8_0),
-                         gemma_drafter_to_gguf(drafter, tmp_path / "d.gguf", "legacy", lambda n: "Q8_0"),
-                         device="cpu", context_size=256)
+    files = (gemma4_to_gguf(folder, tok_dir, tmp_path / "t.gguf", q8_0),
+             gemma_drafter_to_gguf(drafter, tmp_path / "d.gguf", "legacy", lambda n: "Q8_0"))
+    if fuse:
+        loaded = load_model(*files, device="cpu", context_size=256, overhang=MAX_BLOCK_SIZE,
+                            plan=LayerPlan(fuse_projections=True))
+        engine = Engine(loaded.target, loaded.tokenizer, loaded.drafter, loaded.context_size)
+        assert all(layer.mlp.gate_up_proj is not None for layer in engine.decoder.target.model.layers)
+    else:
+        engine = Engine.load(*files, device="cpu", context_size=256)
     assert isinstance(engine.decoder.drafter.fc, QuantLinear)
     prompt = engine.encode_prompt(prompt="The quick brown fox jumps over the lazy dog.\n" * 4)
     assert len(prompt) > WINDOW
@@ -426,3 +436,50 @@ def test_broken_gemma4_files_are_named(tmp_path, dense_dir, tok_dir):
     path = gemma4_to_gguf(dense_dir, tok_dir, tmp_path / "c.gguf", skip=("blk.1.post_ffw_norm.weight",))
     with pytest.raises(CheckpointError, match="missing tensor 'blk.1.post_ffw_norm.weight'"):
         load_model(path, device="cpu", context_size=64)
+
+
+def _storage_bytes(model) -> int:
+    """Bytes of the distinct memory that the model's parameters and buffers occupy (views counted once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*model.parameters(), *model.buffers()]}
+    return sum(storages.values())
+
+
+def test_fused_projections_compute_what_the_separate_ones_do(tmp_path, dense_dir, tok_dir):
+    """With the GPU's plan (fuse_projections), prepare() turns each layer's q/k/v and gate/up into one projection
+    where they are alike (here: Q8_0 everywhere but layer 0's v, which stays apart with its q and k); the parts
+    become views of the fused weights (no memory added) and the logits are those of the separate projections. The
+    float checkpoint fuses as plain Linear layers."""
+    from flashdraft.layers.plan import LayerPlan
+    from flashdraft.layers.skinny_gemm import Linear
+
+    def mixed(name, shape):
+        return "Q4_0" if name == "blk.0.attn_v.weight" else q8_0(name, shape)
+
+    path = gemma4_to_gguf(dense_dir, tok_dir, tmp_path / "m.gguf", mixed)
+    fused_plan = LayerPlan(fuse_projections=True)
+    for load in (lambda plan: load_model(path, device="cpu", context_size=128, plan=plan).target,
+                 lambda plan: load_target(dense_dir, 0, "cpu", torch.float32, plan)):
+        apart, fused = load(LayerPlan()), load(fused_plan)
+        apart.prepare()
+        size = _storage_bytes(fused)
+        fused.prepare()
+        fused.prepare()  # once: a second engine over the same target prepares it again
+        assert _storage_bytes(fused) == size
+        kind = QuantLinear if isinstance(fused.model.layers[0].mlp.gate_proj, QuantLinear) else Linear
+        for i, layer in enumerate(fused.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            assert apart.model.layers[i].self_attn.qkv_proj is None and apart.model.layers[i].mlp.gate_up_proj is None
+            assert type(mlp.gate_up_proj) is kind
+            parts = [p for p in (attn.q_proj, attn.k_proj, attn.v_proj) if p is not None]
+            if kind is QuantLinear and i == 0:
+                assert attn.qkv_proj is None  # Q8_0 q and k, Q4_0 v
+                continue
+            assert type(attn.qkv_proj) is kind
+            assert attn.qkv_proj.out_features == sum(p.out_features for p in parts)
+            store = (lambda m: m.blocks) if kind is QuantLinear else (lambda m: m.weight)
+            assert store(parts[0]).data_ptr() == store(attn.qkv_proj).data_ptr()
+            assert store(mlp.up_proj).data_ptr() > store(mlp.gate_up_proj).data_ptr()
+        ids = _ids(LONG, fused.config.vocab_size, seed=2)
+        ref, ours = _logits(apart, ids), _logits(fused, ids)
+        assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max()

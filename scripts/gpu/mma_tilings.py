@@ -37,6 +37,8 @@ SETS = {
     "gemma-q4k": ("Q4_K", {"gate/up": (21504, 5376), "down": (5376, 21504), "sliding q": (8192, 5376),
                            "sliding k/v": (4096, 5376), "sliding o": (5376, 8192), "full q": (16384, 5376),
                            "full k": (2048, 5376), "full o": (5376, 16384)}),
+    # the fused projections of Gemma4LM.prepare (sliding q|k|v is 16384 x 5376, full q's shape)
+    "gemma-q4k-fused": ("Q4_K", {"full q|k": (18432, 5376), "gate|up": (43008, 5376)}),
     "gemma-q5k": ("Q5_K", {"sliding v": (4096, 5376), "down": (5376, 21504)}),
     "gemma-q6k": ("Q6_K", {"lm head": (262144, 5376)}),
     "qwen-q4k": ("Q4_K", {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (12288, 4096), "down": (4096, 12288),

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashdraft.kernels.runtime import gpu_sm_count, interpreting
+from flashdraft.quant.linear import QuantLinear
 
 
 BLOCK_M = 16  # rows per tile: tl.dot's minimum, and a whole DFlash verify block (B = 16) in one tile
@@ -291,3 +292,33 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.max_rows)
+
+
+@torch.no_grad()
+def fuse_rows(parts: list[nn.Module]) -> nn.Module | None:
+    """One projection whose output is the parts' outputs side by side (one GEMM or quantized product per pass
+    instead of one per part), the parts' weights becoming views of its own, so no memory is added; None where the
+    parts cannot be one: plain Linear layers without bias of one input size, dtype and max_rows, or QuantLinear
+    layers without bias of one GGUF type, input size and compute dtype (a type mix, as Q4_K_S files give some
+    layers, stays apart)."""
+    first = parts[0]
+    if all(type(p) is Linear and p.bias is None and p.in_features == first.in_features
+           and p.weight.dtype == first.weight.dtype and p.max_rows == first.max_rows for p in parts):
+        fused = Linear(first.in_features, sum(p.out_features for p in parts), bias=False, max_rows=first.max_rows,
+                       device="meta")
+        fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+        tensors = [("weight", fused.weight)]
+    elif all(type(p) is QuantLinear and p.bias is None and (p.qtype, p.in_features, p.dtype)
+             == (first.qtype, first.in_features, first.dtype) for p in parts):
+        fused = QuantLinear(torch.cat([p.blocks for p in parts]), first.qtype, first.in_features, first.dtype)
+        tensors = [("blocks", fused.blocks)]
+    else:
+        return None
+    offset = 0
+    for p in parts:
+        rows = p.out_features
+        for name, whole in tensors:
+            view = whole[offset:offset + rows]
+            setattr(p, name, nn.Parameter(view, requires_grad=False) if name == "weight" else view)
+        offset += rows
+    return fused

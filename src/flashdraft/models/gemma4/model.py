@@ -33,7 +33,7 @@ from flashdraft.layers import decode_attention as attention_kernel
 from flashdraft.layers.attention import PREFILL_SDPA
 from flashdraft.layers.decode_attention import decode_attention
 from flashdraft.layers.plan import LayerPlan
-from flashdraft.layers.skinny_gemm import Linear
+from flashdraft.layers.skinny_gemm import Linear, fuse_rows
 from flashdraft.loading.checkpoint import CheckpointError, assign_tensors, default_device_dtype, safetensors_files
 from flashdraft.quant.kv_formats import as_stored, bytes_per_token, cache_format, new_rows, read_rows, write_rows
 
@@ -187,15 +187,31 @@ class Gemma4Attention(nn.Module):
         self.q_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.v_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps, with_weight=False)
+        self.qkv_proj = None  # q, k (and v) as one projection, once fuse_projections() found them alike
+
+    def fuse_projections(self) -> None:
+        """q, k and v (k alone under attention_k_eq_v) as one projection where they are alike (fuse_rows): one
+        product a pass instead of three, and one large one keeps the GPU's multiprocessors busier than three
+        small ones. Done once."""
+        if self.qkv_proj is None:
+            self.qkv_proj = fuse_rows([p for p in (self.q_proj, self.k_proj, self.v_proj) if p is not None])
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), None if self.v_proj is None else self.v_proj(x)
+        kv = self.n_kv * self.head_dim
+        parts = self.qkv_proj(x).split([self.n_heads * self.head_dim, kv] + ([kv] if self.v_proj else []), dim=-1)
+        return parts[0], parts[1], parts[2] if self.v_proj else None
 
     def forward(self, x, cos, sin, cache_k, cache_v, ring: int, positions, kv_len: int, mask) -> torch.Tensor:
         """cache_k / cache_v: this layer's rows of the cache (a ring of `ring` rows on a sliding layer). The layer's
         own tensors, not the cache and an index, so that one compiled graph serves every layer of a kind."""
         T = x.shape[0]
-        q = apply_rope(self.q_norm(self.q_proj(x).view(T, self.n_heads, self.head_dim)), cos, sin)
-        raw_k = self.k_proj(x).view(T, self.n_kv, self.head_dim)
+        q, k, v = self._qkv(x)
+        q = apply_rope(self.q_norm(q.view(T, self.n_heads, self.head_dim)), cos, sin)
+        raw_k = k.view(T, self.n_kv, self.head_dim)
         # Under attention_k_eq_v the value is the key projection before k_norm and RoPE.
-        v = self.v_norm(raw_k if self.v_proj is None else self.v_proj(x).view(T, self.n_kv, self.head_dim))
+        v = self.v_norm(raw_k if v is None else v.view(T, self.n_kv, self.head_dim))
         k = apply_rope(self.k_norm(raw_k), cos, sin)
         k, v = k.transpose(0, 1), v.transpose(0, 1)
         hd, dtype = self.head_dim, q.dtype
@@ -236,9 +252,19 @@ class Gemma4MLP(nn.Module):
         self.gate_proj = Linear(hidden, intermediate, bias=False, max_rows=plan.gemm_rows)
         self.up_proj = Linear(hidden, intermediate, bias=False, max_rows=plan.gemm_rows)
         self.down_proj = Linear(intermediate, hidden, bias=False, max_rows=plan.gemm_rows)
+        self.gate_up_proj = None  # gate and up as one projection, once fuse_projections() found them alike
+
+    def fuse_projections(self) -> None:
+        """gate and up as one projection where they are alike (fuse_rows). Done once."""
+        if self.gate_up_proj is None:
+            self.gate_up_proj = fuse_rows([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
 class Gemma4Router(nn.Module):
@@ -368,8 +394,12 @@ class Gemma4LM(nn.Module):
                                  persistent=False)
 
     def prepare(self) -> None:
-        """Nothing to lay out: Gemma 4's layers run module by module (compiled on CUDA), its projections as
-        loaded."""
+        """With the plan's fuse_projections (the GPU's), each layer's q/k/v and gate/up as one projection where
+        their weights allow (float, or GGUF blocks of one type); otherwise the projections as loaded. Once."""
+        if self.plan.fuse_projections:
+            for layer in self.model.layers:
+                layer.self_attn.fuse_projections()
+                layer.mlp.fuse_projections()
 
     @property
     def embed_scale(self) -> torch.Tensor:

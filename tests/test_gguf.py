@@ -339,6 +339,30 @@ def test_quantized_gguf_is_the_dequantized_model(request, tmp_path, case, ids):
     assert 0 < ((ours - ref).norm() / ref.norm()).item() < tolerance
 
 
+def test_fused_quantized_projections_compute_what_the_separate_ones_do(tmp_path, wide_dir, ids):
+    """With the GPU's plan (fuse_projections), a Qwen3 GGUF's q/k/v and gate/up of one K-quant type become one
+    QuantLinear each (the parts views of its blocks); Q4_K_S's Q5_K attn_v keeps layer 0's q/k/v apart. Logits as
+    with separate projections."""
+    from flashdraft.layers.plan import LayerPlan
+
+    path = target_to_gguf(wide_dir, tmp_path / "q.gguf", QUANT_CASES["Q4_K_S"][0])
+    apart = load_model(path, device="cpu", context_size=64).target
+    fused = load_model(path, device="cpu", context_size=64, plan=LayerPlan(fuse_projections=True)).target
+    apart.prepare()
+    fused.prepare()
+    first, second = (layer.self_attn for layer in fused.model.layers)
+    assert first.qkv_proj is None and isinstance(second.qkv_proj, QuantLinear) and second.qkv_weight is None
+    assert second.qkv_proj.out_features == sum(p.out_features for p in (second.q_proj, second.k_proj,
+                                                                        second.v_proj))
+    assert second.k_proj.blocks.data_ptr() == second.qkv_proj.blocks.data_ptr() + second.q_proj.blocks.numel()
+    for layer in fused.model.layers:
+        assert isinstance(layer.mlp.gate_up_proj, QuantLinear) and layer.mlp.gate_up_weight is None
+        assert layer.fused_rows == 0  # the fused path reads float weights
+    assert all(layer.self_attn.qkv_proj is None for layer in apart.model.layers)
+    ref, ours = _logits(apart, ids), _logits(fused, ids)
+    assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
 def test_tied_output_shares_the_embedding(tmp_path, qwen3_dir, qtype, ids):
     model = load_model(target_to_gguf(qwen3_dir, tmp_path / "t.gguf", lambda n: qtype, tied=True),

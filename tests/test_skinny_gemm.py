@@ -123,7 +123,7 @@ def test_layers_take_the_gemm_of_their_plan():
                                      head_dim=16, max_position_embeddings=64))
     plan = LayerPlan(gemm="triton", max_rows=16)
     model = nn.Sequential(Attention(cfg, plan), GatedMLP(32, 64, plan=plan), sg.Linear(32, 8, max_rows=plan.gemm_rows))
-    assert model[0].gemm_rows == model[1].gemm_rows == model[0].q_proj.max_rows == 16
+    assert model[0].q_proj.max_rows == model[1].gate_proj.max_rows == model[1].down_proj.max_rows == 16
     calls = []
     real = sg._skinny_linear_op
     try:
@@ -132,6 +132,7 @@ def test_layers_take_the_gemm_of_their_plan():
         model[2](x)
         model[2](torch.randn(17, 32))  # more rows than max_rows: F.linear
         model[1].fuse_projections()
+        assert model[1].gate_up_proj.max_rows == 16
         model[1](x)
         default = nn.Sequential(GatedMLP(32, 64), sg.Linear(32, 8))
         default[0](x), default[1](x)
@@ -158,7 +159,7 @@ def test_engine_gemm_option(qwen3_dir, drafter_dir):
     assert eng.decoder.plan.gemm == "triton"
     rows = max(16, eng.decoder.block_size)
     assert eng.decoder.target.lm_head.max_rows == eng.decoder.drafter.fc.max_rows == rows
-    assert eng.decoder.target.model.layers[0].mlp.gemm_rows == rows
+    assert eng.decoder.target.model.layers[0].mlp.down_proj.max_rows == rows
     calls = generate_through(sg, "_skinny_linear_op", eng, prompt, params, ref, lambda x: tuple(x.shape))
     if calls is None:
         return

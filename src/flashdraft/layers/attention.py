@@ -11,7 +11,7 @@ from flashdraft.layers.decode_attention import decode_attention
 from flashdraft.layers.elementwise import RMSNorm, rope
 from flashdraft.layers.plan import LayerPlan
 from flashdraft.layers.qkv_prep import qkv_prep
-from flashdraft.layers.skinny_gemm import Linear, linear, skinny_linear
+from flashdraft.layers.skinny_gemm import Linear, fuse_rows, skinny_linear
 from flashdraft.quant.kv_formats import read_rows, write_rows
 
 
@@ -72,7 +72,6 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         # a DFlash drafter's: k/v_proj also project context rows (no input norm), so they keep weights of their own
         self.context_projection = context_projection
-        self.gemm_rows = plan.gemm_rows  # the fused q/k/v product of up to this many rows runs skinny_gemm
         # cached passes of up to this many tokens run decode_attention (where it takes the head size)
         self.attention_rows = plan.attention_rows if attention_kernel.supports(self.head_dim) else 0
         h, bias = cfg.hidden_size, cfg.attention_bias
@@ -85,29 +84,29 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.qkv_weight = None
+        self.qkv_proj = None  # q, k and v as one projection, once fuse_projections() found them alike
 
     def fuse_projections(self) -> None:
-        """One [q + 2 kv, hidden] matrix for q, k and v (one GEMM per step instead of three); the q/k/v_proj
-        weights become views of it, so no memory is added and the other paths keep working. Plain float
-        projections only (quantized ones stay as they are); done once."""
-        parts = [self.q_proj, self.k_proj, self.v_proj]
-        if self.qkv_weight is not None or not all(type(p) is Linear for p in parts + [self.o_proj]):
-            return
-        fused = torch.cat([p.weight for p in parts])
-        self.qkv_bias = torch.cat([p.bias for p in parts]) if self.q_proj.bias is not None else None
-        offset = 0
-        for p in parts:
-            rows = p.weight.shape[0]
-            p.weight = nn.Parameter(fused[offset:offset + rows], requires_grad=False)
-            offset += rows
-        self.qkv_weight = fused
+        """q, k and v as one projection (fuse_rows: float, or GGUF blocks of one type): one GEMM per step instead
+        of three; the q/k/v_proj weights become views of its own, so no memory is added and the other paths keep
+        working. Done once."""
+        if self.qkv_proj is None:
+            self.qkv_proj = fuse_rows([self.q_proj, self.k_proj, self.v_proj])
+
+    @property
+    def qkv_weight(self) -> torch.Tensor | None:
+        """The fused float q/k/v weight that the fused path reads (None: not fused, or quantized)."""
+        return self.qkv_proj.weight if type(self.qkv_proj) is Linear else None
+
+    @property
+    def qkv_bias(self) -> torch.Tensor | None:
+        return self.qkv_proj.bias if type(self.qkv_proj) is Linear else None
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.qkv_weight is None:
+        if self.qkv_proj is None:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        return linear(x, self.qkv_weight, self.qkv_bias, self.gemm_rows).split([q_size, kv_size, kv_size], dim=-1)
+        return self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
 
     def _rotated(self, x: torch.Tensor, heads: int, norm: RMSNorm | None, cos, sin) -> torch.Tensor:
         """[..., T, heads * head_dim] -> [..., heads, T, head_dim], per-head normed (Qwen3) and rotated."""

@@ -6,7 +6,7 @@ from flashdraft.layers import decode_attention, qkv_prep
 from flashdraft.layers.attention import Attention
 from flashdraft.layers.elementwise import RMSNorm, silu_mul
 from flashdraft.layers.plan import LayerPlan
-from flashdraft.layers.skinny_gemm import Linear, fold_norm_weight, linear, skinny_linear
+from flashdraft.layers.skinny_gemm import Linear, fold_norm_weight, fuse_rows, skinny_linear
 
 
 class GatedMLP(nn.Module):
@@ -14,30 +14,29 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False, plan: LayerPlan = LayerPlan()):
         super().__init__()
-        self.gemm_rows = plan.gemm_rows  # the fused gate/up product of up to this many rows runs skinny_gemm
         self.gate_proj = Linear(hidden, intermediate, bias=bias, max_rows=plan.gemm_rows)
         self.up_proj = Linear(hidden, intermediate, bias=bias, max_rows=plan.gemm_rows)
         self.down_proj = Linear(intermediate, hidden, bias=bias, max_rows=plan.gemm_rows)
-        self.gate_up_weight = None
+        self.gate_up_proj = None  # gate and up as one projection, once fuse_projections() found them alike
 
     def fuse_projections(self) -> None:
-        """One [2 * intermediate, hidden] matrix for gate and up (one GEMM per step instead of two); the
-        gate_proj/up_proj weights become views of it, so no memory is added. Plain float projections only;
-        done once."""
-        projections = (self.gate_proj, self.up_proj, self.down_proj)
-        if self.gate_up_weight is not None or not all(type(p) is Linear for p in projections):
-            return
-        fused = torch.cat([self.gate_proj.weight, self.up_proj.weight])
-        n = self.gate_proj.weight.shape[0]
-        self.gate_proj.weight = nn.Parameter(fused[:n], requires_grad=False)
-        self.up_proj.weight = nn.Parameter(fused[n:], requires_grad=False)
-        self.gate_up_weight = fused
-        self.gate_up_bias = (torch.cat([self.gate_proj.bias, self.up_proj.bias])
-                             if self.gate_proj.bias is not None else None)
+        """gate and up as one projection (fuse_rows: float, or GGUF blocks of one type): one GEMM per step instead
+        of two; their weights become views of its own, so no memory is added. Done once."""
+        if self.gate_up_proj is None:
+            self.gate_up_proj = fuse_rows([self.gate_proj, self.up_proj])
+
+    @property
+    def gate_up_weight(self) -> torch.Tensor | None:
+        """The fused float gate/up weight that the fused path reads (None: not fused, or quantized)."""
+        return self.gate_up_proj.weight if type(self.gate_up_proj) is Linear else None
+
+    @property
+    def gate_up_bias(self) -> torch.Tensor | None:
+        return self.gate_up_proj.bias if type(self.gate_up_proj) is Linear else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_weight is not None:
-            gate, up = linear(x, self.gate_up_weight, self.gate_up_bias, self.gemm_rows).chunk(2, dim=-1)
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(silu_mul(gate, up))
@@ -84,7 +83,7 @@ class DecoderLayer(nn.Module):
     @torch.no_grad()
     def prepare(self) -> None:
         """Lay the loaded weights out for the plan, once: fused q/k/v and gate/up projections (plan
-        fuse_projections; plain float ones only), and for the fused path, where the weights and head size allow
+        fuse_projections: float ones, or GGUF blocks of one type), and for the fused path (float weights), where the weights and head size allow
         it, the two RMSNorms' weights folded into them (W[:, k] *= g[k], the norms' weights made ones: the same
         model on every path, and the fused GEMMs feed x to the tensor cores as loaded). Keys and values that a
         drafter projects from context rows without the input norm keep unfolded k/v weights of their own."""
@@ -94,6 +93,7 @@ class DecoderLayer(nn.Module):
         attn.fuse_projections()
         mlp.fuse_projections()
         if not (self.plan.fused and attn.qkv_weight is not None and mlp.gate_up_weight is not None
+                and type(attn.o_proj) is Linear and type(mlp.down_proj) is Linear  # fused_forward reads weights
                 and decode_attention.supports(attn.head_dim) and attn.head_dim in qkv_prep.HEAD_DIMS):
             return
         if attn.context_projection:

@@ -298,27 +298,29 @@ class Linear(nn.Linear):
 def fuse_rows(parts: list[nn.Module]) -> nn.Module | None:
     """One projection whose output is the parts' outputs side by side (one GEMM or quantized product per pass
     instead of one per part), the parts' weights becoming views of its own, so no memory is added; None where the
-    parts cannot be one: plain Linear layers without bias of one input size, dtype and max_rows, or QuantLinear
-    layers without bias of one GGUF type, input size and compute dtype (a type mix, as Q4_K_S files give some
-    layers, stays apart)."""
-    first = parts[0]
-    if all(type(p) is Linear and p.bias is None and p.in_features == first.in_features
+    parts cannot be one: plain Linear layers of one input size, dtype and max_rows, all with a bias or none, or
+    QuantLinear layers without bias of one GGUF type, input size and compute dtype (a type mix, as Q4_K_S files
+    give some layers, stays apart)."""
+    first, biased = parts[0], parts[0].bias is not None
+    if all(type(p) is Linear and (p.bias is not None) == biased and p.in_features == first.in_features
            and p.weight.dtype == first.weight.dtype and p.max_rows == first.max_rows for p in parts):
-        fused = Linear(first.in_features, sum(p.out_features for p in parts), bias=False, max_rows=first.max_rows,
+        fused = Linear(first.in_features, sum(p.out_features for p in parts), bias=biased, max_rows=first.max_rows,
                        device="meta")
         fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
-        tensors = [("weight", fused.weight)]
+        if biased:
+            fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+        names = ["weight", "bias"] if biased else ["weight"]
     elif all(type(p) is QuantLinear and p.bias is None and (p.qtype, p.in_features, p.dtype)
              == (first.qtype, first.in_features, first.dtype) for p in parts):
         fused = QuantLinear(torch.cat([p.blocks for p in parts]), first.qtype, first.in_features, first.dtype)
-        tensors = [("blocks", fused.blocks)]
+        names = ["blocks"]
     else:
         return None
     offset = 0
     for p in parts:
         rows = p.out_features
-        for name, whole in tensors:
-            view = whole[offset:offset + rows]
-            setattr(p, name, nn.Parameter(view, requires_grad=False) if name == "weight" else view)
+        for name in names:
+            view = getattr(fused, name)[offset:offset + rows]
+            setattr(p, name, view if name == "blocks" else nn.Parameter(view, requires_grad=False))
         offset += rows
     return fused

@@ -196,11 +196,11 @@ sys.exit(1 if failures else 0)
 @pytest.mark.skipif(not _has_triton(), reason="needs Triton (its interpreter on the CPU)")
 def test_every_kernel_matches_dequantize_and_is_batch_invariant():
     """Every quant type, both decode formulations (and the packed one for the K-quants), with and without a K split,
-    a ragged N edge, two M-tiles, and the dequantized copy that passes of many rows take, under the interpreter (in a fresh process: TRITON_INTERPRET must be set before
-    Triton is first imported): fp32 activations give the product with the dequantized weights to fp32 accuracy;
-    bf16 ones agree with a bf16 reference and are bitwise the same row by row for M = 1..17. The packed decode's
-    weights are bitwise the dequantized ones, its x permutation is a permutation of range(K), and a strided x gives
-    the same rows."""
+    a ragged N edge, two M-tiles, and the dequantized copy that passes of many rows take, under the interpreter
+    (in a fresh process: TRITON_INTERPRET must be set before Triton is first imported): fp32 activations give the
+    product with the dequantized weights to fp32 accuracy; bf16 ones agree with a bf16 reference and are bitwise
+    the same row by row for M = 1..17. The packed decode's weights are bitwise the dequantized ones, its x
+    permutation is a permutation of range(K), and a strided x gives the same rows."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
                CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK, str(ROOT / "tests")], env=env, capture_output=True,

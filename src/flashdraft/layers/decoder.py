@@ -83,10 +83,11 @@ class DecoderLayer(nn.Module):
     @torch.no_grad()
     def prepare(self) -> None:
         """Lay the loaded weights out for the plan, once: fused q/k/v and gate/up projections (plan
-        fuse_projections: float ones, or GGUF blocks of one type), and for the fused path (float weights), where the weights and head size allow
-        it, the two RMSNorms' weights folded into them (W[:, k] *= g[k], the norms' weights made ones: the same
-        model on every path, and the fused GEMMs feed x to the tensor cores as loaded). Keys and values that a
-        drafter projects from context rows without the input norm keep unfolded k/v weights of their own."""
+        fuse_projections: float ones, or GGUF blocks of one type), and for the fused path (float weights), where
+        the weights and head size allow it, the two RMSNorms' weights folded into them (W[:, k] *= g[k], the
+        norms' weights made ones: the same model on every path, and the fused GEMMs feed x to the tensor cores as
+        loaded). Keys and values that a drafter projects from context rows without the input norm keep unfolded
+        k/v weights of their own."""
         attn, mlp = self.self_attn, self.mlp
         if self.fused_rows or not self.plan.fuse_projections:
             return

@@ -14,7 +14,7 @@ def _quant_matmul_op(x: torch.Tensor, blocks: torch.Tensor, out_features: int, q
     if mma_kernels.supported(x, blocks, out_features, qtype):
         return mma_kernels.launch(x, blocks, out_features, qtype)
     if triton_kernels.dequantizes(x.numel() // max(x.shape[-1], 1), out_features, x.shape[-1], x.dtype):
-        return triton_kernels.dequantize_matmul(x, blocks, out_features, qtype)
+        return triton_kernels.dequantize_matmul(x, blocks, qtype)
     return triton_kernels.launch(x, blocks, out_features, qtype)
 
 

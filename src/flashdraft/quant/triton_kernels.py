@@ -627,8 +627,9 @@ def dequantize(blocks: torch.Tensor, qtype: str, k: int, dtype: torch.dtype) -> 
     flashdraft.quant.dequant, rounded once to dtype (as QuantLinear.weight). One kernel, no host sync."""
     n = blocks.shape[0]
     elems = 256 if qtype in K_QUANTS else 32
-    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or k % elems or blocks.shape[1] != k // elems * BLOCK_BYTES[qtype]:
-        raise ValueError(f"{qtype} blocks of {k} weights a row must be uint8 [N, {k // elems * BLOCK_BYTES[qtype]}], "
+    row_bytes = k // elems * BLOCK_BYTES[qtype]
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or k % elems or blocks.shape[1] != row_bytes:
+        raise ValueError(f"{qtype} blocks of {k} weights a row must be uint8 [N, {row_bytes}], "
                          f"got {blocks.dtype} {list(blocks.shape)}")
     if blocks.stride(1) != 1 or blocks.stride(0) != blocks.shape[1]:
         blocks = blocks.contiguous()
@@ -640,7 +641,7 @@ def dequantize(blocks: torch.Tensor, qtype: str, k: int, dtype: torch.dtype) -> 
     return out
 
 
-def dequantize_matmul(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str) -> torch.Tensor:
+def dequantize_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """y = x @ W^T through a dequantized copy of W in x's dtype (freed on return) and F.linear: for passes of
     many rows (dequantizes)."""
     return torch.nn.functional.linear(x, dequantize(blocks, qtype, x.shape[-1], x.dtype))

@@ -199,9 +199,9 @@ class Gemma4Attention(nn.Module):
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         if self.qkv_proj is None:
             return self.q_proj(x), self.k_proj(x), None if self.v_proj is None else self.v_proj(x)
-        kv = self.n_kv * self.head_dim
-        parts = self.qkv_proj(x).split([self.n_heads * self.head_dim, kv] + ([kv] if self.v_proj else []), dim=-1)
-        return parts[0], parts[1], parts[2] if self.v_proj else None
+        kv, has_v = self.n_kv * self.head_dim, self.v_proj is not None
+        parts = self.qkv_proj(x).split([self.n_heads * self.head_dim, kv] + [kv] * has_v, dim=-1)
+        return parts[0], parts[1], parts[2] if has_v else None
 
     def forward(self, x, cos, sin, cache_k, cache_v, ring: int, positions, kv_len: int, mask) -> torch.Tensor:
         """cache_k / cache_v: this layer's rows of the cache (a ring of `ring` rows on a sliding layer). The layer's

@@ -11,7 +11,7 @@ from flashdraft.layers.decode_attention import decode_attention
 from flashdraft.layers.elementwise import RMSNorm, rope
 from flashdraft.layers.plan import LayerPlan
 from flashdraft.layers.qkv_prep import qkv_prep
-from flashdraft.layers.skinny_gemm import Linear, fuse_rows, skinny_linear
+from flashdraft.layers.skinny_gemm import Linear, attach_fused, skinny_linear
 from flashdraft.quant.kv_formats import read_rows, write_rows
 
 
@@ -91,7 +91,7 @@ class Attention(nn.Module):
         of three; the q/k/v_proj weights become views of its own, so no memory is added and the other paths keep
         working. Done once."""
         if self.qkv_proj is None:
-            self.qkv_proj = fuse_rows([self.q_proj, self.k_proj, self.v_proj])
+            attach_fused(self, "qkv_proj", [self.q_proj, self.k_proj, self.v_proj])
 
     @property
     def qkv_weight(self) -> torch.Tensor | None:

@@ -6,7 +6,7 @@ from flashdraft.layers import decode_attention, qkv_prep
 from flashdraft.layers.attention import Attention
 from flashdraft.layers.elementwise import RMSNorm, silu_mul
 from flashdraft.layers.plan import LayerPlan
-from flashdraft.layers.skinny_gemm import Linear, fold_norm_weight, fuse_rows, skinny_linear
+from flashdraft.layers.skinny_gemm import Linear, attach_fused, fold_norm_weight, skinny_linear
 
 
 class GatedMLP(nn.Module):
@@ -23,7 +23,7 @@ class GatedMLP(nn.Module):
         """gate and up as one projection (fuse_rows: float, or GGUF blocks of one type): one GEMM per step instead
         of two; their weights become views of its own, so no memory is added. Done once."""
         if self.gate_up_proj is None:
-            self.gate_up_proj = fuse_rows([self.gate_proj, self.up_proj])
+            attach_fused(self, "gate_up_proj", [self.gate_proj, self.up_proj])
 
     @property
     def gate_up_weight(self) -> torch.Tensor | None:

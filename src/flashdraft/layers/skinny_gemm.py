@@ -324,3 +324,9 @@ def fuse_rows(parts: list[nn.Module]) -> nn.Module | None:
             setattr(p, name, view if name == "blocks" else nn.Parameter(view, requires_grad=False))
         offset += rows
     return fused
+
+
+def attach_fused(owner: nn.Module, name: str, parts: list[nn.Module]) -> None:
+    """owner.<name> = fuse_rows(parts), held outside the module tree: its weights are the parts' own (the parts hold
+    views of them), which parameters(), state_dict() and .to() then see once, as before the fusion."""
+    owner.__dict__[name] = fuse_rows(parts)

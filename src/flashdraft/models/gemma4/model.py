@@ -33,7 +33,7 @@ from flashdraft.layers import decode_attention as attention_kernel
 from flashdraft.layers.attention import PREFILL_SDPA
 from flashdraft.layers.decode_attention import decode_attention
 from flashdraft.layers.plan import LayerPlan
-from flashdraft.layers.skinny_gemm import Linear, fuse_rows
+from flashdraft.layers.skinny_gemm import Linear, attach_fused
 from flashdraft.loading.checkpoint import CheckpointError, assign_tensors, default_device_dtype, safetensors_files
 from flashdraft.quant.kv_formats import as_stored, bytes_per_token, cache_format, new_rows, read_rows, write_rows
 
@@ -194,7 +194,7 @@ class Gemma4Attention(nn.Module):
         product a pass instead of three, and one large one keeps the GPU's multiprocessors busier than three
         small ones. Done once."""
         if self.qkv_proj is None:
-            self.qkv_proj = fuse_rows([p for p in (self.q_proj, self.k_proj, self.v_proj) if p is not None])
+            attach_fused(self, "qkv_proj", [p for p in (self.q_proj, self.k_proj, self.v_proj) if p is not None])
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         if self.qkv_proj is None:
@@ -257,7 +257,7 @@ class Gemma4MLP(nn.Module):
     def fuse_projections(self) -> None:
         """gate and up as one projection where they are alike (fuse_rows). Done once."""
         if self.gate_up_proj is None:
-            self.gate_up_proj = fuse_rows([self.gate_proj, self.up_proj])
+            attach_fused(self, "gate_up_proj", [self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:

@@ -1,23 +1,36 @@
 #!/usr/bin/env bash
-# Issue #18: the CUDA k-quant kernel for Q4_K, Q5_K and Q6_K (kquant_mma.cu) on the H200, in one device call:
-#   1. the GPU tests of the kernel (results against dequantize + matmul, batch invariance, rings' bits)
+# Issue #18: the CUDA k-quant kernel (kquant_mma.cu), the fused projections and the prefill path on the H200, in one
+# device call:
+#   1. the GPU tests: the kernel (results against dequantize + matmul, batch invariance, rings' bits), the quantized
+#      Linear's kernels (Triton, the dequantized copy of prefill passes), Gemma 4 rows bitwise independent of the
+#      block (now with fused q/k/v and gate/up)
 #   2. scripts/gpu/gguf_run.py --skip-kernels on the Q4_K_S-shaped Gemma-4-31B (step times, baseline and DFlash
-#      tok/s, same tokens), to set beside docs/performance.md's 12.53 ms decode step; KQ_MODEL_S seconds at most
-#   3. scripts/gpu/mma_tilings.py on the Q5_K / Q6_K shapes of Gemma-4-31B Q4_K_S and Qwen3-8B Q4_K_M (direct
-#      loads; KQ_SETS, KQ_TILING_S seconds at most), for TILINGS
-#     bash scripts/gpu/kquant_run.sh     # logs and JSON to $OUT; carry .whl (device/README.md) for gguf
+#      tok/s, same tokens), to set beside docs/performance.md's figures; KQ_MODEL_S seconds at most
+#   3. prefill of 512 and 8192 tokens and plain decoding on the file make_gguf.py writes (side_by_side_gguf.py
+#      measure, no DFlash), when .llamacpp-bench is carried; KQ_PREFILL_S seconds at most
+#   4. scripts/gpu/mma_tilings.py on KQ_SETS (direct loads and rings; KQ_TILING_S seconds at most), for TILINGS
+#     bash scripts/gpu/kquant_run.sh     # logs and JSON to $OUT; carry .whl (device/README.md) and .llamacpp-bench
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl > /dev/null 2>&1
 export PYTHONPATH=src:/tmp/site PYTHONUNBUFFERED=1  # gguf (for the tests), from .whl
 OUT=${OUT:-/tmp/out}
-SETS=${KQ_SETS:-gemma-q6k,gemma-q5k,qwen-q6k}
-MODEL_S=${KQ_MODEL_S:-240}
-TILING_S=${KQ_TILING_S:-90}
+SETS=${KQ_SETS:-gemma-q4k-fused,qwen-q4k,qwen-q6k}
+MODEL_S=${KQ_MODEL_S:-180}
+PREFILL_S=${KQ_PREFILL_S:-120}
+TILING_S=${KQ_TILING_S:-60}
 mkdir -p "$OUT"
-timeout 200 python -m pytest -q -p no:cacheprovider tests/test_mma_kernels.py 2>&1 | tail -6
+timeout 200 python -m pytest -q -p no:cacheprovider tests/test_mma_kernels.py tests/test_gguf_quant.py \
+  "tests/test_decode_attention.py::test_gemma4_target_rows_are_bitwise_independent_of_the_block" 2>&1 | tail -6
 timeout "$MODEL_S" python scripts/gpu/gguf_run.py "$OUT/model" --skip-kernels --budget-s $(( MODEL_S - 35 )) \
   > "$OUT/gguf_model.log" 2>&1
 grep -E "^\(c\) (baseline|steps|DFlash)|peak memory|checks|rror" "$OUT/gguf_model.log" | head -30
-timeout $(( TILING_S + 60 )) python scripts/gpu/mma_tilings.py "$OUT" --only "$SETS" --no-rings --budget-s "$TILING_S" \
+if [ -f .llamacpp-bench/make_gguf.py ]; then
+  python3 .llamacpp-bench/make_gguf.py --shape gemma-4-31b --type q4_k_s -o /tmp/kq-gemma.gguf 2>&1 | tail -1
+  timeout "$PREFILL_S" python scripts/gpu/side_by_side_gguf.py measure /tmp/kq-gemma.gguf "$OUT/prefill.json" \
+    --depths 0 --prefill 512,8192 --taus '' --tokens 32 > "$OUT/prefill.log" 2>&1
+  grep -E "plain at|prefill [0-9]|!!" "$OUT/prefill.log"
+  rm -f /tmp/kq-gemma.gguf
+fi
+timeout $(( TILING_S + 60 )) python scripts/gpu/mma_tilings.py "$OUT" --only "$SETS" --budget-s "$TILING_S" \
   > "$OUT/mma_tilings.log" 2>&1
 grep -v -i warn "$OUT/mma_tilings.log" | grep -E "best|MmaTiling|budget|rror|}" | head -30

@@ -73,11 +73,12 @@ def test_the_fused_path_needs_its_plan_and_prepared_weights(tmp_path):
         layers = [layer for layer in target.modules() if isinstance(layer, DecoderLayer)]
         assert all(layer.fused_rows == 0 for layer in layers)  # not prepared yet
         target.prepare()
-        weight = layers[0].self_attn.qkv_weight.clone() if layers[0].self_attn.qkv_weight is not None else None
+        fused = layers[0].self_attn.qkv_proj
+        weight = fused.weight.clone() if fused is not None else None
         target.prepare()
         assert all(layer.fused_rows == rows for layer in layers)
         assert (weight is not None) == plan.fuse_projections
-        assert weight is None or torch.equal(weight, layers[0].self_attn.qkv_weight)  # norms folded in once
+        assert weight is None or torch.equal(weight, layers[0].self_attn.qkv_proj.weight)  # norms folded in once
 
 
 def _randomize_norms(folder):

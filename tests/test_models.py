@@ -159,10 +159,10 @@ def test_fused_projections_same_logits(qwen3_dir, drafter_dir):
     from flashdraft.models import load_model
     engine = Engine.load(qwen3_dir, drafter_dir, device="cpu", context_size=64)
     target = engine.decoder.target
-    assert target.model.layers[0].self_attn.qkv_weight is None  # the CPU default: no fused projections
+    assert target.model.layers[0].self_attn.qkv_proj is None  # the CPU default: no fused projections
     loaded = load_model(qwen3_dir, drafter_dir, device="cpu", context_size=64, plan=LayerPlan(fuse_projections=True))
     fused = Engine(loaded.target, loaded.tokenizer, loaded.drafter, loaded.context_size)
-    assert loaded.target.model.layers[0].self_attn.qkv_weight is not None
+    assert loaded.target.model.layers[0].self_attn.qkv_proj is not None
     ids = torch.randint(0, target.config.vocab_size, (20,))
     with torch.no_grad():
         ref, ref_taps = target(ids, torch.arange(20), target.new_cache(64), 20, tap_ids=[1])

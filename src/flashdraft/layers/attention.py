@@ -93,15 +93,6 @@ class Attention(nn.Module):
         if self.qkv_proj is None:
             attach_fused(self, "qkv_proj", [self.q_proj, self.k_proj, self.v_proj])
 
-    @property
-    def qkv_weight(self) -> torch.Tensor | None:
-        """The fused float q/k/v weight that the fused path reads (None: not fused, or quantized)."""
-        return self.qkv_proj.weight if type(self.qkv_proj) is Linear else None
-
-    @property
-    def qkv_bias(self) -> torch.Tensor | None:
-        return self.qkv_proj.bias if type(self.qkv_proj) is Linear else None
-
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.qkv_proj is None:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -142,7 +133,7 @@ class Attention(nn.Module):
         """h + attention(rms_norm(h)) for a few-row cached pass in four kernels (DecoderLayer.fused_forward): the
         q/k/v GEMM with the input norm (its weight folded into the q/k/v weight), qkv_prep, decode_attention,
         o_proj with the residual add in its epilogue. Needs fused q/k/v weights."""
-        qkv = skinny_linear(h, self.qkv_weight, self.qkv_bias, rms_norm_eps=norm_eps)
+        qkv = skinny_linear(h, self.qkv_proj.weight, self.qkv_proj.bias, rms_norm_eps=norm_eps)
         q = self._prep_into_cache(qkv, cos, sin, positions, cache_k, cache_v, self.n_heads, *self._head_norms())
         out = decode_attention(q.transpose(0, 1), cache_k[:, :kv_len], cache_v[:, :kv_len], _rows_mask(mask))
         return skinny_linear(out, self.o_proj.weight, self.o_proj.bias, residual=h)

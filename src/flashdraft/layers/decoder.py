@@ -25,15 +25,6 @@ class GatedMLP(nn.Module):
         if self.gate_up_proj is None:
             attach_fused(self, "gate_up_proj", [self.gate_proj, self.up_proj])
 
-    @property
-    def gate_up_weight(self) -> torch.Tensor | None:
-        """The fused float gate/up weight that the fused path reads (None: not fused, or quantized)."""
-        return self.gate_up_proj.weight if type(self.gate_up_proj) is Linear else None
-
-    @property
-    def gate_up_bias(self) -> torch.Tensor | None:
-        return self.gate_up_proj.bias if type(self.gate_up_proj) is Linear else None
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -76,7 +67,7 @@ class DecoderLayer(nn.Module):
         mlp = self.mlp
         h = self.self_attn.fused_forward(h, self.input_layernorm.eps, cos, sin, cache_k, cache_v, positions, kv_len,
                                          mask)
-        act = skinny_linear(h, mlp.gate_up_weight, mlp.gate_up_bias, rms_norm_eps=self.post_attention_layernorm.eps,
+        act = skinny_linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, rms_norm_eps=self.post_attention_layernorm.eps,
                             gated=True)
         return skinny_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)
 
@@ -93,15 +84,16 @@ class DecoderLayer(nn.Module):
             return
         attn.fuse_projections()
         mlp.fuse_projections()
-        if not (self.plan.fused and attn.qkv_weight is not None and mlp.gate_up_weight is not None
-                and type(attn.o_proj) is Linear and type(mlp.down_proj) is Linear  # fused_forward reads weights
+        # fused_forward reads the float weights of the fused projections, o_proj and down_proj
+        floats = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not (self.plan.fused and all(type(p) is Linear for p in floats)
                 and decode_attention.supports(attn.head_dim) and attn.head_dim in qkv_prep.HEAD_DIMS):
             return
         if attn.context_projection:
             attn.k_proj.weight = nn.Parameter(attn.k_proj.weight.clone(), requires_grad=False)
             attn.v_proj.weight = nn.Parameter(attn.v_proj.weight.clone(), requires_grad=False)
-        for norm, weight in ((self.input_layernorm, attn.qkv_weight),
-                             (self.post_attention_layernorm, mlp.gate_up_weight)):
+        for norm, weight in ((self.input_layernorm, attn.qkv_proj.weight),
+                             (self.post_attention_layernorm, mlp.gate_up_proj.weight)):
             fold_norm_weight(weight, norm.weight)
             norm.weight.fill_(1.0)
         self.fused_rows = self.plan.max_rows

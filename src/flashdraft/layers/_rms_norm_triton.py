@@ -1,0 +1,39 @@
+"""The Triton kernel behind flashdraft.layers.rms_norm_rows (imported on first use, so that importing flashdraft
+never needs Triton and a CPU test can still set TRITON_INTERPRET first).
+
+One program per row, the whole row in one block: the row's sum of squares is one tl.reduce over its own values,
+so nothing depends on how many rows the pass has (batch invariance). Arithmetic is float32, rounded to the tensor
+dtype where elementwise.rms_norm's eager path rounds: after the residual add, after the normalization and after
+the weight product (a product or sum of two bf16/fp16 values rounded once, as torch's op rounds it). Only the sum
+of squares can differ from torch's in its last bits (its own summation order).
+"""
+import triton
+import triton.language as tl
+
+from flashdraft.kernels.split_reduce_triton import add, round_like
+
+
+@triton.jit
+def _round(v, dtype: tl.constexpr, EMULATE: tl.constexpr):
+    """float32 v rounded to dtype, kept in float32 (EMULATE: by hand, as the interpreter's casts truncate)."""
+    if EMULATE:
+        return round_like(v, dtype)
+    else:
+        return v.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, stride_x, stride_r, stride_s, stride_y, N, eps,
+                    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    dtype = y_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:  # s = x + r in dtype, the sum that is normalized
+        x = _round(x + tl.load(r_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32), dtype, EMULATE)
+        tl.store(s_ptr + row * stride_s + cols, x.to(dtype), mask=ok)
+    inv_rms = tl.math.rsqrt(tl.reduce(x * x, 0, add) / N + eps)
+    y = _round(tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32) * _round(x * inv_rms, dtype, EMULATE),
+               dtype, EMULATE)
+    tl.store(y_ptr + row * stride_y + cols, y.to(dtype), mask=ok)

@@ -14,7 +14,7 @@ from triton_interpreter import interpret_without_gpu  # noqa: E402
 
 from flashdraft.config import SamplingParams  # noqa: E402
 from flashdraft.engine.generator import Engine  # noqa: E402
-from flashdraft.layers import decode_attention, qkv_prep, skinny_gemm  # noqa: E402
+from flashdraft.layers import decode_attention, qkv_prep, rms_norm_rows, skinny_gemm  # noqa: E402
 from flashdraft.layers import DecoderLayer, LayerPlan  # noqa: E402
 from flashdraft.models import load_model  # noqa: E402
 from test_lossless import InlineGraphs, logging_oracle, without_warm_up_repeats  # noqa: E402
@@ -23,6 +23,7 @@ from tiny_models import build_drafter, build_target  # noqa: E402
 interpret_without_gpu("flashdraft.layers._skinny_triton", skinny_gemm._kernels)
 interpret_without_gpu("flashdraft.layers._attention_triton", decode_attention._kernels)
 interpret_without_gpu("flashdraft.layers._qkv_prep_triton", qkv_prep._kernels)
+interpret_without_gpu("flashdraft.layers._rms_norm_triton", rms_norm_rows._kernels)
 
 FUSED = LayerPlan(gemm="triton", attention="triton", fuse_projections=True)
 
@@ -174,3 +175,86 @@ def test_engines_keep_the_plan_their_models_were_built_with(tmp_path):
     other = load_model(target_dir, drafter_dir, device=DEVICE, dtype=torch.float32, context_size=64).drafter
     with pytest.raises(ValueError, match="different plans"):
         Engine(target, None, other, context_size=64)
+
+
+def _gguf_target(tmp_path, seed):
+    """A Qwen3 target (rows of whole 256-weight K-quant blocks) as a Q4_K_S-recipe GGUF: layer 0's attn_v is Q5_K,
+    so its q/k/v stay three products, layer 1's are one; and the folder it came from."""
+    from test_gguf import QUANT_CASES, target_to_gguf
+
+    folder = build_target(tmp_path / "t", family="qwen3", layers=2, hidden=256, seed=seed)
+    _randomize_norms(folder)
+    return target_to_gguf(folder, tmp_path / "t.gguf", QUANT_CASES["Q4_K_S"][0]), folder
+
+
+def test_quant_forward_matches_the_module_path(tmp_path):
+    """Layers with GGUF projections take quant_forward under the fused plan (norms kept, not folded into blocks):
+    outputs and cache rows as the module path's, with q/k/v as three products (layer 0) and as one (layer 1)."""
+    from flashdraft.quant.linear import QuantLinear
+
+    path, _ = _gguf_target(tmp_path, seed=9)
+    target = load_model(path, device=DEVICE, dtype=torch.float32, context_size=64, plan=FUSED).target
+    target.prepare()
+    layers = target.model.layers
+    assert all(layer.fused_rows == 16 and not layer.norms_folded for layer in layers)
+    assert layers[0].self_attn.qkv_proj is None and isinstance(layers[1].self_attn.qkv_proj, QuantLinear)
+    T, start = 5, 20
+    positions = torch.arange(start, start + T, device=DEVICE)
+    cos, sin = target.rope(positions)
+    kv_len = start + T
+    mask = torch.arange(kv_len, device=DEVICE)[None, :] <= positions[:, None]
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(T, target.config.hidden_size, generator=g).to(DEVICE)
+    history = [torch.randn(target.config.num_key_value_heads, 32, target.config.head_dim, generator=g).to(DEVICE)
+               for _ in range(2)]
+    for layer in layers:
+        outs, caches = [], []
+        for run in (layer.forward, layer.module_forward):
+            cache_k, cache_v = history[0].clone(), history[1].clone()
+            with torch.inference_mode():
+                outs.append(run(h, cos, sin, cache_k, cache_v, positions, kv_len, mask))
+            caches.append((cache_k, cache_v))
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(outs[0], h, atol=1e-3)
+        for quant_cache, module_cache in zip(*caches):
+            torch.testing.assert_close(quant_cache, module_cache, rtol=1e-5, atol=1e-5)
+
+
+def test_engine_quant_path_is_lossless(tmp_path):
+    """A GGUF target under both Triton backends: its layers take quant_forward, are not compiled (a compiled layer
+    gave a token other bits in a verify block than alone on the H200), plain steps are one row; greedy DFlash
+    equals plain decoding, eager and pipelined through the graph stand-in, and the cuBLAS / SDPA engine."""
+    path, folder = _gguf_target(tmp_path, seed=10)
+    drafter_dir = build_drafter(tmp_path / "d", folder, block_size=4, seed=10)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompt = list(range(5, 25))
+    load = dict(device=DEVICE, dtype=torch.float32, context_size=64)
+    ref = Engine.load(path, drafter_dir, gemm="cublas", attention="sdpa", **load).generate(prompt, params, 0).tokens
+    engine = Engine.load(path, drafter_dir, gemm="triton", attention="triton", **load)
+    decoder = engine.decoder
+    assert decoder.fused_target and decoder._plain_rows() == 1
+    assert not any(getattr(m, "_compiled_call_impl", None) for m in decoder.target.modules())
+    assert engine.generate(prompt, params, 0).tokens == ref
+    if not ON_CUDA:
+        decoder.graphs = InlineGraphs()
+    assert engine.generate(prompt, params, 3).tokens == ref
+    assert ON_CUDA or "step" in decoder.graphs.keys  # pipelined
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="bitwise batch invariance is the GPU kernels' property")
+def test_gguf_target_rows_are_bitwise_independent_of_the_block(tmp_path):
+    """What lossless greedy DFlash rests on for a Qwen3 GGUF target, in bf16 as the engine builds it: a token's
+    logits are the same bits verified inside a 16-token block as decoded alone (its compiled layers failed this on
+    the H200; scripts/gpu/invariance_check.py does the same on a full-size file)."""
+    path, _ = _gguf_target(tmp_path, seed=11)
+    target = Engine.load(path, device="cuda", dtype=torch.bfloat16, context_size=128).decoder.target
+    start, n = 37, 16
+    ids = torch.randint(0, target.config.vocab_size, (start + n,), generator=torch.Generator().manual_seed(2)).cuda()
+    cache = target.new_cache(start + 64)
+    kv = start + 32
+    with torch.inference_mode():
+        target(ids[:start], torch.arange(start, device="cuda"), cache, start)
+        block = target(ids[start:], torch.arange(start, start + n, device="cuda"), cache, kv)[0]
+        alone = [target(ids[start + i:start + i + 1], torch.tensor([start + i], device="cuda"), cache, kv)[0]
+                 for i in range(n)]
+    assert all(torch.equal(block[i], row[0]) for i, row in enumerate(alone))

@@ -128,6 +128,18 @@ class Attention(nn.Module):
         out = grouped_attention(q[None], keys[None], values[None], mask)
         return self.o_proj(out[0].transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
 
+    def prepped_forward(self, x, cos, sin, cache_k, cache_v, positions, kv_len: int,
+                        mask: torch.Tensor | None) -> torch.Tensor:
+        """attention(x) for a few-row cached pass of normed rows x: the q/k/v products (one where they are fused),
+        qkv_prep (q/k norm, RoPE, cache writes: one kernel), decode_attention and o_proj (DecoderLayer.quant_forward)."""
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(x)
+        else:
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        q = self._prep_into_cache(qkv, cos, sin, positions, cache_k, cache_v, self.n_heads, *self._head_norms())
+        return self.o_proj(decode_attention(q.transpose(0, 1), cache_k[:, :kv_len], cache_v[:, :kv_len],
+                                            _rows_mask(mask)))
+
     def fused_forward(self, h, norm_eps: float, cos, sin, cache_k, cache_v, positions, kv_len: int,
                       mask: torch.Tensor | None) -> torch.Tensor:
         """h + attention(rms_norm(h)) for a few-row cached pass in four kernels (DecoderLayer.fused_forward): the

@@ -6,6 +6,7 @@ from flashdraft.layers import decode_attention, qkv_prep
 from flashdraft.layers.attention import Attention
 from flashdraft.layers.elementwise import RMSNorm, silu_mul
 from flashdraft.layers.plan import LayerPlan
+from flashdraft.layers.rms_norm_rows import rms_norm_rows
 from flashdraft.layers.skinny_gemm import Linear, attach_fused, fold_norm_weight, skinny_linear
 
 
@@ -46,11 +47,13 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, plan, context_projection)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, plan)
-        self.fused_rows = 0  # > 0 once prepared for the fused path: passes of up to this many tokens take it
+        self.fused_rows = 0  # > 0 once prepared for a fused path: passes of up to this many tokens take it
+        self.norms_folded = False  # that path is fused_forward (float weights, norms folded in), else quant_forward
 
     def forward(self, h, cos, sin, cache_k, cache_v, positions, kv_len: int, mask: torch.Tensor | None):
         if h.shape[0] <= self.fused_rows:
-            return self.fused_forward(h, cos, sin, cache_k, cache_v, positions, kv_len, mask)
+            path = self.fused_forward if self.norms_folded else self.quant_forward
+            return path(h, cos, sin, cache_k, cache_v, positions, kv_len, mask)
         return self.module_forward(h, cos, sin, cache_k, cache_v, positions, kv_len, mask)
 
     def module_forward(self, h, cos, sin, cache_k, cache_v, positions, kv_len: int, mask: torch.Tensor | None):
@@ -71,6 +74,17 @@ class DecoderLayer(nn.Module):
                             gated=True)
         return skinny_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)
 
+    def quant_forward(self, h, cos, sin, cache_k, cache_v, positions, kv_len: int, mask: torch.Tensor | None):
+        """The same block for projections held as GGUF blocks, whose kernels cannot take a norm or an epilogue:
+        the quantized products, each RMSNorm one kernel (the second with the residual add before it), q/k norm,
+        RoPE and the cache writes one kernel (qkv_prep), attention, and eager SwiGLU and residual add. Every
+        kernel computes a row from that row alone, so a token's bits are the same in a verify block as alone,
+        which the compiled module path did not give (rms_norm_rows)."""
+        h, x = rms_norm_rows(h, self.input_layernorm.weight, self.input_layernorm.eps)
+        attn = self.self_attn.prepped_forward(x, cos, sin, cache_k, cache_v, positions, kv_len, mask)
+        h, x = rms_norm_rows(h, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps, attn)
+        return h + self.mlp(x)
+
     @torch.no_grad()
     def prepare(self) -> None:
         """Lay the loaded weights out for the plan, once: fused q/k/v and gate/up projections (plan
@@ -84,10 +98,13 @@ class DecoderLayer(nn.Module):
             return
         attn.fuse_projections()
         mlp.fuse_projections()
-        # fused_forward reads the float weights of the fused projections, o_proj and down_proj
+        if not (self.plan.fused and decode_attention.supports(attn.head_dim) and attn.head_dim in qkv_prep.HEAD_DIMS):
+            return
+        # fused_forward reads the float weights of the fused projections, o_proj and down_proj; other
+        # projections (GGUF blocks) take quant_forward, with the norms as they are
         floats = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not (self.plan.fused and all(type(p) is Linear for p in floats)
-                and decode_attention.supports(attn.head_dim) and attn.head_dim in qkv_prep.HEAD_DIMS):
+        if not all(type(p) is Linear for p in floats):
+            self.fused_rows = self.plan.max_rows
             return
         if attn.context_projection:
             attn.k_proj.weight = nn.Parameter(attn.k_proj.weight.clone(), requires_grad=False)
@@ -96,4 +113,4 @@ class DecoderLayer(nn.Module):
                              (self.post_attention_layernorm, mlp.gate_up_proj.weight)):
             fold_norm_weight(weight, norm.weight)
             norm.weight.fill_(1.0)
-        self.fused_rows = self.plan.max_rows
+        self.fused_rows, self.norms_folded = self.plan.max_rows, True

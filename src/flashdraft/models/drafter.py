@@ -76,7 +76,7 @@ class DFlashDrafter(nn.Module):
         (docs/performance.md)."""
         for layer in self.layers:
             layer.prepare()
-        if self.context_fused_rows or not all(layer.fused_rows for layer in self.layers):
+        if self.context_fused_rows or not all(layer.norms_folded for layer in self.layers):
             return
         for layer in self.layers:
             attn = layer.self_attn

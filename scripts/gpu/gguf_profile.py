@@ -1,6 +1,7 @@
 """Where the Q4_K_S-shaped Gemma-4-31B's decode step spends its time (issue #18, item 2): per-kernel CUDA time of
 one plain step (T = 1) and one verify step (T = 16), eager (no graphs, so every kernel is its own record), grouped
-by kernel family, next to the graphed step's wall time.
+by kernel family, next to the graphed step's wall time; and a 512-token prefill pass (eager), where pp512 reached
+half of its prediction with the dequantized copy (docs/performance.md).
 
 Usage (GPU machine, repo root): PYTHONPATH=src python scripts/gpu/gguf_profile.py OUT
 """
@@ -21,7 +22,7 @@ from flashdraft.engine.generator import Engine  # noqa: E402
 from flashdraft.config import SamplingParams  # noqa: E402
 
 FAMILIES = (("k-quant mma", ("kq_mma",)), ("compiled layer ops", ("triton_poi", "triton_red", "triton_per")),
-            ("split reduce", ("split_reduce",)),
+            ("split reduce", ("split_reduce",)), ("dequantize", ("_dequantize",)),
             ("triton quant matmul", ("_quant_matmul",)), ("attention", ("attention", "attn", "flash", "sdpa")),
             ("norm", ("norm", "rms")), ("gemm (float)", ("gemm", "gemv", "nvjet", "cutlass", "sm90")),
             ("copy / cat / index", ("copy", "cat", "index", "gather", "scatter")),
@@ -54,9 +55,13 @@ def main() -> int:
         decoder = engine.decoder
         decoder.prefill(seq, prompt, params, 0)
         start = len(prompt)
-        for t_len in (1, 16):
+        for t_len in (1, 16) if graphs else (1, 16, 512):
             tokens = torch.arange(1, t_len + 1, device=dev)
             step = lambda: decoder.target_pass(seq, tokens, start)  # noqa: E731
+            if t_len > 16:  # as a prefill pass runs: the last row's logits only
+                row = torch.tensor([t_len - 1], device=dev)
+                step = lambda: decoder.target(tokens, decoder._positions(start, t_len), seq.target_cache,  # noqa: E731
+                                              start + t_len, decoder.tap_ids, logits_row=row)
             with torch.inference_mode():
                 for _ in range(3):
                     step()

@@ -2,8 +2,9 @@
 # Issue #18: the CUDA k-quant kernel (kquant_mma.cu), the fused projections and the prefill path on the H200, in one
 # device call:
 #   1. the GPU tests: the kernel (results against dequantize + matmul, batch invariance, rings' bits), the quantized
-#      Linear's kernels (Triton, the dequantized copy of prefill passes), Gemma 4 rows bitwise independent of the
-#      block (now with fused q/k/v and gate/up)
+#      Linear's kernels (Triton, the dequantized copy of prefill passes), the fused layer paths (a GGUF Qwen3's
+#      quant_forward), Gemma 4 and GGUF Qwen3 rows bitwise independent of the block; then invariance_check.py on a
+#      full-size Qwen3-8B Q4_K_M file
 #   2. scripts/gpu/gguf_run.py --skip-kernels on the Q4_K_S-shaped Gemma-4-31B (step times, baseline and DFlash
 #      tok/s, same tokens), to set beside docs/performance.md's figures; KQ_MODEL_S seconds at most
 #   3. prefill of 512 and 8192 tokens and plain decoding on the file make_gguf.py writes (side_by_side_gguf.py
@@ -20,7 +21,13 @@ PREFILL_S=${KQ_PREFILL_S:-120}
 TILING_S=${KQ_TILING_S:-60}
 mkdir -p "$OUT"
 timeout 200 python -m pytest -q -p no:cacheprovider tests/test_mma_kernels.py tests/test_gguf_quant.py \
+  tests/test_rms_norm_rows.py tests/test_fused_layers.py \
   "tests/test_decode_attention.py::test_gemma4_target_rows_are_bitwise_independent_of_the_block" 2>&1 | tail -6
+if [ -f .llamacpp-bench/make_gguf.py ]; then  # the Qwen3 Q4_K_M target's rows in a block against alone, full size
+  python3 .llamacpp-bench/make_gguf.py --shape qwen3-8b --type q4_k_m -o /tmp/kq-qwen.gguf 2>&1 | tail -1
+  timeout 120 python scripts/gpu/invariance_check.py /tmp/kq-qwen.gguf 2>&1 | grep -E "MISMATCH|checked|target"
+  rm -f /tmp/kq-qwen.gguf
+fi
 timeout "$MODEL_S" python scripts/gpu/gguf_run.py "$OUT/model" --skip-kernels --budget-s $(( MODEL_S - 35 )) \
   > "$OUT/gguf_model.log" 2>&1
 grep -E "^\(c\) (baseline|steps|DFlash)|peak memory|checks|rror" "$OUT/gguf_model.log" | head -30

@@ -111,3 +111,27 @@ def test_tilings_for_few_and_many_rows_must_split_k_alike():
     x = torch.randn(3, 1024, device="cuda").bfloat16()
     with pytest.raises(ValueError, match="split K differently"):
         mma_kernels.launch(x, blocks, 64, "Q4_K", (MmaTiling(1, 2, 2, 1), MmaTiling(1, 2, 4, 1)))
+
+
+@cuda
+@pytest.mark.parametrize("qtype", list(mma_kernels.QTYPES))
+def test_split_k_is_one_launch_the_same_bits_every_time_and_leaves_the_counts_at_zero(qtype):
+    """With K split, the warp that finishes a column's last range adds every range's sums in range order (no reduce
+    launch): one kernel per product, the same bits on every launch whichever warp comes last, the split result
+    the unsplit one up to fp32 summation order, and the arrival counts zero again for the next product."""
+    from torch.profiler import ProfilerActivity, profile
+
+    n, k = 1040, 4096
+    blocks = torch.from_numpy(random_blocks(qtype, rows=n, blocks_per_row=k // 256)).cuda()
+    x = torch.randn(16, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2)).bfloat16()
+    whole = mma_kernels.launch(x, blocks, n, qtype, MmaTiling(1, 2, 1, 1)).float()
+    split = MmaTiling(1, 2, 8, 1)
+    first = mma_kernels.launch(x, blocks, n, qtype, split)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        runs = [mma_kernels.launch(x[:m], blocks, n, qtype, split) for m in (16, 16, 3, 16, 1, 16)]
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == len(runs) and all("kq_mma" in name for name in kernels), kernels
+    assert all(torch.equal(run, first[:run.shape[0]]) for run in runs)
+    assert ((first.float() - whole).abs() <= 2 ** -7 * whole.abs() + 1e-3 * whole.abs().max()).all()
+    assert not mma_kernels._counters(torch.cuda.current_device()).any()

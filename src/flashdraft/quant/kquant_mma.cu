@@ -1,11 +1,12 @@
 // GGUF k-quant weights (Q4_K, Q5_K, Q6_K) times 1-16 rows of bf16 x on the tensor cores, from register fragments
 // (no block barriers). Compiled at first use by NVRTC (flashdraft.quant.mma_kernels): kq_mma with QTYPE (4, 5 or 6),
-// R_TILES, NT, WARPS, MINB and STAGES defined in front of this text, once per type and tiling; q_split_reduce, which
-// depends on none of them, without.
+// R_TILES, NT, WARPS, MINB and STAGES defined in front of this text, once per type and tiling.
 //
-// W: GGUF blocks, row-major uint8 [N, K / 256 * BLOCK_BYTES]. X: bf16 [M, K], M <= 8 * NT. P: float32 partial sums
-// [split, M, N], one K range (a split) each, added in split order by q_split_reduce; with one K range (gridDim.y
-// 1) the kernel rounds its sums to bf16 into Y [M, N] itself, as q_split_reduce would, and P is not touched.
+// W: GGUF blocks, row-major uint8 [N, K / 256 * BLOCK_BYTES]. X: bf16 [M, K], M <= 8 * NT. With one K range
+// (gridDim.y 1) the kernel rounds its sums to bf16 into Y [M, N]. With several (a split), each warp writes its
+// range's sums into P, float32 [split, M, N], and counts itself in C[its warp column] (uint32, zero between
+// launches); the warp that counts last for its rows adds their split sums in range order 0, 1, ... (the same adds
+// whichever warp that is), rounds them into Y and sets its count back to zero: no reduce launch of its own.
 //
 // Q4_K and Q5_K (one part of the kernel). Each warp owns R_TILES tiles of 16 weight rows and one K range. Per 32-weight
 // sub-block j of a super-block the tensor cores form s_j = x . (128 + q) for NT tiles of 8 tokens (bf16 128 + q is
@@ -129,9 +130,12 @@ __device__ __forceinline__ void start_sums(float (&tot)[R_TILES][NT][4], const u
     }
 }
 
-// The warp's sums: rounded to bf16 into Y with one K range, else into this range's partial sums.
+// The warp's sums: rounded to bf16 into Y with one K range; else into this range's partial sums, and, from the
+// warp that finishes its rows' last range, every range's sums added in range order and rounded into Y.
 __device__ __forceinline__ void store_sums(const float (&tot)[R_TILES][NT][4], float *__restrict__ P,
-                                           u16 *__restrict__ Y, int M, int N, int tile0, int g, int c) {
+                                           u16 *__restrict__ Y, unsigned int *__restrict__ C, int M, int N,
+                                           int tile0, int lane) {
+    const int g = lane >> 2, c = lane & 3;
     float *out = P + (size_t)blockIdx.y * M * N;
 #pragma unroll
     for (int r = 0; r < R_TILES; ++r) {
@@ -149,6 +153,24 @@ __device__ __forceinline__ void store_sums(const float (&tot)[R_TILES][NT][4], f
                     out[at] = tot[r][nt][i];
             }
     }
+    if (gridDim.y == 1) return;
+    __threadfence();  // this lane's partial sums are visible to every block before its warp is counted
+    __syncwarp();
+    unsigned int *count = C + tile0 / R_TILES;
+    unsigned int before = 0;
+    if (lane == 0) before = atomicAdd(count, 1u);
+    if (__shfl_sync(0xFFFFFFFFu, before, 0) != gridDim.y - 1) return;
+    __threadfence();  // the last to count: every range's sums are written
+    const int rows = R_TILES * 16;
+    for (int idx = lane; idx < rows * M; idx += 32) {  // consecutive lanes, consecutive features of one token
+        const int token = idx / rows, n = tile0 * 16 + idx % rows;
+        if (n >= N) continue;
+        const size_t at = (size_t)token * N + n;
+        float v = __ldcg(P + at);  // L2, not this multiprocessor's L1: other blocks wrote them
+        for (int s = 1; s < gridDim.y; ++s) v += __ldcg(P + (size_t)s * M * N + at);
+        Y[at] = f32_to_bf16_bits(v);
+    }
+    if (lane == 0) *count = 0;  // every warp of these rows has counted: ready for the next launch
 }
 
 #if STAGES > 0
@@ -182,7 +204,7 @@ __device__ __forceinline__ float sbyte_to_f32(u32 packed, int j, u32 two23) {
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)
 kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__restrict__ P, u16 *__restrict__ Y,
-        int M, int N, int nsb, int sb_per_split) {
+       unsigned int *__restrict__ C, int M, int N, int nsb, int sb_per_split) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, c = lane & 3;
     const int tile0 = (blockIdx.x * WARPS + warp) * R_TILES;
@@ -464,15 +486,6 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
         }
     }
 #endif  // QTYPE
-    store_sums(tot, P, Y, M, N, tile0, g, c);
+    store_sums(tot, P, Y, C, M, N, tile0, lane);
 }
 #endif  // R_TILES
-
-// y[m][n] = bf16(p[0][m][n] + p[1][m][n] + ...), always in split order.
-extern "C" __global__ void q_split_reduce(const float *__restrict__ P, u16 *__restrict__ Y, int split, int MN) {
-    int idx = blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= MN) return;
-    float v = P[idx];
-    for (int s = 1; s < split; ++s) v += P[(size_t)s * MN + idx];
-    Y[idx] = f32_to_bf16_bits(v);
-}

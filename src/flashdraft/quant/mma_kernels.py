@@ -119,7 +119,7 @@ def _builds(tilings: tuple[MmaTiling, MmaTiling], qtype: str, device_index: int)
     if torch.cuda.get_device_capability(device_index) < (8, 0) or not hasattr(torch.cuda, "_compile_kernel"):
         return False
     try:
-        _reduce_kernel(device_index)
+        _counters(device_index)
         for nt, tiling in enumerate(tilings, 1):
             _matmul_kernel(_code_of(tiling), nt, qtype, device_index)
     except Exception as e:  # noqa: BLE001 - any failure (no NVRTC, a driver error) means: use the Triton kernels
@@ -147,11 +147,14 @@ def _matmul_kernel(tiling: MmaTiling, nt: int, qtype: str, device_index: int):
     return kernel
 
 
+MAX_WARP_COLUMNS = 1 << 16  # warps along N of one product (N / 16 / r_tiles); an LM head of 262144 rows takes 16384
+
+
 @functools.cache
-def _reduce_kernel(device_index: int):
-    """q_split_reduce, the same for every tiling: compiled once per GPU."""
-    with torch.cuda.device(device_index):
-        return torch.cuda._compile_kernel(SOURCE.read_text(), "q_split_reduce")
+def _counters(device_index: int) -> torch.Tensor:
+    """The split-K arrival counts of a GPU's products (kquant_mma.cu: zero between launches, which run in stream
+    order): allocated with the first build, outside any CUDA-graph capture."""
+    return torch.zeros(MAX_WARP_COLUMNS, dtype=torch.int32, device=torch.device("cuda", device_index))
 
 
 def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str,
@@ -187,14 +190,14 @@ def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str,
     # both builds at the first call, so that a later M never compiles during CUDA-graph capture
     builds = [_matmul_kernel(_code_of(t), nt, qtype, device_index) for nt, t in enumerate(tilings, 1)]
     matmul, tiling = (builds[0], tilings[0]) if m <= 8 else (builds[1], tilings[1])
-    # one K range: the kernel writes y itself (the partial-sum argument is then never read or written)
+    # one K range: the kernel writes y itself (the partial sums and counts are then never read or written)
     part = torch.empty((tiling.split, m, n), dtype=torch.float32, device=x.device) if tiling.split > 1 else y
     rows_per_block = 16 * tiling.r_tiles * tiling.warps
-    stream = torch.cuda.current_stream(x.device)
-    matmul(grid=(-(-n // rows_per_block), tiling.split, 1), block=(32 * tiling.warps, 1, 1),
-           args=[blocks, x2, part, y, m, n, nsb, nsb // tiling.split], shared_mem=tiling.shared_bytes(qtype),
-           stream=stream)
-    if tiling.split > 1:
-        _reduce_kernel(device_index)(grid=(-(-(m * n) // 256), 1, 1), block=(256, 1, 1),
-                                     args=[part, y, tiling.split, m * n], stream=stream)
+    blocks_n = -(-n // rows_per_block)
+    if blocks_n * tiling.warps > MAX_WARP_COLUMNS:
+        raise ValueError(f"{n} output features in tiles of {16 * tiling.r_tiles} rows take more than "
+                         f"{MAX_WARP_COLUMNS} split-K counts")
+    matmul(grid=(blocks_n, tiling.split, 1), block=(32 * tiling.warps, 1, 1),
+           args=[blocks, x2, part, y, _counters(device_index), m, n, nsb, nsb // tiling.split],
+           shared_mem=tiling.shared_bytes(qtype), stream=torch.cuda.current_stream(x.device))
     return y.reshape(*lead, n)

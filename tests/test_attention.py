@@ -26,3 +26,17 @@ def test_per_head_masks_are_refused():
     q, k = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 3, 8)
     with pytest.raises(ValueError, match="shared by the heads"):
         grouped_attention(q, k, k, torch.ones(1, 4, 2, 3, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("heads,kv_heads,Tq,Tk", [(4, 2, 5, 9), (6, 3, 7, 7), (4, 4, 3, 8)])
+def test_lower_right_causal_bias_matches_its_boolean_mask(heads, kv_heads, Tq, Tk):
+    """A causal bias from the lower right (an eager prefill pass over a cache) attends as the boolean mask of the
+    same shape: query t sees keys up to Tk - Tq + t."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    g = torch.Generator().manual_seed(Tq + Tk)
+    q = torch.randn(1, heads, Tq, 16, generator=g)
+    k, v = torch.randn(2, 1, kv_heads, Tk, 16, generator=g)
+    mask = torch.arange(Tk)[None, :] <= torch.arange(Tk - Tq, Tk)[:, None]
+    torch.testing.assert_close(grouped_attention(q, k, v, causal_lower_right(Tq, Tk)),
+                               grouped_attention(q, k, v, mask), rtol=1e-5, atol=1e-6)

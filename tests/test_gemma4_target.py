@@ -165,7 +165,7 @@ def _run_attention(ours, layer: int, x: torch.Tensor, cache):
     pos = torch.arange(T)
     kind = ours.config.layer_types[layer]
     return ours.model.layers[layer].self_attn(x, *ours._rope(pos)[kind], cache.k[layer], cache.v[layer], cache.ring,
-                                              pos, T, ours._masks(pos, cache, T)[kind])
+                                              pos, T, ours._masks(pos, cache, T, False)[kind])
 
 
 @pytest.mark.parametrize("layer", [0, 2], ids=["sliding", "full"])
@@ -324,3 +324,28 @@ def test_compiled_layers_share_one_graph_per_layer_kind(dense):
     # per kind: one graph for one-token calls (Dynamo specializes size 1) and one for longer calls; plus the first
     # call's trace before the sizes were marked dynamic
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2 * kinds + 1 < 2 * len(compiled.model.layers)
+
+
+
+def causal_and_masked_prefill_agree(model, n: int, taps: list[int]) -> None:
+    """An eager prefill pass (positions kv_len - T .. kv_len - 1) with causal=True attends from the lower right
+    without a mask tensor: logits, taps and the cache as with the boolean mask, over a prefix already in the cache
+    (n tokens in passes of 30, n - 30 and 3; the short one keeps its mask)."""
+    ids = _ids(n, model.config.vocab_size, seed=5)
+    runs = []
+    for causal in (False, True):
+        cache = model.new_cache(n + 8)
+        with torch.no_grad():
+            outs = [model(ids[a:b], torch.arange(a, b), cache, b, taps, causal=causal)
+                    for a, b in ((0, 30), (30, n), (n - 3, n))]
+        runs.append((outs, [t.clone() for t in (*cache.k, *cache.v)]))
+    for a, b in zip(runs[0][0], runs[1][0]):
+        torch.testing.assert_close(a[0], b[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(a[1], b[1], rtol=1e-4, atol=1e-4)
+    for a, b in zip(runs[0][1], runs[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_causal_prefill_passes_match_the_masked_ones(dense):
+    """Gemma 4: the full layers attend from the lower right, the sliding layers keep their masks."""
+    causal_and_masked_prefill_agree(dense[2], LONG, [0, 1])

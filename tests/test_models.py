@@ -10,6 +10,7 @@ from flashdraft.config import ConfigError
 from flashdraft.engine.generator import Engine
 from flashdraft.models import load_target
 from flashdraft.loading.checkpoint import CheckpointError
+from tiny_models import build_target
 
 
 def _hf(path):
@@ -171,3 +172,11 @@ def test_fused_projections_same_logits(qwen3_dir, drafter_dir):
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     assert fused.generate(ids.tolist(), params).tokens == engine.generate(ids.tolist(), params, draft=0).tokens
     assert sum(p.numel() for p in target.parameters()) == sum(p.numel() for p in loaded.target.parameters())
+
+
+def test_causal_prefill_passes_match_the_masked_ones(tmp_path):
+    """Qwen3 (grouped query heads): an eager prefill pass's lower-right causal attention, as with its mask."""
+    from test_gemma4_target import causal_and_masked_prefill_agree
+
+    model = load_target(build_target(tmp_path / "q", family="qwen3", layers=2), 256, "cpu", torch.float32)
+    causal_and_masked_prefill_agree(model, 120, [0, 1])

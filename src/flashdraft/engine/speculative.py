@@ -334,7 +334,7 @@ class SpeculativeDecoder:
                               f"({type(e).__name__}: {e}); prompts run eagerly", RuntimeWarning, stacklevel=2)
                 self._prefill_graph_rows = 0
         logits, taps = graphed or self.target(ids, positions, seq.target_cache, begin + rows, self.tap_ids,
-                                               logits_row=row)
+                                               logits_row=row, causal=True)
         return logits, taps[:real] if taps is not None else None
 
     def graphs_prefill(self, rows: int) -> bool:

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import CausalBias
 
 from flashdraft.config import ModelConfig
 from flashdraft.layers import decode_attention as attention_kernel
@@ -20,9 +21,11 @@ from flashdraft.quant.kv_formats import read_rows, write_rows
 PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor | CausalBias | None) -> torch.Tensor:
     """SDPA of q [b, heads, Tq, hd] over k/v [b, kv_heads, Tk, hd] (grouped query heads: head h reads kv head
-    h // (heads // kv_heads)), mask None or boolean, broadcastable to [b, 1, Tq, Tk].
+    h // (heads // kv_heads)), mask None, boolean (broadcastable to [b, 1, Tq, Tk]) or a CausalBias (causal from
+    the lower right: no mask tensor, and SDPA's flash kernel takes the grouped heads as they are).
 
     With a mask, SDPA's `enable_gqa` falls back on CUDA to its math kernel, which materialises every score in
     float32. Folding each group's query heads into the query length instead ([b, kv_heads, group * Tq, hd],
@@ -34,7 +37,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
 
 def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     heads, kv_heads = q.shape[-3], k.shape[-3]
-    if mask is None or heads == kv_heads:
+    if mask is None or heads == kv_heads or isinstance(mask, CausalBias):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=heads != kv_heads)
     b, group, Tq, hd = q.shape[0], heads // kv_heads, q.shape[-2], q.shape[-1]
     if mask.dim() == 4 and mask.shape[1] != 1:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 from torch.nn.attention import sdpa_kernel
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from flashdraft.config import read_json
 from flashdraft.models.gemma4.config import FULL, SLIDING, Gemma4Config, RopeSpec
@@ -234,7 +235,8 @@ class Gemma4Attention(nn.Module):
             # Every position is below kv_len, so a ring longer than kv_len holds rows only below kv_len: the
             # sliding layers of a short context read that many.
             n = min(kv_len, ring) if self.sliding else kv_len
-            keys, values, mask = cache_k[:, :n], cache_v[:, :n], mask[:, :n]
+            keys, values = cache_k[:, :n], cache_v[:, :n]
+            mask = mask if isinstance(mask, CausalBias) else mask[:, :n]  # a causal bias spans kv_len already
             if T <= self.attention_rows:  # the kernel reads every cache type itself
                 return self.o_proj(decode_attention(q.transpose(0, 1), keys, values, mask, scale=1.0))
             keys, values = read_rows(keys, hd, dtype), read_rows(values, hd, dtype)
@@ -435,13 +437,20 @@ class Gemma4LM(nn.Module):
             out[kind] = (emb.cos(), emb.sin())
         return out
 
-    def _masks(self, positions: torch.Tensor, cache: Gemma4Cache, kv_len: int) -> dict[str, torch.Tensor]:
+    def _masks(self, positions: torch.Tensor, cache: Gemma4Cache, kv_len: int,
+               causal: bool) -> dict[str, torch.Tensor | CausalBias]:
         """Boolean masks [T, keys] per layer type. kv_len may exceed the last position + 1 (a CUDA graph captured for
         a longer length): full layers hide rows past each query, sliding layers decide by stored positions: over
         the ring as this call leaves it (few rows, Gemma4Attention writes first), or over [ring | this call's
-        rows], where ring rows at or after the call's first position are stale."""
+        rows], where ring rows at or after the call's first position are stale. causal (positions kv_len - T ..
+        kv_len - 1) and more rows than the few-row paths take: the full layers' mask is causal from the lower
+        right, no tensor (DecoderLM.forward)."""
         q = positions[:, None]
-        masks = {FULL: torch.arange(kv_len, device=positions.device)[None, :] <= q}
+        T = positions.shape[0]
+        if causal and T > self.plan.max_rows:
+            masks = {FULL: causal_lower_right(T, kv_len)}
+        else:
+            masks = {FULL: torch.arange(kv_len, device=positions.device)[None, :] <= q}
         if SLIDING in self.config.layer_types:
             w = cache.window
             if positions.shape[0] <= RING_IN_PLACE_MAX_T:
@@ -455,15 +464,15 @@ class Gemma4LM(nn.Module):
         return masks
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Gemma4Cache, kv_len: int,
-                tap_ids: list[int] | None = None, logits_row: torch.Tensor | None = None):
+                tap_ids: list[int] | None = None, logits_row: torch.Tensor | None = None, causal: bool = False):
         """tokens [T] at ascending contiguous positions [T], reading full-layer cache rows below kv_len (at least the
-        last position + 1); see DecoderLM.forward.
+        last position + 1); see DecoderLM.forward (causal: for the full layers).
 
         Returns float32 softcapped logits and, with tap_ids, the outputs of those layers (after layer_scalar)
         concatenated in list order.
         """
         T = positions.shape[0]
-        rope, masks = self._rope(positions), self._masks(positions, cache, kv_len)
+        rope, masks = self._rope(positions), self._masks(positions, cache, kv_len, causal)
         h = self.embed(tokens)
         taps, wanted = {}, set(tap_ids or ())
         for i, layer in enumerate(self.model.layers):

@@ -6,6 +6,7 @@ and its explicit head_dim; both come from config.json, so one class serves both 
 """
 import torch
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from flashdraft.config import ModelConfig
 from flashdraft.models.kv_cache import KVCache
@@ -48,8 +49,11 @@ class DecoderLM(nn.Module):
         return KVCache(self.config, capacity, p.device, p.dtype, k_type, v_type)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int,
-                tap_ids: list[int] | None = None, logits_row: torch.Tensor | None = None):
+                tap_ids: list[int] | None = None, logits_row: torch.Tensor | None = None, causal: bool = False):
         """Run tokens [T] at absolute positions [T] (ascending), reading cache rows [0, kv_len).
+        causal: the positions are kv_len - T .. kv_len - 1 (an eager prefill pass), so a pass longer than the
+        few-row paths take attends causally from the lower right with no mask: SDPA's flash kernel, where a boolean
+        mask [T, kv_len], tiled per query group, took the memory-efficient kernel and a float bias of that size.
 
         Returns float32 logits [T, vocab] (or [1, vocab] of row logits_row alone: a prefill pass wants its last real
         row's) and, if tap_ids is given, the outputs of those decoder layers concatenated in list order
@@ -57,8 +61,10 @@ class DecoderLM(nn.Module):
         Tap id i is the output of decoder layer i (HF hidden_states[i + 1]).
         """
         cos, sin = self.rope(positions)
-        # Causal by absolute position: a query sees cache rows at or before its own position.
-        mask = torch.arange(kv_len, device=positions.device)[None, :] <= positions[:, None]
+        if causal and tokens.shape[0] > self.plan.max_rows:
+            mask = causal_lower_right(tokens.shape[0], kv_len)
+        else:  # causal by absolute position: a query sees cache rows at or before its own position
+            mask = torch.arange(kv_len, device=positions.device)[None, :] <= positions[:, None]
         h = self.embed(tokens)
         taps = {}
         wanted = set(tap_ids or ())

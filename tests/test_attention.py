@@ -40,3 +40,16 @@ def test_lower_right_causal_bias_matches_its_boolean_mask(heads, kv_heads, Tq, T
     mask = torch.arange(Tk)[None, :] <= torch.arange(Tk - Tq, Tk)[:, None]
     torch.testing.assert_close(grouped_attention(q, k, v, causal_lower_right(Tq, Tk)),
                                grouped_attention(q, k, v, mask), rtol=1e-5, atol=1e-6)
+
+
+def test_scale_is_passed_through():
+    """Gemma 4 attends with scale 1.0 (its q/k norms): folded or not, grouped_attention applies the given scale."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 5, 16, generator=g)
+    k, v = torch.randn(2, 1, 2, 9, 16, generator=g)
+    mask = torch.rand(5, 9, generator=g) > 0.3
+    mask[:, 0] = True
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask,
+                                         scale=1.0)
+    torch.testing.assert_close(grouped_attention(q, k, v, mask, scale=1.0), ref, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(grouped_attention(q, k, v, mask), ref, atol=1e-3)

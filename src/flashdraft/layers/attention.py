@@ -22,7 +22,7 @@ PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPB
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      mask: torch.Tensor | CausalBias | None) -> torch.Tensor:
+                      mask: torch.Tensor | CausalBias | None, scale: float | None = None) -> torch.Tensor:
     """SDPA of q [b, heads, Tq, hd] over k/v [b, kv_heads, Tk, hd] (grouped query heads: head h reads kv head
     h // (heads // kv_heads)), mask None, boolean (broadcastable to [b, 1, Tq, Tk]) or a CausalBias (causal from
     the lower right: no mask tensor, and SDPA's flash kernel takes the grouped heads as they are).
@@ -30,22 +30,23 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     With a mask, SDPA's `enable_gqa` falls back on CUDA to its math kernel, which materialises every score in
     float32. Folding each group's query heads into the query length instead ([b, kv_heads, group * Tq, hd],
     the mask tiled to match) asks the same of a plain multi-head call that the fused kernels take, and copies
-    no key or value."""
+    no key or value. scale: SDPA's (None: 1 / sqrt(hd))."""
     with sdpa_kernel(PREFILL_SDPA):
-        return _grouped_attention(q, k, v, mask)
+        return _grouped_attention(q, k, v, mask, scale)
 
 
-def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | CausalBias | None,
+                       scale: float | None) -> torch.Tensor:
     heads, kv_heads = q.shape[-3], k.shape[-3]
     if mask is None or heads == kv_heads or isinstance(mask, CausalBias):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=heads != kv_heads)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads)
     b, group, Tq, hd = q.shape[0], heads // kv_heads, q.shape[-2], q.shape[-1]
     if mask.dim() == 4 and mask.shape[1] != 1:
         raise ValueError(f"grouped_attention takes a mask shared by the heads, got shape {list(mask.shape)}")
     mask = mask.reshape(-1, 1, *mask.shape[-2:]) if mask.dim() >= 3 else mask
     if mask.shape[-2] > 1:  # folded query row g * Tq + t is query t of the group's head g
         mask = mask.repeat(*[1] * (mask.dim() - 2), group, 1)
-    folded = F.scaled_dot_product_attention(q.reshape(b, kv_heads, group * Tq, hd), k, v, attn_mask=mask)
+    folded = F.scaled_dot_product_attention(q.reshape(b, kv_heads, group * Tq, hd), k, v, attn_mask=mask, scale=scale)
     return folded.reshape(b, heads, Tq, hd)  # fused kernels may return [b, Tq, heads, hd] strides
 
 

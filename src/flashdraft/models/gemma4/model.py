@@ -24,14 +24,13 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
-from torch.nn.attention import sdpa_kernel
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from flashdraft.config import read_json
 from flashdraft.models.gemma4.config import FULL, SLIDING, Gemma4Config, RopeSpec
 from flashdraft.models.kv_cache import HostArena, check_same_types, copy_all_to, device_of
 from flashdraft.layers import decode_attention as attention_kernel
-from flashdraft.layers.attention import PREFILL_SDPA
+from flashdraft.layers.attention import grouped_attention
 from flashdraft.layers.decode_attention import decode_attention
 from flashdraft.layers.plan import LayerPlan
 from flashdraft.layers.skinny_gemm import Linear, attach_fused
@@ -240,9 +239,8 @@ class Gemma4Attention(nn.Module):
             if T <= self.attention_rows:  # the kernel reads every cache type itself
                 return self.o_proj(decode_attention(q.transpose(0, 1), keys, values, mask, scale=1.0))
             keys, values = read_rows(keys, hd, dtype), read_rows(values, hd, dtype)
-        with sdpa_kernel(PREFILL_SDPA):
-            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
-                                                 scale=1.0, enable_gqa=self.n_heads != self.n_kv)
+        # grouped_attention: a boolean mask with grouped heads took SDPA's math kernel, every score in float32
+        out = grouped_attention(q.transpose(0, 1)[None], keys[None], values[None], mask, scale=1.0)
         return self.o_proj(out[0].transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
 
 

@@ -28,6 +28,20 @@ interpret_without_gpu("flashdraft.layers._rms_norm_triton", rms_norm_rows._kerne
 FUSED = LayerPlan(gemm="triton", attention="triton", fuse_projections=True)
 
 
+def _layer_pass(target, T: int = 5, start: int = 20):
+    """A cached pass of T random rows at positions start.. for one of target's layers: (h, cos, sin, positions,
+    kv_len, mask, history), history the random keys and values of a 32-row cache before it."""
+    positions = torch.arange(start, start + T, device=DEVICE)
+    cos, sin = target.rope(positions)
+    kv_len = start + T
+    mask = torch.arange(kv_len, device=DEVICE)[None, :] <= positions[:, None]
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(T, target.config.hidden_size, generator=g).to(DEVICE)
+    history = [torch.randn(target.config.num_key_value_heads, 32, target.config.head_dim, generator=g).to(DEVICE)
+               for _ in range(2)]
+    return h, cos, sin, positions, kv_len, mask, history
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama"])  # with and without per-head q/k norm
 def test_fused_forward_matches_the_module_path(tmp_path, family):
     """One layer's fused path (norm weights folded into the projections) against the module path of the same
@@ -39,15 +53,7 @@ def test_fused_forward_matches_the_module_path(tmp_path, family):
     assert all(layer.fused_rows == 16 for layer in target.model.layers)
     layer = target.model.layers[1]
     assert torch.equal(layer.input_layernorm.weight, torch.ones_like(layer.input_layernorm.weight))  # folded
-    T, start = 5, 20
-    positions = torch.arange(start, start + T, device=DEVICE)
-    cos, sin = target.rope(positions)
-    kv_len = start + T
-    mask = torch.arange(kv_len, device=DEVICE)[None, :] <= positions[:, None]
-    g = torch.Generator().manual_seed(0)
-    h = torch.randn(T, target.config.hidden_size, generator=g).to(DEVICE)
-    history = [torch.randn(target.config.num_key_value_heads, 32, target.config.head_dim, generator=g).to(DEVICE)
-               for _ in range(2)]
+    h, cos, sin, positions, kv_len, mask, history = _layer_pass(target)
     outs, caches = [], []
     # the fused path, the module path of the same folded weights, the checkpoint as loaded
     for run in (layer.forward, layer.module_forward, original.model.layers[1].forward):
@@ -59,7 +65,7 @@ def test_fused_forward_matches_the_module_path(tmp_path, family):
         torch.testing.assert_close(outs[0], out, rtol=1e-4, atol=1e-4)
         for fused_cache, module_cache in zip(caches[0], cache):
             torch.testing.assert_close(fused_cache, module_cache, rtol=1e-5, atol=1e-5)
-            assert torch.equal(fused_cache[:, :start], module_cache[:, :start])  # rows before the pass untouched
+            assert torch.equal(fused_cache[:, :positions[0]], module_cache[:, :positions[0]])  # rows before the pass untouched
     assert not torch.allclose(outs[0], h, atol=1e-3)  # the layer really did something
 
 
@@ -198,15 +204,7 @@ def test_quant_forward_matches_the_module_path(tmp_path):
     layers = target.model.layers
     assert all(layer.fused_rows == 16 and not layer.norms_folded for layer in layers)
     assert layers[0].self_attn.qkv_proj is None and isinstance(layers[1].self_attn.qkv_proj, QuantLinear)
-    T, start = 5, 20
-    positions = torch.arange(start, start + T, device=DEVICE)
-    cos, sin = target.rope(positions)
-    kv_len = start + T
-    mask = torch.arange(kv_len, device=DEVICE)[None, :] <= positions[:, None]
-    g = torch.Generator().manual_seed(0)
-    h = torch.randn(T, target.config.hidden_size, generator=g).to(DEVICE)
-    history = [torch.randn(target.config.num_key_value_heads, 32, target.config.head_dim, generator=g).to(DEVICE)
-               for _ in range(2)]
+    h, cos, sin, positions, kv_len, mask, history = _layer_pass(target)
     for layer in layers:
         outs, caches = [], []
         for run in (layer.forward, layer.module_forward):

@@ -61,7 +61,7 @@ def main() -> int:
             if t_len > 16:  # as a prefill pass runs: the last row's logits only
                 row = torch.tensor([t_len - 1], device=dev)
                 step = lambda: decoder.target(tokens, decoder._positions(start, t_len), seq.target_cache,  # noqa: E731
-                                              start + t_len, decoder.tap_ids, logits_row=row)
+                                              start + t_len, decoder.tap_ids, logits_row=row, causal=True)
             with torch.inference_mode():
                 for _ in range(3):
                     step()

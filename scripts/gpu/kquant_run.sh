@@ -5,20 +5,18 @@
 #      Linear's kernels (Triton, the dequantized copy of prefill passes), the fused layer paths (a GGUF Qwen3's
 #      quant_forward), Gemma 4 and GGUF Qwen3 rows bitwise independent of the block; then invariance_check.py on a
 #      full-size Qwen3-8B Q4_K_M file
-#   2. scripts/gpu/gguf_run.py --skip-kernels on the Q4_K_S-shaped Gemma-4-31B (step times, baseline and DFlash
-#      tok/s, same tokens), to set beside docs/performance.md's figures; KQ_MODEL_S seconds at most
-#   3. prefill of 512 and 8192 tokens and plain decoding on the file make_gguf.py writes (side_by_side_gguf.py
-#      measure, no DFlash), when .llamacpp-bench is carried; KQ_PREFILL_S seconds at most
-#   4. scripts/gpu/mma_tilings.py on KQ_SETS (direct loads and rings; KQ_TILING_S seconds at most), for TILINGS
+#   2. scripts/gpu/gguf_profile.py on the Q4_K_S-shaped Gemma-4-31B: per-kernel time of a plain step, a verify
+#      step and a 512-token prefill pass (eager), by kernel family, and the graphed steps' times; KQ_PROFILE_S
+#      seconds at most
+#   3. scripts/gpu/mma_tilings.py on KQ_SETS (direct loads and rings; KQ_TILING_S seconds at most), for TILINGS
 #     bash scripts/gpu/kquant_run.sh     # logs and JSON to $OUT; carry .whl (device/README.md) and .llamacpp-bench
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl > /dev/null 2>&1
 export PYTHONPATH=src:/tmp/site PYTHONUNBUFFERED=1  # gguf (for the tests), from .whl
 OUT=${OUT:-/tmp/out}
-SETS=${KQ_SETS:-gemma-q4k-fused,qwen-q4k,qwen-q6k}
-MODEL_S=${KQ_MODEL_S:-180}
-PREFILL_S=${KQ_PREFILL_S:-120}
-TILING_S=${KQ_TILING_S:-60}
+SETS=${KQ_SETS:-gemma-q4k-fused,qwen-q4k-fused,qwen-q4k,qwen-q6k}
+PROFILE_S=${KQ_PROFILE_S:-200}
+TILING_S=${KQ_TILING_S:-90}
 mkdir -p "$OUT"
 timeout 200 python -m pytest -q -p no:cacheprovider tests/test_mma_kernels.py tests/test_gguf_quant.py \
   tests/test_rms_norm_rows.py tests/test_fused_layers.py \
@@ -28,16 +26,8 @@ if [ -f .llamacpp-bench/make_gguf.py ]; then  # the Qwen3 Q4_K_M target's rows i
   timeout 120 python scripts/gpu/invariance_check.py /tmp/kq-qwen.gguf 2>&1 | grep -E "MISMATCH|checked|target"
   rm -f /tmp/kq-qwen.gguf
 fi
-timeout "$MODEL_S" python scripts/gpu/gguf_run.py "$OUT/model" --skip-kernels --budget-s $(( MODEL_S - 35 )) \
-  > "$OUT/gguf_model.log" 2>&1
-grep -E "^\(c\) (baseline|steps|DFlash)|peak memory|checks|rror" "$OUT/gguf_model.log" | head -30
-if [ -f .llamacpp-bench/make_gguf.py ]; then
-  python3 .llamacpp-bench/make_gguf.py --shape gemma-4-31b --type q4_k_s -o /tmp/kq-gemma.gguf 2>&1 | tail -1
-  timeout "$PREFILL_S" python scripts/gpu/side_by_side_gguf.py measure /tmp/kq-gemma.gguf "$OUT/prefill.json" \
-    --depths 0 --prefill 512,8192 --taus '' --tokens 32 > "$OUT/prefill.log" 2>&1
-  grep -E "plain at|prefill [0-9]|!!" "$OUT/prefill.log"
-  rm -f /tmp/kq-gemma.gguf
-fi
+timeout "$PROFILE_S" python scripts/gpu/gguf_profile.py "$OUT/profile" > "$OUT/gguf_profile.log" 2>&1
+grep -v -i warn "$OUT/gguf_profile.log" | grep -E "step|prefill|ms|rror" | head -60
 timeout $(( TILING_S + 60 )) python scripts/gpu/mma_tilings.py "$OUT" --only "$SETS" --budget-s "$TILING_S" \
   > "$OUT/mma_tilings.log" 2>&1
 grep -v -i warn "$OUT/mma_tilings.log" | grep -E "best|MmaTiling|budget|rror|}" | head -30

@@ -53,3 +53,22 @@ def test_scale_is_passed_through():
                                          scale=1.0)
     torch.testing.assert_close(grouped_attention(q, k, v, mask, scale=1.0), ref, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(grouped_attention(q, k, v, mask), ref, atol=1e-3)
+
+
+def test_a_causal_bias_with_grouped_heads_is_folded_where_flash_cannot_take_it(monkeypatch):
+    """Off the flash kernel (here: the CPU), SDPA would meet a causal bias with grouped heads by building its mask
+    and running the math kernel with the key/value heads repeated; grouped_attention builds the boolean mask itself
+    and folds the groups into the query length, as for any mask: one call, no enable_gqa."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        calls.append((q.shape, kwargs.get("enable_gqa", False), type(kwargs.get("attn_mask")).__name__))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    q, k = torch.randn(1, 4, 5, 16), torch.randn(1, 2, 9, 16)
+    grouped_attention(q, k, k, causal_lower_right(5, 9))
+    assert calls == [(torch.Size([1, 2, 10, 16]), False, "Tensor")]

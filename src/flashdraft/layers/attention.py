@@ -3,6 +3,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.backends.cuda import SDPAParams, can_use_flash_attention
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias
 
@@ -25,7 +26,8 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       mask: torch.Tensor | CausalBias | None, scale: float | None = None) -> torch.Tensor:
     """SDPA of q [b, heads, Tq, hd] over k/v [b, kv_heads, Tk, hd] (grouped query heads: head h reads kv head
     h // (heads // kv_heads)), mask None, boolean (broadcastable to [b, 1, Tq, Tk]) or a CausalBias (causal from
-    the lower right: no mask tensor, and SDPA's flash kernel takes the grouped heads as they are).
+    the lower right: no mask tensor where SDPA's flash kernel takes the call, grouped heads as they are; else the
+    boolean mask of it).
 
     With a mask, SDPA's `enable_gqa` falls back on CUDA to its math kernel, which materialises every score in
     float32. Folding each group's query heads into the query length instead ([b, kv_heads, group * Tq, hd],
@@ -38,6 +40,12 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | CausalBias | None,
                        scale: float | None) -> torch.Tensor:
     heads, kv_heads = q.shape[-3], k.shape[-3]
+    if isinstance(mask, CausalBias) and heads != kv_heads \
+            and not can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, True, True)):
+        # only SDPA's flash kernel takes a causal bias with grouped heads as it is (head_dim <= 256, half precision,
+        # CUDA): elsewhere SDPA would build the mask and take its math kernel, so the mask is built here and folded
+        Tq, Tk = q.shape[-2], k.shape[-2]
+        mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)
     if mask is None or heads == kv_heads or isinstance(mask, CausalBias):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads)
     b, group, Tq, hd = q.shape[0], heads // kv_heads, q.shape[-2], q.shape[-1]

@@ -160,6 +160,7 @@ __device__ __forceinline__ void store_sums(const float (&tot)[R_TILES][NT][4], f
     unsigned int before = 0;
     if (lane == 0) before = atomicAdd(count, 1u);
     if (__shfl_sync(0xFFFFFFFFu, before, 0) != gridDim.y - 1) return;
+    __syncwarp();     // (a shuffle orders no memory; the warp's barrier does)
     __threadfence();  // the last to count: every range's sums are written
     const int rows = R_TILES * 16;
     for (int idx = lane; idx < rows * M; idx += 32) {  // consecutive lanes, consecutive features of one token

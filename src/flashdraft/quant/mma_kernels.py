@@ -152,8 +152,9 @@ MAX_WARP_COLUMNS = 1 << 16  # warps along N of one product (N / 16 / r_tiles); a
 
 @functools.cache
 def _counters(device_index: int) -> torch.Tensor:
-    """The split-K arrival counts of a GPU's products (kquant_mma.cu: zero between launches, which run in stream
-    order): allocated with the first build, outside any CUDA-graph capture."""
+    """The split-K arrival counts of a GPU's products (kquant_mma.cu: zero between launches): allocated with the
+    first build, outside any CUDA-graph capture. One buffer for the GPU, so two split products must not run at
+    once (the engine runs its products in one stream's order; concurrent ones could count into each other)."""
     return torch.zeros(MAX_WARP_COLUMNS, dtype=torch.int32, device=torch.device("cuda", device_index))
 
 

@@ -219,11 +219,14 @@ def test_quant_forward_matches_the_module_path(tmp_path):
 
 
 def test_engine_quant_path_is_lossless(tmp_path):
-    """A GGUF target under both Triton backends: its layers take quant_forward, are not compiled (a compiled layer
+    """A GGUF target and drafter under both Triton backends: their layers take quant_forward, are not compiled (a compiled layer
     gave a token other bits in a verify block than alone on the H200), plain steps are one row; greedy DFlash
     equals plain decoding, eager and pipelined through the graph stand-in, and the cuBLAS / SDPA engine."""
+    from test_gguf import drafter_to_gguf
+
     path, folder = _gguf_target(tmp_path, seed=10)
-    drafter_dir = build_drafter(tmp_path / "d", folder, block_size=4, seed=10)
+    drafter_dir = drafter_to_gguf(build_drafter(tmp_path / "d", folder, block_size=4, seed=10), tmp_path / "d.gguf",
+                                  "upstream", lambda name: "Q8_0")
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     prompt = list(range(5, 25))
     load = dict(device=DEVICE, dtype=torch.float32, context_size=64)
@@ -231,6 +234,9 @@ def test_engine_quant_path_is_lossless(tmp_path):
     engine = Engine.load(path, drafter_dir, gemm="triton", attention="triton", **load)
     decoder = engine.decoder
     assert decoder.fused_target and decoder._plain_rows() == 1
+    # the drafter's GGUF layers take quant_forward too; its context rows keep the module path (no float weights)
+    assert all(layer.fused_rows == 16 and not layer.norms_folded for layer in decoder.drafter.layers)
+    assert decoder.drafter.context_fused_rows == 0
     assert not any(getattr(m, "_compiled_call_impl", None) for m in decoder.target.modules())
     assert engine.generate(prompt, params, 0).tokens == ref
     if not ON_CUDA:

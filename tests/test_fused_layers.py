@@ -219,9 +219,10 @@ def test_quant_forward_matches_the_module_path(tmp_path):
 
 
 def test_engine_quant_path_is_lossless(tmp_path):
-    """A GGUF target and drafter under both Triton backends: their layers take quant_forward, are not compiled (a compiled layer
-    gave a token other bits in a verify block than alone on the H200), plain steps are one row; greedy DFlash
-    equals plain decoding, eager and pipelined through the graph stand-in, and the cuBLAS / SDPA engine."""
+    """A GGUF target and drafter under both Triton backends: their layers take quant_forward and are not compiled
+    (a compiled layer gave a token other bits in a verify block than alone on the H200), plain steps are one row;
+    greedy DFlash equals plain decoding, eager and pipelined through the graph stand-in, and the cuBLAS / SDPA
+    engine."""
     from test_gguf import drafter_to_gguf
 
     path, folder = _gguf_target(tmp_path, seed=10)

@@ -143,7 +143,8 @@ class Attention(nn.Module):
     def prepped_forward(self, x, cos, sin, cache_k, cache_v, positions, kv_len: int,
                         mask: torch.Tensor | None) -> torch.Tensor:
         """attention(x) for a few-row cached pass of normed rows x: the q/k/v products (one where they are fused),
-        qkv_prep (q/k norm, RoPE, cache writes: one kernel), decode_attention and o_proj (DecoderLayer.quant_forward)."""
+        qkv_prep (q/k norm, RoPE, cache writes: one kernel), decode_attention and o_proj
+        (DecoderLayer.quant_forward)."""
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x)
         else:

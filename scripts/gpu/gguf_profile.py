@@ -3,7 +3,8 @@ one plain step (T = 1) and one verify step (T = 16), eager (no graphs, so every 
 by kernel family, next to the graphed step's wall time; and a 512-token prefill pass (eager), where pp512 reached
 half of its prediction with the dequantized copy (docs/performance.md).
 
-Usage (GPU machine, repo root): PYTHONPATH=src python scripts/gpu/gguf_profile.py OUT
+Usage (GPU machine, repo root): PYTHONPATH=src python scripts/gpu/gguf_profile.py OUT [FILE.gguf]
+FILE: that model instead (no drafter), e.g. make_gguf.py's Qwen3-8B Q4_K_M.
 """
 from __future__ import annotations
 
@@ -42,8 +43,16 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    run = gguf_run.Run(out, 600.0, False)
-    target, drafter, info = gguf_run.build_models(run, dev, torch.bfloat16, gen, 1024, False, "Q5_K")
+    if len(sys.argv) > 2:
+        from flashdraft.engine.model_prep import resolve_plan
+        from flashdraft.models import load_model
+
+        loaded = load_model(sys.argv[2], device=dev, dtype=torch.bfloat16, context_size=1024,
+                            plan=resolve_plan(dev, block_size=16))
+        target, drafter, info = loaded.target, None, {"file": sys.argv[2]}
+    else:
+        run = gguf_run.Run(out, 600.0, False)
+        target, drafter, info = gguf_run.build_models(run, dev, torch.bfloat16, gen, 1024, False, "Q5_K")
     result = {"info": {k: v for k, v in info.items() if isinstance(v, (int, float, str))}}
     for graphs in (True, False):
         engine = Engine(target, None, drafter, context_size=1024, cuda_graphs=graphs)  # compiled layers on CUDA

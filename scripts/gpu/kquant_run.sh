@@ -4,7 +4,7 @@
 #   1. the GPU tests: the kernel (results against dequantize + matmul, batch invariance, rings' bits), the quantized
 #      Linear's kernels (Triton, the dequantized copy of prefill passes), the fused layer paths (a GGUF Qwen3's
 #      quant_forward), Gemma 4 and GGUF Qwen3 rows bitwise independent of the block; then invariance_check.py on a
-#      full-size Qwen3-8B Q4_K_M file
+#      full-size Qwen3-8B Q4_K_M file, and gguf_profile.py's per-kernel profile of that file's steps
 #   2. scripts/gpu/gguf_profile.py on the Q4_K_S-shaped Gemma-4-31B: per-kernel time of a plain step, a verify
 #      step and a 512-token prefill pass (eager), by kernel family, and the graphed steps' times; KQ_PROFILE_S
 #      seconds at most
@@ -24,6 +24,8 @@ timeout 200 python -m pytest -q -p no:cacheprovider tests/test_mma_kernels.py te
 if [ -f .llamacpp-bench/make_gguf.py ]; then  # the Qwen3 Q4_K_M target's rows in a block against alone, full size
   python3 .llamacpp-bench/make_gguf.py --shape qwen3-8b --type q4_k_m -o /tmp/kq-qwen.gguf 2>&1 | tail -1
   timeout 120 python scripts/gpu/invariance_check.py /tmp/kq-qwen.gguf 2>&1 | grep -E "MISMATCH|checked|target"
+  timeout 120 python scripts/gpu/gguf_profile.py "$OUT/profile-qwen" /tmp/kq-qwen.gguf > "$OUT/qwen_profile.log" 2>&1
+  grep -v -i warn "$OUT/qwen_profile.log" | grep -E "step|ms|rror" | head -40
   rm -f /tmp/kq-qwen.gguf
 fi
 timeout "$PROFILE_S" python scripts/gpu/gguf_profile.py "$OUT/profile" > "$OUT/gguf_profile.log" 2>&1

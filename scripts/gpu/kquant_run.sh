@@ -15,16 +15,16 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 export PYTHONPATH=src:/tmp/site PYTHONUNBUFFERED=1  # gguf (for the tests), from .whl
 OUT=${OUT:-/tmp/out}
 SETS=${KQ_SETS:-gemma-q4k-fused,qwen-q4k-fused,qwen-q4k,qwen-q6k}
-PROFILE_S=${KQ_PROFILE_S:-200}
-TILING_S=${KQ_TILING_S:-90}
+PROFILE_S=${KQ_PROFILE_S:-150}
+TILING_S=${KQ_TILING_S:-60}
 mkdir -p "$OUT"
 timeout 200 python -m pytest -q -p no:cacheprovider tests/test_mma_kernels.py tests/test_gguf_quant.py \
   tests/test_rms_norm_rows.py tests/test_fused_layers.py \
   "tests/test_decode_attention.py::test_gemma4_target_rows_are_bitwise_independent_of_the_block" 2>&1 | tail -6
 if [ -f .llamacpp-bench/make_gguf.py ]; then  # the Qwen3 Q4_K_M target's rows in a block against alone, full size
   python3 .llamacpp-bench/make_gguf.py --shape qwen3-8b --type q4_k_m -o /tmp/kq-qwen.gguf 2>&1 | tail -1
-  timeout 120 python scripts/gpu/invariance_check.py /tmp/kq-qwen.gguf 2>&1 | grep -E "MISMATCH|checked|target"
-  timeout 120 python scripts/gpu/gguf_profile.py "$OUT/profile-qwen" /tmp/kq-qwen.gguf > "$OUT/qwen_profile.log" 2>&1
+  timeout 90 python scripts/gpu/invariance_check.py /tmp/kq-qwen.gguf 2>&1 | grep -E "MISMATCH|checked|target"
+  timeout 90 python scripts/gpu/gguf_profile.py "$OUT/profile-qwen" /tmp/kq-qwen.gguf > "$OUT/qwen_profile.log" 2>&1
   grep -v -i warn "$OUT/qwen_profile.log" | grep -E "step|ms|rror" | head -40
   rm -f /tmp/kq-qwen.gguf
 fi

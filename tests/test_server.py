@@ -353,6 +353,50 @@ def test_client_disconnect_stops_generation(server, stream):
     assert metric(server, "llamacpp:n_decode_total") == steps
 
 
+def test_many_streams_join_and_leave_each_as_it_would_alone(qwen3_dir, drafter_dir, engine, tmp_path):
+    """Six streams on four slots (issue #23's case): clients join while others run, one hangs up after three
+    chunks, and every stream that finishes gives its prompt's text alone (greedy, DFlash on); then the slots are
+    free and a new request is served as alone."""
+    srv = ServerProcess(["-m", str(qwen3_dir), "-md", str(drafter_dir), "-c", "256", "-np", "4", "-t", "1",
+                         "--api-key", KEY, "--spec-type", "dflash"], tmp_path / "server.log")
+    try:
+        prompts = {"a": PROMPT, "b": "The quick brown fox", "c": "class Stack:", "d": "def add(a, b):",
+                   "e": "import os", "f": "x = [1, 2, 3]"}
+        tokens = 96
+        expected = {k: greedy(engine, tokens, prompt=p, ignore_eos=True) for k, p in prompts.items() if k != "c"}
+        results: dict[str, str] = {}
+
+        def run(key: str) -> None:
+            body = {"prompt": prompts[key], "max_tokens": tokens, "stream": True, "ignore_eos": True}
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, headers=AUTH, timeout=120) as r:
+                text = []
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        text += [c["text"] for c in json.loads(line[6:])["choices"]]
+                        if key == "c" and len(text) == 3:
+                            return  # hangs up mid-stream
+            results[key] = "".join(text)
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in prompts]
+        for t in threads:
+            t.start()
+            time.sleep(0.03)
+        for t in threads:
+            t.join(120)
+        assert results == expected
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            slots = httpx.get(srv.url + "/slots", headers=AUTH, timeout=10).json()
+            if not any(s["is_processing"] for s in slots):
+                break
+            time.sleep(0.05)
+        assert len(slots) == 4 and not any(s["is_processing"] for s in slots)
+        assert sum(s["requests"] for s in slots) == len(prompts)
+        run("a")
+        assert results["a"] == expected["a"]
+    finally:
+        srv.stop()
+
 def test_slot_state_shows_a_policy_state_when_it_has_one():
     class Policy:
         def state(self):

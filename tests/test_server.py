@@ -353,11 +353,21 @@ def test_client_disconnect_stops_generation(server, stream):
     assert metric(server, "llamacpp:n_decode_total") == steps
 
 
-def test_many_streams_join_and_leave_each_as_it_would_alone(qwen3_dir, drafter_dir, engine, tmp_path):
-    """Six streams on four slots (issue #23's case): clients join while others run, one hangs up after three
-    chunks, and every stream that finishes gives its prompt's text alone (greedy, DFlash on); then the slots are
-    free and a new request is served as alone."""
-    srv = ServerProcess(["-m", str(qwen3_dir), "-md", str(drafter_dir), "-c", "256", "-np", "4", "-t", "1",
+@pytest.mark.parametrize("pair", ["tiny", "demo"])
+def test_many_streams_join_and_leave_each_as_it_would_alone(request, tmp_path, pair):
+    """Six streams on four slots (issue #23's case), on the tiny pair and the demo pair: clients join while others
+    run, one hangs up after three chunks, and every stream that finishes gives its prompt's text alone (greedy,
+    DFlash on); then the slots are free and a new request is served as alone."""
+    if pair == "tiny":
+        target, drafter = request.getfixturevalue("qwen3_dir"), request.getfixturevalue("drafter_dir")
+        engine = request.getfixturevalue("engine")
+    else:
+        from flashdraft.demo import demo_paths
+        from flashdraft.engine.generator import Engine
+
+        target, drafter = demo_paths()
+        engine = Engine.load(target, drafter, device="cpu", context_size=256)
+    srv = ServerProcess(["-m", str(target), "-md", str(drafter), "-c", "256", "-np", "4", "-t", "1",
                          "--api-key", KEY, "--spec-type", "dflash"], tmp_path / "server.log")
     try:
         prompts = {"a": PROMPT, "b": "The quick brown fox", "c": "class Stack:", "d": "def add(a, b):",

@@ -126,3 +126,21 @@ def test_gemma4_ring_keeps_a_prefix_only_while_its_window_is_held(tmp_path):
     branch = prompt + [9, 9, 9]
     assert engine.decoder.reusable_rows(seq2, branch) == 0
     assert run(engine, branch, seq2, draft=0).tokens == run(engine, branch, engine.new_sequence(), False, 0).tokens
+
+
+def test_shared_prefix_finds_the_first_difference_around_its_chunks():
+    """shared_prefix compares chunks of tokens, then tokens: the first difference wherever it falls (in a chunk, on
+    its edges, none at all) and whichever list is shorter."""
+    import random
+
+    from flashdraft.engine.speculative import shared_prefix
+
+    rng = random.Random(0)
+    a = [rng.randrange(5000) for _ in range(1000)]
+    for at in (0, 1, 5, 255, 256, 257, 511, 512, 999):
+        b = a[:at] + [a[at] + 1] + a[at + 1:]
+        assert shared_prefix(a, b) == shared_prefix(b, a) == at
+        assert shared_prefix(a, b, chunk=7) == at
+    for cut in (0, 1, 256, 300, 1000):
+        assert shared_prefix(a, a[:cut]) == shared_prefix(a[:cut], a) == cut
+    assert shared_prefix(a, list(a)) == 1000 and shared_prefix([], a) == 0

@@ -293,6 +293,25 @@ def stream_lines(server, body: dict, arrivals: list, results: dict, key: str, he
         results[key] = "".join(text)
 
 
+def run_staggered(threads: list[threading.Thread], gap: float) -> None:
+    """Start the threads gap seconds apart (clients joining while others run), then wait for all."""
+    for t in threads:
+        t.start()
+        time.sleep(gap)
+    for t in threads:
+        t.join(120)
+
+
+def idle_slots(url: str) -> list[dict]:
+    """/slots once no slot is processing (or after 5 s)."""
+    deadline = time.monotonic() + 5
+    while True:
+        slots = httpx.get(url + "/slots", headers=AUTH, timeout=10).json()
+        if not any(s["is_processing"] for s in slots) or time.monotonic() > deadline:
+            return slots
+        time.sleep(0.05)
+
+
 def test_concurrent_clients_share_slots_fairly(server, engine):
     """Three streams on two slots: all finish with the engine's greedy text, the first two interleave, and
     /health answers at once while they run."""
@@ -305,11 +324,7 @@ def test_concurrent_clients_share_slots_fairly(server, engine):
     threads = [threading.Thread(target=stream_lines, args=(server, {**body, "prompt": p}, arrivals, results, k,
                                                            health_seconds))
                for k, p in prompts.items()]
-    for t in threads:
-        t.start()
-        time.sleep(0.05)
-    for t in threads:
-        t.join(120)
+    run_staggered(threads, 0.05)
     assert results == expected
     order = [k for _, k in sorted(arrivals)]
     assert order.index("b") < len(order) - 1 - order[::-1].index("a"), "slot b waited for a to finish"
@@ -340,12 +355,7 @@ def test_client_disconnect_stops_generation(server, stream):
                 if any(s["is_processing"] for s in httpx.get(server.url + "/slots", headers=AUTH, timeout=10).json()):
                     break
                 time.sleep(0.005)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        slots = httpx.get(server.url + "/slots", headers=AUTH, timeout=10).json()
-        if not any(s["is_processing"] for s in slots):
-            break
-        time.sleep(0.05)
+    slots = idle_slots(server.url)
     assert not any(s["is_processing"] for s in slots), "the slot kept generating after the client left"
     assert max(s["n_decoded"] for s in slots) < 200
     steps = metric(server, "llamacpp:n_decode_total")
@@ -387,19 +397,9 @@ def test_many_streams_join_and_leave_each_as_it_would_alone(request, tmp_path, p
                             return  # hangs up mid-stream
             results[key] = "".join(text)
 
-        threads = [threading.Thread(target=run, args=(k,)) for k in prompts]
-        for t in threads:
-            t.start()
-            time.sleep(0.03)
-        for t in threads:
-            t.join(120)
+        run_staggered([threading.Thread(target=run, args=(k,)) for k in prompts], 0.03)
         assert results == expected
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            slots = httpx.get(srv.url + "/slots", headers=AUTH, timeout=10).json()
-            if not any(s["is_processing"] for s in slots):
-                break
-            time.sleep(0.05)
+        slots = idle_slots(srv.url)
         assert len(slots) == 4 and not any(s["is_processing"] for s in slots)
         assert sum(s["requests"] for s in slots) == len(prompts)
         run("a")

@@ -72,3 +72,26 @@ def test_a_causal_bias_with_grouped_heads_is_folded_where_flash_cannot_take_it(m
     q, k = torch.randn(1, 4, 5, 16), torch.randn(1, 2, 9, 16)
     grouped_attention(q, k, k, causal_lower_right(5, 9))
     assert calls == [(torch.Size([1, 2, 10, 16]), False, "Tensor")]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="SDPA's flash kernel runs on CUDA")
+@pytest.mark.parametrize("Tq,Tk", [(512, 512), (512, 4096), (100, 3000)])
+def test_lower_right_causal_passes_over_a_cache_run_the_flash_kernel(Tq, Tk):
+    """A prefill pass over a cache (fewer queries than keys) with grouped heads runs SDPA's flash kernel, no mask
+    tensor: the question put to can_use_flash_attention once asked for upper-left causal attention, which flash
+    refuses when the lengths differ, and every such pass took the masked kernel at a quarter of the speed."""
+    from torch.nn.attention.bias import causal_lower_right
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator(device="cuda").manual_seed(Tq)
+    q = torch.randn(1, 32, Tq, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = torch.randn(2, 1, 8, Tk, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = grouped_attention(q, k, v, causal_lower_right(Tq, Tk))
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    assert any("flash" in name.lower() for name in kernels), kernels
+    mask = torch.arange(Tk, device="cuda")[None, :] <= torch.arange(Tk - Tq, Tk, device="cuda")[:, None]
+    ref = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(4, 1),
+                                         v.float().repeat_interleave(4, 1), attn_mask=mask)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)

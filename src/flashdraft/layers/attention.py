@@ -41,9 +41,12 @@ def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
                        scale: float | None) -> torch.Tensor:
     heads, kv_heads = q.shape[-3], k.shape[-3]
     if isinstance(mask, CausalBias) and heads != kv_heads \
-            and not can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, True, True)):
+            and not can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, True)):
         # only SDPA's flash kernel takes a causal bias with grouped heads as it is (head_dim <= 256, half precision,
-        # CUDA): elsewhere SDPA would build the mask and take its math kernel, so the mask is built here and folded
+        # CUDA): elsewhere SDPA would build the mask and take its math kernel, so the mask is built here and folded.
+        # The bias asks the question as SDPA's dispatch of it does, is_causal False: with True, flash refuses every
+        # pass whose query and key lengths differ (an upper-left causal one), which was every prefill pass over a
+        # cache (docs/performance.md)
         Tq, Tk = q.shape[-2], k.shape[-2]
         mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)
     if mask is None or heads == kv_heads or isinstance(mask, CausalBias):

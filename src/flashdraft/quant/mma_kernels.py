@@ -72,11 +72,13 @@ TILINGS: dict[tuple[str, int, int], tuple[MmaTiling, MmaTiling]] = {
     ("Q4_K", 16384, 5376): (MmaTiling(1, 4, 1, 1, 3), MmaTiling(1, 2, 1, 1, 3)),  # full q: 22.9 / 32.2 us
     ("Q4_K", 2048, 5376): (MmaTiling(1, 4, 7, 1, 3), MmaTiling(1, 4, 7, 1)),      # full k: 7.8 / 9.4 us
     ("Q4_K", 5376, 16384): (MmaTiling(2, 2, 8, 1), MmaTiling(1, 2, 8, 6)),        # full o: 25.4 / 37.4 us
-    # Gemma 4's fused projections (sliding q|k|v is full q's shape, above). Not measured yet: the tilings of the
-    # shapes with the same K and per-warp work, twice or 1.1 times the rows (default_tiling would split K 3 and 7
-    # ways and add a reduce launch; on full q the default measured 17-28% slower than its adopted pair)
-    ("Q4_K", 43008, 5376): (MmaTiling(1, 4, 1, 2, 3), MmaTiling(1, 2, 1, 6)),     # gate|up, as gate/up
-    ("Q4_K", 18432, 5376): (MmaTiling(1, 4, 1, 1, 3), MmaTiling(1, 2, 1, 1, 3)),  # full q|k, as full q
+    # fused projections (gate|up; Gemma 4's full q|k, its sliding q|k|v being full q's shape; Qwen3-8B's q|k|v),
+    # and Qwen3-8B's Q4_K shapes: the same sweep, 2026-12-03 evening (docs/perf/h200-sbs-2026-12-03-eve)
+    ("Q4_K", 43008, 5376): (MmaTiling(2, 2, 1, 1, 3), MmaTiling(1, 2, 1, 6)),     # Gemma gate|up: 51.4 / 83.7 us
+    ("Q4_K", 18432, 5376): (MmaTiling(1, 4, 1, 1, 3), MmaTiling(1, 2, 1, 6)),     # Gemma full q|k: 28.4 / 43.7 us
+    ("Q4_K", 6144, 4096): (MmaTiling(1, 4, 4, 1), MmaTiling(1, 2, 4, 6)),        # Qwen q|k|v: 10.2 / 17.0 us
+    ("Q4_K", 24576, 4096): (MmaTiling(1, 4, 1, 1, 3), MmaTiling(1, 2, 1, 6)),     # Qwen gate|up: 23.9 / 36.6 us
+    ("Q4_K", 4096, 4096): (MmaTiling(1, 2, 2, 1, 3), MmaTiling(1, 2, 2, 1, 3)),   # Qwen q, o: 8.8 / 13.8 us
 }
 MAX_SPLIT = 16
 BLOCKS_PER_SM = 12   # enough warps in flight to cover the loads' latency (the measured tilings give 10-18)

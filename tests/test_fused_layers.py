@@ -264,3 +264,42 @@ def test_gguf_target_rows_are_bitwise_independent_of_the_block(tmp_path):
         alone = [target(ids[start + i:start + i + 1], torch.tensor([start + i], device="cuda"), cache, kv)[0]
                  for i in range(n)]
     assert all(torch.equal(block[i], row[0]) for i, row in enumerate(alone))
+
+
+def test_compile_layers_compiles_only_the_module_path_of_a_fused_layer(tmp_path, monkeypatch):
+    """compile_layers leaves a fused layer's few-row path uncompiled (its kernels are batch-invariant, a compiled
+    layer's were not) and compiles the module path that longer passes (prefill) take: a pass within fused_rows does
+    not reach what torch.compile returned, a longer one does, with the module path's output and cache rows.
+    (torch.compile is a recording stand-in here: Inductor on the CPU would take most of a minute.)"""
+    from flashdraft.engine.model_prep import compile_layers
+
+    compiled_rows = []
+
+    def recording_compile(fn, **kwargs):
+        assert kwargs == {"dynamic": True}
+
+        def run(h, *args):
+            compiled_rows.append(h.shape[0])
+            return fn(h, *args)
+        return run
+
+    folder = build_target(tmp_path / "q", family="qwen3", seed=4)
+    target = load_model(folder, device=DEVICE, dtype=torch.float32, context_size=64, plan=FUSED).target
+    target.prepare()
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    compile_layers(target)
+    compile_layers(target)  # once
+    layer = target.model.layers[1]
+    assert layer.fused_rows == 16 and getattr(layer, "_compiled_call_impl", None) is None
+    for T, start in ((5, 20), (20, 10)):
+        h, cos, sin, positions, kv_len, mask, history = _layer_pass(target, T=T, start=start)
+        outs, caches = [], []
+        for run in (layer.forward, layer.module_forward):
+            cache_k, cache_v = history[0].clone(), history[1].clone()
+            with torch.inference_mode():
+                outs.append(run(h, cos, sin, cache_k, cache_v, positions, kv_len, mask))
+            caches.append((cache_k, cache_v))
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+        for a, b in zip(*caches):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert compiled_rows == [20]

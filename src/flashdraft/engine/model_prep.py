@@ -68,14 +68,15 @@ def resolve_plan(device: torch.device | str, gemm: str | None = None, attention:
 def compile_layers(*models: nn.Module) -> None:
     """torch.compile each decoder layer on neither fused path (regional compilation: the layers of a kind share one
     compiled graph, so compile time does not grow with depth); fuses every elementwise op of a layer around its
-    GEMMs and attention. A DecoderLayer on a fused path (fused_forward, quant_forward) is left uncompiled: its
-    kernels compute each row from that row alone, so a one-row pass rounds exactly as a multi-row one, which a
-    compiled Qwen3 layer did not give on the H200 (docs/performance.md). Gemma 4's compiled layers keep that
-    property in the GPU test test_gemma4_target_rows_are_bitwise_independent_of_the_block."""
+    GEMMs and attention. Of a DecoderLayer on a fused path (fused_forward, quant_forward) only the module path
+    that longer passes take (compile_module_path): the fused paths' kernels compute each row from that row alone,
+    so a one-row pass rounds exactly as a multi-row one, which a compiled Qwen3 layer did not give on the H200
+    (docs/performance.md). Gemma 4's compiled layers keep that property in the GPU test
+    test_gemma4_target_rows_are_bitwise_independent_of_the_block."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for model in models:
         for m in model.modules():
-            fused = isinstance(m, DecoderLayer) and m.fused_rows
-            if isinstance(m, (DecoderLayer, Gemma4DecoderLayer)) and not fused \
-                    and getattr(m, "_compiled_call_impl", None) is None:
+            if isinstance(m, DecoderLayer) and m.fused_rows:
+                m.compile_module_path()
+            elif isinstance(m, (DecoderLayer, Gemma4DecoderLayer)) and getattr(m, "_compiled_call_impl", None) is None:
                 m.compile(dynamic=True)

@@ -222,11 +222,11 @@ class SpeculativeDecoder:
         fused = [[layer.fused_rows > 0 for layer in m.modules() if isinstance(layer, DecoderLayer)] for m in models]
         # every one of the target's layers on the fused path (then plain steps need no padding row)
         self.fused_target = bool(fused[0]) and all(fused[0])
-        # On CUDA by default, compiled layers where the fused path is not taken (docs/performance.md)
-        to_compile = [m for m, layers in zip(models, fused) if not any(layers)]
-        self.compiled = compiles(self.device, compile) and bool(to_compile)
-        if self.compiled:
-            compile_layers(*to_compile)
+        # On CUDA by default, compiled layers where the fused path is not taken, and the fused layers' module path
+        # (prefill) alone; compiled: whether steps run compiled layers (docs/performance.md)
+        self.compiled = compiles(self.device, compile) and not all(any(layers) for layers in fused)
+        if compiles(self.device, compile):
+            compile_layers(*models)
 
     @property
     def max_draft(self) -> int:

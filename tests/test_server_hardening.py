@@ -126,6 +126,8 @@ REPROS = [
     ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', "not valid JSON"),
     ("/v1/completions", b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}", "not valid JSON"),
     ("/v1/completions", b'{"prompt": "\xff\xfe"}', "not valid JSON"),
+    ("/v1/completions", b'{"prompt": "' + b"x" * 20000 + b'", "temperature": NaN}', "not valid JSON"),
+    ("/v1/completions", b'{"prompt": "' + b"x" * 20000 + b'", "seed": ' + DIGITS + b"}", "'seed' is out of range"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 7_000_000}]}, "over the limit of"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}] * 65}, "more than the context size"),
     ("/v1/completions", {"prompt": "x" * (MAX_CHARS_PER_TOKEN * 64 + 1)}, "'prompt' has 1025 characters"),

@@ -1,7 +1,8 @@
 """Where the Q4_K_S-shaped Gemma-4-31B's decode step spends its time (issue #18, item 2): per-kernel CUDA time of
-one plain step (T = 1) and one verify step (T = 16), eager (no graphs, so every kernel is its own record), grouped
-by kernel family, next to the graphed step's wall time; and a 512-token prefill pass (eager), where pp512 reached
-half of its prediction with the dequantized copy (docs/performance.md).
+one plain step (T = 1), one verify step (T = 16) and one pass of the Q5_K drafter (its DFlash step's draft), eager
+(no graphs, so every kernel is its own record), grouped by kernel family, next to the graphed passes' wall time;
+and a 512-token prefill pass (eager), where pp512 reached half of its prediction with the dequantized copy
+(docs/performance.md).
 
 Usage (GPU machine, repo root): PYTHONPATH=src python scripts/gpu/gguf_profile.py OUT [FILE.gguf]
 FILE: that model instead (no drafter), e.g. make_gguf.py's Qwen3-8B Q4_K_M.
@@ -64,21 +65,26 @@ def main() -> int:
         decoder = engine.decoder
         decoder.prefill(seq, prompt, params, 0)
         start = len(prompt)
-        for t_len in (1, 16) if graphs else (1, 16, 512):
+        steps = [("step T=1", 1), ("step T=16", 16)] + ([("draft pass", 0)] if drafter is not None else [])
+        for name, t_len in steps + ([] if graphs else [("prefill T=512", 512)]):
             tokens = torch.arange(1, t_len + 1, device=dev)
             step = lambda: decoder.target_pass(seq, tokens, start)  # noqa: E731
             if t_len > 16:  # as a prefill pass runs: the last row's logits only
                 row = torch.tensor([t_len - 1], device=dev)
                 step = lambda: decoder.target(tokens, decoder._positions(start, t_len), seq.target_cache,  # noqa: E731
                                               start + t_len, decoder.tap_ids, logits_row=row, causal=True)
+            if t_len == 0:  # the drafter's pass of a DFlash step, five accepted rows' context projected first
+                def step():
+                    seq.state.ctx_rows.fill_(5)
+                    return decoder.draft(seq, decoder.block_size - 1)
             with torch.inference_mode():
                 for _ in range(3):
                     step()
             torch.cuda.synchronize()
             if graphs:
                 ms = 1000 * gguf_run.median_s(step, dev, 20)
-                result[f"graphed_T{t_len}_ms"] = ms
-                print(f"graphed step T={t_len}: {ms:.2f} ms", flush=True)
+                result[f"graphed {name} ms"] = ms
+                print(f"graphed {name}: {ms:.2f} ms", flush=True)
                 continue
             with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.inference_mode():
                 for _ in range(3):
@@ -94,14 +100,14 @@ def main() -> int:
                     names[ev.name[:90]] += us
                     counts[family(ev.name)] += 1
             total = sum(fams.values())
-            print(f"eager step T={t_len}: kernel time {total / 1000:.2f} ms in {sum(counts.values()) // 3} kernels",
+            print(f"eager {name}: kernel time {total / 1000:.2f} ms in {sum(counts.values()) // 3} kernels",
                   flush=True)
             for fam, us in sorted(fams.items(), key=lambda kv: -kv[1]):
                 print(f"  {fam:22s} {us / 1000:7.2f} ms  {counts[fam] // 3:5d} kernels", flush=True)
             print("  top kernels:", flush=True)
             for name, us in sorted(names.items(), key=lambda kv: -kv[1])[:14]:
                 print(f"    {us / 1000:7.3f} ms  {name}", flush=True)
-            result[f"eager_T{t_len}"] = {"kernel_ms": total / 1000, "families_ms": {k: v / 1000 for k, v in fams.items()},
+            result[f"eager {name}"] = {"kernel_ms": total / 1000, "families_ms": {k: v / 1000 for k, v in fams.items()},
                                          "kernels": {k: v // 3 for k, v in counts.items()},
                                          "top": {k: v / 1000 for k, v in sorted(names.items(), key=lambda kv: -kv[1])[:30]}}
         del engine, seq

@@ -39,6 +39,21 @@ def round_like(v, dtype: tl.constexpr):
         return v
 
 
+@triton.jit
+def round_to(v, dtype: tl.constexpr, EMULATE: tl.constexpr):
+    """float32 v rounded to `dtype` (nearest, ties to even), kept in float32: the rounding of an eager torch op
+    whose result is stored in dtype. EMULATE: round bf16 on the bits, for Triton's interpreter, whose casts to bf16
+    truncate (in 64 bits: the interpreter checks every narrower integer sum for overflow, which is slow)."""
+    if dtype == tl.float32:
+        return v
+    elif EMULATE and dtype == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True).to(tl.int64)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.uint32).to(tl.float32, bitcast=True)
+    else:
+        return v.to(dtype).to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["M"])
 def split_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
                         SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, r_ptr=None, stride_rm=0,

@@ -20,24 +20,7 @@ its rsqrt is the hardware approximation, as torch's is).
 import triton
 import triton.language as tl
 
-from flashdraft.kernels.split_reduce_triton import add
-
-# The rounding helper is defined here rather than imported, so that it is decorated with this module's kernel.
-
-
-@triton.jit
-def _round(v, dtype: tl.constexpr, EMULATE: tl.constexpr):
-    """float32 v rounded to `dtype` (nearest, ties to even), kept in float32. EMULATE: round bf16 on the bits, for
-    Triton's interpreter, whose casts to bf16 truncate."""
-    if dtype == tl.float32:
-        return v
-    elif EMULATE and dtype == tl.bfloat16:
-        # in 64 bits: the interpreter checks every narrower integer sum for overflow, which is slow
-        bits = v.to(tl.uint32, bitcast=True).to(tl.int64)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.uint32).to(tl.float32, bitcast=True)
-    else:
-        return v.to(dtype).to(tl.float32)
+from flashdraft.kernels.split_reduce_triton import add, round_to
 
 
 @triton.jit
@@ -62,14 +45,15 @@ def qkv_prep_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_norm_ptr, k_norm_ptr, 
             norm_ptr = q_norm_ptr
         else:
             norm_ptr = k_norm_ptr
-        x = _round(tl.load(norm_ptr + d).to(tl.float32) * _round(x * inv_rms, dtype, EMULATE), dtype, EMULATE)
-        x_swapped = _round(tl.load(norm_ptr + swapped).to(tl.float32) * _round(x_swapped * inv_rms, dtype, EMULATE),
-                           dtype, EMULATE)
+        x = round_to(tl.load(norm_ptr + d).to(tl.float32) * round_to(x * inv_rms, dtype, EMULATE), dtype, EMULATE)
+        x_swapped = round_to(tl.load(norm_ptr + swapped).to(tl.float32)
+                             * round_to(x_swapped * inv_rms, dtype, EMULATE), dtype, EMULATE)
     rotated = tl.where(d < half, -x_swapped, x_swapped)
     # x * cos + rotate_half(x) * sin with cos and sin cast to dtype, each product and the sum rounded to dtype
-    cos = _round(tl.load(cos_ptr + t * stride_cos + d).to(tl.float32), dtype, EMULATE)
-    sin = _round(tl.load(sin_ptr + t * stride_sin + d).to(tl.float32), dtype, EMULATE)
-    out = _round(_round(x * cos, dtype, EMULATE) + _round(rotated * sin, dtype, EMULATE), dtype, EMULATE).to(dtype)
+    cos = round_to(tl.load(cos_ptr + t * stride_cos + d).to(tl.float32), dtype, EMULATE)
+    sin = round_to(tl.load(sin_ptr + t * stride_sin + d).to(tl.float32), dtype, EMULATE)
+    out = round_to(round_to(x * cos, dtype, EMULATE) + round_to(rotated * sin, dtype, EMULATE), dtype, EMULATE)
+    out = out.to(dtype)
     if slot < N_HEADS:
         tl.store(q_ptr + (t * N_HEADS + slot) * D + d, out)
     else:

@@ -10,16 +10,7 @@ of squares can differ from torch's in its last bits (its own summation order).
 import triton
 import triton.language as tl
 
-from flashdraft.kernels.split_reduce_triton import add, round_like
-
-
-@triton.jit
-def _round(v, dtype: tl.constexpr, EMULATE: tl.constexpr):
-    """float32 v rounded to dtype, kept in float32 (EMULATE: by hand, as the interpreter's casts truncate)."""
-    if EMULATE:
-        return round_like(v, dtype)
-    else:
-        return v.to(dtype).to(tl.float32)
+from flashdraft.kernels.split_reduce_triton import add, round_to
 
 
 @triton.jit
@@ -31,9 +22,9 @@ def rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, stride_x, stride_r, strid
     ok = cols < N
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:  # s = x + r in dtype, the sum that is normalized
-        x = _round(x + tl.load(r_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32), dtype, EMULATE)
+        x = round_to(x + tl.load(r_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32), dtype, EMULATE)
         tl.store(s_ptr + row * stride_s + cols, x.to(dtype), mask=ok)
     inv_rms = tl.math.rsqrt(tl.reduce(x * x, 0, add) / N + eps)
-    y = _round(tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32) * _round(x * inv_rms, dtype, EMULATE),
+    y = round_to(tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32) * round_to(x * inv_rms, dtype, EMULATE),
                dtype, EMULATE)
     tl.store(y_ptr + row * stride_y + cols, y.to(dtype), mask=ok)

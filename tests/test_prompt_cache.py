@@ -125,6 +125,50 @@ def test_a_host_arena_gives_views_all_or_none_and_takes_back_freed_bytes():
     assert arena.free_bytes() == 1024
 
 
+def test_an_arena_lays_a_group_of_views_one_after_another_and_takes_each_back_alone():
+    """take(like, groups): each group's views lie one after another (at 64-byte multiples) in one free range, so that
+    one transfer fills them; all or none across the groups; each view still gives its own bytes back."""
+    from flashdraft.models.kv_cache import ArenaFull, HostArena
+
+    arena = HostArena(1024, pin_memory=False)
+    (gap,) = arena.take([torch.zeros(64, dtype=torch.uint8)])
+    (hole,) = arena.take([torch.zeros(64, dtype=torch.uint8)])
+    del gap  # a free range of 64 bytes at the start: too small for the group below
+    a, b, c = arena.take([torch.zeros(10, dtype=torch.float32), torch.zeros(2, 3, dtype=torch.bfloat16),
+                          torch.zeros(50, dtype=torch.uint8)], groups=[[0, 1], [2]])
+    base = arena.buffer.data_ptr()
+    assert (a.data_ptr() - base, b.data_ptr() - base) == (128, 192)  # one after another, past the 64-byte gap
+    assert c.data_ptr() - base == 0  # a group of its own fits the gap (first fit)
+    assert arena.free_bytes() == 1024 - 64 - 128 - 64
+    with pytest.raises(ArenaFull):  # the first group fits, the second does not
+        arena.take([torch.zeros(64, dtype=torch.uint8), torch.zeros(800, dtype=torch.uint8)], groups=[[0], [1]])
+    assert arena.free_bytes() == 768  # nothing kept of a failed take
+    del a
+    assert arena.free_bytes() == 768 + 64  # the group's views come back one by one
+    del b, c, hole
+    assert arena.free_bytes() == 1024 and arena._free == [(0, 1024)]  # merged back into one range
+
+
+def test_copies_into_an_arena_hold_the_sources_and_share_a_range_per_group(monkeypatch):
+    """copy_all_to into an arena: every copy equals its source (strided views of a cache's rows), and the tensors of
+    one pinned block's group lie one after another in one range (so that one transfer from a GPU fills them)."""
+    from flashdraft.models import kv_cache
+    from flashdraft.models.kv_cache import HostArena, copy_all_to
+
+    g = torch.Generator().manual_seed(0)
+    caches = [torch.randn(2, 40, 8, generator=g).to(torch.bfloat16) for _ in range(6)]
+    sources = [t[:, :25] for t in caches]  # a prefix's rows: not contiguous
+    monkeypatch.setattr(kv_cache, "PINNED_BLOCK", 3 * 832)  # three of these 800-byte tensors a group
+    arena = HostArena(1 << 16, pin_memory=False)
+    (gap,) = arena.take([torch.zeros(1000, dtype=torch.uint8)])
+    (kept,) = arena.take([torch.zeros(64, dtype=torch.uint8)])
+    del gap  # 1024 free bytes at the start: room for one tensor, not for a group of three
+    copies = copy_all_to(sources, arena)
+    assert all(torch.equal(c, s) and c.is_contiguous() for c, s in zip(copies, sources))
+    starts = [c.data_ptr() - arena.buffer.data_ptr() for c in copies]
+    assert starts == [1088 + 832 * i for i in range(6)]  # past the gap, one after another
+
+
 def test_with_an_arena_the_least_recently_used_make_room_and_prefixes_come_back_alike(demo):
     """A prompt cache whose copies take an arena's memory (the server's on a GPU; unpinned here): entries are dropped
     oldest first when the arena is full, a prefix larger than the whole arena is not kept, and what comes back gives
@@ -229,17 +273,18 @@ def test_snapshots_pin_host_memory_in_few_bounded_blocks():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host copies need a GPU")
-def test_a_gpu_snapshot_goes_to_pinned_memory_without_waiting_and_keeps_the_rows_it_was_taken_with():
-    """The snapshot is queued, not waited for: the next prompt's writes, queued after it, do not reach it, and the
-    copy back gives the rows as they were."""
-    from flashdraft.models.kv_cache import KVCache
+@pytest.mark.parametrize("into_arena", [False, True])
+def test_a_gpu_snapshot_goes_to_pinned_memory_without_waiting_and_keeps_the_rows_it_was_taken_with(into_arena):
+    """The snapshot (gathered on the GPU, one transfer) is queued, not waited for: the next prompt's writes, queued
+    after it, do not reach it, and the copy back gives the rows as they were; in pinned blocks or an arena."""
+    from flashdraft.models.kv_cache import HostArena, KVCache
 
     cfg = Engine.load(DEMO_DIR / "target", None, device="cpu").decoder.target.config
     cache = KVCache(cfg, 256, torch.device("cuda"), torch.bfloat16)
     for t in cache.k + cache.v:
         t.normal_()
     before = [t[:, :200].cpu() for t in cache.k + cache.v]
-    snap = cache.snapshot(200)
+    snap = cache.snapshot(200, HostArena(cache.nbytes(), pin_memory=True) if into_arena else "cpu")
     for t in cache.k + cache.v:
         t.fill_(7.0)  # the next prompt overwriting the rows
     back = KVCache(cfg, 256, torch.device("cuda"), torch.bfloat16)

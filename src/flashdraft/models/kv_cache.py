@@ -153,21 +153,29 @@ class HostArena:
         # (a garbage collection), so it takes no lock and touches nothing but this list
         self._freed: list[tuple[int, int]] = []
 
-    def take(self, like: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Uninitialised views shaped as `like`'s tensors, all or none (ArenaFull)."""
-        views = []
+    def take(self, like: list[torch.Tensor], groups: list[list[int]] | None = None) -> list[torch.Tensor]:
+        """Uninitialised views shaped as `like`'s tensors, all or none (ArenaFull). groups: lists of indices into
+        `like` whose views lie one after another (at offsets rounded up to 64 bytes) in one free range, so that one
+        copy fills them (copy_all_to); by default each view anywhere it fits. Each view gives its own bytes back."""
+        groups = groups if groups is not None else [[i] for i in range(len(like))]
+        views, cuts = [None] * len(like), []
         with self._lock:
             self._give_back_freed()
-            for t in like:
-                size = _aligned(t.numel() * t.element_size())
+            for group in groups:
+                sizes = [_aligned(like[i].numel() * like[i].element_size()) for i in group]
+                size = sum(sizes)
                 start = next((a for a, b in self._free if b - a >= size), None) if size else 0
                 if start is None:  # none of the views is returned: their bytes go back now
-                    for _, (a, n) in views:
+                    for a, n in cuts:
                         self._give_back(a, n)
                     raise ArenaFull(f"{size} bytes wanted, {self._free_total()} free in pieces")
                 self._cut(start, size)
-                view = self.buffer[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-                views.append((view, (start, size)))
+                cuts.append((start, size))
+                for i, n in zip(group, sizes):
+                    t = like[i]
+                    views[i] = (self.buffer[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape),
+                                (start, n))
+                    start += n
         for view, (start, size) in views:
             weakref.finalize(view, self._freed.append, (start, size))
         return [view for view, _ in views]
@@ -215,31 +223,65 @@ def device_of(to: "torch.device | str | HostArena") -> "torch.device | str":
 
 
 PINNED_BLOCK = 256 << 20  # bytes of host memory pinned per allocation at most (copy_all_to)
+STAGING_BYTES = 64 << 20  # device bytes gathered for one copy to the host at most (copy_all_to)
 
 
 def copy_all_to(tensors: list[torch.Tensor], device: "torch.device | str | HostArena") -> list[torch.Tensor]:
     """Copies of `tensors` on `device`, or in a HostArena (ArenaFull when it cannot hold them). From a GPU to the host
-    they go to pinned memory (the arena's, or a view each into blocks of at most PINNED_BLOCK bytes), queued on the
-    current stream and not waited for: the host goes on at once, work queued after it (a new prompt overwriting
-    those rows) runs after it, and so does a copy back (copy_prefix). A copy to pageable memory waited for every
-    byte: 4.4 s for the 4.4 GB of a 30K-token prefix of Qwen3-8B on the H200 (docs/performance.md). Few blocks, not
-    one per layer: each pinned allocation is a driver call; bounded blocks, not one: torch's host allocator rounds a
-    block up to a power of two, and pinning takes time by the byte. Read such a copy on the host only after
+    they go to pinned memory (the arena's, or blocks of at most PINNED_BLOCK bytes, the tensors laid one after
+    another), queued on the current stream and not waited for: the host goes on at once, work queued after it (a new
+    prompt overwriting those rows) runs after it, and so does a copy back (copy_prefix). Each run of tensors is
+    first gathered on the GPU into one staging buffer of at most STAGING_BYTES (a tensor larger than that alone),
+    then copied to the host in one transfer: a cache's rows of a prefix are strided views, and a strided copy to the
+    host is a contiguous copy on the GPU, a transfer and an event each, which for a Qwen3-8B cache's 72 tensors
+    cost the host milliseconds of a request's first token (docs/performance.md). A copy to pageable memory waited
+    for every byte: 4.4 s for the 4.4 GB of a 30K-token prefix of Qwen3-8B on the H200. Few blocks, not one per
+    layer: each pinned allocation is a driver call; bounded blocks, not one: torch's host allocator rounds a block
+    up to a power of two, and pinning takes time by the byte. Read such a copy on the host only after
     synchronizing."""
-    if isinstance(device, HostArena):
-        return [view.copy_(t, non_blocking=True) for view, t in zip(device.take(tensors), tensors)]
-    if not tensors or not (tensors[0].is_cuda and torch.device(device).type == "cpu"):
+    to_host = bool(tensors) and (isinstance(device, HostArena)
+                                 or (tensors[0].is_cuda and torch.device(device).type == "cpu"))
+    if not to_host:
         return [t.to(device, copy=True) for t in tensors]
     nbytes = [t.numel() * t.element_size() for t in tensors]
-    copies = []
-    for group in pinned_blocks(nbytes):
-        block = torch.empty(sum(_aligned(nbytes[i]) for i in group), dtype=torch.uint8, pin_memory=True)
-        start = 0
-        for i in group:
-            t = tensors[i]
-            copies.append(block[start:start + nbytes[i]].view(t.dtype).view(t.shape).copy_(t, non_blocking=True))
-            start += _aligned(nbytes[i])
+    groups = pinned_blocks(nbytes, PINNED_BLOCK)
+    copies = device.take(tensors, groups) if isinstance(device, HostArena) else [None] * len(tensors)
+    for group in groups:
+        starts = _offsets([nbytes[i] for i in group])
+        if isinstance(device, HostArena):  # the group's range of the arena, as take laid it out
+            block = device.buffer[copies[group[0]].data_ptr() - device.buffer.data_ptr():][:starts[-1]
+                                                                                             + nbytes[group[-1]]]
+        else:
+            block = torch.empty(starts[-1] + _aligned(nbytes[group[-1]]), dtype=torch.uint8, pin_memory=True)
+            for i, start in zip(group, starts):
+                copies[i] = block[start:start + nbytes[i]].view(tensors[i].dtype).view(tensors[i].shape)
+        for run in pinned_blocks([nbytes[i] for i in group], STAGING_BYTES):  # positions in the group
+            first, last = starts[run[0]], starts[run[-1]] + nbytes[group[run[-1]]]
+            _copy_run([tensors[group[j]] for j in run], [copies[group[j]] for j in run], block[first:last])
     return copies
+
+
+def _offsets(nbytes: list[int]) -> list[int]:
+    """Where tensors of these sizes start when they lie one after another, each at a multiple of 64 bytes
+    (HostArena.take's layout of a group)."""
+    starts, at = [], 0
+    for n in nbytes:
+        starts.append(at)
+        at += _aligned(n)
+    return starts
+
+
+def _copy_run(sources: list[torch.Tensor], views: list[torch.Tensor], host: torch.Tensor) -> None:
+    """Copy sources into their views, which lie one after another (_offsets' layout) in `host`'s bytes: from a GPU,
+    gathered into a staging buffer of that layout, then one transfer; otherwise each directly."""
+    if not sources[0].is_cuda:
+        for view, t in zip(views, sources):
+            view.copy_(t)
+        return
+    staging = torch.empty(host.numel(), dtype=torch.uint8, device=sources[0].device)
+    for start, t in zip(_offsets([t.numel() * t.element_size() for t in sources]), sources):
+        staging[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
+    host.copy_(staging, non_blocking=True)
 
 
 def pinned_blocks(nbytes: list[int], limit: int = PINNED_BLOCK) -> list[list[int]]:

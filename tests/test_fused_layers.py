@@ -42,6 +42,17 @@ def _layer_pass(target, T: int = 5, start: int = 20):
     return h, cos, sin, positions, kv_len, mask, history
 
 
+def _run_paths(runs, h, cos, sin, positions, kv_len, mask, history):
+    """Each of a layer's paths over the same pass, each from the same cache: the outputs, and the caches after."""
+    outs, caches = [], []
+    for run in runs:
+        cache_k, cache_v = history[0].clone(), history[1].clone()
+        with torch.inference_mode():
+            outs.append(run(h, cos, sin, cache_k, cache_v, positions, kv_len, mask))
+        caches.append((cache_k, cache_v))
+    return outs, caches
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama"])  # with and without per-head q/k norm
 def test_fused_forward_matches_the_module_path(tmp_path, family):
     """One layer's fused path (norm weights folded into the projections) against the module path of the same
@@ -54,13 +65,9 @@ def test_fused_forward_matches_the_module_path(tmp_path, family):
     layer = target.model.layers[1]
     assert torch.equal(layer.input_layernorm.weight, torch.ones_like(layer.input_layernorm.weight))  # folded
     h, cos, sin, positions, kv_len, mask, history = _layer_pass(target)
-    outs, caches = [], []
     # the fused path, the module path of the same folded weights, the checkpoint as loaded
-    for run in (layer.forward, layer.module_forward, original.model.layers[1].forward):
-        cache_k, cache_v = history[0].clone(), history[1].clone()
-        with torch.inference_mode():
-            outs.append(run(h, cos, sin, cache_k, cache_v, positions, kv_len, mask))
-        caches.append((cache_k, cache_v))
+    outs, caches = _run_paths((layer.forward, layer.module_forward, original.model.layers[1].forward),
+                              h, cos, sin, positions, kv_len, mask, history)
     for out, cache in zip(outs[1:], caches[1:]):
         torch.testing.assert_close(outs[0], out, rtol=1e-4, atol=1e-4)
         for fused_cache, module_cache in zip(caches[0], cache):
@@ -207,12 +214,7 @@ def test_quant_forward_matches_the_module_path(tmp_path):
     assert layers[0].self_attn.qkv_proj is None and isinstance(layers[1].self_attn.qkv_proj, QuantLinear)
     h, cos, sin, positions, kv_len, mask, history = _layer_pass(target)
     for layer in layers:
-        outs, caches = [], []
-        for run in (layer.forward, layer.module_forward):
-            cache_k, cache_v = history[0].clone(), history[1].clone()
-            with torch.inference_mode():
-                outs.append(run(h, cos, sin, cache_k, cache_v, positions, kv_len, mask))
-            caches.append((cache_k, cache_v))
+        outs, caches = _run_paths((layer.forward, layer.module_forward), h, cos, sin, positions, kv_len, mask, history)
         torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
         assert not torch.allclose(outs[0], h, atol=1e-3)
         for quant_cache, module_cache in zip(*caches):
@@ -293,12 +295,7 @@ def test_compile_layers_compiles_only_the_module_path_of_a_fused_layer(tmp_path,
     assert layer.fused_rows == 16 and getattr(layer, "_compiled_call_impl", None) is None
     for T, start in ((5, 20), (20, 10)):
         h, cos, sin, positions, kv_len, mask, history = _layer_pass(target, T=T, start=start)
-        outs, caches = [], []
-        for run in (layer.forward, layer.module_forward):
-            cache_k, cache_v = history[0].clone(), history[1].clone()
-            with torch.inference_mode():
-                outs.append(run(h, cos, sin, cache_k, cache_v, positions, kv_len, mask))
-            caches.append((cache_k, cache_v))
+        outs, caches = _run_paths((layer.forward, layer.module_forward), h, cos, sin, positions, kv_len, mask, history)
         torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
         for a, b in zip(*caches):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

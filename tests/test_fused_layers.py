@@ -280,9 +280,9 @@ def test_compile_layers_compiles_only_the_module_path_of_a_fused_layer(tmp_path,
     def recording_compile(fn, **kwargs):
         assert kwargs == {"dynamic": True}
 
-        def run(h, *args):
+        def run(layer, h, *args):
             compiled_rows.append(h.shape[0])
-            return fn(h, *args)
+            return fn(layer, h, *args)
         return run
 
     folder = build_target(tmp_path / "q", family="qwen3", seed=4)

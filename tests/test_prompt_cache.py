@@ -289,11 +289,14 @@ def test_a_gpu_snapshot_goes_to_pinned_memory_without_waiting_and_keeps_the_rows
         t.fill_(7.0)  # the next prompt overwriting the rows
     back = KVCache(cfg, 256, torch.device("cuda"), torch.bfloat16)
     back.copy_prefix(snap, 200)
+    part = KVCache(cfg, 256, torch.device("cuda"), torch.bfloat16)
+    part.copy_prefix(snap, 150)  # fewer rows than it holds: a strided host source, queued after the snapshot too
     torch.cuda.synchronize()
     assert all(s.is_pinned() for s in snap.k + snap.v)
     assert len({s.untyped_storage().data_ptr() for s in snap.k + snap.v}) == 1  # one block: under 256 MiB
     assert all(torch.equal(s, b) for s, b in zip(snap.k + snap.v, before))
     assert all(torch.equal(t[:, :200].cpu(), b) for t, b in zip(back.k + back.v, before))
+    assert all(torch.equal(t[:, :150].cpu(), b[:, :150]) for t, b in zip(part.k + part.v, before))
 
 
 def _serve_in_turn(scheduler, prompts, params):

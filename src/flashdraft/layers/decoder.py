@@ -49,22 +49,25 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, plan)
         self.fused_rows = 0  # > 0 once prepared for a fused path: passes of up to this many tokens take it
         self.norms_folded = False  # that path is fused_forward (float weights, norms folded in), else quant_forward
-        self._module_path = self.module_forward  # compile_module_path() compiles it
+        self._compiled_module_path = None  # compile_module_path(): DecoderLayer.module_forward compiled
 
     def forward(self, h, cos, sin, cache_k, cache_v, positions, kv_len: int, mask: torch.Tensor | None):
         if h.shape[0] <= self.fused_rows:
             path = self.fused_forward if self.norms_folded else self.quant_forward
             return path(h, cos, sin, cache_k, cache_v, positions, kv_len, mask)
-        return self._module_path(h, cos, sin, cache_k, cache_v, positions, kv_len, mask)
+        if self._compiled_module_path is not None:
+            return self._compiled_module_path(self, h, cos, sin, cache_k, cache_v, positions, kv_len, mask)
+        return self.module_forward(h, cos, sin, cache_k, cache_v, positions, kv_len, mask)
 
     def compile_module_path(self) -> None:
         """torch.compile the module path alone, for a layer on a fused path: its passes of more rows than that path
         takes (prefill) get their elementwise ops fused as a compiled layer's are (eager, a 512-token pass of a
         GGUF Qwen3-8B took a third longer on the H200: docs/performance.md), while the few-row passes keep their
         batch-invariant kernels. Invariance does not matter past those rows: plain decoding and DFlash run a
-        prompt through the same passes. Done once."""
-        if self._module_path == self.module_forward:
-            self._module_path = torch.compile(self.module_forward, dynamic=True)
+        prompt through the same passes. Done once. (The function, not this layer's bound method, is compiled: the
+        layer holds no reference to itself.)"""
+        if self._compiled_module_path is None:
+            self._compiled_module_path = torch.compile(DecoderLayer.module_forward, dynamic=True)
 
     def module_forward(self, h, cos, sin, cache_k, cache_v, positions, kv_len: int, mask: torch.Tensor | None):
         """The block module by module: every pass on the module path, and longer ones (prefill) on the fused."""

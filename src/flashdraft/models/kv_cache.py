@@ -55,7 +55,7 @@ class KVCache:
         """Take positions [0, rows) from another sequence's cache (one that shares those tokens and cache types)."""
         check_same_types(self, source)
         for dst, src in zip(self.k + self.v, source.k + source.v):
-            dst[:, :rows].copy_(src[:, :rows], non_blocking=True)  # from pinned host memory: queued, not waited for
+            copy_rows(dst, src, rows)
 
     def snapshot(self, rows: int, device: "torch.device | str | HostArena" = "cpu") -> "KVCache":
         """A copy of positions [0, rows) on `device` (or in a HostArena's host memory), holding only those rows:
@@ -217,6 +217,15 @@ class HostArena:
         self._free.insert(i, (start, end))
 
 
+def copy_rows(dst: torch.Tensor, src: torch.Tensor, rows: int) -> None:
+    """dst[:, :rows] = src[:, :rows], queued on the stream (from pinned host memory too: not waited for). A strided
+    source in host memory goes to the GPU whole first: torch would gather its rows on the host at once, before a
+    snapshot's transfer queued earlier (copy_all_to) had written them."""
+    if dst.is_cuda and not src.is_cuda and not src[:, :rows].is_contiguous():
+        src = src.to(dst.device, non_blocking=True)
+    dst[:, :rows].copy_(src[:, :rows], non_blocking=True)
+
+
 def device_of(to: "torch.device | str | HostArena") -> "torch.device | str":
     """Where a copy to `to` lies: the host for a HostArena."""
     return "cpu" if isinstance(to, HostArena) else to
@@ -248,9 +257,12 @@ def copy_all_to(tensors: list[torch.Tensor], device: "torch.device | str | HostA
     copies = device.take(tensors, groups) if isinstance(device, HostArena) else [None] * len(tensors)
     for group in groups:
         starts = _offsets([nbytes[i] for i in group])
+        if not any(nbytes[i] for i in group):
+            continue
         if isinstance(device, HostArena):  # the group's range of the arena, as take laid it out
-            block = device.buffer[copies[group[0]].data_ptr() - device.buffer.data_ptr():][:starts[-1]
-                                                                                             + nbytes[group[-1]]]
+            first = copies[group[0]]  # (its offset from its view: an empty view's data_ptr is 0)
+            offset = first.storage_offset() * first.element_size()
+            block = device.buffer[offset:offset + starts[-1] + nbytes[group[-1]]]
         else:
             block = torch.empty(starts[-1] + _aligned(nbytes[group[-1]]), dtype=torch.uint8, pin_memory=True)
             for i, start in zip(group, starts):

@@ -28,7 +28,7 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from flashdraft.config import read_json
 from flashdraft.models.gemma4.config import FULL, SLIDING, Gemma4Config, RopeSpec
-from flashdraft.models.kv_cache import HostArena, check_same_types, copy_all_to, device_of
+from flashdraft.models.kv_cache import HostArena, check_same_types, copy_all_to, copy_rows, device_of
 from flashdraft.layers import decode_attention as attention_kernel
 from flashdraft.layers.attention import grouped_attention
 from flashdraft.layers.decode_attention import decode_attention
@@ -146,8 +146,8 @@ class Gemma4Cache:
                 dst_k.copy_(src_k, non_blocking=True)
                 dst_v.copy_(src_v, non_blocking=True)
             else:
-                dst_k[:, :rows].copy_(src_k[:, :rows], non_blocking=True)
-                dst_v[:, :rows].copy_(src_v[:, :rows], non_blocking=True)
+                copy_rows(dst_k, src_k, rows)
+                copy_rows(dst_v, src_v, rows)
         self.ring_pos.copy_(source.ring_pos)
 
     def snapshot(self, rows: int, device: torch.device | str | HostArena = "cpu") -> Gemma4Cache:

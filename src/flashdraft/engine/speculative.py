@@ -224,8 +224,9 @@ class SpeculativeDecoder:
         self.fused_target = bool(fused[0]) and all(fused[0])
         # On CUDA by default, compiled layers where the fused path is not taken, and the fused layers' module path
         # (prefill) alone; compiled: whether steps run compiled layers (docs/performance.md)
-        self.compiled = compiles(self.device, compile) and not all(any(layers) for layers in fused)
-        if compiles(self.device, compile):
+        compiling = compiles(self.device, compile)
+        self.compiled = compiling and not all(any(layers) for layers in fused)
+        if compiling:
             compile_layers(*models)
 
     @property

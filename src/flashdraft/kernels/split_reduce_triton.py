@@ -26,20 +26,6 @@ def minimum(a, b):
 
 
 @triton.jit
-def round_like(v, dtype: tl.constexpr):
-    """float32 v rounded to `dtype` (nearest, ties to even) and returned as float32 (interpreter use only:
-    its own bf16 casts truncate)."""
-    if dtype == tl.bfloat16:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    elif dtype == tl.float16:
-        return v.to(tl.float16).to(tl.float32)
-    else:
-        return v
-
-
-@triton.jit
 def round_to(v, dtype: tl.constexpr, EMULATE: tl.constexpr):
     """float32 v rounded to `dtype` (nearest, ties to even), kept in float32: the rounding of an eager torch op
     whose result is stored in dtype. EMULATE: round bf16 on the bits, for Triton's interpreter, whose casts to bf16
@@ -59,7 +45,7 @@ def split_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: tl.const
                         SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, r_ptr=None, stride_rm=0,
                         HAS_RESIDUAL: tl.constexpr = False):
     """y[m, n] = ((p[0, m, n] + p[1, m, n]) + p[2, m, n]) + ... (+ bias[n]) (+ r[m, n]): always the same order.
-    UPCAST: round to y's dtype by hand (round_like) before the store, for the interpreter."""
+    UPCAST: round to y's dtype by hand (round_to) before the store, for the interpreter."""
     m = tl.program_id(1)
     rn = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rn < N
@@ -72,5 +58,5 @@ def split_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: tl.const
     if HAS_RESIDUAL:
         acc += tl.load(r_ptr + m.to(tl.int64) * stride_rm + rn, mask=ok, other=0.0).to(tl.float32)
     if UPCAST:
-        acc = round_like(acc, y_ptr.dtype.element_ty)
+        acc = round_to(acc, y_ptr.dtype.element_ty, True)
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + rn, acc.to(y_ptr.dtype.element_ty), mask=ok)

@@ -256,9 +256,9 @@ def copy_all_to(tensors: list[torch.Tensor], device: "torch.device | str | HostA
     groups = pinned_blocks(nbytes, PINNED_BLOCK)
     copies = device.take(tensors, groups) if isinstance(device, HostArena) else [None] * len(tensors)
     for group in groups:
-        starts = _offsets([nbytes[i] for i in group])
         if not any(nbytes[i] for i in group):
             continue
+        starts = _offsets([nbytes[i] for i in group])
         if isinstance(device, HostArena):  # the group's range of the arena, as take laid it out
             first = copies[group[0]]  # (its offset from its view: an empty view's data_ptr is 0)
             offset = first.storage_offset() * first.element_size()

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from flashdraft.kernels.runtime import gpu_sm_count
-from flashdraft.kernels.split_reduce_triton import round_like, split_reduce_kernel
+from flashdraft.kernels.split_reduce_triton import round_to, split_reduce_kernel
 
 QTYPE_CODES = {"Q4_0": 0, "Q5_0": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5, "Q4_1": 6, "Q5_1": 7}
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # 256-weight super-blocks; the others have 32-weight blocks
@@ -268,7 +268,7 @@ def _dot_acc(acc, x, w, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     if IEEE:
         acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
     elif UPCAST:
-        acc = tl.dot(x.to(tl.float32), tl.trans(round_like(w, x.dtype)), acc, input_precision="ieee")
+        acc = tl.dot(x.to(tl.float32), tl.trans(round_to(w, x.dtype, True)), acc, input_precision="ieee")
     else:
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
     return acc
@@ -282,7 +282,7 @@ def _store_tile(acc, y_ptr, p_ptr, rm, rn, m_ok, M, N, stride_ym, pid_k, SPLIT_K
     mask = m_ok & (rn[None, :] < N)
     if SPLIT_K == 1:
         if UPCAST:
-            acc = round_like(acc, y_ptr.dtype.element_ty)
+            acc = round_to(acc, y_ptr.dtype.element_ty, True)
         tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=mask)
     else:
@@ -509,7 +509,7 @@ def _dequantize_kernel(w_ptr, out_ptr, N, row_bytes, K: tl.constexpr, QTYPE: tl.
     w = _decode_tile_2d(w_ptr + (rn.to(tl.int64) * row_bytes)[:, None], tl.program_id(1) * BLOCK_K, ok, QTYPE,
                         BLOCK_K)
     if UPCAST:  # the interpreter's own casts truncate
-        w = round_like(w, out_ptr.dtype.element_ty)
+        w = round_to(w, out_ptr.dtype.element_ty, True)
     tl.store(out_ptr + rn.to(tl.int64)[:, None] * K + k[None, :], w, mask=ok)
 
 

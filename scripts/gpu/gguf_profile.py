@@ -105,8 +105,8 @@ def main() -> int:
             for fam, us in sorted(fams.items(), key=lambda kv: -kv[1]):
                 print(f"  {fam:22s} {us / 1000:7.2f} ms  {counts[fam] // 3:5d} kernels", flush=True)
             print("  top kernels:", flush=True)
-            for name, us in sorted(names.items(), key=lambda kv: -kv[1])[:14]:
-                print(f"    {us / 1000:7.3f} ms  {name}", flush=True)
+            for kernel, us in sorted(names.items(), key=lambda kv: -kv[1])[:14]:
+                print(f"    {us / 1000:7.3f} ms  {kernel}", flush=True)
             result[f"eager {name}"] = {"kernel_ms": total / 1000, "families_ms": {k: v / 1000 for k, v in fams.items()},
                                          "kernels": {k: v // 3 for k, v in counts.items()},
                                          "top": {k: v / 1000 for k, v in sorted(names.items(), key=lambda kv: -kv[1])[:30]}}

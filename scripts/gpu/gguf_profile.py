@@ -55,7 +55,13 @@ def main() -> int:
         run = gguf_run.Run(out, 600.0, False)
         target, drafter, info = gguf_run.build_models(run, dev, torch.bfloat16, gen, 1024, False, "Q5_K")
     result = {"info": {k: v for k, v in info.items() if isinstance(v, (int, float, str))}}
-    for graphs in (True, False):
+    # last, with a drafter: its graphed pass again with its layers on the compiled module path instead of
+    # quant_forward (a drafter's rows need no batch invariance): is quant_forward what made DFlash slower?
+    variants = [(True, ""), (False, "")] + ([(True, "module-path ")] if drafter is not None else [])
+    for graphs, label in variants:
+        if label:
+            for layer in drafter.layers:
+                layer.fused_rows = 0
         engine = Engine(target, None, drafter, context_size=1024, cuda_graphs=graphs)  # compiled layers on CUDA
         seq = engine.new_sequence()
         engine._sequence = seq
@@ -66,6 +72,8 @@ def main() -> int:
         decoder.prefill(seq, prompt, params, 0)
         start = len(prompt)
         steps = [("step T=1", 1), ("step T=16", 16)] + ([("draft pass", 0)] if drafter is not None else [])
+        if label:
+            steps = [(label + "draft pass", 0)]
         for name, t_len in steps + ([] if graphs else [("prefill T=512", 512)]):
             tokens = torch.arange(1, t_len + 1, device=dev)
             step = lambda: decoder.target_pass(seq, tokens, start)  # noqa: E731

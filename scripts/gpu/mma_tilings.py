@@ -46,6 +46,12 @@ SETS = {
     "qwen-q6k": ("Q6_K", {"v": (1024, 4096), "down": (4096, 12288), "lm head": (151936, 4096)}),
     # Qwen3-8B Q4_K_M's fused projections (q|k|v where attn_v is Q4_K too; gate|up in every layer)
     "qwen-q4k-fused": ("Q4_K", {"q|k|v": (6144, 4096), "gate|up": (24576, 4096)}),
+    # Qwen3-8B Q4_K_M's own Q4_K k (beside a Q6_K v) and down (half the layers)
+    "qwen-q4k-rest": ("Q4_K", {"k": (1024, 4096), "down": (4096, 12288)}),
+    # the Q5_K Gemma-4-31B drafter (side_by_side.sh's default for a quantized target): its block pass's fused
+    # q|k|v, o, gate|up and down (16 rows), and its context projection's fc and k/v (a step's accepted rows)
+    "gemma-drafter-q5k": ("Q5_K", {"gate|up": (21504, 5376), "down": (5376, 10752), "q|k|v": (10240, 5376),
+                                   "o": (5376, 8192), "fc": (5376, 32256), "k/v": (1024, 5376)}),
 }
 
 

@@ -5,20 +5,24 @@ conversation of scripts/gpu/server_check.sh synthetic): KVCache.snapshot as the 
 memory, queued), beside a copy to pageable memory as it was done before (measured here for comparison). For each:
 the host's time until the call returns (what holds the next request up before its prefill is queued) and the time
 until the GPU has finished the copy (what the prefill, queued after it, waits). Then copy_prefix back into another
-cache. Three rounds (the first pinned allocation is the host allocator's; later rounds reuse its blocks).
+cache. Three rounds (the first pinned allocation is the host allocator's; later rounds reuse its blocks). Each
+round also snapshots into a HostArena pinned beforehand (the server's --cache-ram path), and the last round prints
+where that snapshot's host time goes (cProfile).
 
 Usage (GPU machine, repo root): PYTHONPATH=src python scripts/gpu/snapshot_cost.py [--rows 30244]
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import sys
 import time
 from types import SimpleNamespace
 
 import torch
 
-from flashdraft.models.kv_cache import KVCache
+from flashdraft.models.kv_cache import HostArena, KVCache
 
 
 def main() -> int:
@@ -34,6 +38,7 @@ def main() -> int:
         t.normal_()
     gb = sum(t[:, :args.rows].numel() * 2 for t in cache.k + cache.v) / 1e9
     print(f"{args.rows} rows of a Qwen3-8B-shaped cache: {gb:.2f} GB")
+    arena = HostArena(int(gb * 1e9 * 1.05) + (1 << 20), pin_memory=True)
     print(f"{'round':>5} {'how':<22} {'host ms':>9} {'until copied ms':>16} {'GB/s':>7}")
     for round_ in range(1, args.rounds + 1):
         torch.cuda.synchronize()
@@ -59,6 +64,21 @@ def main() -> int:
         print(f"{round_:>5} {'copy_prefix back':<22} {1000 * host:>9.1f} {1000 * done:>16.1f} {gb / done:>7.1f}"
               f"  rows equal: {same}")
         del snap
+        profiler = cProfile.Profile() if round_ == args.rounds else None
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
+        snap = cache.snapshot(args.rows, arena)
+        if profiler is not None:
+            profiler.disable()
+        host = time.perf_counter() - started
+        torch.cuda.synchronize()
+        done = time.perf_counter() - started
+        print(f"{round_:>5} {'snapshot (arena)':<22} {1000 * host:>9.1f} {1000 * done:>16.1f} {gb / done:>7.1f}")
+        del snap
+        if profiler is not None:
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
     return 0
 
 

@@ -79,6 +79,20 @@ TILINGS: dict[tuple[str, int, int], tuple[MmaTiling, MmaTiling]] = {
     ("Q4_K", 6144, 4096): (MmaTiling(1, 4, 4, 1), MmaTiling(1, 2, 4, 6)),        # Qwen q|k|v: 10.2 / 17.0 us
     ("Q4_K", 24576, 4096): (MmaTiling(1, 4, 1, 1, 3), MmaTiling(1, 2, 1, 6)),     # Qwen gate|up: 23.9 / 36.6 us
     ("Q4_K", 4096, 4096): (MmaTiling(1, 2, 2, 1, 3), MmaTiling(1, 2, 2, 1, 3)),   # Qwen q, o: 8.8 / 13.8 us
+    # the Q5_K Gemma-4-31B drafter, the Q6_K LM heads, and Qwen3-8B Q4_K_M's other shapes: the same sweep,
+    # 2026-12-04 (docs/perf/h200-2026-12-04; the default tiling's M = 16 time in brackets)
+    ("Q5_K", 21504, 5376): (MmaTiling(1, 2, 1, 1, 3), MmaTiling(1, 2, 1, 6)),     # drafter gate|up: 33.9 / 50.4 (71.5)
+    ("Q5_K", 5376, 10752): (MmaTiling(1, 4, 3, 1, 3), MmaTiling(1, 4, 3, 1, 3)),  # drafter down: 19.3 / 30.0 (47.1)
+    ("Q5_K", 10240, 5376): (MmaTiling(1, 4, 3, 1), MmaTiling(1, 4, 3, 1, 3)),     # drafter q|k|v: 18.9 / 32.2 (44.6)
+    ("Q5_K", 5376, 8192): (MmaTiling(1, 2, 4, 1, 3), MmaTiling(1, 2, 4, 6)),      # drafter o: 17.0 / 26.5 (43.9)
+    ("Q5_K", 5376, 32256): (MmaTiling(2, 2, 6, 1, 3), MmaTiling(2, 4, 6, 1, 3)),  # drafter fc: 46.5 / 71.2 (100.1)
+    ("Q5_K", 1024, 5376): (MmaTiling(1, 4, 7, 2, 3), MmaTiling(1, 2, 7, 1, 3)),   # drafter k, v: 6.2 / 13.8 (22.6)
+    ("Q6_K", 262144, 5376): (MmaTiling(2, 2, 1, 6), MmaTiling(2, 2, 1, 6)),       # Gemma LM head: 568 / 739 (825)
+    ("Q6_K", 151936, 4096): (MmaTiling(2, 2, 1, 6), MmaTiling(2, 2, 1, 6)),       # Qwen LM head: 249 / 319 (387)
+    ("Q6_K", 4096, 12288): (MmaTiling(1, 2, 6, 6), MmaTiling(1, 2, 6, 6)),        # Qwen Q6_K down: 29.0 / 44.1 (55.5)
+    ("Q6_K", 1024, 4096): (MmaTiling(1, 4, 8, 1), MmaTiling(1, 2, 8, 1)),         # Qwen Q6_K v: 7.1 / 14.6 (24.5)
+    ("Q4_K", 4096, 12288): (MmaTiling(1, 4, 4, 2, 3), MmaTiling(1, 2, 4, 1, 3)),  # Qwen Q4_K down: 15.5 / 25.9 (40.5)
+    ("Q4_K", 1024, 4096): (MmaTiling(1, 4, 4, 1, 3), MmaTiling(1, 2, 4, 1, 3)),   # Qwen Q4_K k: 6.0 / 11.6 (23.2)
 }
 MAX_SPLIT = 16
 BLOCKS_PER_SM = 12   # enough warps in flight to cover the loads' latency (the measured tilings give 10-18)

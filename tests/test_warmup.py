@@ -106,3 +106,30 @@ def test_warm_up_fits_a_small_context(qwen3_dir, drafter_dir):
     engine = Engine.load(qwen3_dir, drafter_dir, device="cpu", context_size=8)
     engine.decoder.graphs = InlineGraphs()
     assert engine.warm_up(engine.new_sequence()) > 0
+
+
+def test_a_compiling_engine_warms_up_passes_over_a_prefix(qwen3_dir, drafter_dir, monkeypatch):
+    """Where layers are compiled (CUDA), the warm-up also runs prefill passes that start past position 0, a long and
+    a short one (a compiled layer traces more keys than queries on first use), once per engine; the sequence is
+    left as new and the output is a cold engine's."""
+    engine = Engine.load(qwen3_dir, drafter_dir, device="cpu", context_size=256, pad_prefill=True)
+    decoder = engine.decoder
+    monkeypatch.setattr(decoder, "compiles", True)  # as on CUDA (compiling itself is the GPU run's to check)
+    passes = []
+    run_pass = decoder._prefill_pass
+    monkeypatch.setattr(decoder, "_prefill_pass", lambda seq, tokens, begin, capture=False: (
+        passes.append((begin, len(tokens))), run_pass(seq, tokens, begin, capture))[1])
+    seq = engine.new_sequence()
+    engine.warm_up(seq)
+    over_a_prefix = [(begin, n) for begin, n in passes if begin > 0]
+    smallest = decoder.prefill_buckets[0]
+    assert over_a_prefix == [(smallest, smallest), (2 * smallest, smallest)]  # no graphs here: the smallest passes
+    assert seq.tokens == [] and decoder.reusable_rows(seq, list(range(40))) == 0
+    passes.clear()
+    engine.warm_up(engine.new_sequence())
+    assert all(begin == 0 for begin, _ in passes)  # once per engine
+    prompt = _prompts(decoder.target.config.vocab_size, 1, seed=5)[0]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    cold = Engine.load(qwen3_dir, drafter_dir, device="cpu", context_size=256, pad_prefill=True)
+    assert engine.generate(prompt, params, 0, sequence=seq).tokens == cold.generate(prompt, params, 0).tokens
+

@@ -223,10 +223,11 @@ class SpeculativeDecoder:
         # every one of the target's layers on the fused path (then plain steps need no padding row)
         self.fused_target = bool(fused[0]) and all(fused[0])
         # On CUDA by default, compiled layers where the fused path is not taken, and the fused layers' module path
-        # (prefill) alone; compiled: whether steps run compiled layers (docs/performance.md)
-        compiling = compiles(self.device, compile)
-        self.compiled = compiling and not all(any(layers) for layers in fused)
-        if compiling:
+        # (prefill) alone; compiles: whether any layer is compiled; compiled: whether steps run compiled layers
+        # (docs/performance.md)
+        self.compiles = compiles(self.device, compile)
+        self.compiled = self.compiles and not all(any(layers) for layers in fused)
+        if self.compiles:
             compile_layers(*models)
 
     @property

@@ -93,6 +93,8 @@ class Scheduler:
             if warm_up is not None:
                 seconds = [self.engine.warm_up(slot.sequence, warm_up) for slot in self.slots]
                 outcome["seconds"] = None if None in seconds else sum(seconds)
+                if self.prompt_cache is not None:
+                    self.prompt_cache.warm_up(self.slots[0].sequence)
         except BaseException as e:  # noqa: BLE001 - raised by start(), in the thread that loads the model
             outcome["error"] = e
             return

@@ -205,6 +205,31 @@ def test_with_an_arena_the_least_recently_used_make_room_and_prefixes_come_back_
     assert len(small.entries) == 1 and not small.save(slot) and len(small.entries) == 1  # not emptied for nothing
 
 
+def test_the_warm_up_copies_through_the_arena_and_leaves_the_slot_and_the_cache_as_they_were(demo):
+    """PromptCache.warm_up (the server's, at load): one copy of each of a slot's caches into the arena and back;
+    afterwards no entry, every byte of the arena free again, the caches' rows as they were, and the slot serves
+    as a new one does."""
+    from flashdraft.models.kv_cache import HostArena
+
+    slot = demo.new_sequence()
+    prompt = ask(demo, "Write a function that merges two sorted lists.")
+    run(demo, prompt, slot, draft=demo.max_draft)
+    slot.tokens = []  # as Engine.warm_up leaves a slot
+    before = [t.clone() for c in (slot.target_cache, slot.draft_cache) for t in c.k + c.v]
+    arena = HostArena(1 << 22, pin_memory=False)
+    taken = []
+    take = arena.take
+    arena.take = lambda like, groups=None: taken.append(len(like)) or take(like, groups)
+    cache = PromptCache(demo.decoder, None, arena)
+    cache.warm_up(slot)
+    assert taken == [2, 2]  # both caches' keys and values into the arena, each one run of all the layers
+    assert not cache.entries and cache.bytes == 0 and arena.free_bytes() == arena.nbytes
+    after = [t for c in (slot.target_cache, slot.draft_cache) for t in c.k + c.v]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert run(demo, prompt, slot, draft=demo.max_draft).tokens == run(demo, prompt, demo.new_sequence(),
+                                                                        draft=demo.max_draft).tokens
+
+
 def chat(server, messages, **extra) -> dict:
     body = {"messages": messages, "max_tokens": 12, "temperature": 0, **extra}
     r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120)
@@ -270,6 +295,36 @@ def test_snapshots_pin_host_memory_in_few_bounded_blocks():
     blocks = pinned_blocks(sizes)
     assert sorted(i for block in blocks for i in block) == list(range(72))
     assert len(blocks) == 18 and all(sum(sizes[i] for i in block) <= 256 << 20 for block in blocks)
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_a_snapshot_copies_runs_of_layers_and_comes_back_exactly(monkeypatch, window):
+    """A cache's layers are views of one keys and one values tensor; a snapshot copies them in runs of as many
+    layers as one staging buffer holds (here two), and copy_prefix puts every run back where it came from: the
+    rows taken equal, the rows past them untouched. Also a drafter's window cache (its whole ring)."""
+    from types import SimpleNamespace
+
+    import flashdraft.models.kv_cache as kv_cache
+    from flashdraft.models.kv_cache import KVCache, WindowKVCache
+
+    cfg = SimpleNamespace(num_key_value_heads=2, head_dim=8, num_hidden_layers=5)
+    make = (lambda: KVCache(cfg, 32, torch.device("cpu"), torch.float32)) if window is None else (
+        lambda: WindowKVCache(cfg, window, 4, torch.device("cpu"), torch.float32))
+    cache, back = make(), make()
+    for t in cache.k + cache.v:
+        t.normal_()
+    assert cache.k[3].data_ptr() == cache.runs[0][1][3].data_ptr()  # a layer is a view of the stacked keys
+    rows = 10 if window is None else cache.capacity
+    monkeypatch.setattr(kv_cache, "STAGING_BYTES", 2 * 2 * (2 * rows * 8 * 4))  # two layers' keys and values
+    snap = cache.snapshot(rows)
+    assert [(first, k.shape[0]) for first, k, _ in snap.runs] == [(0, 2), (2, 2), (4, 1)]
+    assert all(k.shape[2] == rows and v.shape[2] == rows for _, k, v in snap.runs)
+    taken = [t[:, :rows].clone() for t in cache.k + cache.v]
+    for t in cache.k + cache.v:
+        t.add_(1.0)  # the snapshot holds the rows as they were
+    back.copy_prefix(snap, rows)
+    assert all(torch.equal(a[:, :rows], b) for a, b in zip(back.k + back.v, taken))
+    assert all(not t[:, rows:].any() for t in back.k + back.v)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host copies need a GPU")

@@ -9,7 +9,10 @@ from flashdraft.quant.kv_formats import bytes_per_token, cache_format, new_rows
 
 
 class KVCache:
-    """Preallocated keys and values, one [kv_heads, capacity, row] pair per layer.
+    """Preallocated keys and values, one [kv_heads, capacity, row] pair per layer: views of one keys and one values
+    tensor [layers, kv_heads, capacity, row], so that a prefix's rows of many layers are one strided view, copied in
+    one piece (snapshot, copy_prefix: a copy per run of layers instead of one per layer and tensor, each of which
+    cost the host tens of microseconds on a request's path: docs/performance.md).
 
     The cache holds no length of its own: the owner of a sequence knows how many rows are valid, and
     attention masks by position. Rolling back to any earlier length is therefore just a smaller
@@ -26,8 +29,10 @@ class KVCache:
         self.k_format, self.v_format = cache_format(k_type, dtype), cache_format(v_type, dtype)
         heads, hd, layers = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
         self.layer_shapes = [(heads, hd)] * layers
-        self.k = [new_rows(self.k_format, heads, capacity, hd, device) for _ in range(layers)]
-        self.v = [new_rows(self.v_format, heads, capacity, hd, device) for _ in range(layers)]
+        keys = new_rows(self.k_format, layers * heads, capacity, hd, device).unflatten(0, (layers, heads))
+        values = new_rows(self.v_format, layers * heads, capacity, hd, device).unflatten(0, (layers, heads))
+        self.runs = [(0, keys, values)]  # (first layer, its keys and values and those of the layers after it)
+        self.k, self.v = list(keys.unbind(0)), list(values.unbind(0))
 
     def rows(self, positions: torch.Tensor) -> torch.Tensor:
         """The rows that hold these positions: the positions themselves."""
@@ -54,18 +59,36 @@ class KVCache:
     def copy_prefix(self, source: "KVCache", rows: int) -> None:
         """Take positions [0, rows) from another sequence's cache (one that shares those tokens and cache types)."""
         check_same_types(self, source)
-        for dst, src in zip(self.k + self.v, source.k + source.v):
-            copy_rows(dst, src, rows)
+        for dst, src in self._runs_from(source):
+            copy_rows(dst.flatten(0, 1), src.flatten(0, 1), rows)
 
     def snapshot(self, rows: int, device: "torch.device | str | HostArena" = "cpu") -> "KVCache":
         """A copy of positions [0, rows) on `device` (or in a HostArena's host memory), holding only those rows:
         the host prompt cache keeps evicted prefixes so, and copy_prefix takes one as its source to bring them
         back."""
+        return self._copied(lambda t: t[:, :, :rows], rows, device)
+
+    def _copied(self, part, rows: int, device) -> "KVCache":
+        """A copy of this cache holding part(t) of each run's keys and values t (`rows` positions of each layer),
+        in runs of as many layers as copy_all_to stages at once (at least one)."""
         snap = copy.copy(self)
         snap.capacity = rows
-        copies = copy_all_to([t[:, :rows] for t in self.k + self.v], device)
-        snap.k, snap.v = copies[:len(self.k)], copies[len(self.k):]
+        (_, keys, values), = self.runs
+        per = max(1, STAGING_BYTES // max(1, part(keys[:1]).nbytes + part(values[:1]).nbytes))
+        firsts = range(0, len(self.k), per)
+        copies = copy_all_to([part(t[a:a + per]) for a in firsts for t in (keys, values)], device)
+        snap.runs = [(a, copies[2 * i], copies[2 * i + 1]) for i, a in enumerate(firsts)]
+        snap.k = [layer for _, k, _ in snap.runs for layer in k.unbind(0)]
+        snap.v = [layer for _, _, v in snap.runs for layer in v.unbind(0)]
         return snap
+
+    def _runs_from(self, source: "KVCache"):
+        """(destination, source) pairs of stacked layers, keys and values, covering source's runs (this cache
+        holds one run: a live cache)."""
+        (_, keys, values), = self.runs
+        for first, k, v in source.runs:
+            yield keys[first:first + k.shape[0]], k
+            yield values[first:first + v.shape[0]], v
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
@@ -119,16 +142,14 @@ class WindowKVCache(KVCache):
         """Take the ring of another sequence's cache for which source.reusable(rows) == rows: rows it holds at or
         past `rows` are stale here, and hidden until overwritten."""
         check_same_types(self, source)
-        for dst, src in zip(self.k + self.v, source.k + source.v):
+        for dst, src in self._runs_from(source):
             dst.copy_(src, non_blocking=True)
         self.ring_pos.copy_(source.ring_pos)
 
     def snapshot(self, rows: int, device: "torch.device | str | HostArena" = "cpu") -> "WindowKVCache":
         """The whole ring and the positions it holds, on `device` (copy_prefix takes it as a source)."""
-        snap = copy.copy(self)
+        snap = self._copied(lambda t: t, self.capacity, device)
         snap.ring_pos = self.ring_pos.to(device_of(device), copy=True)  # waited for: reusable() reads it on the host
-        copies = copy_all_to(self.k + self.v, device)
-        snap.k, snap.v = copies[:len(self.k)], copies[len(self.k):]
         return snap
 
 

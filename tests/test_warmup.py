@@ -109,9 +109,9 @@ def test_warm_up_fits_a_small_context(qwen3_dir, drafter_dir):
 
 
 def test_a_compiling_engine_warms_up_passes_over_a_prefix(qwen3_dir, drafter_dir, monkeypatch):
-    """Where layers are compiled (CUDA), the warm-up also runs prefill passes that start past position 0, a long and
-    a short one (a compiled layer traces more keys than queries on first use), once per engine; the sequence is
-    left as new and the output is a cold engine's."""
+    """Where layers are compiled (CUDA), the warm-up also runs prefill passes that start past position 0, of two
+    lengths past the fused path's rows (a compiled layer traces more keys than queries on first use), once per
+    engine; the sequence is left as new and the output is a cold engine's."""
     engine = Engine.load(qwen3_dir, drafter_dir, device="cpu", context_size=256, pad_prefill=True)
     decoder = engine.decoder
     monkeypatch.setattr(decoder, "compiles", True)  # as on CUDA (compiling itself is the GPU run's to check)
@@ -122,8 +122,8 @@ def test_a_compiling_engine_warms_up_passes_over_a_prefix(qwen3_dir, drafter_dir
     seq = engine.new_sequence()
     engine.warm_up(seq)
     over_a_prefix = [(begin, n) for begin, n in passes if begin > 0]
-    smallest = decoder.prefill_buckets[0]
-    assert over_a_prefix == [(smallest, smallest), (2 * smallest, smallest)]  # no graphs here: the smallest passes
+    first, second = [size for size in decoder.prefill_buckets if size > decoder.plan.max_rows][:2]
+    assert over_a_prefix == [(first, first), (2 * first, second)]  # no graphs here: two sizes past the fused rows
     assert seq.tokens == [] and decoder.reusable_rows(seq, list(range(40))) == 0
     passes.clear()
     engine.warm_up(engine.new_sequence())

@@ -324,14 +324,15 @@ class Engine:
         return time.perf_counter() - started
 
     def _warm_up_passes_over_a_prefix(self, sequence: Sequence) -> None:
-        """Eager prefill passes over cached rows (a chat's next turn, a long prompt's later passes), a long one and
-        a short one: compiled layers trace the case of more keys than queries on its first use, which cost the
-        first such prompt seconds (a 6000-token turn took 3.1 s instead of 0.3 on the H200: docs/performance.md).
-        The warm-up's other passes all start at position 0."""
+        """Eager prefill passes over cached rows (a chat's next turn, a long prompt's later passes), of two sizes
+        longer than the fused path's rows: compiled layers trace more keys than queries on first use, and dynamo
+        traced that case for one pass length first, then again for any length (seen with torch 2.13 on the CPU).
+        On the H200 a first 6000-token turn took 3.1 s instead of 0.3 (docs/performance.md). The warm-up's other
+        passes all start at position 0."""
         decoder = self.decoder
-        long = next((size for size in decoder.prefill_buckets if not decoder.graphs_prefill(size)),
-                    decoder.prefill_chunk)
-        short = decoder.prefill_buckets[0] if decoder.prefill_buckets else 1
+        sizes = [size for size in decoder.prefill_buckets if size > decoder.plan.max_rows] or [decoder.prefill_chunk]
+        long = next((size for size in sizes if not decoder.graphs_prefill(size)), sizes[-1])
+        short = next((size for size in sizes if size != long), long + 1)
         prompt = self._made_up_prompt(2 * long + short)
         if len(prompt) >= self.context_size:
             return

@@ -228,6 +228,9 @@ def test_the_warm_up_copies_through_the_arena_and_leaves_the_slot_and_the_cache_
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     assert run(demo, prompt, slot, draft=demo.max_draft).tokens == run(demo, prompt, demo.new_sequence(),
                                                                         draft=demo.max_draft).tokens
+    tiny = HostArena(4096, pin_memory=False)  # -cram set below one copy's size: the warm-up copies nothing
+    PromptCache(demo.decoder, 4096, tiny).warm_up(slot)
+    assert tiny.free_bytes() == 4096
 
 
 def chat(server, messages, **extra) -> dict:

@@ -116,10 +116,15 @@ class PromptCache:
         """Copy `rows` positions of an empty slot's caches (their values unused) to host memory and back once, at
         load, and forget the copies: what a save meets on first use (the staging buffer's device memory, the first
         transfers into the arena) is then met before a request waits on it. On the H200 the second request's first
-        token, the first to save a prefix, came 10 ms later than the next ones (docs/performance.md)."""
+        token, the first to save a prefix, came 10 ms later than the next ones (docs/performance.md). Nothing is
+        copied into an arena too small for the copy (then no prefix fits in it either)."""
         for cache in [seq.target_cache] + ([seq.draft_cache] if seq.draft_cache is not None else []):
             n = min(rows, cache.capacity)
-            cache.copy_prefix(cache.snapshot(n, self.arena if self.arena is not None else "cpu"), n)
+            try:
+                snap = cache.snapshot(n, self.arena if self.arena is not None else "cpu")
+            except ArenaFull:
+                return
+            cache.copy_prefix(snap, n)
 
     def _drop(self, key: int) -> None:
         self.bytes -= _nbytes(self.entries.pop(key))

@@ -29,7 +29,9 @@
 # SBS_TOKENS (128), SBS_REPS (3, llama-bench -r), SBS_FD_REPS (1, flashdraft's timed runs per test),
 # SBS_DRAFTER (auto: bf16 for float files, Q5_K blocks for quantized ones; or Q5_K, Q8_0, Q4_K, Q6_K, bf16),
 # SBS_SERIAL (1), SBS_KEEP_GGUF (0: a file is deleted once both sides measured it),
-# SBS_JOBS (16, build jobs), PYTHON (python3).
+# SBS_JOBS (16, build jobs), SBS_NEED_FD / SBS_NEED_LLAMA (330 / 200: the seconds a model's flashdraft or llama.cpp
+# step must have left to start), PYTHON (python3). A llama-bench already at $SBS_WORK/bee/build-*/bin (with its
+# libraries; LD_LIBRARY_PATH finding them) counts as built.
 set -uo pipefail
 
 T0=$(date +%s)
@@ -56,7 +58,7 @@ RESULTS="$WORK/results"
 LOG="$WORK/side_by_side.log"
 export PYTHONUNBUFFERED=1
 # seconds a step needs, at least (H200 estimates, see above); a step not fitting in what is left waits for the next call
-NEED_FILE=60 NEED_FD=330 NEED_LLAMA=200 NEED_BUILD_POLL=30
+NEED_FILE=60 NEED_FD=${SBS_NEED_FD:-330} NEED_LLAMA=${SBS_NEED_LLAMA:-200} NEED_BUILD_POLL=30
 PENDING=0  # models skipped in this call for want of disk room
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }

@@ -1,6 +1,7 @@
 """Where the Q4_K_S-shaped Gemma-4-31B's decode step spends its time (issue #18, item 2): per-kernel CUDA time of
 one plain step (T = 1), one verify step (T = 16) and one pass of the Q5_K drafter (its DFlash step's draft), eager
-(no graphs, so every kernel is its own record), grouped by kernel family, next to the graphed passes' wall time;
+(no graphs, so every kernel is its own record), grouped by kernel family, next to the graphed passes' wall time
+and the eager passes' own (a wall time well above the kernel time: the host is the bound);
 and a 512-token prefill pass (eager), where pp512 reached half of its prediction with the dequantized copy
 (docs/performance.md).
 
@@ -94,6 +95,10 @@ def main() -> int:
                 result[f"graphed {name} ms"] = ms
                 print(f"graphed {name}: {ms:.2f} ms", flush=True)
                 continue
+            # eager: the wall time of a pass beside its kernel time below (much more: the host is the bound)
+            ms = 1000 * gguf_run.median_s(step, dev, 5)
+            result[f"eager {name} wall ms"] = ms
+            print(f"eager {name}: {ms:.2f} ms wall", flush=True)
             with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.inference_mode():
                 for _ in range(3):
                     step()

@@ -332,7 +332,7 @@ class Engine:
         decoder = self.decoder
         sizes = [size for size in decoder.prefill_buckets if size > decoder.plan.max_rows] or [decoder.prefill_chunk]
         long = next((size for size in sizes if not decoder.graphs_prefill(size)), sizes[-1])
-        short = next((size for size in sizes if size != long), long + 1)
+        short = next((size for size in sizes if size != long), long // 2)  # no buckets: half a full pass
         prompt = self._made_up_prompt(2 * long + short)
         if len(prompt) >= self.context_size:
             return

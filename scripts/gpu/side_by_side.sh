@@ -200,10 +200,9 @@ phase_flashdraft() {
 phase_llama() {
     local spec bin; bin=$(llama_bench)
     [ -n "$bin" ] || [ $DRY = 1 ] || { say "llama: no llama-bench built (phase build)"; finish 4; }
-    if [ -n "$bin" ] && [ ! -d "$(dirname "$bin")/../CMakeFiles" ]; then  # carried (llama_bench_prebuilt.sh unpack)
-        LD_LIBRARY_PATH="$(bash "$ROOT/scripts/gpu/llama_bench_prebuilt.sh" cublas-dir):$(dirname "$bin"):${LD_LIBRARY_PATH:-}"
-        export LD_LIBRARY_PATH
-    fi
+    # a carried build (llama_bench_prebuilt.sh unpack) finds its libraries so; a build made here needs nothing
+    local libs; libs="$(bash "$ROOT/scripts/gpu/llama_bench_prebuilt.sh" cublas-dir)"
+    [ -z "$bin" ] || export LD_LIBRARY_PATH="$libs:$(dirname "$bin"):${LD_LIBRARY_PATH:-}"
     for spec in $MODELS; do
         local nm; nm=$(name_of "$spec"); local f="$GGUF_DIR/$nm.gguf" part="$RESULTS/llama-$nm.json.part"
         [ $DRY = 1 ] && part=/dev/null

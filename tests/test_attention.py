@@ -95,3 +95,24 @@ def test_lower_right_causal_passes_over_a_cache_run_the_flash_kernel(Tq, Tk):
     ref = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(4, 1),
                                          v.float().repeat_interleave(4, 1), attn_mask=mask)
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("flash", [False, True])
+def test_compiled_with_dynamic_shapes_a_causal_bias_breaks_no_graph(monkeypatch, flash):
+    """The compiled layers (dynamic shapes) trace grouped_attention whole: on the flash branch (CUDA; taken here on
+    the CPU by answering can_use_flash_attention's question with yes) SDPA once got enable_gqa as a symbolic bool,
+    which it refuses, and dynamo broke every layer's graph there (seen on the H200, docs/performance.md)."""
+    import flashdraft.layers.attention as attention
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.bias import causal_lower_right
+
+    monkeypatch.setattr(attention, "can_use_flash_attention", lambda params: flash)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda q, k, v, bias: attention.grouped_attention(q, k, v, bias) * 2, dynamic=True)
+    for T in (24, 40):
+        q, k, v = torch.randn(1, 4, T, 16), torch.randn(1, 2, T, 16), torch.randn(1, 2, T, 16)
+        bias = causal_lower_right(T, T)
+        torch.testing.assert_close(compiled(q, k, v, bias), 2 * attention.grouped_attention(q, k, v, bias))
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    torch._dynamo.reset()

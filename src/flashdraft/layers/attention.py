@@ -49,8 +49,12 @@ def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         # cache (docs/performance.md)
         Tq, Tk = q.shape[-2], k.shape[-2]
         mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)
-    if mask is None or heads == kv_heads or isinstance(mask, CausalBias):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads)
+    if heads == kv_heads:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if mask is None or isinstance(mask, CausalBias):
+        # enable_gqa a literal: compiled with dynamic shapes, `heads != kv_heads` is symbolic, which SDPA refuses
+        # (dynamo broke every compiled layer's graph there: docs/performance.md)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     b, group, Tq, hd = q.shape[0], heads // kv_heads, q.shape[-2], q.shape[-1]
     if mask.dim() == 4 and mask.shape[1] != 1:
         raise ValueError(f"grouped_attention takes a mask shared by the heads, got shape {list(mask.shape)}")

@@ -101,8 +101,12 @@ def stored_format(stored: torch.Tensor, head_dim: int) -> KVFormat:
 
 
 def _f16_bytes(x: torch.Tensor) -> torch.Tensor:
-    """float32 [..., n, 1] -> their fp16 bytes [..., 2n] (round to nearest even, as GGML_FP32_TO_FP16)."""
-    return x.to(torch.float16).view(torch.uint8).flatten(-2)
+    """float32 [..., n, 1] -> their fp16 bytes [..., 2n] (round to nearest even, as GGML_FP32_TO_FP16), low byte
+    first. The bytes come from the int16 bits by shifts, not from a view as uint8: compiled, such a view needs a
+    unit last stride, which Inductor need not give a computed [..., n, 1] (a Gemma 4 layer with a q5_0 cache
+    failed to compile on the H200)."""
+    bits = x.squeeze(-1).to(torch.float16).view(torch.int16).to(torch.int32)
+    return torch.stack([bits & 0xFF, (bits >> 8) & 0xFF], dim=-1).to(torch.uint8).flatten(-2)
 
 
 def _inverse(d: torch.Tensor) -> torch.Tensor:

@@ -46,8 +46,10 @@ OURS = {"device": "NVIDIA H200", "tokens": 128, "depths": [0, 8192, 32768], "err
         "plain": [{"depth": 0, "tok_s": 151.44}, {"depth": 512, "tok_s": 150.0}, {"depth": 8192, "tok_s": 102.09},
                   {"depth": 32768, "tok_s": 98.895}],
         "prefill": [{"prompt_n": 512, "tok_s": 2381.16}, {"prompt_n": 8192, "tok_s": 4200.0}],
-        "dflash": [{"tau_planned": 6, "tau": 5.8, "tok_s": 605.76, "speedup": 4.0, "identical": True},
-                   {"tau_planned": 8, "tau": 7.6, "tok_s": 700.0, "speedup": 4.6, "identical": False}]}
+        "dflash": [{"prompt_n": 512, "tau_planned": 6, "tau": 5.8, "tok_s": 605.76, "speedup": 4.0, "identical": True},
+                   {"prompt_n": 512, "tau_planned": 8, "tau": 7.6, "tok_s": 700.0, "speedup": 4.6, "identical": False},
+                   {"prompt_n": 32768, "tau_planned": 6, "tau": 5.8, "tok_s": 380.0, "speedup": 3.8,
+                    "identical": True}]}
 
 
 def test_llama_bench_json_runs_are_read_concatenated(tmp_path):
@@ -63,13 +65,16 @@ def test_table_rows_pair_each_test_and_ratio(tmp_path):
     records = [r for run in LLAMA_RUNS for r in run]
     rows = {r["test"]: r for r in sbs.table_rows(records, OURS)}
     assert list(rows) == ["tg128", "tg128 @ d8192", "tg128 @ d32768", "pp512", "pp8192",
-                          "DFlash tau 6 vs tg128", "DFlash tau 8 vs tg128"]  # depth 512: DFlash's baseline only
+                          "DFlash tau 6 vs tg128", "DFlash tau 8 vs tg128",
+                          "DFlash tau 6 vs tg128 @ d32768"]  # depth 512: DFlash's baseline only
     assert (rows["tg128"]["llama"], rows["tg128"]["ours"]) == (75.72, 151.44)
     assert (rows["tg128 @ d32768"]["llama"], rows["tg128 @ d32768"]["ours"]) == (65.93, 98.895)
     assert (rows["pp8192"]["llama"], rows["pp8192"]["ours"]) == (2100.0, 4200.0)
     assert rows["DFlash tau 6 vs tg128"]["llama"] == 75.72 and "tau 5.80, 4.00x own plain" in rows[
         "DFlash tau 6 vs tg128"]["note"]
     assert "TOKENS DIFFER" in rows["DFlash tau 8 vs tg128"]["note"]
+    long = rows["DFlash tau 6 vs tg128 @ d32768"]  # after a 32K prompt: against llama.cpp's plain decoding at 32K
+    assert long["llama"] == 65.93 and long["note"].startswith("after 32768 tokens, tau 5.80, 3.80x own plain")
 
     res = tmp_path / "results"
     res.mkdir()
@@ -222,7 +227,7 @@ def test_whole_script_on_tiny_files_and_a_stand_in_llama_bench(tmp_path):
     out, work, files = tmp_path / "out", tmp_path / "w", tmp_path / "g"
     env = {"SBS_BENCH": str(bench), "SBS_WORK": str(work), "OUT": str(out), "SBS_GGUF_DIR": str(files),
            "SBS_MODELS": "tiny-gemma4:q4_k_s", "SBS_DEPTHS": "0,64", "SBS_PREFILL": "32,64",
-           "SBS_TAUS": "4", "SBS_TOKENS": "8", "SBS_REPS": "1", "SBS_DFLASH_PROMPT": "24"}
+           "SBS_TAUS": "4", "SBS_TOKENS": "8", "SBS_REPS": "1", "SBS_DFLASH_PROMPT": "24,64"}
     # too little time for a file: the call stops and asks to be called again
     proc = run_script(["files"], {**env, "SBS_BUDGET_S": "30"})
     assert proc.returncode == 3 and "call again" in proc.stdout, proc.stdout + proc.stderr
@@ -236,7 +241,9 @@ def test_whole_script_on_tiny_files_and_a_stand_in_llama_bench(tmp_path):
         ours = json.loads((out / "results.json").read_text())[model]["flashdraft"]
         assert ours["errors"] == [] and not ours["build_running"]
         assert [d["depth"] for d in ours["plain"]] == [0, 24, 64]
-        assert len(ours["dflash"]) == 1 and ours["dflash"][0]["identical"] and ours["dflash"][0]["tau"] > 1
+        assert [d["prompt_n"] for d in ours["dflash"]] == [24, 64]  # DFlash after each prompt length
+        assert all(d["identical"] and d["tau"] > 1 for d in ours["dflash"])
+        assert "warm_up_s" in ours  # warmed up as the server's slots are
         assert not (files / f"{model}.gguf").exists()  # measured by both sides: deleted
     assert "TOKENS DIFFER" not in table
     assert {p.name for p in out.iterdir()} == {"table.md", "results.json", "side_by_side.log", "build.log"}

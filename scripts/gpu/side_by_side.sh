@@ -25,7 +25,8 @@
 # default ./.llamacpp-bench, a copy of ../shared/llamacpp-bench in an ignored folder, carried), SBS_WORK
 # (/tmp/sbs-work), SBS_GGUF_DIR (/tmp/sbs-gguf), SBS_BUDGET_S (540), SBS_MODELS ("gemma-4-31b:q4_k_s
 # qwen3-8b:q4_k_m qwen3-8b:bf16"), SBS_DEPTHS (0,8192,32768), SBS_PREFILL (512,8192), SBS_TAUS (4,6,8),
-# SBS_DFLASH_PROMPT (512, prompt tokens before DFlash and its plain baseline),
+# SBS_DFLASH_PROMPT (512, prompt tokens before DFlash and its plain baseline; a list, e.g. 512,32768, for DFlash
+# after each),
 # SBS_TOKENS (128), SBS_REPS (3, llama-bench -r), SBS_FD_REPS (1, flashdraft's timed runs per test),
 # SBS_DRAFTER (auto: bf16 for float files, Q5_K blocks for quantized ones; or Q5_K, Q8_0, Q4_K, Q6_K, bf16),
 # SBS_SERIAL (1), SBS_KEEP_GGUF (0: a file is deleted once both sides measured it),
@@ -84,8 +85,8 @@ for spec in $MODELS; do
                "tiny-gemma4; types bf16 q4_k_m q4_k_s q4_k, f32 for the tiny shapes)";;
     esac
 done
-for v in DEPTHS PREFILL TAUS; do [[ "${!v}" =~ ^[0-9]+(,[0-9]+)*$ ]] || die "SBS_$v must be comma-separated numbers, got '${!v}'"; done
-for v in BUDGET TOKENS REPS FD_REPS DFLASH_PROMPT; do [[ "${!v}" =~ ^[0-9]+$ ]] || die "$v must be a whole number, got '${!v}'"; done
+for v in DEPTHS PREFILL TAUS DFLASH_PROMPT; do [[ "${!v}" =~ ^[0-9]+(,[0-9]+)*$ ]] || die "SBS_$v must be comma-separated numbers, got '${!v}'"; done
+for v in BUDGET TOKENS REPS FD_REPS; do [[ "${!v}" =~ ^[0-9]+$ ]] || die "$v must be a whole number, got '${!v}'"; done
 case "$DRAFTER" in auto|Q5_K|Q8_0|Q4_K|Q6_K|bf16) ;; *) die "SBS_DRAFTER must be auto, Q5_K, Q8_0, Q4_K, Q6_K or bf16, got '$DRAFTER'";; esac
 drafter_for() {  # auto: a bf16 drafter for a float file, Q5_K blocks (the walkthrough drafter's type) for a quantized one
     if [ "$DRAFTER" != auto ]; then echo "$DRAFTER"; else case "${1##*:}" in bf16|f32) echo bf16;; *) echo Q5_K;; esac; fi

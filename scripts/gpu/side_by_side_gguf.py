@@ -1,18 +1,20 @@
 """flashdraft's half of the GGUF side by side with llama.cpp (scripts/gpu/side_by_side.sh), and the table.
 
     PYTHONPATH=src python scripts/gpu/side_by_side_gguf.py measure FILE.gguf OUT.json [--depths 0,8192,32768]
-        [--prefill 512,8192] [--taus 4,6,8] [--tokens 128] [--reps 1] [--drafter Q5_K|bf16] [--device cuda]
+        [--prefill 512,8192] [--taus 4,6,8] [--dflash-prompt 512[,32768]] [--tokens 128] [--reps 1]
+        [--drafter Q5_K|bf16] [--device cuda]
     python scripts/gpu/side_by_side_gguf.py table RESULTS_DIR [--md TABLE.md] [--json RESULTS.json]
 
-measure: the GGUF file llama-bench reads, loaded by Engine.load (tokenizer, quant blocks and all), measured as
-llama-bench measures: plain greedy decode of --tokens tokens after a prompt of each depth (depth 0: a 16-token
-prompt), prefill of each --prefill length, each after an untimed warm-up run of the same prompt (llama-bench warms
-up too). Prompts are random token ids. Then DFlash at each tau with a random drafter of the target's shape
+measure: the GGUF file llama-bench reads, loaded by Engine.load (tokenizer, quant blocks and all) and warmed up as
+`flashdraft serve` warms each slot at load (Engine.warm_up: among others the CUDA graphs of prompt passes of up
+to 512 tokens, which a request never captures), measured as llama-bench measures: plain greedy decode of --tokens
+tokens after a prompt of each depth (depth 0: a 16-token prompt), prefill of each --prefill length, each after an
+untimed warm-up run of the same prompt (llama-bench warms up too). Prompts are random token ids. Then DFlash at each tau with a random drafter of the target's shape
 (z-lab's Qwen3-8B drafter layout for Llama/Qwen3 targets, its Gemma-4-31B drafter for Gemma 4; Q5_K blocks, the
 walkthrough drafter's type, or bf16) in oracle mode (bench/oracle.py: the drafter runs, its guesses are replaced
-by the target's own continuation with a planted miss, so tau is chosen), after a --dflash-prompt-token prompt (512),
-compared token
-for token with plain decoding of the same prompt. Every stage records its exception and the run goes on; the JSON
+by the target's own continuation with a planted miss, so tau is chosen), after a prompt of each --dflash-prompt
+length (512; 32768 as well for DFlash at long context), compared token for token with plain decoding of the same
+prompt. Every stage records its exception and the run goes on; the JSON
 is rewritten after each stage.
 
 table: reads RESULTS_DIR/llama-MODEL.json (llama-bench -o json records, any number of runs concatenated) and
@@ -133,7 +135,7 @@ def measure(args) -> int:
                  device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", torch=torch.__version__,
                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), build_running=args.build_running,
                  depths=args.depths, prefill_lengths=args.prefill, taus=args.taus)
-    longest = max([*args.depths, *args.prefill, args.dflash_prompt, SHORT_PROMPT])
+    longest = max([*args.depths, *args.prefill, *args.dflash_prompt, SHORT_PROMPT])
     context = longest + args.tokens + 64
     t = time.time()
     try:
@@ -150,12 +152,20 @@ def measure(args) -> int:
         rec.data["weights_gb"] = torch.cuda.memory_allocated(dev) / 1e9
     log(f"[{args.file.name}] loaded in {rec.data['load_s']} s, context {engine.context_size}")
     rec.save()
+    sequence = engine.new_sequence()  # the server's slot: warmed up, then every plain run in it
+    try:
+        warm = engine.warm_up(sequence)
+        rec.data["warm_up_s"] = round(warm, 1) if warm is not None else None
+        log(f"  warm-up: {rec.data['warm_up_s']} s")
+    except Exception as e:  # noqa: BLE001
+        rec.error("warm-up", e)
+    rec.save()
 
     plain_runs = {}
-    for depth in sorted({*args.depths, *([args.dflash_prompt] if args.taus else [])}):
+    for depth in sorted({*args.depths, *(args.dflash_prompt if args.taus else [])}):
         n = depth or SHORT_PROMPT
         try:
-            out = timed_generate(engine, prompt_of(n, vocab, seed=n), args.tokens, args.reps)
+            out = timed_generate(engine, prompt_of(n, vocab, seed=n), args.tokens, args.reps, sequence=sequence)
             plain_runs[depth] = out
             row = {"depth": depth, "prompt_n": out.stats.prompt_n, "tokens": len(out.tokens),
                    "tok_s": decode_tok_s(out), "prefill_tok_s": out.stats.prompt_n / (out.stats.prompt_ms / 1000)}
@@ -168,22 +178,23 @@ def measure(args) -> int:
     for n in args.prefill:
         try:
             known = plain_runs.get(n)
-            out = known if known is not None else timed_generate(engine, prompt_of(n, vocab, seed=n), 1, args.reps)
+            out = known if known is not None else timed_generate(engine, prompt_of(n, vocab, seed=n), 1, args.reps,
+                                                                 sequence=sequence)
             rec.data["prefill"].append({"prompt_n": n, "tok_s": out.stats.prompt_n / (out.stats.prompt_ms / 1000)})
             log(f"  prefill {n}: {rec.data['prefill'][-1]['tok_s']:.0f} tok/s")
         except Exception as e:  # noqa: BLE001
             rec.error(f"prefill {n}", e)
         rec.save()
 
-    base = plain_runs.get(args.dflash_prompt)
-    if args.taus and base is not None:
+    bases = {n: plain_runs[n] for n in args.dflash_prompt if n in plain_runs}
+    if args.taus and bases:
         tokenizer = engine.tokenizer
-        del engine, plain_runs  # the plain engine's caches go before the drafting engine allocates its own
+        del engine, sequence, plain_runs  # the plain engine's caches go before the drafting engine allocates its own
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         try:
-            dflash(target, tokenizer, rec, base, args, dev, context)
+            dflash(target, tokenizer, rec, bases, args, dev, context)
         except Exception as e:  # noqa: BLE001
             rec.error("dflash", e)
     if dev.type == "cuda":
@@ -192,7 +203,9 @@ def measure(args) -> int:
     return 0 if not rec.data["errors"] else 1
 
 
-def dflash(target, tokenizer, rec: Record, base, args, dev, context: int) -> None:
+def dflash(target, tokenizer, rec: Record, bases: dict, args, dev, context: int) -> None:
+    """DFlash at each tau after each prompt length of `bases` (its plain run), in one engine; a sequence (its
+    caches, its oracle) per prompt length, each freed before the next."""
     from flashdraft.engine.generator import Engine
     from flashdraft.bench.oracle import PlantedOracle
 
@@ -204,23 +217,28 @@ def dflash(target, tokenizer, rec: Record, base, args, dev, context: int) -> Non
                            "layers": drafter.config.layers.num_hidden_layers, "build_s": round(time.time() - t, 1)}
     spec = Engine(target, tokenizer, drafter, context_size=context)
     B = drafter.block_size
-    prompt = prompt_of(args.dflash_prompt, target.config.vocab_size, seed=args.dflash_prompt)
-    base_tok_s = decode_tok_s(base)
-    oracle = PlantedOracle(prompt + base.tokens, lambda s: B - 1, target.config.vocab_size, dev)
-    planted = spec.new_sequence(oracle=oracle)
-    for tau in args.taus:
-        accept = min(tau - 1, B - 1)
-        try:
-            oracle.replan(lambda s, k=accept: k)  # one oracle: graphs captured with it replay the new pattern
-            out = timed_generate(spec, prompt, args.tokens, args.reps, draft=B - 1, sequence=planted)
-            row = {"tau_planned": accept + 1, "tau": out.stats.tau, "tok_s": decode_tok_s(out),
-                   "speedup": decode_tok_s(out) / base_tok_s, "identical": out.tokens == base.tokens}
-            rec.data["dflash"].append(row)
-            log(f"  DFlash tau {row['tau']:.2f}: {row['tok_s']:.1f} tok/s, {row['speedup']:.2f}x plain; "
-                f"same tokens as plain: {row['identical']}")
-        except Exception as e:  # noqa: BLE001
-            rec.error(f"dflash tau {tau}", e)
-        rec.save()
+    for n, base in sorted(bases.items()):
+        prompt = prompt_of(n, target.config.vocab_size, seed=n)
+        base_tok_s = decode_tok_s(base)
+        oracle = PlantedOracle(prompt + base.tokens, lambda s: B - 1, target.config.vocab_size, dev)
+        planted = spec.new_sequence(oracle=oracle)
+        for tau in args.taus:
+            accept = min(tau - 1, B - 1)
+            try:
+                oracle.replan(lambda s, k=accept: k)  # one oracle: graphs captured with it replay the new pattern
+                out = timed_generate(spec, prompt, args.tokens, args.reps, draft=B - 1, sequence=planted)
+                row = {"prompt_n": n, "tau_planned": accept + 1, "tau": out.stats.tau, "tok_s": decode_tok_s(out),
+                       "speedup": decode_tok_s(out) / base_tok_s, "identical": out.tokens == base.tokens}
+                rec.data["dflash"].append(row)
+                log(f"  DFlash after {n} tokens, tau {row['tau']:.2f}: {row['tok_s']:.1f} tok/s, "
+                    f"{row['speedup']:.2f}x plain; same tokens as plain: {row['identical']}")
+            except Exception as e:  # noqa: BLE001
+                rec.error(f"dflash {n} tau {tau}", e)
+            rec.save()
+        del planted, oracle
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 # --- table ---
@@ -255,11 +273,16 @@ def table_rows(llama: list[dict], ours: dict) -> list[dict]:
     lengths = sorted({r["n_prompt"] for r in llama if r.get("n_prompt") and not r.get("n_gen")} | set(prefill))
     rows += [{"test": f"pp{n}", "llama": llama_ts(llama, n, 0, 0), "ours": prefill.get(n), "note": ""}
              for n in lengths]
-    tg0 = llama_ts(llama, 0, gen, 0)
+    short = min((d.get("prompt_n", 0) for d in ours.get("dflash", [])), default=0)
     for d in ours.get("dflash", []):
+        # against llama.cpp's plain decoding at the depth of the prompt: tg128 for the short one (as before), tg128
+        # @ d32768 for a 32K prompt where llama-bench measured that depth
+        n = d.get("prompt_n", short)
+        depth = n if n != short and llama_ts(llama, 0, gen, n) is not None else 0
         note = f"tau {d['tau']:.2f}, {d['speedup']:.2f}x own plain" + ("" if d["identical"] else ", TOKENS DIFFER")
-        rows.append({"test": f"DFlash tau {d['tau_planned']} vs tg{gen}", "llama": tg0, "ours": d["tok_s"],
-                     "note": note})
+        rows.append({"test": f"DFlash tau {d['tau_planned']} vs tg{gen}" + (f" @ d{depth}" if depth else ""),
+                     "llama": llama_ts(llama, 0, gen, depth), "ours": d["tok_s"],
+                     "note": (f"after {n} tokens, " if n != short else "") + note})
     return rows
 
 
@@ -315,7 +338,8 @@ def main(argv=None) -> int:
     m.add_argument("--prefill", type=ints, default=[512, 8192], help="prompt lengths whose prefill is timed")
     m.add_argument("--taus", type=ints, default=[4, 6, 8], help="DFlash oracle acceptance lengths ('' for none)")
     m.add_argument("--tokens", type=int, default=128, help="generated tokens per run (llama-bench -n)")
-    m.add_argument("--dflash-prompt", type=int, default=512, help="prompt tokens before DFlash decoding")
+    m.add_argument("--dflash-prompt", type=ints, default=[512],
+                   help="prompt tokens before DFlash decoding (a list: DFlash after each)")
     m.add_argument("--reps", type=int, default=1, help="timed runs per test (the median is kept)")
     m.add_argument("--drafter", default="Q5_K", choices=["Q5_K", "Q8_0", "Q4_K", "Q6_K", "bf16"],
                    help="the random drafter's weights: GGUF blocks of this type, or bf16")
@@ -328,7 +352,7 @@ def main(argv=None) -> int:
     t.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.command == "measure":
-        if args.tokens < 2 or args.reps < 1 or args.dflash_prompt < 1:
+        if args.tokens < 2 or args.reps < 1 or not args.dflash_prompt or min(args.dflash_prompt) < 1:
             ap.error("--tokens must be at least 2, --reps and --dflash-prompt at least 1")
         if any(t < 2 for t in args.taus):
             ap.error("--taus must be at least 2 (tau 1 is plain decoding)")

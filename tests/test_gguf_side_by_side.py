@@ -240,7 +240,9 @@ def test_whole_script_on_tiny_files_and_a_stand_in_llama_bench(tmp_path):
         assert f"| {model} | pp64 | 1064.0 |" in table and f"| {model} | DFlash tau 4 vs tg8 | 100.0 |" in table
         ours = json.loads((out / "results.json").read_text())[model]["flashdraft"]
         assert ours["errors"] == [] and not ours["build_running"]
-        assert [d["depth"] for d in ours["plain"]] == [0, 24, 64]
+        assert [d["depth"] for d in ours["plain"]] == [0, 64]
+        # DFlash's base: plain decoding by the drafting engine after each prompt, whose tokens it must give
+        assert [b["prompt_n"] for b in ours["dflash_baselines"]] == [24, 64]
         assert [d["prompt_n"] for d in ours["dflash"]] == [24, 64]  # DFlash after each prompt length
         assert all(d["identical"] and d["tau"] > 1 for d in ours["dflash"])
         assert "warm_up_s" in ours  # warmed up as the server's slots are

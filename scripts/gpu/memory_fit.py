@@ -60,7 +60,7 @@ def main() -> int:
     ap.add_argument("--limit-gb", type=float, default=24.0, help="the card's memory, GB (1e9 bytes)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())
     result: dict = {"file": str(args.file), "context": args.context, "cache_type_k": args.cache_type_k,
                     "cache_type_v": args.cache_type_v, "cross_ctx": args.cross_ctx, "drafter": args.drafter,
                     "device": torch.cuda.get_device_name(dev), "torch": torch.__version__}

@@ -13,8 +13,11 @@ untimed warm-up run of the same prompt (llama-bench warms up too). Prompts are r
 (z-lab's Qwen3-8B drafter layout for Llama/Qwen3 targets, its Gemma-4-31B drafter for Gemma 4; Q5_K blocks, the
 walkthrough drafter's type, or bf16) in oracle mode (bench/oracle.py: the drafter runs, its guesses are replaced
 by the target's own continuation with a planted miss, so tau is chosen), after a prompt of each --dflash-prompt
-length (512; 32768 as well for DFlash at long context), compared token for token with plain decoding of the same
-prompt. Every stage records its exception and the run goes on; the JSON
+length (512; 32768 as well for DFlash at long context), against plain decoding of the same prompt by the same
+engine (drafter loaded, drafting nothing): its speed is the speedup's base, its tokens are planted and must come
+out. (Not the plain engine's: that one is warmed up, so its prompt passes of up to 512 tokens replay graphs whose
+attention masks by position, while this engine's run eagerly on SDPA's causal kernel; on random weights the two
+caches' last bits can part the greedy continuations, which once made tau 1.4 and `TOKENS DIFFER` on the H200.) Every stage records its exception and the run goes on; the JSON
 is rewritten after each stage.
 
 table: reads RESULTS_DIR/llama-MODEL.json (llama-bench -o json records, any number of runs concatenated) and
@@ -57,7 +60,7 @@ class Record:
 
     def __init__(self, out: Path, **fields):
         self.out = out
-        self.data: dict = {**fields, "errors": [], "plain": [], "prefill": [], "dflash": []}
+        self.data: dict = {**fields, "errors": [], "plain": [], "prefill": [], "dflash_baselines": [], "dflash": []}
 
     def error(self, stage: str, e: BaseException) -> None:
         self.data["errors"].append({"stage": stage, "error": f"{type(e).__name__}: {e}",
@@ -162,7 +165,7 @@ def measure(args) -> int:
     rec.save()
 
     plain_runs = {}
-    for depth in sorted({*args.depths, *(args.dflash_prompt if args.taus else [])}):
+    for depth in sorted(set(args.depths)):
         n = depth or SHORT_PROMPT
         try:
             out = timed_generate(engine, prompt_of(n, vocab, seed=n), args.tokens, args.reps, sequence=sequence)
@@ -186,15 +189,14 @@ def measure(args) -> int:
             rec.error(f"prefill {n}", e)
         rec.save()
 
-    bases = {n: plain_runs[n] for n in args.dflash_prompt if n in plain_runs}
-    if args.taus and bases:
+    if args.taus:
         tokenizer = engine.tokenizer
         del engine, sequence, plain_runs  # the plain engine's caches go before the drafting engine allocates its own
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         try:
-            dflash(target, tokenizer, rec, bases, args, dev, context)
+            dflash(target, tokenizer, rec, args, dev, context)
         except Exception as e:  # noqa: BLE001
             rec.error("dflash", e)
     if dev.type == "cuda":
@@ -203,9 +205,9 @@ def measure(args) -> int:
     return 0 if not rec.data["errors"] else 1
 
 
-def dflash(target, tokenizer, rec: Record, bases: dict, args, dev, context: int) -> None:
-    """DFlash at each tau after each prompt length of `bases` (its plain run), in one engine; a sequence (its
-    caches, its oracle) per prompt length, each freed before the next."""
+def dflash(target, tokenizer, rec: Record, args, dev, context: int) -> None:
+    """Plain decoding and DFlash at each tau after each --dflash-prompt length, in one engine; a sequence (its
+    caches, its oracle) per run of the baseline and per prompt length of DFlash, each freed before the next."""
     from flashdraft.engine.generator import Engine
     from flashdraft.bench.oracle import PlantedOracle
 
@@ -217,9 +219,16 @@ def dflash(target, tokenizer, rec: Record, bases: dict, args, dev, context: int)
                            "layers": drafter.config.layers.num_hidden_layers, "build_s": round(time.time() - t, 1)}
     spec = Engine(target, tokenizer, drafter, context_size=context)
     B = drafter.block_size
-    for n, base in sorted(bases.items()):
+    for n in sorted(set(args.dflash_prompt)):
         prompt = prompt_of(n, target.config.vocab_size, seed=n)
+        try:
+            base = timed_generate(spec, prompt, args.tokens, args.reps, draft=0, sequence=spec.new_sequence())
+        except Exception as e:  # noqa: BLE001
+            rec.error(f"dflash {n} plain baseline", e)
+            continue
         base_tok_s = decode_tok_s(base)
+        rec.data["dflash_baselines"].append({"prompt_n": n, "tok_s": base_tok_s})
+        log(f"  plain after {n} tokens, drafter loaded: {base_tok_s:.1f} tok/s")
         oracle = PlantedOracle(prompt + base.tokens, lambda s: B - 1, target.config.vocab_size, dev)
         planted = spec.new_sequence(oracle=oracle)
         for tau in args.taus:

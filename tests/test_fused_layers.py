@@ -15,7 +15,8 @@ from triton_interpreter import interpret_without_gpu  # noqa: E402
 from flashdraft.config import SamplingParams  # noqa: E402
 from flashdraft.engine.generator import Engine  # noqa: E402
 from flashdraft.layers import decode_attention, qkv_prep, rms_norm_rows, skinny_gemm  # noqa: E402
-from flashdraft.layers import DecoderLayer, LayerPlan  # noqa: E402
+from flashdraft.layers import LayerPlan  # noqa: E402
+from flashdraft.models.llama.model import DecoderLayer  # noqa: E402
 from flashdraft.models import load_model  # noqa: E402
 from test_lossless import InlineGraphs, logging_oracle, without_warm_up_repeats  # noqa: E402
 from tiny_models import build_drafter, build_target  # noqa: E402

@@ -117,7 +117,8 @@ def test_layers_take_the_gemm_of_their_plan():
     """Layers built with LayerPlan(gemm="triton") send products of up to max_rows rows to the kernel (plain and
     fused projections alike) and larger ones to F.linear; built with the default plan, none."""
     from flashdraft.config import ModelConfig
-    from flashdraft.layers import Attention, GatedMLP, LayerPlan
+    from flashdraft.layers import Attention, LayerPlan
+    from flashdraft.models.llama.model import GatedMLP
     cfg = ModelConfig.from_dict(dict(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64,
                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                      head_dim=16, max_position_embeddings=64))

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from flashdraft.kernels.runtime import can_run, triton_available
-from flashdraft.layers import DecoderLayer
+from flashdraft.models.llama.model import DecoderLayer
 from flashdraft.layers.plan import ATTENTION_BACKENDS, GEMM_BACKENDS, LayerPlan
 from flashdraft.layers.skinny_gemm import BLOCK_M
 from flashdraft.models.gemma4.model import Gemma4DecoderLayer

@@ -37,7 +37,7 @@ from flashdraft.engine.logit_processor import LogitProcessor, TokenLogprob
 from flashdraft.engine.model_prep import compile_layers, compiles
 from flashdraft.engine.ngram import NgramProposer, NgramSettings
 from flashdraft.engine.sampling import sample_tokens, seed_key
-from flashdraft.layers import DecoderLayer
+from flashdraft.models.llama.model import DecoderLayer
 from flashdraft.models import DecoderLM, DFlashDrafter
 from flashdraft.models.kv_cache import HostArena, KVCache, WindowKVCache
 

@@ -1,6 +1,5 @@
 from flashdraft.layers.attention import Attention
-from flashdraft.layers.decoder import DecoderLayer, GatedMLP
 from flashdraft.layers.elementwise import RMSNorm, RotaryEmbedding
 from flashdraft.layers.plan import LayerPlan
 
-__all__ = ["Attention", "DecoderLayer", "GatedMLP", "LayerPlan", "RMSNorm", "RotaryEmbedding"]
+__all__ = ["Attention", "LayerPlan", "RMSNorm", "RotaryEmbedding"]

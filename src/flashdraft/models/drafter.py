@@ -11,7 +11,8 @@ from torch import nn
 from flashdraft.config import DrafterConfig
 from flashdraft.loading.checkpoint import assign_tensors, check_drafter_fits, read_tensors
 from flashdraft.models.kv_cache import KVCache, WindowKVCache
-from flashdraft.layers import DecoderLayer, LayerPlan, RMSNorm, RotaryEmbedding
+from flashdraft.layers import LayerPlan, RMSNorm, RotaryEmbedding
+from flashdraft.models.llama.model import DecoderLayer
 from flashdraft.layers.skinny_gemm import Linear, fold_norm_weight, skinny_linear
 from flashdraft.quant.kv_formats import write_rows
 

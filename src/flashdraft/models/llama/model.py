@@ -1,4 +1,5 @@
-"""Decoder-only language model over a static KV cache: the Qwen3 and Llama-3.x targets.
+"""Decoder-only language model over a static KV cache: the Qwen3 and Llama-3.x targets, and their block
+(DecoderLayer), which the DFlash drafter's layers are too.
 
 Module and parameter names follow HF (model.embed_tokens, model.layers.N..., model.norm, lm_head), so a
 checkpoint's state dict loads as is. Qwen3 differs from Llama only in per-head q/k RMSNorm (ModelConfig.qk_norm)
@@ -9,9 +10,132 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from flashdraft.config import ModelConfig
+from flashdraft.layers import decode_attention, qkv_prep
+from flashdraft.layers.attention import Attention
+from flashdraft.layers.elementwise import RMSNorm, RotaryEmbedding, silu_mul
+from flashdraft.layers.plan import LayerPlan
+from flashdraft.layers.rms_norm_rows import rms_norm_rows
+from flashdraft.layers.skinny_gemm import Linear, attach_fused, fold_norm_weight, skinny_linear
 from flashdraft.models.kv_cache import KVCache
-from flashdraft.layers import DecoderLayer, LayerPlan, RMSNorm, RotaryEmbedding
-from flashdraft.layers.skinny_gemm import Linear
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, plan: LayerPlan = LayerPlan()):
+        super().__init__()
+        self.gate_proj = Linear(hidden, intermediate, bias=bias, max_rows=plan.gemm_rows)
+        self.up_proj = Linear(hidden, intermediate, bias=bias, max_rows=plan.gemm_rows)
+        self.down_proj = Linear(intermediate, hidden, bias=bias, max_rows=plan.gemm_rows)
+        self.gate_up_proj = None  # gate and up as one projection, once fuse_projections() found them alike
+
+    def fuse_projections(self) -> None:
+        """gate and up as one projection (fuse_rows: float, or GGUF blocks of one type): one GEMM per step instead
+        of two; their weights become views of its own, so no memory is added. Done once."""
+        if self.gate_up_proj is None:
+            attach_fused(self, "gate_up_proj", [self.gate_proj, self.up_proj])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(silu_mul(gate, up))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block shared by Qwen3, Llama and the DFlash drafter (parameter names as in HF).
+
+    Its plan fixes the kernels of few-row passes; prepare() lays the weights out for them once they are loaded,
+    and with the plan's fused path (both Triton backends) such passes then run as fused_forward."""
+
+    def __init__(self, cfg: ModelConfig, plan: LayerPlan = LayerPlan(), context_projection: bool = False):
+        super().__init__()
+        self.plan = plan
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, plan, context_projection)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, plan)
+        self.fused_rows = 0  # > 0 once prepared for a fused path: passes of up to this many tokens take it
+        self.norms_folded = False  # that path is fused_forward (float weights, norms folded in), else quant_forward
+        self._compiled_module_path = None  # compile_module_path(): DecoderLayer.module_forward compiled
+
+    def forward(self, h, cos, sin, cache_k, cache_v, positions, kv_len: int, mask: torch.Tensor | None):
+        if h.shape[0] <= self.fused_rows:
+            path = self.fused_forward if self.norms_folded else self.quant_forward
+            return path(h, cos, sin, cache_k, cache_v, positions, kv_len, mask)
+        if self._compiled_module_path is not None:
+            return self._compiled_module_path(self, h, cos, sin, cache_k, cache_v, positions, kv_len, mask)
+        return self.module_forward(h, cos, sin, cache_k, cache_v, positions, kv_len, mask)
+
+    def compile_module_path(self) -> None:
+        """torch.compile the module path alone, for a layer on a fused path: its passes of more rows than that path
+        takes (prefill) get their elementwise ops fused as a compiled layer's are (eager, a 512-token pass of a
+        GGUF Qwen3-8B took a third longer on the H200: docs/performance.md), while the few-row passes keep their
+        batch-invariant kernels. Invariance does not matter past those rows: plain decoding and DFlash run a
+        prompt through the same passes. Done once. (The function, not this layer's bound method, is compiled: the
+        layer holds no reference to itself.)"""
+        if self._compiled_module_path is None:
+            self._compiled_module_path = torch.compile(DecoderLayer.module_forward, dynamic=True)
+
+    def module_forward(self, h, cos, sin, cache_k, cache_v, positions, kv_len: int, mask: torch.Tensor | None):
+        """The block module by module: every pass on the module path, and longer ones (prefill) on the fused."""
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache_k, cache_v, positions, kv_len, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def fused_forward(self, h, cos, sin, cache_k, cache_v, positions, kv_len: int, mask: torch.Tensor | None):
+        """The same block in six kernel launches: four GEMMs, qkv_prep and attention. Each RMSNorm runs in the
+        GEMM that reads its output (its weight folded into that GEMM's weight: prepare), each residual add in
+        the epilogue of the GEMM that produces it, SwiGLU in the gate/up GEMM's epilogue, and q/k norm, RoPE and
+        the cache writes in one kernel (layers.qkv_prep). At batch 1 the elementwise kernels and the gaps between
+        launches cost a sixth of a step otherwise."""
+        mlp = self.mlp
+        h = self.self_attn.fused_forward(h, self.input_layernorm.eps, cos, sin, cache_k, cache_v, positions, kv_len,
+                                         mask)
+        act = skinny_linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, rms_norm_eps=self.post_attention_layernorm.eps,
+                            gated=True)
+        return skinny_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)
+
+    def quant_forward(self, h, cos, sin, cache_k, cache_v, positions, kv_len: int, mask: torch.Tensor | None):
+        """The same block for projections held as GGUF blocks, whose kernels cannot take a norm or an epilogue:
+        the quantized products, each RMSNorm one kernel (the second with the residual add before it), q/k norm,
+        RoPE and the cache writes one kernel (qkv_prep), attention, and eager SwiGLU and residual add. Every
+        kernel computes a row from that row alone, so a token's bits are the same in a verify block as alone,
+        which the compiled module path did not give (rms_norm_rows)."""
+        h, x = rms_norm_rows(h, self.input_layernorm.weight, self.input_layernorm.eps)
+        attn = self.self_attn.prepped_forward(x, cos, sin, cache_k, cache_v, positions, kv_len, mask)
+        h, x = rms_norm_rows(h, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps, attn)
+        return h + self.mlp(x)
+
+    @torch.no_grad()
+    def prepare(self) -> None:
+        """Lay the loaded weights out for the plan, once: fused q/k/v and gate/up projections (plan
+        fuse_projections: float ones, or GGUF blocks of one type), and for the fused path (float weights), where
+        the weights and head size allow it, the two RMSNorms' weights folded into them (W[:, k] *= g[k], the
+        norms' weights made ones: the same model on every path, and the fused GEMMs feed x to the tensor cores as
+        loaded). Keys and values that a drafter projects from context rows without the input norm keep unfolded
+        k/v weights of their own."""
+        attn, mlp = self.self_attn, self.mlp
+        if self.fused_rows or not self.plan.fuse_projections:
+            return
+        attn.fuse_projections()
+        mlp.fuse_projections()
+        if not (self.plan.fused and decode_attention.supports(attn.head_dim) and attn.head_dim in qkv_prep.HEAD_DIMS):
+            return
+        # fused_forward reads the float weights of the fused projections, o_proj and down_proj; other
+        # projections (GGUF blocks) take quant_forward, with the norms as they are
+        floats = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not all(type(p) is Linear for p in floats):
+            self.fused_rows = self.plan.max_rows
+            return
+        if attn.context_projection:
+            attn.k_proj.weight = nn.Parameter(attn.k_proj.weight.clone(), requires_grad=False)
+            attn.v_proj.weight = nn.Parameter(attn.v_proj.weight.clone(), requires_grad=False)
+        for norm, weight in ((self.input_layernorm, attn.qkv_proj.weight),
+                             (self.post_attention_layernorm, mlp.gate_up_proj.weight)):
+            fold_norm_weight(weight, norm.weight)
+            norm.weight.fill_(1.0)
+        self.fused_rows, self.norms_folded = self.plan.max_rows, True
 
 
 class DecoderStack(nn.Module):

@@ -73,10 +73,14 @@ def test_matches_sdpa(heads, kv_heads, hd, T, kv_len, mask_kind):
 
 # key ranges of 32 keys: 8 to 13 ranges to combine
 MANY_RANGES = da.AttentionConfig(block_n=32, split=32)
+# a kv head's whole verify block in one query tile (16 tokens x a group of 4 heads): the keys of a range read once
+# for every row (issue #20), the tile the same for every T
+WHOLE_BLOCK = da.AttentionConfig(block_q=64, block_n=32, split=64)
 
 
-@pytest.mark.parametrize("config, window", [(None, None), (MANY_RANGES, None), (MANY_RANGES, 100)],
-                         ids=["default", "many-ranges", "many-ranges-window"])
+@pytest.mark.parametrize("config, window", [(None, None), (MANY_RANGES, None), (MANY_RANGES, 100),
+                                            (WHOLE_BLOCK, None), (WHOLE_BLOCK, 100)],
+                         ids=["default", "many-ranges", "many-ranges-window", "whole-block", "whole-block-window"])
 def test_rows_are_bitwise_independent_of_the_other_tokens(config, window):
     """A token's rows are the same bits whether it goes alone (as the first token) or with up to 15 more, and
     whatever the other tokens hold; also over many key ranges, the leading ones hidden by a sliding window.
@@ -96,7 +100,7 @@ def test_rows_are_bitwise_independent_of_the_other_tokens(config, window):
     torch.testing.assert_close(full.double(), ref, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("config", [None, MANY_RANGES], ids=["default", "many-ranges"])
+@pytest.mark.parametrize("config", [None, MANY_RANGES, WHOLE_BLOCK], ids=["default", "many-ranges", "whole-block"])
 def test_rows_do_not_depend_on_the_graph_bucket(config):
     """A verify step may attend over a longer kv_len (the next graph bucket) than the decode step of the same
     token: the rows past its position are hidden, and its output bits stay the same (also over many key

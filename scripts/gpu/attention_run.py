@@ -42,13 +42,19 @@ def graph_us(fn, calls: int) -> float:
 CONFIGS = [CONFIG, AttentionConfig(), AttentionConfig(split=64),
            AttentionConfig(split=256), AttentionConfig(block_n=128, split=256, num_warps=8),
            AttentionConfig(block_n=128, split=128), AttentionConfig(block_n=128, split=128, num_warps=8, num_stages=1),
-           AttentionConfig(block_n=64, split=512)]
+           AttentionConfig(block_n=64, split=512),
+           # a kv head's whole 16-token verify block (64 rows) in one query tile: its keys read once (issue #20)
+           AttentionConfig(block_q=64, block_n=128, split=128, num_warps=8), AttentionConfig(block_q=64, split=256)]
 # the configuration adopted is the fastest over these (kv_len, T) cases (bench and chat contexts), if invariant
 ADOPT_ON = {(512, 1), (512, 16), (2048, 1), (2048, 16)}
 LONG_CONFIGS = [CONFIG, AttentionConfig(block_n=128, split=512, num_warps=8),
                 AttentionConfig(block_n=128, split=1024, num_warps=8), AttentionConfig(block_n=128, split=2048, num_warps=8),
                 AttentionConfig(block_n=64, split=512), AttentionConfig(block_n=64, split=1024),
-                AttentionConfig(block_n=64, split=2048), AttentionConfig(block_n=128, split=1024, num_warps=4)]
+                AttentionConfig(block_n=64, split=2048), AttentionConfig(block_n=128, split=1024, num_warps=4),
+                AttentionConfig(block_q=64, block_n=128, split=1024, num_warps=8),
+                AttentionConfig(block_q=64, block_n=64, split=1024, num_warps=8),
+                AttentionConfig(block_q=64, block_n=64, split=512, num_warps=4),
+                AttentionConfig(block_q=32, block_n=128, split=1024, num_warps=8)]
 
 
 def main(out: Path, long: bool = False) -> None:

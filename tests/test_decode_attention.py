@@ -187,7 +187,7 @@ def test_engine_attention_option(qwen3_dir, drafter_dir):
     ref = plain.generate(prompt, params, 0).tokens
     eng = Engine.load(qwen3_dir, drafter_dir, device=DEVICE, context_size=96, gemm="cublas", attention="triton")
     assert eng.decoder.plan.attention == "triton"
-    calls = generate_through(da, "_decode_attention_op", eng, prompt, params, ref, lambda q: tuple(q.shape[1:2]))
+    calls = generate_through(da, "_decode_attention", eng, prompt, params, ref, lambda q: tuple(q.shape[1:2]))
     if calls is None:
         return
     block = eng.decoder.block_size

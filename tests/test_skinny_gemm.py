@@ -126,9 +126,9 @@ def test_layers_take_the_gemm_of_their_plan():
     model = nn.Sequential(Attention(cfg, plan), GatedMLP(32, 64, plan=plan), sg.Linear(32, 8, max_rows=plan.gemm_rows))
     assert model[0].q_proj.max_rows == model[1].gate_proj.max_rows == model[1].down_proj.max_rows == 16
     calls = []
-    real = sg._skinny_linear_op
+    real = sg._skinny_linear
     try:
-        sg._skinny_linear_op = lambda *a: calls.append(a[0].shape) or real(*a)
+        sg._skinny_linear = lambda *a: calls.append(a[0].shape) or real(*a)
         x = torch.randn(4, 32)
         model[2](x)
         model[2](torch.randn(17, 32))  # more rows than max_rows: F.linear
@@ -138,7 +138,7 @@ def test_layers_take_the_gemm_of_their_plan():
         default = nn.Sequential(GatedMLP(32, 64), sg.Linear(32, 8))
         default[0](x), default[1](x)
     finally:
-        sg._skinny_linear_op = real
+        sg._skinny_linear = real
     assert calls == [(4, 32), (4, 32), (4, 64)]  # lm-head-like layer, fused gate/up, down; the default plan: none
     with pytest.raises(ValueError, match="unknown gemm"):
         LayerPlan(gemm="cutlass")
@@ -161,7 +161,7 @@ def test_engine_gemm_option(qwen3_dir, drafter_dir):
     rows = max(16, eng.decoder.block_size)
     assert eng.decoder.target.lm_head.max_rows == eng.decoder.drafter.fc.max_rows == rows
     assert eng.decoder.target.model.layers[0].mlp.down_proj.max_rows == rows
-    calls = generate_through(sg, "_skinny_linear_op", eng, prompt, params, ref, lambda x: tuple(x.shape))
+    calls = generate_through(sg, "_skinny_linear", eng, prompt, params, ref, lambda x: tuple(x.shape))
     if calls is None:
         return
     assert (1, 64) in calls and (8, 64) in calls  # decode steps and drafter blocks/verify went through it

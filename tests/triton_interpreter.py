@@ -22,8 +22,8 @@ def interpret_without_gpu(kernel_module: str, kernels_cache) -> None:
 
 def generate_through(module, op_name: str, engine, prompt, params, ref, arg_shape) -> list | None:
     """Assert that engine's greedy output, plain and drafting 7, equals ref. On the CPU, also return
-    arg_shape(first argument) of every call of module.op_name (the kernel's custom op) meanwhile; on CUDA None,
-    since graph replays and compiled layers do not call back into Python."""
+    arg_shape(first argument) of every call of module.op_name (the kernel's entry: kernels.runtime.opaque_op)
+    meanwhile; on CUDA None, since graph replays and compiled layers do not call back into Python."""
     if torch.cuda.is_available():
         assert engine.generate(prompt, params, 0).tokens == ref
         assert engine.generate(prompt, params, 7).tokens == ref

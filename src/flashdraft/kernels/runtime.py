@@ -1,9 +1,11 @@
-"""Where the Triton kernels can run, and the GPU's multiprocessor count that their tilings follow. Imports no
-Triton itself, so importing flashdraft never needs it."""
+"""Where the Triton kernels can run, the GPU's multiprocessor count that their tilings follow, and how a kernel's
+launch becomes one op to torch.compile (opaque_op). Imports no Triton itself, so importing flashdraft never needs
+it."""
 from __future__ import annotations
 
 import functools
 import os
+from typing import Callable
 
 import torch
 
@@ -32,3 +34,19 @@ def can_run(device: torch.device | str) -> bool:
 def gpu_sm_count(device_index: int) -> int:
     """Multiprocessors of that GPU."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def opaque_op(name: str, fake: Callable, mutates_args: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+    """Decorator: `fn` (typed, returning a tensor) as the custom op `name` inside torch.compile'd code, one opaque
+    call whose output `fake` shapes (dynamo does not trace into a Triton launch), and as itself when called
+    eagerly: a custom op's dispatch costs the host more than the kernel launch it wraps, and eager passes of a
+    few rows are bound by the host (docs/performance.md)."""
+    def wrap(fn: Callable) -> Callable:
+        op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
+        op.register_fake(fake)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            return op(*args, **kwargs) if torch.compiler.is_compiling() else fn(*args, **kwargs)
+        return call
+    return wrap

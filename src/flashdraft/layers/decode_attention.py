@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from flashdraft.kernels.runtime import opaque_op
 from flashdraft.quant.kv_formats import stored_format
 
 HEAD_DIMS = (16, 32, 64, 128, 256, 512)  # powers of two (tl.arange), at least tl.dot's 16; 512: Gemma 4's full layers
@@ -168,15 +169,14 @@ def _tickets(device: torch.device, count: int) -> torch.Tensor:
     return tickets
 
 
-@torch.library.custom_op("flashdraft::decode_attention", mutates_args=())
-def _decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         mask: torch.Tensor | None, scale: float | None = None) -> torch.Tensor:
-    return launch(q, k, v, mask, scale=scale)
-
-
-@_decode_attention_op.register_fake
-def _(q, k, v, mask, scale=None):
+def _output_like(q, k, v, mask, scale=None):
     return q.new_empty((q.shape[1], q.shape[0] * q.shape[2]))
+
+
+@opaque_op("flashdraft::decode_attention", _output_like)
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor | None, scale: float | None = None) -> torch.Tensor:
+    return launch(q, k, v, mask, scale=scale)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -184,4 +184,4 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     """Attention of q [heads, T, hd] over k, v [kv_heads, kv_len, hd] under mask [T or 1, kv_len] (True = may
     attend; None = all), scores scaled by `scale` (None: 1/sqrt(hd)), -> [T, heads * hd]; each token's row is
     bitwise independent of T (module docstring)."""
-    return _decode_attention_op(q, k, v, mask, scale)
+    return _decode_attention(q, k, v, mask, scale)

@@ -39,6 +39,7 @@ import functools
 
 import torch
 
+from flashdraft.kernels.runtime import opaque_op
 from flashdraft.layers import elementwise
 
 HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two (one tl.arange spans a head)
@@ -108,17 +109,16 @@ def launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: t
     return q
 
 
-@torch.library.custom_op("flashdraft::qkv_prep", mutates_args=("cache_k", "cache_v"))
-def _qkv_prep_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                 cache_k: torch.Tensor, cache_v: torch.Tensor, n_heads: int, n_kv: int,
-                 q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    return launch(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight, eps)
-
-
-@_qkv_prep_op.register_fake
-def _(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight, eps):
+def _queries_like(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight, eps):
     hd = _head_dim(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight)
     return qkv.new_empty((qkv.shape[0], n_heads, hd))
+
+
+@opaque_op("flashdraft::qkv_prep", _queries_like, mutates_args=("cache_k", "cache_v"))
+def _qkv_prep(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+              cache_k: torch.Tensor, cache_v: torch.Tensor, n_heads: int, n_kv: int,
+              q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return launch(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight, eps)
 
 
 def qkv_prep(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -130,8 +130,7 @@ def qkv_prep(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions:
     cache_v [n_kv, capacity, hd] at rows positions [T] (int64), and return the queries [T, n_heads, hd], one
     kernel launch (module docstring: numerics, batch invariance). n_heads = 0: keys and values only (a drafter's
     context rows); both norm weights are then the key norm's."""
-    return _qkv_prep_op(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight,
-                        eps)
+    return _qkv_prep(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight, eps)
 
 
 def qkv_prep_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashdraft.kernels.runtime import gpu_sm_count, interpreting
+from flashdraft.kernels.runtime import gpu_sm_count, interpreting, opaque_op
 from flashdraft.quant.linear import QuantLinear
 
 
@@ -238,17 +238,15 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y.reshape(*lead, n)
 
 
-# The custom op: torch.compile sees one opaque call with a known output shape (no tracing into Triton).
-@torch.library.custom_op("flashdraft::skinny_linear", mutates_args=())
-def _skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      rms_norm_eps: float | None = None, residual: torch.Tensor | None = None,
-                      gated: bool = False) -> torch.Tensor:
-    return launch(x, weight, bias, rms_norm_eps=rms_norm_eps, residual=residual, gated=gated)
-
-
-@_skinny_linear_op.register_fake
-def _(x, weight, bias, rms_norm_eps=None, residual=None, gated=False):
+def _output_like(x, weight, bias, rms_norm_eps=None, residual=None, gated=False):
     return x.new_empty((*x.shape[:-1], weight.shape[0] // 2 if gated else weight.shape[0]))
+
+
+@opaque_op("flashdraft::skinny_linear", _output_like)
+def _skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   rms_norm_eps: float | None = None, residual: torch.Tensor | None = None,
+                   gated: bool = False) -> torch.Tensor:
+    return launch(x, weight, bias, rms_norm_eps=rms_norm_eps, residual=residual, gated=gated)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -263,7 +261,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     - gated: weight is [gate; up], [2 * I, K] (bias [2 * I]), and the result [..., I] is silu(gate) * up;
     - residual [..., N] (x's dtype): added to the result.
     """
-    return _skinny_linear_op(x, weight, bias, rms_norm_eps, residual, gated)
+    return _skinny_linear(x, weight, bias, rms_norm_eps, residual, gated)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, max_m: int = 0) -> torch.Tensor:

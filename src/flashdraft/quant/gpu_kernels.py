@@ -1,16 +1,21 @@
-"""The GPU product of x with GGUF blocks that QuantLinear calls: one custom op, so that torch.compile'd code sees
-an opaque call with a known output shape, which takes the CUDA tensor-core kernel where it applies (Q4_K, Q5_K, Q6_K;
+"""The GPU product of x with GGUF blocks that QuantLinear calls: one op to torch.compile'd code (opaque_op), which
+takes the CUDA tensor-core kernel where it applies (Q4_K, Q5_K, Q6_K;
 bf16 x of at most 16 rows: decoding and speculative verify), a dequantized copy and cuBLAS for passes of many rows
 (prefill; triton_kernels.dequantizes), and the Triton kernels otherwise (other types, fp32, short passes)."""
 from __future__ import annotations
 
 import torch
 
+from flashdraft.kernels.runtime import opaque_op
 from flashdraft.quant import mma_kernels, triton_kernels
 
 
-@torch.library.custom_op("flashdraft::quant_matmul", mutates_args=())
-def _quant_matmul_op(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str) -> torch.Tensor:
+def _output_like(x, blocks, out_features, qtype):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+@opaque_op("flashdraft::quant_matmul", _output_like)
+def _quant_matmul(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str) -> torch.Tensor:
     if mma_kernels.supported(x, blocks, out_features, qtype):
         return mma_kernels.launch(x, blocks, out_features, qtype)
     if triton_kernels.dequantizes(x.numel() // max(x.shape[-1], 1), out_features, x.shape[-1], x.dtype):
@@ -18,14 +23,9 @@ def _quant_matmul_op(x: torch.Tensor, blocks: torch.Tensor, out_features: int, q
     return triton_kernels.launch(x, blocks, out_features, qtype)
 
 
-@_quant_matmul_op.register_fake
-def _(x, blocks, out_features, qtype):
-    return x.new_empty((*x.shape[:-1], out_features))
-
-
 def _matmul(qtype: str):
     def matmul(x: torch.Tensor, blocks: torch.Tensor, out_features: int) -> torch.Tensor:
-        return _quant_matmul_op(x, blocks, out_features, qtype)
+        return _quant_matmul(x, blocks, out_features, qtype)
 
     matmul.qtype = qtype
     return matmul

@@ -39,6 +39,23 @@ def test_warm_up_makes_the_graphs_and_leaves_the_sequence_as_new(qwen3_dir, draf
     assert reused[0] == 0 and reused[1] > 0  # nothing of the warm-up is reused; a request's own prompt is
 
 
+def test_warm_up_without_a_sequence_warms_the_one_generate_uses(qwen3_dir, drafter_dir):
+    """warm_up() warms the engine's own sequence, the one generate() runs in when given none: graphs are per
+    sequence, and warming a new one left generate's first passes to capture (or run eagerly) what the warm-up made."""
+    engine = Engine.load(qwen3_dir, drafter_dir, device="cpu", context_size=256)
+    engine.decoder.graphs = InlineGraphs()
+
+    def sequences():  # the caches the graphs were made for
+        return {part for key in engine.decoder.graphs.graphs for part in key
+                if isinstance(part, tuple) and part[:1] == ("tied",)}
+
+    assert engine.warm_up() > 0
+    warmed = sequences()
+    assert warmed
+    engine.generate(list(range(3, 40)), SamplingParams(max_tokens=8, ignore_eos=True), 0)
+    assert sequences() == warmed
+
+
 def test_the_server_warms_up_each_slot_where_there_is_something_to_make(qwen3_dir, drafter_dir, caplog):
     """--warmup is the default, --no-warmup turns it off; the scheduler warms every slot's sequence (graphs are
     per sequence) with the server's default sampling, in its worker thread (the thread that serves: CUDA's

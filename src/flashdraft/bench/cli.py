@@ -179,6 +179,11 @@ def make_backend(args, params):
         raise BenchError("bench compares plain decoding with DFlash: pass a drafter with -md DRAFTER_FOLDER")
     if args.draft_n is not None and args.draft_n > engine.max_draft:
         raise ValueError(f"--draft-n must be between 1 and {engine.max_draft} (block size - 1), got {args.draft_n}")
+    # as serve warms each slot at load: the prompt passes' and steps' graphs and compiled layers are made before the
+    # first prompt, so that its time to first token is what a server's first request gets (None on a CPU)
+    warm_up_s = engine.warm_up(sampling=[params] if params.temperature > 0 else [])
+    if warm_up_s is not None:
+        print(f"{PROG}: warmed up in {warm_up_s:.1f} s", file=sys.stderr)
     device = str(engine.decoder.device)
     policy = args.draft_n if args.draft_n is not None else engine.make_policy()
     draft_cost = getattr(policy, "cost", None)
@@ -186,7 +191,7 @@ def make_backend(args, params):
         "mode": "in-process", "spec_type": args.spec_type, "model": engine.name, "model_path": str(model),
         "drafter_path": str(drafter),
         "device": device, "context_size": engine.context_size, "block_size": engine.decoder.block_size,
-        "threads": torch_threads(), "cache_types": cache_types, **config,
+        "threads": torch_threads(), "cache_types": cache_types, "warm_up_s": warm_up_s, **config,
         **({"draft_cost": {"fixed": draft_cost.fixed, "per_token": draft_cost.per_token}} if draft_cost else {})}
 
 

@@ -241,6 +241,12 @@ class Engine:
     def max_draft(self) -> int:
         return self.decoder.max_draft if self.drafts else 0
 
+    def _own_sequence(self) -> Sequence:
+        """The sequence of calls that pass none (made on first use)."""
+        if self._sequence is None:
+            self._sequence = self.new_sequence()
+        return self._sequence
+
     def new_sequence(self, oracle: Oracle | None = None) -> Sequence:
         """A sequence to generate in (generate's and stream's `sequence`); oracle: what replaces its drafter's
         guesses (engine.speculative.Oracle: benchmarks and tests with a chosen acceptance pattern)."""
@@ -303,15 +309,16 @@ class Engine:
         context (each pass length's first use of its kernels, met once per engine, and the short passes' CUDA
         graphs, made per sequence); with CUDA graphs or compiled layers, a short generation over a made-up prompt:
         plain and full-block steps, greedy and with each of `sampling`'s settings (graphs are kept per sequence and
-        per warping settings). The sequence is left empty, as new. Returns the seconds it took, or None where
-        nothing is made on first use (no buckets, no graphs, no compiled layers: a CPU by default, where it would
-        only add to the load time)."""
+        per warping settings). sequence: the one to warm (graphs are its own), None for the engine's own, which
+        generate and stream use when given none. It is left empty, as new. Returns the seconds it took, or None
+        where nothing is made on first use (no buckets, no graphs, no compiled layers: a CPU by default, where it
+        would only add to the load time)."""
         decoder = self.decoder
         steps = decoder.graphs is not None or decoder.compiled
         if not steps and not decoder.prefill_buckets:
             return None
         started = time.perf_counter()
-        sequence = sequence if sequence is not None else self.new_sequence()
+        sequence = sequence if sequence is not None else self._own_sequence()
         for size in decoder.prefill_buckets:  # a length's first use once per engine; graphs once per sequence
             if size < self.context_size and (decoder.graphs_prefill(size) or not self._prefill_lengths_met):
                 decoder.prefill(sequence, self._made_up_prompt(size), SamplingParams(), seed=0, capture_graphs=True)
@@ -395,10 +402,7 @@ class Engine:
         policy = draft if hasattr(draft, "next_length") else FixedDraft(int(draft))
         cap = self.max_draft if n_max is None else max(0, min(int(n_max), self.max_draft))
         drafting_off = isinstance(policy, FixedDraft) and policy.length == 0
-        if sequence is None:
-            if self._sequence is None:
-                self._sequence = self.new_sequence()
-            sequence = self._sequence
+        sequence = sequence if sequence is not None else self._own_sequence()
         seed = resolve_seed(params)
         out = _OutputTracker(self, params)
 

@@ -107,6 +107,22 @@ def test_cpu_has_no_gpu_kernel():
     assert gpu_matmul("Q4_K", torch.device("cpu")) is None
 
 
+def test_compiled_layers_trace_the_kernel_lookup_without_a_warning():
+    """Compiled layers trace QuantLinear's kernel lookup; through a functools cache it made dynamo warn in every
+    GPU run's log (a possible silent error, it said)."""
+    import warnings
+
+    def f(x):
+        return x * (2 if gpu_matmul("Q4_K", torch.device("cuda")) is not None else 3)
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert torch.compile(f, fullgraph=True)(torch.ones(2)).shape == (2,)
+    torch._dynamo.reset()
+    assert not [w for w in caught if "cache" in str(w.message)], [str(w.message)[:100] for w in caught]
+
+
 def test_bad_blocks_and_types_are_named():
     with pytest.raises(UnsupportedQuantType, match="IQ4_XS"):
         dequantize(torch.zeros(2, 136, dtype=torch.uint8), "IQ4_XS")

@@ -7,8 +7,6 @@ compute the same product, batch-invariantly, for plain decoding and speculative 
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,18 +15,21 @@ from flashdraft.quant.dequant import dequantize
 from flashdraft.quant.formats import block_format
 
 
-@functools.cache
-def _gpu_kernels() -> dict:
-    """qtype -> matmul(x, blocks, out_features) (flashdraft.quant.gpu_kernels); empty when Triton is unavailable."""
-    try:
-        from flashdraft.quant import gpu_kernels
-    except ImportError:
-        return {}
-    return gpu_kernels.KERNELS
+_NO_GPU_KERNELS: list[ImportError] = []  # the kernels' import failed once (no Triton): not tried on every call
 
 
 def gpu_matmul(qtype: str, device: torch.device):
-    return _gpu_kernels().get(qtype) if device.type == "cuda" else None
+    """The GPU kernel of x @ blocks^T for this type (flashdraft.quant.gpu_kernels), or None: not CUDA, or no
+    Triton. The kernels' module is imported on a GPU's first product only (it imports Triton). No functools cache
+    here: compiled layers trace this call, and dynamo warned of every cached function it traced."""
+    if device.type != "cuda" or _NO_GPU_KERNELS:
+        return None
+    try:
+        from flashdraft.quant import gpu_kernels
+    except ImportError as e:
+        _NO_GPU_KERNELS.append(e)
+        return None
+    return gpu_kernels.KERNELS.get(qtype)
 
 
 def _checked_blocks(blocks: torch.Tensor, qtype: str, rows: int, row_elems: int) -> torch.Tensor:

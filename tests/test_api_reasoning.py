@@ -12,7 +12,7 @@ from tiny_models import build_tools_tokenizer
 
 from flashdraft.server.chat_templates import BUILTIN_TEMPLATES
 from flashdraft.server.cli import build_parser, main as serve_main, settings_from_args
-from flashdraft.server.reasoning import Reasoning, ReasoningSplitter, reasoning_for, split_reasoning
+from flashdraft.server.formats import Reasoning, ReasoningSplitter, reasoning_for, split_reasoning
 from flashdraft.server.requests import parse_chat
 from flashdraft.server.settings import ServerSettings
 

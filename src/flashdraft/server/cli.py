@@ -18,7 +18,7 @@ from flashdraft.cli import (add_cache_args, add_hub_refusals, add_sampling_args,
                            resolve_model_paths)
 from flashdraft.config import ConfigError, is_gguf_path
 from flashdraft.server.chat_templates import BUILTIN_TEMPLATES, resolve_chat_template
-from flashdraft.server.reasoning import FORMATS as REASONING_FORMATS
+from flashdraft.server.formats import REASONING_FORMATS
 from flashdraft.server.settings import ServerSettings
 
 log = logging.getLogger("flashdraft.server")

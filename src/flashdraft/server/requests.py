@@ -15,8 +15,7 @@ from dataclasses import dataclass, replace
 
 from flashdraft.config import ConfigError, Constraint, SamplingParams
 from flashdraft.server.errors import APIError, bad_field, renamed
-from flashdraft.server.reasoning import FORMATS as REASONING_FORMATS
-from flashdraft.server.reasoning import Reasoning, reasoning_for
+from flashdraft.server.formats import REASONING_FORMATS, Reasoning, reasoning_for
 from flashdraft.server.settings import ServerSettings
 from flashdraft.server.templates import TemplateBusy, TemplateError
 from flashdraft.server.tools import ToolError, ToolPlan, generic_messages, plan_tools

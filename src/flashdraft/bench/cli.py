@@ -181,7 +181,7 @@ def make_backend(args, params):
         raise ValueError(f"--draft-n must be between 1 and {engine.max_draft} (block size - 1), got {args.draft_n}")
     # as serve warms each slot at load: the prompt passes' and steps' graphs and compiled layers are made before the
     # first prompt, so that its time to first token is what a server's first request gets (None on a CPU)
-    warm_up_s = engine.warm_up(sampling=[params] if params.temperature > 0 else [])
+    warm_up_s = engine.warm_up(sampling=[] if params.greedy else [params])
     if warm_up_s is not None:
         print(f"{PROG}: warmed up in {warm_up_s:.1f} s", file=sys.stderr)
     device = str(engine.decoder.device)

@@ -24,8 +24,11 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from flashdraft.config import SamplingParams
-from flashdraft.engine.generator import Engine
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from side_by_side_gguf import prompt_of  # noqa: E402  (the side by side's prompts: random ids of a seed)
+
+from flashdraft.config import SamplingParams  # noqa: E402
+from flashdraft.engine.generator import Engine  # noqa: E402
 
 
 def sync():
@@ -33,13 +36,9 @@ def sync():
         torch.cuda.synchronize()
 
 
-def prompt_of(n: int, vocab: int) -> list[int]:
-    return [3 + (i * 7919) % (vocab - 3) for i in range(n)]
-
-
 def prefill_ms(engine: Engine, n: int, runs: int = 3) -> list[float]:
     vocab = engine.decoder.target.config.vocab_size
-    return [round(engine.generate(prompt_of(n, vocab), SamplingParams(max_tokens=1, ignore_eos=True), 0)
+    return [round(engine.generate(prompt_of(n, vocab, seed=n), SamplingParams(max_tokens=1, ignore_eos=True), 0)
                   .stats.prompt_ms, 2) for _ in range(runs)]
 
 

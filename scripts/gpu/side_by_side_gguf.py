@@ -6,19 +6,20 @@
     python scripts/gpu/side_by_side_gguf.py table RESULTS_DIR [--md TABLE.md] [--json RESULTS.json]
 
 measure: the GGUF file llama-bench reads, loaded by Engine.load (tokenizer, quant blocks and all) and warmed up as
-`flashdraft serve` warms each slot at load (Engine.warm_up: among others the CUDA graphs of prompt passes of up
-to 512 tokens, which a request never captures), measured as llama-bench measures: plain greedy decode of --tokens
+`flashdraft serve` warms each slot at load (Engine.warm_up: among others the CUDA graphs of prompt passes of up to
+512 tokens, which a request never captures), measured as llama-bench measures: plain greedy decode of --tokens
 tokens after a prompt of each depth (depth 0: a 16-token prompt), prefill of each --prefill length, each after an
-untimed warm-up run of the same prompt (llama-bench warms up too). Prompts are random token ids. Then DFlash at each tau with a random drafter of the target's shape
-(z-lab's Qwen3-8B drafter layout for Llama/Qwen3 targets, its Gemma-4-31B drafter for Gemma 4; Q5_K blocks, the
-walkthrough drafter's type, or bf16) in oracle mode (bench/oracle.py: the drafter runs, its guesses are replaced
-by the target's own continuation with a planted miss, so tau is chosen), after a prompt of each --dflash-prompt
-length (512; 32768 as well for DFlash at long context), against plain decoding of the same prompt by the same
-engine (drafter loaded, drafting nothing): its speed is the speedup's base, its tokens are planted and must come
-out. (Not the plain engine's: that one is warmed up, so its prompt passes of up to 512 tokens replay graphs whose
-attention masks by position, while this engine's run eagerly on SDPA's causal kernel; on random weights the two
-caches' last bits can part the greedy continuations, which once made tau 1.4 and `TOKENS DIFFER` on the H200.) Every stage records its exception and the run goes on; the JSON
-is rewritten after each stage.
+untimed warm-up run of the same prompt (llama-bench warms up too). Prompts are random token ids. Then DFlash at each
+tau with a random drafter of the target's shape (z-lab's Qwen3-8B drafter layout for Llama/Qwen3 targets, its
+Gemma-4-31B drafter for Gemma 4; Q5_K blocks, the walkthrough drafter's type, or bf16) in oracle mode
+(bench/oracle.py: the drafter runs, its guesses are replaced by the target's own continuation with a planted miss,
+so tau is chosen), after a prompt of each --dflash-prompt length (512; 32768 as well for DFlash at long context),
+against plain decoding of the same prompt by the same engine (drafter loaded, drafting nothing): its speed is the
+speedup's base, its tokens are planted and must come out. (Not the plain engine's: that one is warmed up, so its
+prompt passes of up to 512 tokens replay graphs whose attention masks by position, while this engine's run eagerly
+on SDPA's causal kernel; on random weights the two caches' last bits can part the greedy continuations, which once
+made tau 1.4 and `TOKENS DIFFER` on the H200.)
+Every stage records its exception and the run goes on; the JSON is rewritten after each stage.
 
 table: reads RESULTS_DIR/llama-MODEL.json (llama-bench -o json records, any number of runs concatenated) and
 RESULTS_DIR/flashdraft-MODEL.json, prints one markdown table with llama.cpp's and flashdraft's tok/s and their

@@ -2,6 +2,8 @@
 interpreter on the CPU (compiled on a CUDA machine), against SDPA; its invariance; the custom op; the engine's
 attention option. scripts/gpu/perf_run.py checks the GPU kernels at the real shapes."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -76,11 +78,14 @@ MANY_RANGES = da.AttentionConfig(block_n=32, split=32)
 # a kv head's whole verify block in one query tile (16 tokens x a group of 4 heads): the keys of a range read once
 # for every row (issue #20), the tile the same for every T
 WHOLE_BLOCK = da.AttentionConfig(block_q=64, block_n=32, split=64)
+# the key loop as a loop Triton pipelines rather than unrolled: the same arithmetic in the same order
+PIPELINED = da.AttentionConfig(block_n=32, split=96, pipelined=True)
 
 
 @pytest.mark.parametrize("config, window", [(None, None), (MANY_RANGES, None), (MANY_RANGES, 100),
-                                            (WHOLE_BLOCK, None), (WHOLE_BLOCK, 100)],
-                         ids=["default", "many-ranges", "many-ranges-window", "whole-block", "whole-block-window"])
+                                            (WHOLE_BLOCK, None), (WHOLE_BLOCK, 100), (PIPELINED, 100)],
+                         ids=["default", "many-ranges", "many-ranges-window", "whole-block", "whole-block-window",
+                              "pipelined-window"])
 def test_rows_are_bitwise_independent_of_the_other_tokens(config, window):
     """A token's rows are the same bits whether it goes alone (as the first token) or with up to 15 more, and
     whatever the other tokens hold; also over many key ranges, the leading ones hidden by a sliding window.
@@ -100,7 +105,8 @@ def test_rows_are_bitwise_independent_of_the_other_tokens(config, window):
     torch.testing.assert_close(full.double(), ref, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("config", [None, MANY_RANGES, WHOLE_BLOCK], ids=["default", "many-ranges", "whole-block"])
+@pytest.mark.parametrize("config", [None, MANY_RANGES, WHOLE_BLOCK, PIPELINED],
+                         ids=["default", "many-ranges", "whole-block", "pipelined"])
 def test_rows_do_not_depend_on_the_graph_bucket(config):
     """A verify step may attend over a longer kv_len (the next graph bucket) than the decode step of the same
     token: the rows past its position are hidden, and its output bits stay the same (also over many key
@@ -114,18 +120,27 @@ def test_rows_do_not_depend_on_the_graph_bucket(config):
     torch.testing.assert_close(short.double(), ref, rtol=1e-4, atol=1e-5)
 
 
+def test_pipelined_key_loop_gives_the_unrolled_bits():
+    """Pipelining the key loop changes when keys load, not the arithmetic: the same bits as the unrolled loop of
+    the same tiling, over a partly filled last range and a sliding window."""
+    k, v = _cache(2, 300, 64, seed=31)
+    q = _queries(8, 16, 64, seed=32)
+    mask = _causal(250, 16, 300, window=100)
+    unrolled = replace(PIPELINED, pipelined=False)
+    assert torch.equal(da.launch(q, k, v, mask, PIPELINED), da.launch(q, k, v, mask, unrolled))
+
+
 def test_long_caches_take_longer_key_ranges():
     """The tiling follows the cache's capacity (rows per kv head as allocated), never kv_len or T: over a view of
-    a 7000-row cache the rows get 512-key ranges, still bitwise the same alone or with other tokens, and over a
-    longer kv_len."""
+    a 7000-row cache the rows get 512-key ranges (a pipelined loop), still bitwise the same
+    alone or with other tokens, and over a longer kv_len."""
     assert da.config_for(128, 4112) is da.CONFIG and da.config_for(64, 300) is da.CONFIG
     assert da.config_for(128, 7000).split == 512 and da.config_for(128, 8208).split == 512
     assert da.config_for(128, 32912).split == 1024 and da.config_for(256, 40000) is da.WIDE_HEAD_CONFIG
-    # Gemma 4's 512-wide full layers: 32-key steps, 128-key ranges up to 24576 rows, 1024-key ranges beyond
-    assert da.config_for(512, 4112) is da.WIDEST_HEAD_CONFIG
-    assert da.config_for(512, 8208) is da.WIDEST_HEAD_CONFIG  # measured faster there than 512-key ranges
+    # Gemma 4's 512-wide full layers: 32-key steps, 512-key ranges up to 24576 rows, 1024-key ranges beyond
+    assert da.config_for(512, 4112) is da.WIDEST_HEAD_CONFIG and da.config_for(512, 8208) is da.WIDEST_HEAD_CONFIG
     assert (da.config_for(512, 24592).split, da.config_for(512, 131136).split) == (1024, 1024)
-    assert da.config_for(512, 131136).block_n == 32
+    assert da.config_for(512, 131136).block_n == 32 and da.config_for(128, 32912).pipelined
     k, v = _cache(2, 7000, 64, seed=21)
     q = _queries(8, 16, 64, seed=22)
     mask = _causal(250, 16, 300)

@@ -1,16 +1,19 @@
 """The split-KV decode attention (flashdraft.layers.decode_attention) on the GPU at the Qwen3-8B / Llama-3.1-8B
-attention shape (32 query heads, 8 kv heads, head_dim 128), against SDPA as the model calls it:
+attention shape (32 query heads, 8 kv heads, head_dim 128; or Gemma 4's full layers), against SDPA as the model
+calls it:
 - error against a float64 reference, beside SDPA's own bf16 error;
 - bitwise batch invariance: each token of a 16-token call against the same token alone (other tile places),
   and alone over a longer kv_len (more masked key ranges: a verify step may fall in the next graph bucket);
-- time per call inside a CUDA graph, rotating over 36 layers' caches (as a pass meets them, not from L2);
+- time per call inside a CUDA graph, rotating over the layers' caches (as a pass meets them, not from L2);
 for each of a few tilings (AttentionConfig); OUT_DIR/attention.json names the fastest invariant one ("adopted"),
 which perf_run.py --attention-config=OUT_DIR/attention.json then uses.
 
 Usage (GPU machine, repo root): PYTHONPATH=src python scripts/gpu/attention_run.py OUT_DIR [--long]
+    [--shape qwen|gemma-full]
 --long: long contexts instead (8K and 32K keys) and tilings with longer key ranges per program, the fastest at
-32K named.
+32K named. --shape gemma-full (with --long): Gemma-4-31B's full layers (32 heads over 4 kv heads of 512).
 """
+import argparse
 import dataclasses
 import json
 import sys
@@ -26,7 +29,6 @@ from gemm_run import graphed_per_call_ms  # noqa: E402
 from flashdraft.layers.attention import grouped_attention  # noqa: E402
 from flashdraft.layers.decode_attention import CONFIG, AttentionConfig, launch  # noqa: E402
 
-HEADS, KV_HEADS, HD, LAYERS = 32, 8, 128, 36
 
 
 def sdpa(q, k, v, mask):
@@ -47,44 +49,64 @@ CONFIGS = [CONFIG, AttentionConfig(), AttentionConfig(split=64),
            AttentionConfig(block_q=64, block_n=128, split=128, num_warps=8), AttentionConfig(block_q=64, split=256)]
 # the configuration adopted is the fastest over these (kv_len, T) cases (bench and chat contexts), if invariant
 ADOPT_ON = {(512, 1), (512, 16), (2048, 1), (2048, 16)}
-LONG_CONFIGS = [CONFIG, AttentionConfig(block_n=128, split=512, num_warps=8),
-                AttentionConfig(block_n=128, split=1024, num_warps=8), AttentionConfig(block_n=128, split=2048, num_warps=8),
-                AttentionConfig(block_n=64, split=512), AttentionConfig(block_n=64, split=1024),
-                AttentionConfig(block_n=64, split=2048), AttentionConfig(block_n=128, split=1024, num_warps=4),
+LONG_CONFIGS = [AttentionConfig(block_n=128, split=512, num_warps=8), AttentionConfig(block_n=128, split=1024, num_warps=8),
+                # the key loop pipelined (loads of the next steps in flight while one computes), then with a kv head's
+                # whole 16-token verify block (64 rows) in one query tile, its keys read once (issue #20)
+                AttentionConfig(block_n=128, split=1024, num_warps=8, pipelined=True),
+                AttentionConfig(block_n=128, split=1024, num_warps=8, num_stages=3, pipelined=True),
+                AttentionConfig(block_n=64, split=512, num_warps=4, num_stages=3, pipelined=True),
+                AttentionConfig(block_n=64, split=1024, num_warps=4, num_stages=3, pipelined=True),
+                AttentionConfig(block_n=64, split=1024, num_warps=4, num_stages=4, pipelined=True),
+                AttentionConfig(block_n=64, split=2048, num_warps=4, num_stages=3, pipelined=True),
+                AttentionConfig(block_n=128, split=2048, num_warps=8, num_stages=3, pipelined=True),
                 AttentionConfig(block_q=64, block_n=128, split=1024, num_warps=8),
-                AttentionConfig(block_q=64, block_n=64, split=1024, num_warps=8),
-                AttentionConfig(block_q=64, block_n=64, split=512, num_warps=4),
-                AttentionConfig(block_q=32, block_n=128, split=1024, num_warps=8)]
+                AttentionConfig(block_q=64, block_n=128, split=1024, num_warps=8, pipelined=True),
+                AttentionConfig(block_q=64, block_n=64, split=1024, num_warps=4, num_stages=3, pipelined=True),
+                AttentionConfig(block_q=64, block_n=64, split=1024, num_warps=8, num_stages=3, pipelined=True),
+                AttentionConfig(block_q=64, block_n=64, split=2048, num_warps=8, num_stages=3, pipelined=True),
+                AttentionConfig(block_q=32, block_n=64, split=1024, num_warps=4, num_stages=3, pipelined=True)]
+# Gemma 4's full layers (32 query heads over 4 kv heads of 512, ten of them in the 31B): 32-key steps
+GEMMA_FULL_LONG_CONFIGS = [AttentionConfig(block_n=32, num_warps=8), AttentionConfig(block_n=32, split=1024, num_warps=8),
+                           AttentionConfig(block_n=32, split=1024, num_warps=8, pipelined=True),
+                           AttentionConfig(block_n=32, split=1024, num_warps=8, num_stages=3, pipelined=True),
+                           AttentionConfig(block_n=32, split=1024, num_warps=4, num_stages=3, pipelined=True),
+                           AttentionConfig(block_n=32, split=512, num_warps=8, num_stages=3, pipelined=True),
+                           AttentionConfig(block_n=32, split=2048, num_warps=8, num_stages=3, pipelined=True),
+                           AttentionConfig(block_n=16, split=1024, num_warps=4, num_stages=4, pipelined=True)]
+SHAPES = {"qwen": (32, 8, 128, 36), "gemma-full": (32, 4, 512, 10)}  # heads, kv_heads, head_dim, layers
 
 
-def main(out: Path, long: bool = False) -> None:
-    configs = LONG_CONFIGS if long else CONFIGS
+def main(out: Path, long: bool = False, shape: str = "qwen") -> None:
+    heads, kv_heads, hd, layers = SHAPES[shape]
+    if shape == "gemma-full" and not long:
+        raise SystemExit("attention_run.py: --shape gemma-full is measured with --long only")
+    configs = (GEMMA_FULL_LONG_CONFIGS if shape == "gemma-full" else LONG_CONFIGS) if long else CONFIGS
     adopt_on = {(32768, 1), (32768, 16)} if long else ADOPT_ON
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HD}, "rows": []}
+               "shape": {"heads": heads, "kv_heads": kv_heads, "head_dim": hd, "layers": layers}, "rows": []}
     score = {c: 0.0 for c in configs}
     invariant = {c: True for c in configs}
     for kv_len in ((8192, 32768) if long else (512, 2048, 8192)):
         cap = kv_len + 256
-        ks = [torch.randn(KV_HEADS, cap, HD, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(LAYERS)]
-        vs = [torch.randn(KV_HEADS, cap, HD, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(LAYERS)]
+        ks = [torch.randn(kv_heads, cap, hd, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(layers)]
+        vs = [torch.randn(kv_heads, cap, hd, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(layers)]
         start = kv_len - 16 - 5
         for T in (1, 16):
-            q = torch.randn(T, HEADS, HD, device=dev, dtype=torch.bfloat16, generator=gen).transpose(0, 1)
+            q = torch.randn(T, heads, hd, device=dev, dtype=torch.bfloat16, generator=gen).transpose(0, 1)
             pos = torch.arange(start, start + T, device=dev)
             mask = torch.arange(kv_len, device=dev)[None, :] <= pos[:, None]
             k, v = ks[0][:, :kv_len], vs[0][:, :kv_len]
             ref = sdpa(q.double(), k.double(), v.double(), mask)
             row = {"kv_len": kv_len, "T": T, "err_sdpa_bf16": (sdpa(q, k, v, mask).double() - ref).abs().max().item(),
-                   "us_sdpa": graph_us(lambda i: sdpa(q, ks[i][:, :kv_len], vs[i][:, :kv_len], mask), LAYERS),
-                   "roofline_us": 2 * KV_HEADS * min(kv_len, start + T) * HD * 2 / 4.2e12 * 1e6, "configs": {}}
+                   "us_sdpa": graph_us(lambda i: sdpa(q, ks[i][:, :kv_len], vs[i][:, :kv_len], mask), layers),
+                   "roofline_us": 2 * kv_heads * min(kv_len, start + T) * hd * 2 / 4.2e12 * 1e6, "configs": {}}
             for c in configs:
                 ours = launch(q, k, v, mask, c)
                 rec = {"err": (ours.double() - ref).abs().max().item(),
-                       "us": graph_us(lambda i: launch(q, ks[i][:, :kv_len], vs[i][:, :kv_len], mask, c), LAYERS)}
+                       "us": graph_us(lambda i: launch(q, ks[i][:, :kv_len], vs[i][:, :kv_len], mask, c), layers)}
                 if T == 16:
                     longer = torch.arange(kv_len + 256, device=dev)[None, :] <= pos[:, None]
                     same = same_longer = 0
@@ -119,4 +141,9 @@ def main(out: Path, long: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), "--long" in sys.argv[2:])
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--long", action="store_true")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen")
+    args = ap.parse_args()
+    main(args.out, args.long, args.shape)

@@ -2,9 +2,9 @@
 flashdraft never needs Triton and a CPU test can still set TRITON_INTERPRET first).
 
 Split-KV attention of a few query rows over a static cache, in one launch of `attention_kernel`, one program per
-(kv head, 16-row query tile, SPLIT-row key range):
-1. scores by tl.dot, the position mask, an online softmax over the range in BLOCK_N steps, and the range's fp32
-   partial output, row maximum and row sum, stored;
+(kv head, BLOCK_Q-row query tile, SPLIT-row key range):
+1. scores by tl.dot, the position mask, an online softmax over the range in BLOCK_N steps (unrolled, or a loop
+   that Triton pipelines), and the range's fp32 partial output, row maximum and row sum, stored;
 2. a ticket from a per-(kv head, tile) counter: the program that arrives last rescales and adds the partials in
    split order 0, 1, ... (`_combine`, one pass, each split's loads issued before the previous one is added) and
    writes the rows straight into the [T, heads * head_dim] layout o_proj reads, then sets the counter back to
@@ -12,11 +12,11 @@ Split-KV attention of a few query rows over a static cache, in one launch of `at
    kernel for this step cost about 3 us per layer, launch gap included, at batch 1 on the H200.)
 
 Query rows of one kv head are the T tokens times its group's heads, token-major (row r = t * group + g, so a
-token's rows sit in the same tile places whatever T is). Every tile has 16 rows
-and every key range SPLIT keys whatever T is, and a row's arithmetic reads only its own q row and mask row, so a
-token's output is bitwise the same whether 1 or 16 tokens go through (batch invariance, as the skinny GEMM).
-Keys hidden from a row add exact zeros; a key range hidden from a row altogether gives it the partial
-(m = -inf, l = 0, acc = 0), which the combine weighs by exactly 0.
+token's rows sit in the same tile places whatever T is). Every tile has BLOCK_Q rows and every key range SPLIT
+keys whatever T is, and a row's arithmetic reads only its own q row and mask row, so a token's output is bitwise
+the same whether 1 or 16 tokens go through (batch invariance, as the skinny GEMM). Keys hidden from a row add exact
+zeros; a key range hidden from a row altogether gives it the partial (m = -inf, l = 0, acc = 0), which the combine
+weighs by exactly 0.
 
 Quantized caches (KV cache types q8_0, q5_1, q5_0, q4_1, q4_0) are read as their packed blocks and dequantized in
 registers (`_load_rows`), so a step reads the cache's bytes, not a dequantized copy of it. Their rows are laid out
@@ -34,7 +34,8 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, count
                      stride_qh, stride_qt, stride_kh, stride_kn, stride_vh, stride_vn, stride_mt, stride_ot,
                      qk_scale, GROUP: tl.constexpr, D: tl.constexpr, HAS_MASK: tl.constexpr,
                      IEEE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                     K_FMT: tl.constexpr, V_FMT: tl.constexpr, K_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr):
+                     K_FMT: tl.constexpr, V_FMT: tl.constexpr, K_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr,
+                     PIPELINED: tl.constexpr):
     kv = tl.program_id(0)
     tile = tl.program_id(1)
     split = tl.program_id(2)
@@ -48,31 +49,16 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, count
     m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_Q], 0.0, tl.float32)
     acc = tl.full([BLOCK_Q, D], 0.0, tl.float32)
-    for chunk in tl.static_range(SPLIT // BLOCK_N):
-        n = split * SPLIT + chunk * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < KV_LEN
-        visible = row_ok[:, None] & n_ok[None, :]
-        if HAS_MASK:
-            visible = visible & (tl.load(mask_ptr + t[:, None] * stride_mt + n[None, :], mask=visible, other=0) != 0)
-        # V's load goes out with K's (issued after the scores' softmax, it cost about 1 us more at 512 keys)
-        k = _load_rows(k_ptr, kv * stride_kh + n * stride_kn, n_ok, K_FMT, D, q_ptr.dtype.element_ty, K_ALIGN)
-        v = _load_rows(v_ptr, kv * stride_vh + n * stride_vn, n_ok, V_FMT, D, q_ptr.dtype.element_ty, V_ALIGN)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(visible, s * qk_scale, float("-inf"))  # log2 units: exp2 below
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, maximum))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at zero
-        alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.reduce(p, 1, add)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    if PIPELINED:  # a loop Triton pipelines: the next steps' keys and values load while one computes
+        for chunk in range(SPLIT // BLOCK_N):
+            m_i, l_i, acc = _key_step(q, m_i, l_i, acc, k_ptr, v_ptr, mask_ptr, kv, split, chunk, t, row_ok, KV_LEN,
+                                      stride_kh, stride_kn, stride_vh, stride_vn, stride_mt, qk_scale, D, HAS_MASK,
+                                      IEEE, BLOCK_N, SPLIT, K_FMT, V_FMT, K_ALIGN, V_ALIGN)
+    else:
+        for chunk in tl.static_range(SPLIT // BLOCK_N):
+            m_i, l_i, acc = _key_step(q, m_i, l_i, acc, k_ptr, v_ptr, mask_ptr, kv, split, chunk, t, row_ok, KV_LEN,
+                                      stride_kh, stride_kn, stride_vh, stride_vn, stride_mt, qk_scale, D, HAS_MASK,
+                                      IEEE, BLOCK_N, SPLIT, K_FMT, V_FMT, K_ALIGN, V_ALIGN)
     slot = (kv * tl.num_programs(1) + tile) * N_SPLITS + split
     r = tl.arange(0, BLOCK_Q)
     tl.store(m_ptr + slot * BLOCK_Q + r, m_i, mask=row_ok)
@@ -83,6 +69,40 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, count
     if tl.atomic_add(counter, 1, sem="acq_rel") == N_SPLITS - 1:
         _combine(m_ptr, l_ptr, acc_ptr, out_ptr, kv, tile, T, N_SPLITS, stride_ot, GROUP, D, BLOCK_Q)
         tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
+def _key_step(q, m_i, l_i, acc, k_ptr, v_ptr, mask_ptr, kv, split, chunk, t, row_ok, KV_LEN, stride_kh, stride_kn,
+              stride_vh, stride_vn, stride_mt, qk_scale, D: tl.constexpr, HAS_MASK: tl.constexpr,
+              IEEE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, K_FMT: tl.constexpr,
+              V_FMT: tl.constexpr, K_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr):
+    """One BLOCK_N-key step of the online softmax over a program's key range: the running maximum, sum and output
+    after keys chunk * BLOCK_N ... of range `split`."""
+    n = split * SPLIT + chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < KV_LEN
+    visible = row_ok[:, None] & n_ok[None, :]
+    if HAS_MASK:
+        visible = visible & (tl.load(mask_ptr + t[:, None] * stride_mt + n[None, :], mask=visible, other=0) != 0)
+    # V's load goes out with K's (issued after the scores' softmax, it cost about 1 us more at 512 keys)
+    k = _load_rows(k_ptr, kv * stride_kh + n * stride_kn, n_ok, K_FMT, D, q.dtype, K_ALIGN)
+    v = _load_rows(v_ptr, kv * stride_vh + n * stride_vn, n_ok, V_FMT, D, q.dtype, V_ALIGN)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(visible, s * qk_scale, float("-inf"))  # log2 units: exp2 below
+    m_new = tl.maximum(m_i, tl.reduce(s, 1, maximum))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at zero
+    alpha = tl.math.exp2(m_i - m_safe)
+    p = tl.math.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.reduce(p, 1, add)
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    m_i = m_new
+    return m_i, l_i, acc
 
 
 @triton.jit

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -46,10 +46,12 @@ class AttentionConfig:
     split: int = 128     # keys per program (a multiple of block_n)
     num_warps: int = 4
     num_stages: int = 2
+    pipelined: bool = False  # the key loop as one Triton software-pipelines (num_stages), else unrolled
 
     @property
     def name(self) -> str:
-        return f"q{self.block_q}n{self.block_n}s{self.split}w{self.num_warps}p{self.num_stages}"
+        return (f"q{self.block_q}n{self.block_n}s{self.split}w{self.num_warps}p{self.num_stages}"
+                + ("l" if self.pipelined else ""))
 
 
 # The tiling measured fastest over 512 and 2048 cached keys at T = 1 and 16 (scripts/gpu/attention_run.py, H200,
@@ -57,23 +59,22 @@ class AttentionConfig:
 # 9.2 us for the default's two steps of 64 and 10.2-11.2 us before the combine loaded ahead (docs/performance.md).
 CONFIG = AttentionConfig(block_n=128, split=128, num_warps=8)
 # Caches of more rows (a 4096-token context's is 4112, a verify block over it): longer key ranges, fewer partials
-# for the last program to add. At 32K keys and T = 1, 69.8 us per layer with 1024-key ranges against 166.9 with
-# CONFIG's 128 (attention_run.py --long, 2026-12-02); at 8K keys 512-key ranges were fastest (22.1 us against
-# 34.8), at 2K CONFIG (12.0 against 23.6). Short contexts in a long cache pay for it (one or two programs per kv
-# head: 22.7 us at 512 keys with 512-key ranges, against 7.8).
+# for the last program to add, and the key loop pipelined (its next steps' loads in flight while one computes).
+# At 32K keys, T = 1 / 16: 53.3 / 126.1 us per layer with these 1024-key ranges, against 70.5 / 206.5 unrolled;
+# at 8K keys the 512-key ranges 24.4 / 45.4, against 22.3 / 61.4 (attention_run.py --long, H200, 2026-12-04;
+# docs/performance.md).
 SHORT_CACHE_ROWS = 6144
-LONG_CONFIGS = ((24576, AttentionConfig(block_n=128, split=512, num_warps=8)),
-                (None, AttentionConfig(block_n=128, split=1024, num_warps=8)))
+LONG_CONFIGS = ((24576, AttentionConfig(block_n=64, split=512, num_warps=4, num_stages=3, pipelined=True)),
+                (None, AttentionConfig(block_n=128, split=1024, num_warps=8, pipelined=True)))
 # Wider heads (256: Gemma-4) keep steps of 64 keys: a 128-key step would hold 64 KB of keys and 64 KB of values
 # per program at once (not measured at that width, nor longer ranges).
 WIDE_HEAD_CONFIG = AttentionConfig()
-# 512-wide heads (Gemma 4's full layers): steps of 32 keys, so a step's keys and values stay at 32 KB each, and
-# 128-key ranges up to 24576 cache rows: with 512-key ranges from 6144 rows on, as for 128-wide heads, the
-# Gemma-4-31B GGUF decode step in an 8K cache took 13.43 ms at 32 tokens, against 12.88 ms with these
-# (docs/performance.md, "Plain steps with a drafter loaded"). Longer caches take 1024-key ranges (128-key ranges
-# over 131K rows would hold 1 GB of fp32 partials per 16-token call); not measured at this width.
-WIDEST_HEAD_CONFIG = AttentionConfig(block_n=32, num_warps=8)
-WIDEST_LONG_CONFIG = replace(WIDEST_HEAD_CONFIG, split=1024)
+# 512-wide heads (Gemma 4's full layers): steps of 32 keys, so a step's keys and values stay at 32 KB each. Up to
+# 24576 cache rows 512-key ranges, pipelined (8K keys, T = 1 / 16: 59.1 / 193.4 us per layer against 76.2 / 298.7
+# for 128-key ranges unrolled); longer caches 1024-key ranges on 4 warps (32K keys: 108.6 / 638.5 against 228.3 /
+# 1428.6 unrolled on 8; attention_run.py --long --shape gemma-full, 2026-12-04).
+WIDEST_HEAD_CONFIG = AttentionConfig(block_n=32, split=512, num_warps=8, num_stages=3, pipelined=True)
+WIDEST_LONG_CONFIG = AttentionConfig(block_n=32, split=1024, num_warps=4, num_stages=3, pipelined=True)
 WIDEST_SHORT_ROWS = 24576
 
 
@@ -138,7 +139,8 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         out.stride(0), math.log2(math.e) * (1 / math.sqrt(hd) if scale is None else scale), GROUP=group, D=hd,
         HAS_MASK=mask is not None, IEEE=q.dtype == torch.float32, BLOCK_Q=c.block_q, BLOCK_N=c.block_n, SPLIT=c.split,
         K_FMT=KERNEL_FORMATS.get(k_format.name, 0), V_FMT=KERNEL_FORMATS.get(v_format.name, 0),
-        K_ALIGN=_row_alignment(k), V_ALIGN=_row_alignment(v), num_warps=c.num_warps, num_stages=c.num_stages)
+        K_ALIGN=_row_alignment(k), V_ALIGN=_row_alignment(v), PIPELINED=c.pipelined, num_warps=c.num_warps,
+        num_stages=c.num_stages)
     return out
 
 

@@ -1,5 +1,6 @@
 """`flashdraft generate`, stop rules, streaming, and clear errors for bad input."""
 import json
+import os
 import subprocess
 import sys
 
@@ -58,6 +59,17 @@ def test_missing_model_folder_is_a_clean_error(tmp_path):
 
 def test_unknown_command():
     assert main(["frobnicate"]) == 2
+
+
+def test_allocator_settings_unless_the_user_gives_some(tmp_path, monkeypatch):
+    """Every command runs with expandable segments in CUDA's caching allocator (the 24 GB fit needs them), and a
+    user's own PYTORCH_CUDA_ALLOC_CONF is left as it is."""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert main(["generate", "-m", str(tmp_path / "none"), "-p", "hi"]) != 0
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:256")
+    assert main(["generate", "-m", str(tmp_path / "none"), "-p", "hi"]) != 0
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:256"
 
 
 def test_stop_string_never_emitted(engine):

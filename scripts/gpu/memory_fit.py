@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import side_by_side_gguf  # noqa: E402  (build_drafter: the random drafter of the target's family)
 
+from flashdraft.cli import use_allocator_settings  # noqa: E402
 from flashdraft.config import SamplingParams  # noqa: E402
 from flashdraft.engine.generator import Engine  # noqa: E402
 from flashdraft.engine.model_prep import resolve_plan  # noqa: E402
@@ -60,10 +61,12 @@ def main() -> int:
     ap.add_argument("--limit-gb", type=float, default=24.0, help="the card's memory, GB (1e9 bytes)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    use_allocator_settings()  # as the flashdraft command sets them, before CUDA's first allocation
     dev = torch.device("cuda", torch.cuda.current_device())
     result: dict = {"file": str(args.file), "context": args.context, "cache_type_k": args.cache_type_k,
                     "cache_type_v": args.cache_type_v, "cross_ctx": args.cross_ctx, "drafter": args.drafter,
-                    "device": torch.cuda.get_device_name(dev), "torch": torch.__version__}
+                    "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+                    "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
     save = lambda: (args.out / "memory_fit.json").write_text(json.dumps(result, indent=1))  # noqa: E731
     phases = result["phases"] = {}
     torch.ones(64, 64, device=dev) @ torch.ones(64, 64, device=dev)  # the context and cuBLAS loaded

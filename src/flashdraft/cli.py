@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,11 @@ COMMANDS = {
     "bench": "flashdraft.bench.cli:main",
     "train-drafter": "flashdraft.train.cli:main",
 }
+
+# The CUDA caching allocator's settings where the user gives none: expandable segments, so that memory one pass's
+# sizes freed serves another's. Without them the walkthrough's 24 GB setup ran out of memory with 1 GB reserved but
+# unusable (docs/performance.md).
+ALLOCATOR_SETTINGS = "expandable_segments:True"
 
 USAGE = """usage: flashdraft {generate,serve,bench,train-drafter} [options]
 
@@ -42,9 +48,15 @@ def main(argv: list[str] | None = None) -> int:
     if target is None:
         print(f"flashdraft: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
         return 2
+    use_allocator_settings()
     module, func = target.split(":")
     import importlib
     return int(getattr(importlib.import_module(module), func)(argv[1:]) or 0)
+
+
+def use_allocator_settings() -> None:
+    """ALLOCATOR_SETTINGS unless PYTORCH_CUDA_ALLOC_CONF is set; before CUDA's first allocation (torch reads it then)."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR_SETTINGS)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -59,19 +59,10 @@ def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     if mask.dim() == 4 and mask.shape[1] != 1:
         raise ValueError(f"grouped_attention takes a mask shared by the heads, got shape {list(mask.shape)}")
     mask = mask.reshape(-1, 1, *mask.shape[-2:]) if mask.dim() >= 3 else mask
-    folded = F.scaled_dot_product_attention(q.reshape(b, kv_heads, group * Tq, hd), k, v,
-                                            attn_mask=_folded_mask(mask, group, q.dtype), scale=scale)
+    if mask.shape[-2] > 1:  # folded query row g * Tq + t is query t of the group's head g
+        mask = mask.repeat(*[1] * (mask.dim() - 2), group, 1)
+    folded = F.scaled_dot_product_attention(q.reshape(b, kv_heads, group * Tq, hd), k, v, attn_mask=mask, scale=scale)
     return folded.reshape(b, heads, Tq, hd)  # fused kernels may return [b, Tq, heads, hd] strides
-
-
-def _folded_mask(mask: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
-    """mask [..., Tq, Tk] (boolean, True = may attend, or additive) for the folded query rows (row g * Tq + t is
-    query t of the group's head g; Tq = 1 is left to broadcast), additive in `dtype`: what SDPA's fused kernels
-    would make of a boolean one, made before the copy. In a 2048-token pass over 32K cached rows of Gemma-4-31B's
-    full layers, the boolean folded mask (0.54 GB) and SDPA's conversion of it (1.07 GB) were held at once."""
-    if mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-    return mask.repeat(*[1] * (mask.dim() - 2), group, 1) if mask.shape[-2] > 1 else mask
 
 
 def _rows_mask(mask: torch.Tensor | None) -> torch.Tensor | None:

@@ -16,10 +16,10 @@ from tiny_models import QWEN3_TOOLS_TEMPLATE, build_drafter, build_target, build
 from flashdraft.engine.generator import Delta, GenerationResult, GenerationStats
 from flashdraft.loading.tokenizer import Tokenizer
 from flashdraft.server.errors import APIError
+from flashdraft.server.formats import (GEMMA4, GENERIC_INSTRUCTIONS, HERMES, LLAMA3, ToolPlan, ToolStream,
+                                       gemma_arguments, parse_calls, template_format)
 from flashdraft.server.requests import parse_chat
 from flashdraft.server.settings import ServerSettings
-from flashdraft.server.tools import (GEMMA4, GENERIC_INSTRUCTIONS, HERMES, LLAMA3, ToolPlan, ToolStream,
-                                     gemma_arguments, parse_calls, template_format)
 from flashdraft.server.chat_templates import BUILTIN_TEMPLATES
 
 SETTINGS = ServerSettings(model="m", drafter=None, alias=None)

@@ -142,7 +142,7 @@ def test_generate_refuses_a_window_of_zero(capsys):
 def test_an_evicted_conversation_brings_its_ring_back_from_host_memory(pair):
     """The host prompt cache (--cache-ram) keeps a window cache's whole ring and the positions it holds: a
     conversation that comes back drafts what a fresh sequence drafts."""
-    from flashdraft.engine.prompt_cache import PromptCache
+    from flashdraft.server.scheduler import PromptCache
 
     engine = _engine(pair, 6)
     params = SamplingParams(max_tokens=24, ignore_eos=True)

@@ -10,7 +10,7 @@ from flashdraft.config import PREFILL_CHUNK, SamplingParams, prefill_buckets
 from flashdraft.demo import DEMO_DIR
 from flashdraft.engine.cuda_graphs import bucket
 from flashdraft.engine.generator import Engine
-from flashdraft.engine.prompt_cache import PromptCache
+from flashdraft.server.scheduler import PromptCache
 from flashdraft.engine.speculative import PREFILL_GRAPH_ROWS
 from flashdraft.models.gemma4.model import RING_OVERHANG
 from test_gemma4_tiny import build_gemma4_target, build_gemma_drafter

@@ -140,7 +140,7 @@ def test_a_long_prompt_lets_the_other_slots_stream_between_its_passes():
     """Two slots: while one slot's prompt runs pass by pass, the other slot's stream goes on between the passes
     (one step each), instead of waiting for the whole prompt; both give the tokens they give alone."""
     pytest.importorskip("fastapi")
-    from flashdraft.server.jobs import Job
+    from flashdraft.server.requests import Job
     from flashdraft.server.requests import GenerationRequest
     from flashdraft.server.scheduler import Scheduler
 

@@ -12,8 +12,8 @@ import torch
 from flashdraft.config import SamplingParams
 from flashdraft.demo import DEMO_DIR
 from flashdraft.engine.generator import Engine
-from flashdraft.engine.prompt_cache import PromptCache
 from flashdraft.server.cli import build_parser, settings_from_args
+from flashdraft.server.scheduler import PromptCache
 from test_gemma4_tiny import build_gemma4_target
 from test_prefill_chunks import _NoMetrics
 from test_server_hardening import AUTH, LiveServer
@@ -278,7 +278,7 @@ def test_cache_reuse_is_refused_unless_off():
 def test_n_tokens_max_counts_the_cached_prompt_tokens():
     """/metrics' n_tokens_max is the context a generation filled: its prompt's tokens from the cache count too."""
     from flashdraft.engine.generator import GenerationResult, GenerationStats
-    from flashdraft.server.metrics import ServerMetrics
+    from flashdraft.server.app import ServerMetrics
     metrics = ServerMetrics()
     stats = GenerationStats(prompt_n=5, cache_n=100, predicted_n=10, steps=9)
     metrics.on_result(GenerationResult(text="", tokens=[], finish_reason="length", stop_type="limit",
@@ -361,7 +361,7 @@ def _serve_in_turn(scheduler, prompts, params):
     """Submit the prompts one after another to a started scheduler; each job's events, in order."""
     import asyncio
 
-    from flashdraft.server.jobs import Job
+    from flashdraft.server.requests import Job
     from flashdraft.server.requests import GenerationRequest
 
     loop = asyncio.new_event_loop()

@@ -18,7 +18,7 @@ import time
 from flashdraft.config import SamplingParams
 from flashdraft.demo import DEMO_DIR
 from flashdraft.engine.generator import Engine
-from flashdraft.engine.prompt_cache import PromptCache
+from flashdraft.server.scheduler import PromptCache
 
 CONVERSATIONS = {
     "A": ["Write a function that parses a CSV line.", "Now add type hints.", "Add a docstring.",

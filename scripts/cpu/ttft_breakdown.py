@@ -22,7 +22,7 @@ from pathlib import Path
 import flashdraft.engine.generator as generator
 import flashdraft.server.app as app
 import flashdraft.server.formats as formats
-import flashdraft.server.jobs as jobs
+import flashdraft.server.requests as requests
 import flashdraft.server.scheduler as scheduler
 from flashdraft.server.app import ServerState
 from flashdraft.server.cli import serve_in_thread
@@ -39,7 +39,7 @@ def mark(name: str) -> None:
 
 def instrument() -> None:
     read_json, submit, assign = app.read_json, scheduler.Scheduler.submit, scheduler.Scheduler._assign
-    start, post, sse, stream = scheduler.Scheduler._start, jobs.Job.post, formats.sse, generator.Engine.stream
+    start, post, sse, stream = scheduler.Scheduler._start, requests.Job.post, formats.sse, generator.Engine.stream
 
     async def timed_read_json(request, limit):
         mark("handler")
@@ -56,7 +56,7 @@ def instrument() -> None:
     scheduler.Scheduler.submit = lambda self, job: (mark("submitted"), submit(self, job))[1]
     scheduler.Scheduler._assign = lambda self: (self.pending and mark("taken"), assign(self))[1]
     scheduler.Scheduler._start = lambda self, *a, **k: (mark("slot"), start(self, *a, **k))[1]
-    jobs.Job.post = lambda self, kind, payload, choice=0: (kind == "delta" and mark("posted"),
+    requests.Job.post = lambda self, kind, payload, choice=0: (kind == "delta" and mark("posted"),
                                                             post(self, kind, payload, choice))[1]
     formats.sse = lambda payload: (mark("sse"), sse(payload))[1]
     generator.Engine.stream = timed_stream

@@ -11,9 +11,8 @@ import json
 import uuid
 
 from flashdraft.server.errors import APIError, bad_field
-from flashdraft.server.formats import ChatSplitter, chat_message
+from flashdraft.server.formats import ChatSplitter, chat_message, json_object
 from flashdraft.server.requests import GenerationRequest, joined_text, parse_as_chat, refuse_fields
-from flashdraft.server.tools import json_object
 
 # Fields refused unless absent (or neutral): what they ask for is not done here.
 REFUSED = {"mcp_servers": (), "container": (), "service_tier": ("auto", "standard_only")}

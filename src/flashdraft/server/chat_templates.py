@@ -1,7 +1,7 @@
 """Built-in chat templates for --chat-template NAME (llama-server's names), as Jinja strings.
 
 For a model whose tokenizer has no template, or one to be replaced: --chat-template takes one of these names or
-a Jinja template itself. They render no tools: a request's tools then go into a system message (tools.py).
+a Jinja template itself. They render no tools: a request's tools then go into a system message (formats.py).
 """
 from __future__ import annotations
 

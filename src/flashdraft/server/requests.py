@@ -1,24 +1,35 @@
-"""Request bodies -> a checked GenerationRequest. Every problem becomes a 400 that names the field at fault.
+"""Request bodies -> a checked GenerationRequest, and the Job that carries it to the worker thread. Every problem
+becomes a 400 that names the field at fault.
 
 Everything a request asks for is checked before any work is done for it: the body's shape (check_json: depth,
 text that encodes, finite numbers that fit in 64 bits), each field's type and range, and the sizes that bound
 the work (a prompt's characters, a chat's messages, a template's length), so that rendering and tokenizing a
 request take a bounded time and nothing a client sends reaches a 500.
+
+A Job is what the worker thread tells the request handler, through the handler's event loop. Events are (kind,
+payload, choice) triples: ("delta", Delta, i), ("result", GenerationResult, i) for each of the request's n choices
+in turn, ("progress", PromptProgress, i) after each prefill pass when the request asked for it (return_progress),
+("error", Exception, i) or ("ended", reason, i) when a job ends without its results (cancelled, or the server is
+shutting down). This module does not import the engine, so the HTTP side starts (and answers /health) while torch
+is still loading.
 """
 from __future__ import annotations
 
+import asyncio
+import itertools
+import json
 import math
 import reprlib
 import threading
-import json
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from flashdraft.config import ConfigError, Constraint, SamplingParams
 from flashdraft.server.errors import APIError, bad_field, renamed
-from flashdraft.server.formats import REASONING_FORMATS, Reasoning, reasoning_for
+from flashdraft.server.formats import (REASONING_FORMATS, Reasoning, ToolError, ToolPlan, generic_messages,
+                                      plan_tools, reasoning_for)
 from flashdraft.server.settings import ServerSettings
 from flashdraft.server.templates import TemplateBusy, TemplateError
-from flashdraft.server.tools import ToolError, ToolPlan, generic_messages, plan_tools
 
 MAX_DEPTH = 64                # JSON nesting; chat bodies need about 5, tool schemas in template kwargs a few more
 MAX_CHARS_PER_TOKEN = 16      # a prompt's characters, per token of the context (tokenizing costs ~3 us a character)
@@ -728,3 +739,37 @@ def parse_native(body: dict, engine, settings: ServerSettings, templates=None,
     return GenerationRequest(ids, params, n_max, n_min, stream, False, model, text, return_tokens=return_tokens,
                              timings_per_token=per_token, constraint_field=constraint_field,
                              **_slot_fields(body, settings))
+
+
+DELTA, RESULT, ERROR, ENDED, PROGRESS = "delta", "result", "error", "ended", "progress"
+
+
+class Job:
+    _ids = itertools.count()
+
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop,
+                 cancelled: threading.Event | None = None):
+        """cancelled: the request's cancel flag, when it was made before the job (to stop its parsing too)."""
+        self.id = next(Job._ids)
+        self.request = request
+        self.loop = loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancelled = cancelled or threading.Event()
+        self.slot_id: int | None = None
+        self.on_cancel: Callable[[Job], None] | None = None  # set by the scheduler that holds the job
+
+    def cancel(self) -> None:
+        """Stop the job: a queued one leaves the queue at once (its handler gets "ended"), a running one stops
+        before its next step."""
+        if self.cancelled.is_set():
+            return
+        self.cancelled.set()
+        if self.on_cancel is not None:
+            self.on_cancel(self)
+
+    def post(self, kind: str, payload, choice: int = 0) -> None:
+        """Called from the worker thread."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload, choice))
+        except RuntimeError:  # the event loop has closed: nobody is waiting any more
+            pass

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from flashdraft.config import SamplingParams
-from flashdraft.engine.adaptive import AdaptiveConfig, AdaptiveDraft, DraftCost, estimate_cost, weight_bytes
-from flashdraft.engine.generator import FixedDraft
+from flashdraft.engine.generator import (AdaptiveConfig, AdaptiveDraft, DraftCost, FixedDraft, estimate_cost,
+                                        weight_bytes)
 
 BASE = 15
 CPU = DraftCost(fixed=1.19, per_token=0.048)  # the demo pair's estimate on a CPU: the full block costs 2.9 steps

@@ -222,8 +222,7 @@ def test_repetitions_of_a_prompt_start_from_the_same_policy_state(qwen3_dir, dra
     from flashdraft.bench.prompts import BenchPrompt
     from flashdraft.bench.runner import InProcessBackend, run_bench
     from flashdraft.config import SamplingParams
-    from flashdraft.engine.adaptive import AdaptiveDraft
-    from flashdraft.engine.generator import Engine
+    from flashdraft.engine.generator import AdaptiveDraft, Engine
 
     engine = Engine.load(qwen3_dir, drafter_dir, device="cpu", context_size=256)
     backend = InProcessBackend(engine, SamplingParams(max_tokens=40, ignore_eos=True),

@@ -181,20 +181,20 @@ def test_generate_no_draft_loads_no_drafter(qwen3_dir, drafter_dir, capsys, monk
 def test_generate_uses_the_controller_priced_for_its_engine(qwen3_dir, drafter_dir, capsys, monkeypatch):
     """Without --draft-n, generate drafts with AdaptiveDraft.for_engine (a cost fixed at load); --no-adaptive
     drafts the full block."""
-    from flashdraft.engine import adaptive
+    from flashdraft.engine import generator
     made = []
-    for_engine = adaptive.AdaptiveDraft.for_engine.__func__
+    for_engine = generator.AdaptiveDraft.for_engine.__func__
 
     def spy(cls, engine, config=None):
         made.append(for_engine(cls, engine, config))
         return made[-1]
 
-    monkeypatch.setattr(adaptive.AdaptiveDraft, "for_engine", classmethod(spy))
+    monkeypatch.setattr(generator.AdaptiveDraft, "for_engine", classmethod(spy))
     base = ["generate", "-m", str(qwen3_dir), "-md", str(drafter_dir), "-p", "def add(a, b):", "-n", "10",
             "--device", "cpu", "-c", "64", "--json"]
     assert main(base) == 0
     out = json.loads(capsys.readouterr().out)
-    assert len(made) == 1 and made[0].steps == out["steps"] and made[0].cost != adaptive.DraftCost()
+    assert len(made) == 1 and made[0].steps == out["steps"] and made[0].cost != generator.DraftCost()
     assert main(base + ["--no-adaptive"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(made) == 1 and "7" in out["draft_lengths"]

@@ -6,7 +6,7 @@ import torch
 
 from flashdraft.config import GREEDY_BELOW, SamplingParams
 from flashdraft.engine.generator import Engine
-from flashdraft.engine.sampling import gumbel_from_bits, gumbel_noise, sample_tokens, warped_candidates
+from flashdraft.engine.speculative import gumbel_from_bits, gumbel_noise, sample_tokens, warped_candidates
 
 
 def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -246,8 +246,8 @@ def test_the_gumbel_max_kernel_picks_what_the_torch_ops_pick(columns, with_ids):
     pytest.importorskip("triton")
     from triton_interpreter import interpret_without_gpu
 
-    from flashdraft.engine import sampling
-    interpret_without_gpu("flashdraft.kernels.gumbel_triton", sampling._kernels)
+    from flashdraft.engine import speculative as sampling
+    interpret_without_gpu("flashdraft.kernels.gumbel_triton", sampling._gumbel_kernels)
     g = torch.Generator().manual_seed(columns)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.log_softmax(torch.randn(4, columns, generator=g) * 3, -1)

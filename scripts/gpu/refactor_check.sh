@@ -23,7 +23,7 @@ case "${1:-tests}" in
       --json > "$OUT/synthetic_sampled.json" 2> "$OUT/synthetic_sampled.log"
     timeout 80 python -m flashdraft.cli bench --synthetic qwen3-8b --json > "$OUT/synthetic_greedy.json" \
       2> "$OUT/synthetic_greedy.log"
-    # REFERENCE: another engine/sampling.py to compare tokens with (an older commit's, e.g. git show REV:PATH)
+    # REFERENCE: another engine/speculative.py (its sampling) to compare tokens with (an older commit's, e.g. git show REV:PATH)
     timeout 60 python scripts/gpu/sampling_cost.py ${REFERENCE:+--reference "$REFERENCE"} > "$OUT/sampling_cost.log" 2>&1
     timeout 170 python scripts/gpu/gguf_run.py "$OUT/gguf" --skip-kernels --budget-s 110 > "$OUT/gguf_run.log" 2>&1
     tail -8 "$OUT/synthetic_greedy.log" "$OUT/synthetic_sampled.log"; cat "$OUT/sampling_cost.log"

@@ -1,8 +1,8 @@
 """Cost of sampling one step's rows on the GPU, captured in a CUDA graph as the engine runs it; agreement of the
-Gumbel-max kernel with the torch ops that define it, and with another implementation of engine/sampling.py (a
-file, e.g. an older commit's), for the same seed.
+Gumbel-max kernel with the torch ops that define it, and with another implementation of the engine's sampling (a
+file, e.g. an older commit's engine/sampling.py or engine/speculative.py), for the same seed.
 
-    PYTHONPATH=src python scripts/gpu/sampling_cost.py [--reference OLD_SAMPLING.py]
+    PYTHONPATH=src python scripts/gpu/sampling_cost.py [--reference OLD_MODULE.py]
 
 Logits: bf16 N(0, 3) over Qwen3's 151,936-token vocabulary (many ties, as bf16 logits have)."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import importlib.util
 import torch
 
 from flashdraft.config import SamplingParams
-from flashdraft.engine import sampling
+from flashdraft.engine import speculative as sampling
 
 SETTINGS = {"T 0.7, top-k 64, top-p 0.95": SamplingParams(temperature=0.7, top_k=64, top_p=0.95),
             "T 0.7, top-p 0.95": SamplingParams(temperature=0.7, top_p=0.95),
@@ -43,7 +43,8 @@ def graph_us(fn, iters: int = 200) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--reference", help="another sampling.py to time and compare tokens with")
+    ap.add_argument("--reference", help="another module with sample_tokens (an older engine/sampling.py or "
+                    "engine/speculative.py) to time and compare tokens with")
     args = ap.parse_args()
     impls = {"this": sampling}
     if args.reference:

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         params = sampling_from_args(args)
         params.validate()
         if params.seed is None:  # one seed for both ways and every repetition, reported so runs can be repeated
-            from flashdraft.engine.sampling import resolve_seed
+            from flashdraft.engine.speculative import resolve_seed
             params.seed = resolve_seed(params)
         backend, config = make_backend(args, params)
         if args.concurrency > 1:

@@ -1,9 +1,9 @@
-"""Gumbel-max in one kernel: the noise of engine.sampling.gumbel_noise (the same hash of seed, position and token
+"""Gumbel-max in one kernel: the noise of engine.speculative.gumbel_noise (the same hash of seed, position and token
 id, the same float32 steps) added to the warped log-probabilities and reduced to each block's best, instead of
 some sixty small elementwise kernels over the row. On the H200 it picks the tokens the torch ops pick
 (docs/performance.md, "Sampling on the candidates; plain steps with a drafter loaded").
 
-Imported on first use by engine.sampling, so importing flashdraft never needs Triton.
+Imported on first use by engine.speculative, so importing flashdraft never needs Triton.
 """
 import triton
 import triton.language as tl
@@ -14,7 +14,7 @@ from flashdraft.kernels.split_reduce_triton import add, maximum, minimum
 
 @triton.jit
 def _mix32(x):
-    """engine.sampling._mix32 on uint32 (its int64 arithmetic masked to 32 bits is uint32 arithmetic)."""
+    """engine.speculative._mix32 on uint32 (its int64 arithmetic masked to 32 bits is uint32 arithmetic)."""
     x = ((x >> 16) ^ x) * 0x45D9F3B
     x = ((x >> 16) ^ x) * 0x45D9F3B
     return (x >> 16) ^ x

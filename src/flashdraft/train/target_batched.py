@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from flashdraft.config import SamplingParams
-from flashdraft.engine.sampling import sample_tokens
+from flashdraft.engine.speculative import sample_tokens
 from flashdraft.models import DecoderLM
 
 SYNC_EVERY = 16  # decoding steps between checks for an all-finished batch

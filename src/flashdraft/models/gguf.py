@@ -18,7 +18,7 @@ from flashdraft.config import ConfigError, DrafterConfig, ModelConfig
 from flashdraft.layers import RotaryEmbedding
 from flashdraft.loading.checkpoint import CheckpointError
 from flashdraft.loading.gguf import FLOAT_TYPES, GGUFFile, f32, single_value
-from flashdraft.models.drafter import DFlashDrafter
+from flashdraft.models.llama.model import DFlashDrafter
 from flashdraft.quant import QuantEmbedding, QuantLinear, UnsupportedQuantType
 
 GEMMA4_ARCH = "gemma4"  # loaded by flashdraft.models.gemma4.gguf into Gemma4LM

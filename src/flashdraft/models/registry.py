@@ -15,14 +15,13 @@ from flashdraft.layers.plan import LayerPlan
 from flashdraft.loading.checkpoint import default_device_dtype, model_folder
 from flashdraft.loading.gguf import GGUFFile, GGUFTokenizer, gguf_name
 from flashdraft.loading.tokenizer import Tokenizer
-from flashdraft.models.llama.model import DecoderLM
-from flashdraft.models.drafter import DFlashDrafter, load_dflash_drafter
+from flashdraft.models.llama.model import DecoderLM, DFlashDrafter
 from flashdraft.models.gemma4.model import gemma4_max_positions, load_gemma4_target
 from flashdraft.models.gemma4.drafter import load_gemma4_drafter
 from flashdraft.models.gemma4.gguf import gemma4_gguf_config, load_gemma4_gguf_drafter, load_gemma4_gguf_target
 from flashdraft.models.gguf import GEMMA4_ARCH, drafter_settings
 from flashdraft.models.llama.gguf import llama_target_config, load_llama_drafter, load_llama_target
-from flashdraft.models.llama.loader import load_llama_folder
+from flashdraft.models.llama.loader import load_dflash_drafter, load_llama_folder
 
 
 def target_max_positions(folder: Path) -> int:

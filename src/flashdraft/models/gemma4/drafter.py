@@ -18,7 +18,7 @@ from flashdraft.models.gemma4.config import Gemma4DrafterConfig
 from flashdraft.layers.plan import LayerPlan
 from flashdraft.models.kv_cache import KVCache, WindowKVCache
 from flashdraft.loading.checkpoint import assign_tensors, check_drafter_fits, model_folder, read_tensors
-from flashdraft.models.drafter import DFlashDrafter
+from flashdraft.models.llama.model import DFlashDrafter
 from flashdraft.models.gemma4.model import Gemma4LM
 
 

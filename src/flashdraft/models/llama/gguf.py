@@ -8,10 +8,9 @@ from flashdraft.layers.plan import LayerPlan
 from flashdraft.loading.checkpoint import CheckpointError, check_drafter_fits
 from flashdraft.loading.gguf import GGUFFile, eos_ids
 from flashdraft.loading.gguf_tokenizer import special_token_id
-from flashdraft.models.drafter import DFlashDrafter
 from flashdraft.models.gguf import (DRAFTER_ARCHS, GEMMA4_ARCH, TensorInstaller, gguf_drafter_config, gguf_rope,
                                     install_drafter, layer_stack_config, tie_lm_head)
-from flashdraft.models.llama.model import DecoderLM
+from flashdraft.models.llama.model import DecoderLM, DFlashDrafter
 
 # general.architecture -> our model_type. llama.cpp stores Llama's q/k rows permuted for its interleaved RoPE.
 TARGET_ARCHS = {"llama": "llama", "qwen3": "qwen3"}

@@ -1,14 +1,16 @@
-"""Llama and Qwen3 targets from Hugging Face folders (config.json, safetensors; names as in HF)."""
+"""Llama and Qwen3 targets and z-lab's DFlash drafters from Hugging Face folders (config.json, safetensors; names
+as in the checkpoints)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 
-from flashdraft.config import ModelConfig, read_json
+from flashdraft.config import DrafterConfig, ModelConfig, read_json
 from flashdraft.layers.plan import LayerPlan
-from flashdraft.loading.checkpoint import CheckpointError, assign_tensors, default_device_dtype, read_tensors
-from flashdraft.models.llama.model import DecoderLM
+from flashdraft.loading.checkpoint import (CheckpointError, assign_tensors, check_drafter_fits, default_device_dtype,
+                                          read_tensors)
+from flashdraft.models.llama.model import DecoderLM, DFlashDrafter
 
 
 def load_llama_folder(folder: Path, max_positions: int, device=None, dtype=None,
@@ -33,3 +35,15 @@ def load_llama_folder(folder: Path, max_positions: int, device=None, dtype=None,
     assign_tensors(model, tensors, folder, device, dtype)
     model.rope = model.rope.__class__(cfg, max_positions).to(device)
     return model.eval().requires_grad_(False)
+
+
+def load_dflash_drafter(folder: Path, target, max_positions: int, plan: LayerPlan = LayerPlan()) -> DFlashDrafter:
+    """A z-lab DFlash drafter from its Hugging Face folder, on the target's device and dtype."""
+    cfg = DrafterConfig.from_file(folder / "config.json")
+    check_drafter_fits(cfg, target.config, folder)
+    p = target.model.norm.weight  # the target's device and dtype (a float parameter even in GGUF models)
+    with torch.device("meta"):
+        drafter = DFlashDrafter(cfg, max_positions, plan)
+    assign_tensors(drafter, read_tensors(folder), folder, p.device, p.dtype)
+    drafter.rope = drafter.rope.__class__(cfg.layers, max_positions).to(p.device)
+    return drafter.eval().requires_grad_(False)

@@ -12,8 +12,8 @@ from test_gemma4_tiny import build_gemma4_target, reference_logits
 from flashdraft.config import ConfigError
 from flashdraft.models.gemma4.config import Gemma4Config
 from flashdraft.models import load_target
-from flashdraft.models.gemma4.model import (Gemma4MLP, Gemma4RMSNorm, RING_OVERHANG, embedding_scale,
-                                      rope_inverse_frequencies)
+from flashdraft.models.gemma4.model import Gemma4RMSNorm, RING_OVERHANG, embedding_scale, rope_inverse_frequencies
+from flashdraft.models.llama.model import GatedMLP
 
 WINDOW = 8
 LONG = WINDOW + RING_OVERHANG + 30  # past the sliding window and past one turn of the ring buffer
@@ -207,7 +207,7 @@ def test_mlp_is_geglu_with_tanh_gelu(dense):
     _, hf, ours = dense
     ref = _hf_text(hf).layers[0].mlp
     mlp = ours.model.layers[0].mlp
-    assert isinstance(mlp, Gemma4MLP)
+    assert isinstance(mlp, GatedMLP) and mlp.gelu_tanh
     x = torch.randn(5, ours.config.hidden_size)
     with torch.no_grad():
         assert (mlp(x) - ref(x)).abs().max().item() < 1e-5

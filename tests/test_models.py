@@ -180,3 +180,19 @@ def test_causal_prefill_passes_match_the_masked_ones(tmp_path):
 
     model = load_target(build_target(tmp_path / "q", family="qwen3", layers=2), 256, "cpu", torch.float32)
     causal_and_masked_prefill_agree(model, 120, [0, 1])
+
+
+def test_gated_mlp_takes_its_activation_at_construction():
+    """One gated MLP for both families: SiLU (SwiGLU) by default, GELU's tanh approximation (GeGLU) when asked,
+    anything else refused by name."""
+    from flashdraft.models.llama.model import GatedMLP
+    torch.manual_seed(0)
+    swiglu, geglu = GatedMLP(8, 16), GatedMLP(8, 16, activation="gelu_tanh")
+    geglu.load_state_dict(swiglu.state_dict())
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        gate, up = swiglu.gate_proj(x), swiglu.up_proj(x)
+        assert torch.equal(swiglu(x), swiglu.down_proj(torch.nn.functional.silu(gate) * up))
+        assert torch.equal(geglu(x), swiglu.down_proj(torch.nn.functional.gelu(gate, approximate="tanh") * up))
+    with pytest.raises(ValueError, match="activation 'relu'"):
+        GatedMLP(8, 16, activation="relu")

@@ -1,9 +1,8 @@
-"""The decoder's elementwise pieces: RMSNorm, RoPE and SwiGLU as plain functions (inlined and fused when a layer
-is torch.compile'd), and the small modules that hold their weights and tables."""
+"""The decoder's elementwise pieces: RMSNorm and RoPE as plain functions (inlined and fused when a layer is
+torch.compile'd), and the small modules that hold their weights and tables."""
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flashdraft.config import ConfigError, ModelConfig
@@ -23,10 +22,6 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
-
-
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
 
 
 class RMSNorm(nn.Module):

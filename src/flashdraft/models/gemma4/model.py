@@ -29,6 +29,7 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 from flashdraft.config import read_json
 from flashdraft.models.gemma4.config import FULL, SLIDING, Gemma4Config, RopeSpec
 from flashdraft.models.kv_cache import HostArena, check_same_types, copy_all_to, copy_rows, device_of
+from flashdraft.models.llama.model import GatedMLP
 from flashdraft.layers import decode_attention as attention_kernel
 from flashdraft.layers.attention import grouped_attention
 from flashdraft.layers.decode_attention import decode_attention
@@ -244,29 +245,6 @@ class Gemma4Attention(nn.Module):
         return self.o_proj(out[0].transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
 
 
-class Gemma4MLP(nn.Module):
-    """GeGLU: down(gelu_tanh(gate(x)) * up(x))."""
-
-    def __init__(self, hidden: int, intermediate: int, plan: LayerPlan):
-        super().__init__()
-        self.gate_proj = Linear(hidden, intermediate, bias=False, max_rows=plan.gemm_rows)
-        self.up_proj = Linear(hidden, intermediate, bias=False, max_rows=plan.gemm_rows)
-        self.down_proj = Linear(intermediate, hidden, bias=False, max_rows=plan.gemm_rows)
-        self.gate_up_proj = None  # gate and up as one projection, once fuse_projections() found them alike
-
-    def fuse_projections(self) -> None:
-        """gate and up as one projection where they are alike (fuse_rows). Done once."""
-        if self.gate_up_proj is None:
-            attach_fused(self, "gate_up_proj", [self.gate_proj, self.up_proj])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is None:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        else:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-
-
 class Gemma4Router(nn.Module):
     """Expert choice: softmax over all experts of proj(rmsnorm(x) * scale / sqrt(H)), top-k, renormalised to sum 1,
     then times each chosen expert's per_expert_scale."""
@@ -340,7 +318,7 @@ class Gemma4DecoderLayer(nn.Module):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.self_attn = Gemma4Attention(cfg, layer, plan)
-        self.mlp = Gemma4MLP(h, cfg.intermediate_size, plan)
+        self.mlp = GatedMLP(h, cfg.intermediate_size, plan=plan, activation="gelu_tanh")
         self.input_layernorm = Gemma4RMSNorm(h, eps)
         self.post_attention_layernorm = Gemma4RMSNorm(h, eps)
         self.pre_feedforward_layernorm = Gemma4RMSNorm(h, eps)

@@ -10,13 +10,14 @@ keys/values; parameter names follow z-lab's checkpoints (fc, hidden_norm, norm, 
 and no LM head: the target's embed the block and turn its outputs into logits.
 """
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from flashdraft.config import DrafterConfig, ModelConfig
 from flashdraft.layers import decode_attention, qkv_prep
 from flashdraft.layers.attention import Attention
-from flashdraft.layers.elementwise import RMSNorm, RotaryEmbedding, silu_mul
+from flashdraft.layers.elementwise import RMSNorm, RotaryEmbedding
 from flashdraft.layers.plan import LayerPlan
 from flashdraft.layers.rms_norm_rows import rms_norm_rows
 from flashdraft.layers.skinny_gemm import Linear, attach_fused, fold_norm_weight, skinny_linear
@@ -25,10 +26,15 @@ from flashdraft.quant.kv_formats import write_rows
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """Gated feed-forward: down(act(gate(x)) * up(x)), act SiLU (SwiGLU: Llama, Qwen3, the drafter) or GELU's tanh
+    approximation (GeGLU: Gemma 4), given at construction."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False, plan: LayerPlan = LayerPlan()):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, plan: LayerPlan = LayerPlan(),
+                 activation: str = "silu"):
         super().__init__()
+        if activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"GatedMLP: activation {activation!r} (supported: silu, gelu_tanh)")
+        self.gelu_tanh = activation == "gelu_tanh"
         self.gate_proj = Linear(hidden, intermediate, bias=bias, max_rows=plan.gemm_rows)
         self.up_proj = Linear(hidden, intermediate, bias=bias, max_rows=plan.gemm_rows)
         self.down_proj = Linear(intermediate, hidden, bias=bias, max_rows=plan.gemm_rows)
@@ -45,7 +51,7 @@ class GatedMLP(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(silu_mul(gate, up))
+        return self.down_proj((F.gelu(gate, approximate="tanh") if self.gelu_tanh else F.silu(gate)) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -137,7 +137,7 @@ def test_long_caches_take_longer_key_ranges():
     assert da.config_for(128, 4112) is da.CONFIG and da.config_for(64, 300) is da.CONFIG
     assert da.config_for(128, 7000).split == 512 and da.config_for(128, 8208).split == 512
     assert da.config_for(128, 32912).split == 1024 and da.config_for(256, 40000) is da.WIDE_HEAD_CONFIG
-    # Gemma 4's 512-wide full layers: 32-key steps, 512-key ranges up to 24576 rows, 1024-key ranges beyond
+    # Gemma 4's 512-wide full layers: 32-key steps, 128-key ranges up to 24576 rows, 1024-key ranges beyond
     assert da.config_for(512, 4112) is da.WIDEST_HEAD_CONFIG and da.config_for(512, 8208) is da.WIDEST_HEAD_CONFIG
     assert (da.config_for(512, 24592).split, da.config_for(512, 131136).split) == (1024, 1024)
     assert da.config_for(512, 131136).block_n == 32 and da.config_for(128, 32912).pipelined

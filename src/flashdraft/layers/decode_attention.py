@@ -69,11 +69,14 @@ LONG_CONFIGS = ((24576, AttentionConfig(block_n=64, split=512, num_warps=4, num_
 # Wider heads (256: Gemma-4) keep steps of 64 keys: a 128-key step would hold 64 KB of keys and 64 KB of values
 # per program at once (not measured at that width, nor longer ranges).
 WIDE_HEAD_CONFIG = AttentionConfig()
-# 512-wide heads (Gemma 4's full layers): steps of 32 keys, so a step's keys and values stay at 32 KB each. Up to
-# 24576 cache rows 512-key ranges, pipelined (8K keys, T = 1 / 16: 59.1 / 193.4 us per layer against 76.2 / 298.7
-# for 128-key ranges unrolled); longer caches 1024-key ranges on 4 warps (32K keys: 108.6 / 638.5 against 228.3 /
-# 1428.6 unrolled on 8; attention_run.py --long --shape gemma-full, 2026-12-04).
-WIDEST_HEAD_CONFIG = AttentionConfig(block_n=32, split=512, num_warps=8, num_stages=3, pipelined=True)
+# 512-wide heads (Gemma 4's full layers): steps of 32 keys, so a step's keys and values stay at 32 KB each, and
+# 128-key ranges up to 24576 cache rows: with 512-key ranges the Gemma-4-31B GGUF decode step at 32 tokens of an
+# 8K cache took 13.43 ms against 12.88 with these (docs/performance.md, "Plain steps with a drafter loaded"; at 8K
+# keys 512-key ranges pipelined measured faster, 59.1 / 193.4 us per layer at T = 1 / 16 against 76.2 / 298.7,
+# but the short context in such a cache was not measured again). Longer caches: 1024-key ranges, pipelined, on 4
+# warps (32K keys: 108.6 / 638.5 against 228.3 / 1428.6 unrolled on 8; attention_run.py --long --shape
+# gemma-full, 2026-12-04).
+WIDEST_HEAD_CONFIG = AttentionConfig(block_n=32, num_warps=8)
 WIDEST_LONG_CONFIG = AttentionConfig(block_n=32, split=1024, num_warps=4, num_stages=3, pipelined=True)
 WIDEST_SHORT_ROWS = 24576
 

@@ -10,7 +10,7 @@ Reports torch's peak allocated and reserved bytes per phase, and the peak on the
 the process holds outside torch's pool at the end (nvidia-smi).
 
 Usage (GPU machine, repo root): PYTHONPATH=src python scripts/gpu/memory_fit.py FILE.gguf OUT [--context 32768]
-    [--cache-type-k q5_0] [--cache-type-v q4_1] [--cross-ctx 1024] [--drafter Q5_K] [--tokens 128]
+    [--cache-type-k q5_0] [--cache-type-v q4_1] [--cross-ctx 1024] [--drafter Q5_K] [--tokens 128] [-ub N]
 Writes OUT/memory_fit.json.
 """
 from __future__ import annotations
@@ -58,6 +58,8 @@ def main() -> int:
     ap.add_argument("--cross-ctx", type=int, default=1024)
     ap.add_argument("--drafter", default="Q5_K", choices=["Q5_K", "Q8_0", "Q4_K", "Q6_K", "bf16"])
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("-ub", "--ubatch-size", type=int, default=None,
+                    help="a prompt's passes, at most this many tokens (serve's -ub; default config.PREFILL_CHUNK)")
     ap.add_argument("--limit-gb", type=float, default=24.0, help="the card's memory, GB (1e9 bytes)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -65,6 +67,7 @@ def main() -> int:
     dev = torch.device("cuda", torch.cuda.current_device())
     result: dict = {"file": str(args.file), "context": args.context, "cache_type_k": args.cache_type_k,
                     "cache_type_v": args.cache_type_v, "cross_ctx": args.cross_ctx, "drafter": args.drafter,
+                    "ubatch_size": args.ubatch_size,
                     "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
                     "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
     save = lambda: (args.out / "memory_fit.json").write_text(json.dumps(result, indent=1))  # noqa: E731
@@ -121,7 +124,8 @@ def run(args, dev, result: dict, phase) -> None:
                                               torch.bfloat16, gen)
     phase("drafter built")
     engine = Engine(target, loaded.tokenizer, drafter, context_size=loaded.context_size,
-                    cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, draft_window=args.cross_ctx)
+                    cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v, draft_window=args.cross_ctx,
+                    prefill_chunk=args.ubatch_size)
     sequence = engine.new_sequence()
     phase("engine and caches")
     result["warm_up_s"] = round(engine.warm_up(sequence) or 0.0, 1)

@@ -132,8 +132,8 @@ def test_pipelined_key_loop_gives_the_unrolled_bits():
 
 def test_long_caches_take_longer_key_ranges():
     """The tiling follows the cache's capacity (rows per kv head as allocated), never kv_len or T: over a view of
-    a 7000-row cache the rows get 512-key ranges (a pipelined loop), still bitwise the same
-    alone or with other tokens, and over a longer kv_len."""
+    a 7000-row cache the rows get 512-key ranges (a pipelined loop), still bitwise the same alone or with other
+    tokens, and over a longer kv_len."""
     assert da.config_for(128, 4112) is da.CONFIG and da.config_for(64, 300) is da.CONFIG
     assert da.config_for(128, 7000).split == 512 and da.config_for(128, 8208).split == 512
     assert da.config_for(128, 32912).split == 1024 and da.config_for(256, 40000) is da.WIDE_HEAD_CONFIG

@@ -30,7 +30,6 @@ from flashdraft.layers.attention import grouped_attention  # noqa: E402
 from flashdraft.layers.decode_attention import CONFIG, AttentionConfig, launch  # noqa: E402
 
 
-
 def sdpa(q, k, v, mask):
     out = grouped_attention(q[None], k[None], v[None], mask)
     return out[0].transpose(0, 1).reshape(q.shape[1], -1)

@@ -141,6 +141,8 @@ def test_long_caches_take_longer_key_ranges():
     assert da.config_for(512, 4112) is da.WIDEST_HEAD_CONFIG and da.config_for(512, 8208) is da.WIDEST_HEAD_CONFIG
     assert (da.config_for(512, 24592).split, da.config_for(512, 131136).split) == (1024, 1024)
     assert da.config_for(512, 131136).block_n == 32 and da.config_for(128, 32912).pipelined
+    # float32 caches of 512-wide heads: one step in shared memory at a time, the same arithmetic
+    assert da.config_for(512, 131136, 4) == replace(da.WIDEST_LONG_CONFIG, num_stages=1)
     k, v = _cache(2, 7000, 64, seed=21)
     q = _queries(8, 16, 64, seed=22)
     mask = _causal(250, 16, 300)
@@ -237,7 +239,7 @@ def test_head_width_512_and_a_given_scale(hd, scale):
     # SDPA's default scale is 1/sqrt(hd): the same scores come from q * scale * sqrt(hd)
     ref = _reference(q.double() * scale * hd ** 0.5, k, v, mask)
     assert (out.double() - ref).abs().max().item() < 1e-5
-    long = da.launch(q, k, v, mask, da.config_for(hd, 131136), scale=scale)  # a long cache's key ranges
+    long = da.launch(q, k, v, mask, da.config_for(hd, 131136, k.element_size()), scale=scale)  # long key ranges
     assert (long.double() - ref).abs().max().item() < 1e-5
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -81,13 +81,17 @@ WIDEST_LONG_CONFIG = AttentionConfig(block_n=32, split=1024, num_warps=4, num_st
 WIDEST_SHORT_ROWS = 24576
 
 
-def config_for(head_dim: int, capacity: int = 0) -> AttentionConfig:
-    """The tiling for a head width and a cache of `capacity` rows (both fixed for a cache's life; never T or kv_len,
-    so a row's arithmetic is the same in every pass over the same cache)."""
+def config_for(head_dim: int, capacity: int = 0, element_bytes: int = 2) -> AttentionConfig:
+    """The tiling for a head width, a cache of `capacity` rows and its element size (all fixed for a cache's life;
+    never T or kv_len, so a row's arithmetic is the same in every pass over the same cache). A float32 cache of
+    512-wide heads keeps one step's keys and values in shared memory at a time: three stages of them would need
+    297 KB, over the H200's 227 (the stages change where loads wait, not the arithmetic)."""
     if 128 < head_dim <= 256:
         return WIDE_HEAD_CONFIG
     if head_dim > 256:
-        return WIDEST_HEAD_CONFIG if capacity <= WIDEST_SHORT_ROWS else WIDEST_LONG_CONFIG
+        if capacity <= WIDEST_SHORT_ROWS:
+            return WIDEST_HEAD_CONFIG
+        return WIDEST_LONG_CONFIG if element_bytes <= 2 else replace(WIDEST_LONG_CONFIG, num_stages=1)
     if capacity <= SHORT_CACHE_ROWS:
         return CONFIG
     return next(c for limit, c in LONG_CONFIGS if limit is None or capacity <= limit)
@@ -108,9 +112,10 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """Run the kernel (no custom-op wrapper). q [heads, T, hd]; k, v [kv_heads, kv_len, row] (rows of a KV cache
     type) with unit stride along a row; mask None or bool [T or 1, kv_len]; scale: of the scores (None:
     1/sqrt(hd)). Returns [T, heads * hd] in q's dtype.
-    config None = config_for(head_dim, the cache's capacity: k's rows per kv head as allocated, from its strides)."""
+    config None = config_for(head_dim, the cache's capacity: k's rows per kv head as allocated, from its strides,
+    its element size)."""
     heads, T, hd = q.shape
-    c = config or config_for(hd, k.stride(0) // max(1, k.stride(1)))
+    c = config or config_for(hd, k.stride(0) // max(1, k.stride(1)), k.element_size())
     kv_heads, kv_len = k.shape[0], k.shape[1]
     if heads % kv_heads or v.shape[:2] != k.shape[:2] or k.dim() != 3 or v.dim() != 3 or not supports(hd):
         raise ValueError(f"decode_attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} "

@@ -123,19 +123,20 @@ def test_layers_take_the_gemm_of_their_plan():
                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                      head_dim=16, max_position_embeddings=64))
     plan = LayerPlan(gemm="triton", max_rows=16)
-    model = nn.Sequential(Attention(cfg, plan), GatedMLP(32, 64, plan=plan), sg.Linear(32, 8, max_rows=plan.gemm_rows))
+    model = nn.Sequential(Attention(cfg, plan), GatedMLP(32, 64, plan=plan),
+                          sg.Linear(32, 8, max_rows=plan.gemm_rows)).to(DEVICE)
     assert model[0].q_proj.max_rows == model[1].gate_proj.max_rows == model[1].down_proj.max_rows == 16
     calls = []
     real = sg._skinny_linear
     try:
         sg._skinny_linear = lambda *a: calls.append(a[0].shape) or real(*a)
-        x = torch.randn(4, 32)
+        x = torch.randn(4, 32, device=DEVICE)
         model[2](x)
-        model[2](torch.randn(17, 32))  # more rows than max_rows: F.linear
+        model[2](torch.randn(17, 32, device=DEVICE))  # more rows than max_rows: F.linear
         model[1].fuse_projections()
         assert model[1].gate_up_proj.max_rows == 16
         model[1](x)
-        default = nn.Sequential(GatedMLP(32, 64), sg.Linear(32, 8))
+        default = nn.Sequential(GatedMLP(32, 64), sg.Linear(32, 8)).to(DEVICE)
         default[0](x), default[1](x)
     finally:
         sg._skinny_linear = real

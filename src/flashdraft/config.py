@@ -24,8 +24,10 @@ GREEDY_BELOW = 1e-5
 
 # A prompt runs in passes of at most this many tokens (-ub/--ubatch-size changes it): a pass's activations, and
 # the attention mask of its rows over the cache, grow with its length, so a 32K-token prompt in one pass would
-# need gigabytes more than the model's steps (a 32K x 32K boolean mask alone is 1 GiB).
-PREFILL_CHUNK = 2048
+# need gigabytes more than the model's steps (a 32K x 32K boolean mask alone is 1 GiB). 512 is llama-server's
+# default: with it the walkthrough's Gemma-4-31B setup at 32K fits a 24 GB card (H200: 22.78 GB peak, 24.03 with
+# passes of 2048, whose 32K prompt ran in 9.1 s against 10.8; docs/performance.md).
+PREFILL_CHUNK = 512
 
 # A pass's token count is padded with filler rows up to one of a few sizes (prefill_buckets; on CUDA by default,
 # SpeculativeDecoder's pad_prefill). On a GPU every new row count pays a first use of its GEMM and attention kernels

@@ -407,8 +407,12 @@ def test_ctx_size_above_the_model_is_a_warning_naming_both(qwen3_dir, caplog):
     assert any("100000" in r.getMessage() and "512" in r.getMessage() for r in caplog.records)
 
 
-def test_the_demo_pair_has_a_name_of_its_own():
-    from flashdraft.demo import demo_paths
-    from flashdraft.engine.generator import DEMO_NAME, Engine
+def test_the_demo_pair_has_a_name_of_its_own(qwen3_dir):
+    """The commands name the demo target by demo_name; any other model keeps its loader's name."""
+    from flashdraft.demo import DEMO_NAME, demo_name, demo_paths
+    from flashdraft.engine.generator import Engine
 
-    assert Engine.load(demo_paths()[0], device="cpu", context_size=64).name == DEMO_NAME == "flashdraft-demo-code"
+    demo = demo_paths()[0]
+    assert demo_name(demo) == DEMO_NAME == "flashdraft-demo-code" and demo_name(qwen3_dir) is None
+    assert Engine.load(demo, device="cpu", context_size=64, name=demo_name(demo)).name == DEMO_NAME
+    assert Engine.load(qwen3_dir, device="cpu", context_size=64, name=demo_name(qwen3_dir)).name == qwen3_dir.name

@@ -186,12 +186,13 @@ def generate_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
 
     from flashdraft.config import ConfigError
+    from flashdraft.demo import demo_name
     from flashdraft.engine.generator import Delta, Engine, GenerationResult
     try:
         set_threads(args.threads)
         model, drafter = resolve_model_paths(args.model, args.drafter, draft=not args.no_draft)
         engine = Engine.load(model, drafter, device=args.device, context_size=args.ctx_size,
-                             adaptive=not args.no_adaptive, **cache_args_from_args(args))
+                             adaptive=not args.no_adaptive, name=demo_name(model), **cache_args_from_args(args))
         params = sampling_from_args(args)
         params.validate()
         prompt_ids = (engine.encode_prompt(messages=[{"role": "user", "content": args.prompt}]) if args.chat

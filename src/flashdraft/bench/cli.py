@@ -163,6 +163,7 @@ def make_backend(args, params):
         backend = ServerBackend(args.url, args.baseline_url, params, args.draft_n, args.timeout)
         return backend, {"mode": "server", "url": backend.url, "baseline_url": backend.baseline_url, **config}
 
+    from flashdraft.demo import demo_name
     from flashdraft.engine.generator import Engine
     from flashdraft.engine.ngram import NgramSettings
     set_threads(args.threads)
@@ -174,7 +175,8 @@ def make_backend(args, params):
           + (", n-gram drafting" if ngram else ""), file=sys.stderr)
     cache_types = cache_args_from_args(args)
     engine = Engine.load(model, drafter, device=args.device, context_size=args.ctx_size,
-                         adaptive=not args.no_adaptive, ngram=NgramSettings() if ngram else None, **cache_types)
+                         adaptive=not args.no_adaptive, ngram=NgramSettings() if ngram else None,
+                         name=demo_name(model), **cache_types)
     if not engine.drafts:
         raise BenchError("bench compares plain decoding with DFlash: pass a drafter with -md DRAFTER_FOLDER")
     if args.draft_n is not None and args.draft_n > engine.max_draft:

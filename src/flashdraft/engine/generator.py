@@ -24,7 +24,6 @@ from flashdraft.models import drafter_block_size, load_model
 # Caches get this many rows past the context so that any supported block can overhang the last position.
 MAX_BLOCK_SIZE = 64
 # The embedded demo pair's name: its folders are called target/ and drafter/, which say nothing in /v1/models.
-DEMO_NAME = "flashdraft-demo-code"
 
 log = logging.getLogger("flashdraft")
 
@@ -541,7 +540,7 @@ class Engine:
              attention: str | None = None, cache_type_k: str | None = None, cache_type_v: str | None = None,
              draft_cache_type_k: str | None = None, draft_cache_type_v: str | None = None,
              ngram: NgramSettings | None = None, draft_window: int | None = None,
-             prefill_chunk: int | None = None, pad_prefill: bool | None = None) -> "Engine":
+             prefill_chunk: int | None = None, pad_prefill: bool | None = None, name: str | None = None) -> "Engine":
         """Load a target (and optional drafter) from model folders; the context defaults to min(8192, the model's).
         gemm: "cublas" or "triton" (batch-invariant skinny GEMM for decode/verify/draft, CUDA only);
         attention: "sdpa" or "triton" (batch-invariant split-KV attention for the same passes). None (default):
@@ -551,13 +550,14 @@ class Engine:
         (engine.ngram), with no drafter model. draft_window: the drafter sees only the last N committed tokens
         (--spec-dflash-cross-ctx; None: all of them). prefill_chunk: a prompt runs in passes of at most this many
         tokens (-ub/--ubatch-size; None: config.PREFILL_CHUNK). pad_prefill: pad each pass to one of a few sizes
-        (config.prefill_buckets), which the warm-up runs once; None: on CUDA."""
+        (config.prefill_buckets), which the warm-up runs once; None: on CUDA. name: the model's name in responses
+        (None: the loader's, from the folder or the GGUF file)."""
         device, dtype = default_device_dtype(device, dtype)
         block = drafter_block_size(drafter) if drafter else ngram.max_draft + 1 if ngram else 1
         plan = resolve_plan(device, gemm, attention, block_size=block)
         loaded = load_model(model, drafter, device=device, dtype=dtype, context_size=context_size,
                             overhang=MAX_BLOCK_SIZE, plan=plan)
-        name = DEMO_NAME if _is_demo(model) else loaded.name
+        name = name or loaded.name
         if context_size and loaded.context_size < context_size:
             log.warning("context size %d was asked for, but %s supports %d tokens: the context is %d",
                         context_size, name, loaded.context_size, loaded.context_size)
@@ -849,12 +849,6 @@ def _shifted(tokens: list[int], keep: int) -> list[int] | None:
     if discard < 1:
         return None
     return tokens[:keep] + tokens[keep + discard:]
-
-
-def _is_demo(model: str | Path) -> bool:
-    from flashdraft.demo import DEMO_DIR
-
-    return DEMO_DIR.resolve() in Path(model).resolve().parents
 
 
 class _OutputTracker:

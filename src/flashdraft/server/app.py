@@ -23,6 +23,7 @@ from starlette.requests import ClientDisconnect
 from starlette.staticfiles import StaticFiles
 
 from flashdraft import __version__
+from flashdraft.demo import demo_name
 from flashdraft.server import anthropic, formats, schemas, tokens
 from flashdraft.server.errors import APIError, error_body
 from flashdraft.server.requests import (DELTA, ENDED, ERROR, MAX_DEPTH, PROGRESS, RESULT, GenerationRequest, Job,
@@ -156,7 +157,7 @@ class ServerState:
             elif s.ngram:  # --spec-draft-n-max sets how far a lookup proposes
                 ngram = NgramSettings(max_draft=s.spec_n_max) if s.spec_n_max else NgramSettings()
             engine = Engine.load(s.model, s.drafter, device=s.device, context_size=s.ctx_size, ngram=ngram,
-                                 **s.cache_options)
+                                 name=demo_name(s.model), **s.cache_options)
             if not (s.drafting and engine.drafts):
                 fixed_draft = 0
             else:

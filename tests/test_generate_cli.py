@@ -198,3 +198,19 @@ def test_generate_uses_the_controller_priced_for_its_engine(qwen3_dir, drafter_d
     assert main(base + ["--no-adaptive"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(made) == 1 and "7" in out["draft_lengths"]
+
+
+def test_a_generation_summary_line():
+    """The line `generate` prints and the server logs: speed, prompt, drafting (when any), the end, the seed."""
+    from flashdraft.engine.generator import GenerationResult, GenerationStats
+
+    stats = GenerationStats(prompt_n=12, prompt_ms=30.4, predicted_n=40, predicted_ms=500.0)
+    for drafted, accepted in ((7, 7), (7, 2), (0, 0)):
+        stats.record_step(drafted, accepted)
+    result = GenerationResult(text="", tokens=[], finish_reason="length", stop_type="limit", stopping_word="",
+                              seed=5, stats=stats)
+    assert result.summary() == ("40 tokens in 0.50 s: 80.0 tok/s; prompt 12 tokens in 30 ms; tau 4.00, acceptance "
+                                "9/14 (64.3%); finish length (limit); seed 5")
+    plain = GenerationResult(text="", tokens=[], finish_reason="stop", stop_type="eos", stopping_word="", seed=1,
+                             stats=GenerationStats(prompt_n=3, predicted_n=2, predicted_ms=10.0))
+    assert "tau" not in plain.summary() and plain.summary().endswith("finish stop (eos); seed 1")

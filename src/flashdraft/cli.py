@@ -214,17 +214,8 @@ def generate_main(argv: list[str]) -> int:
         print(json.dumps(result.to_dict()))
     else:
         print()
-        print(summary_line(result), file=sys.stderr)
+        print(f"[{result.summary()}]", file=sys.stderr)
     return 0
-
-
-def summary_line(result) -> str:
-    s = result.stats
-    line = (f"[{s.predicted_n} tokens in {s.predicted_ms / 1000:.2f} s: {s.predicted_per_second:.1f} tok/s; "
-            f"prompt {s.prompt_n} tokens in {s.prompt_ms:.0f} ms")
-    if s.draft_n:
-        line += f"; tau {s.tau:.2f}, acceptance {s.draft_n_accepted}/{s.draft_n} ({100 * s.acceptance_rate:.1f}%)"
-    return line + f"; finish {result.finish_reason}; seed {result.seed}]"
 
 
 if __name__ == "__main__":

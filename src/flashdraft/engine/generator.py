@@ -503,6 +503,16 @@ class GenerationResult:
         return {"text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason,
                 "stop_type": self.stop_type, "seed": self.seed, **self.stats.to_dict()}
 
+    def summary(self) -> str:
+        """One line for a log or a terminal: speed, prompt, drafting, how it ended."""
+        s = self.stats
+        line = (f"{s.predicted_n} tokens in {s.predicted_ms / 1000:.2f} s: {s.predicted_per_second:.1f} tok/s; "
+                f"prompt {s.prompt_n} tokens in {s.prompt_ms:.0f} ms")
+        if s.draft_n:
+            line += (f"; tau {s.tau:.2f}, acceptance {s.draft_n_accepted}/{s.draft_n} "
+                     f"({100 * s.acceptance_rate:.1f}%)")
+        return line + f"; finish {self.finish_reason} ({self.stop_type}); seed {self.seed}"
+
 
 class Engine:
     """A loaded target (and optional drafter) that generates, plain or with DFlash, from one code path."""

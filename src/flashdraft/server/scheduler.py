@@ -27,7 +27,7 @@ import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from flashdraft.engine.generator import Delta, GenerationResult, PromptProgress
+from flashdraft.engine.generator import Delta, PromptProgress
 from flashdraft.engine.speculative import Sequence, SpeculativeDecoder, shared_prefix
 from flashdraft.models.kv_cache import ArenaFull, HostArena
 from flashdraft.server.errors import APIError
@@ -389,7 +389,7 @@ class Scheduler:
             job.post(DELTA, event, slot.choice)
             return
         self.metrics.on_result(event)
-        log.info("slot %d: request %d done: %s", slot.id, job.id, _summary(event))
+        log.info("slot %d: request %d done: %s", slot.id, job.id, event.summary())
         job.post(RESULT, event, slot.choice)
         if slot.choice + 1 < job.request.n:
             slot.iterator.close()
@@ -406,12 +406,3 @@ def _constraint_error(job: Job, slot: Slot, error: Exception) -> APIError | None
         return None
     field = r.constraint_field or "grammar"
     return APIError(400, f"'{field}' cannot be used: {error}", param=field)
-
-
-def _summary(result: GenerationResult) -> str:
-    s = result.stats
-    line = (f"{s.prompt_n} prompt tokens in {s.prompt_ms:.0f} ms, {s.predicted_n} tokens in "
-            f"{s.predicted_ms / 1000:.2f} s ({s.predicted_per_second:.1f} tok/s)")
-    if s.draft_n:
-        line += f", tau {s.tau:.2f}, acceptance {100 * s.acceptance_rate:.1f}%"
-    return line + f", stop {result.stop_type}"

@@ -31,6 +31,16 @@ from flashdraft.kernels.split_reduce_triton import add, split_reduce_kernel  # n
 # had been set before that, while these kernels are decorated when this module is imported (first use).
 
 
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b: IEEE products for fp32 operands (so the CPU tests compare exact float32), else tf32/bf16."""
+    if IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
 # M is never specialized (Triton would otherwise compile separate variants for M == 1 and M % 16 == 0): one
 # compiled kernel serves every M, which batch invariance relies on.
 @triton.jit(do_not_specialize=["M"])
@@ -89,28 +99,15 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, r_ptr, M, N, stride_xm
             if GATED:
                 wu = wu.to(tl.float32)
         if HAS_NORM:
-            if IEEE:
-                gram = tl.dot(x, tl.trans(x), gram, input_precision="ieee")
-            else:
-                gram = tl.dot(x, tl.trans(x), gram)
+            gram = _dot(x, tl.trans(x), gram, IEEE)
         if SWAP:
-            if IEEE:
-                acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
-                if GATED:
-                    acc_up = tl.dot(wu, tl.trans(x), acc_up, input_precision="ieee")
-            else:
-                acc = tl.dot(w, tl.trans(x), acc)
-                if GATED:
-                    acc_up = tl.dot(wu, tl.trans(x), acc_up)
+            acc = _dot(w, tl.trans(x), acc, IEEE)
+            if GATED:
+                acc_up = _dot(wu, tl.trans(x), acc_up, IEEE)
         else:
-            if IEEE:
-                acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-                if GATED:
-                    acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision="ieee")
-            else:
-                acc = tl.dot(x, tl.trans(w), acc)
-                if GATED:
-                    acc_up = tl.dot(x, tl.trans(wu), acc_up)
+            acc = _dot(x, tl.trans(w), acc, IEEE)
+            if GATED:
+                acc_up = _dot(x, tl.trans(wu), acc_up, IEEE)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         if GATED:

@@ -52,9 +52,7 @@ def fingerprint(fn, signature: dict, constexprs: dict) -> dict:
 def main() -> int:
     out = {}
     for qtype, code in tk.QTYPE_CODES.items():
-        for decode_2d in (False, True):
-            out[f"{qtype} {'2-D' if decode_2d else '3-D'} decode"] = fingerprint(
-                tk._quant_matmul_kernel, POINTERS, dict(COMMON, QTYPE=code, DECODE_2D=decode_2d))
+        out[f"{qtype} per-element decode"] = fingerprint(tk._quant_matmul_kernel, POINTERS, dict(COMMON, QTYPE=code))
         if qtype in tk.K_QUANTS:
             out[f"{qtype} packed"] = fingerprint(tk._quant_matmul_packed_kernel, dict(POINTERS, magic="i32"),
                                                  dict(COMMON, QTYPE=code))

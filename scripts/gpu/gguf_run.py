@@ -235,14 +235,13 @@ def stage_bandwidth(run: Run, dev) -> float:
 
 
 def tk_variants(tk, cfg, qtype: str, n: int, k: int, sms: int) -> list:
-    """Tilings timed next to the default: the other decode formulation, the other pipelining depth, and the
-    3-D tiles of 64 x 256 without pipelining (measured on an H200 during development: ~105 us for gate/up)."""
+    """Tilings timed next to the default: the other pipelining depth, 256-wide K steps without pipelining, and
+    for the K-quants the packed-word decode's tilings."""
     import dataclasses
 
-    out = [dataclasses.replace(cfg, decode_2d=not cfg.decode_2d),
-           dataclasses.replace(cfg, num_stages=3 if cfg.num_stages == 1 else 1)]
+    out = [dataclasses.replace(cfg, num_stages=3 if cfg.num_stages == 1 else 1)]
     if k >= 256:
-        out.append(tk.heuristic_config(qtype, n, k, sms, num_stages=1, decode_2d=False, block_k=256))
+        out.append(tk.heuristic_config(qtype, n, k, sms, num_stages=1, block_k=256))
     if qtype in tk.K_QUANTS:  # packed-word decode, one super-block per K step
         out += [tk.heuristic_config(qtype, n, k, sms, packed=True),
                 tk.heuristic_config(qtype, n, k, sms, packed=True, num_stages=1),
@@ -543,8 +542,7 @@ def adopt_tilings(run: Run, dev, *models) -> dict:
             if key not in tk.CONFIGS and f is not None:
                 tk.CONFIGS[key] = tk.heuristic_config(
                     m.qtype, m.out_features, m.in_features, sms, block_n=f["block_n"], num_warps=f["num_warps"],
-                    num_stages=f["num_stages"], decode_2d=f["decode_2d"], block_k=f["block_k"],
-                    packed=f.get("packed", False))
+                    num_stages=f["num_stages"], block_k=f["block_k"], packed=f.get("packed", False))
             used[f"{m.qtype} {m.out_features}x{m.in_features}"] = tk.config_for(*key, sms).name
     log("(c) tilings: " + ", ".join(f"{k} {v}" for k, v in sorted(used.items())))
     return used

@@ -29,9 +29,7 @@ CASES = [("Q4_K", "gate_up"), ("Q4_K", "down"), ("Q4_K", "q_sliding"), ("Q4_K", 
 
 def candidates(tk, qtype, n, k, sms):
     h = tk.heuristic_config
-    out = [h(qtype, n, k, sms), h(qtype, n, k, sms, num_stages=1), h(qtype, n, k, sms, decode_2d=False),
-           h(qtype, n, k, sms, decode_2d=False, num_stages=1),
-           h(qtype, n, k, sms, decode_2d=False, num_stages=1, block_k=256),  # measured ~105 us for gate/up
+    out = [h(qtype, n, k, sms), h(qtype, n, k, sms, num_stages=1), h(qtype, n, k, sms, num_stages=1, block_k=256),
            h(qtype, n, k, sms, block_k=128), h(qtype, n, k, sms, num_warps=8), h(qtype, n, k, sms, block_n=32)]
     seen, uniq = set(), []
     for c in out:

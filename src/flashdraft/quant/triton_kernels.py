@@ -4,12 +4,11 @@ tests run them under Triton's interpreter, TRITON_INTERPRET=1 set before this mo
 y[M, N] = x[M, K] @ W^T with W held as uint8 blocks [N, row_bytes] (blocks run along K). Each program owns
 BLOCK_N output features of one BLOCK_M = 16 row tile and one fixed K range. Per K step it loads the raw bytes of
 a [BLOCK_N, BLOCK_K] weight tile once, decodes it to float32 (the formulas of flashdraft.quant.dequant), casts it
-to the activation dtype and multiplies with tl.dot, accumulating in fp32. Two decode formulations give the same
-weights: per element on a 2-D tile (the default: each element finds its own quant bits and scales, repeated
-loads served by L1) or per sub-block on 3-D tiles ([BLOCK_N, sub-blocks, 1] scales, [BLOCK_N, sub-blocks, elems]
-quants, then a reshape); QuantConfig.decode_2d picks one.
+to the activation dtype and multiplies with tl.dot, accumulating in fp32. The weights are decoded per element on
+the 2-D tile (`_decode_tile_2d`: each element finds its own quant bits and scales, repeated loads served by L1);
+the prefill's dequantized copy (`dequantize`) uses the same formulas.
 
-A third formulation for the K-quants, QuantConfig.packed (`_quant_matmul_packed_kernel`), works a super-block
+The K-quants' matmul has its own formulation, QuantConfig.packed (`_quant_matmul_packed_kernel`), which works a super-block
 (256 weights) at a time and reads the quant bytes as packed words: per super-block and row, the header once
 (Q4_K/Q5_K: 4 int32 words holding d, dmin and the 12 scale bytes; Q6_K: d and 16 int8 scales), then the quants as
 contiguous words ([BLOCK_N, 4, 8] int32 words for Q4_K/Q5_K, uint16 half-words for Q6_K, whose 210-byte
@@ -20,7 +19,7 @@ once per super-block ([BLOCK_N, 4, 1]) and broadcast. Those K indices are stride
 call (`_packed_perm`, the same permutation within every super-block): the 32 x values of dot d of super-block sb
 lie at 256 sb + 32 d + 0..31, and the kernel loads them as contiguous vectors. Eight dots of K = 32 per
 super-block; the order (super-blocks low to high, then the fixed field order) never depends on M. Same weights
-and the same fp32 formulas as the other two, but another summation order, so not bitwise equal to them.
+and the same fp32 formulas as the per-element decode, but another summation order, so not bitwise equal to it.
 
 Cost nearly flat in M: a 16-row tile holds a whole DFlash verify block, so the weight bytes are read once for
 any M <= 16; rows past M are masked loads (zeros) that cost no memory traffic.
@@ -63,15 +62,13 @@ class QuantConfig:
     block_k: int = 64      # weights per K step (divides 256 for K-quants; a multiple of 32 for the others)
     split_k: int = 1       # fixed K split (> 1: fp32 partials plus a reduce kernel adding them in order)
     num_warps: int = 4
-    num_stages: int = 3    # software pipelining (3-D tiles of 64 x 256 measured fastest at 1 on an H200)
-    decode_2d: bool = True   # per-element index math on a 2-D tile (else 3-D sub-block tiles and a reshape)
-    packed: bool = False     # K-quants only: packed-word decode per super-block (block_k a multiple of 256;
-                             # decode_2d is then ignored)
+    num_stages: int = 3    # software pipelining
+    packed: bool = False   # K-quants only: packed-word decode per super-block (block_k a multiple of 256)
 
     @property
     def name(self) -> str:
-        return (f"n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}p{self.num_stages}"
-                + ("q" if self.packed else "" if self.decode_2d else "t"))
+        return f"n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}p{self.num_stages}" + (
+            "q" if self.packed else "")
 
 
 def _divisors(n: int) -> list[int]:
@@ -82,21 +79,20 @@ def _divisors(n: int) -> list[int]:
 # Gemma-4-31B Q4_K_S shapes (scripts/gpu/gguf_run.py on an H200, 2026-11-29; docs/performance.md); other shapes
 # get default_config.
 CONFIGS: dict[tuple[str, int, int], QuantConfig] = {
-    ("Q4_K", 21504, 5376): QuantConfig(128, 256, 3, 8, 3, True, True),  # gate/up: 75 / 77 us at M = 1 / 16
-    ("Q4_K", 5376, 21504): QuantConfig(64, 256, 4, 4, 3, True, True),   # down: 85 / 86 us
-    ("Q4_K", 8192, 5376): QuantConfig(64, 256, 3, 4, 1, True, True),    # sliding q: 31 / 35 us
-    ("Q4_K", 4096, 5376): QuantConfig(64, 256, 7, 4, 1, True, True),    # sliding k/v: 21 / 23 us
-    ("Q4_K", 5376, 8192): QuantConfig(64, 256, 4, 4, 1, True, True),    # sliding o: 36 / 39 us
-    ("Q5_K", 5376, 21504): QuantConfig(64, 256, 4, 4, 3, True, True),   # down, first layers: 100 / 99 us
-    ("Q6_K", 262144, 5376): QuantConfig(64, 256, 1, 4, 3, True, True),  # tied LM head: 1133 / 1147 us
+    ("Q4_K", 21504, 5376): QuantConfig(128, 256, 3, 8, 3, packed=True),  # gate/up: 75 / 77 us at M = 1 / 16
+    ("Q4_K", 5376, 21504): QuantConfig(64, 256, 4, 4, 3, packed=True),   # down: 85 / 86 us
+    ("Q4_K", 8192, 5376): QuantConfig(64, 256, 3, 4, 1, packed=True),    # sliding q: 31 / 35 us
+    ("Q4_K", 4096, 5376): QuantConfig(64, 256, 7, 4, 1, packed=True),    # sliding k/v: 21 / 23 us
+    ("Q4_K", 5376, 8192): QuantConfig(64, 256, 4, 4, 1, packed=True),    # sliding o: 36 / 39 us
+    ("Q5_K", 5376, 21504): QuantConfig(64, 256, 4, 4, 3, packed=True),   # down, first layers: 100 / 99 us
+    ("Q6_K", 262144, 5376): QuantConfig(64, 256, 1, 4, 3, packed=True),  # tied LM head: 1133 / 1147 us
 }
 
 
 def default_config(qtype: str, n: int, k: int, sms: int = 132) -> QuantConfig:
     """K-quants: packed-word decode of 64 x 256 tiles, pipelined 3 deep, the tiling measured flat in M (16 rows
-    within 3% of 1 row) and within 1.15x of the fastest on every timed Gemma-4-31B shape (the 3-D sub-block
-    tiling was up to 1.5x slower, the 64 x 64 per-element one 2.5-4x); the other types: heuristic_config's
-    default."""
+    within 3% of 1 row) and within 1.15x of the fastest on every timed Gemma-4-31B shape (the 64 x 64
+    per-element one 2.5-4x slower); the other types: heuristic_config's default."""
     if qtype in K_QUANTS and k % 256 == 0:
         return heuristic_config(qtype, n, k, sms, block_k=256, num_stages=3, packed=True)
     return heuristic_config(qtype, n, k, sms)
@@ -123,8 +119,7 @@ def split_for(n: int, k: int, block_n: int, block_k: int, sms: int = 132) -> int
 
 
 def heuristic_config(qtype: str, n: int, k: int, sms: int = 132, block_n: int = 64, num_warps: int = 4,
-                     num_stages: int = 3, decode_2d: bool = True, block_k: int = 64,
-                     packed: bool = False) -> QuantConfig:
+                     num_stages: int = 3, block_k: int = 64, packed: bool = False) -> QuantConfig:
     """A 64 x 64 weight tile per K step, 4 warps, and split_for's K split (the first version had none: 84
     programs for down_proj's 5376 rows); the other arguments select the alternatives that gguf_run.py times.
     packed=True (K-quants; ignored for the others) takes the packed-word decode, block_k rounded up to a
@@ -136,8 +131,7 @@ def heuristic_config(qtype: str, n: int, k: int, sms: int = 132, block_n: int = 
             block_k = 256
     elif k < block_k:
         block_k = max(32, 1 << (k - 1).bit_length())
-    return QuantConfig(block_n, block_k, split_for(n, k, block_n, block_k, sms), num_warps, num_stages, decode_2d,
-                       packed)
+    return QuantConfig(block_n, block_k, split_for(n, k, block_n, block_k, sms), num_warps, num_stages, packed)
 
 
 @triton.jit
@@ -209,41 +203,11 @@ def _q45_k_weight(row, sb, j, i, mask, FIVE_BIT: tl.constexpr):
 
 
 @triton.jit
-def _q6_k_tile(row, k0, mask, S: tl.constexpr):
-    """S sub-blocks of 16 weights of a Q6_K super-block, from weight k0 -> float32 [BLOCK_N, S, 16].
-    Super-block: ql[128] (weight 128h+64t+c: byte 64h+c, nibble t), qh[64] (weight 128h+32u+c: byte 32h+c,
-    bits 2u..2u+1), int8 scales[16], fp16 d; weight = (d*s_j)*(q-32). The per-element decode (_decode_tile_2d)
-    indexes the same bytes by the weight's place in the super-block instead: each form compiles to fewer
-    instructions for its own layout (sm_90 SASS: 1912 against 1960 here, 2216 against 3344 there)."""
-    j = ((k0 % 256) // 16 + tl.arange(0, S))[None, :, None]
-    i = tl.arange(0, 16)[None, None, :]
-    base = row + (k0 // 256) * 210
-    h = j // 8
-    jj = j % 8
-    lo = (_byte_at(base + 64 * h + 16 * (jj % 4) + i, mask) >> (4 * (jj // 4))) & 0x0F
-    hi = (_byte_at(base + 128 + 32 * h + 16 * (jj % 2) + i, mask) >> (2 * (jj // 2))) & 0x03
-    return (_fp16_at(base + 208, mask) * _int8_at(base + 192 + j, mask)) * ((lo | (hi << 4)) - 32).to(tl.float32)
-
-
-@triton.jit
-def _decode_tile(row, k0, mask, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Weights W[rows, k0:k0+BLOCK_K] as float32 [BLOCK_N, BLOCK_K]; row: [BLOCK_N, 1, 1] row pointers."""
-    if QTYPE == 3 or QTYPE == 4:  # S = BLOCK_K / 32 sub-blocks of 32 weights: [BLOCK_N, S, 32]
-        j = ((k0 % 256) // 32 + tl.arange(0, BLOCK_K // 32))[None, :, None]
-        w = _q45_k_weight(row, k0 // 256, j, tl.arange(0, 32)[None, None, :], mask, QTYPE == 4)
-    elif QTYPE == 5:
-        w = _q6_k_tile(row, k0, mask, BLOCK_K // 16)
-    else:  # BLOCK_K / 32 blocks of 32 weights: [BLOCK_N, BLOCK_K / 32, 32]
-        blk = (k0 // 32 + tl.arange(0, BLOCK_K // 32))[None, :, None]
-        w = _legacy_weight(row, blk, tl.arange(0, 32)[None, None, :], mask, QTYPE)
-    return tl.reshape(w, (BLOCK_N, BLOCK_K))
-
-
-@triton.jit
 def _decode_tile_2d(row, k0, mask, QTYPE: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The same weights as _decode_tile, computed per element on a [BLOCK_N, BLOCK_K] grid (row: [BLOCK_N, 1]
-    row pointers): each element finds its own quant bits and scales (repeated loads are served by L1), with no
-    3-D tiles and no reshape."""
+    """Weights W[rows, k0:k0+BLOCK_K] as float32 [BLOCK_N, BLOCK_K], per element (row: [BLOCK_N, 1] row
+    pointers): each element finds its own quant bits and scales (repeated loads are served by L1). Q6_K
+    super-block: ql[128] (weight 128h+64t+c: byte 64h+c, nibble t), qh[64] (weight 128h+32u+c: byte 32h+c, bits
+    2u..2u+1), int8 scales[16], fp16 d; weight = (d*s_j)*(q-32)."""
     k = k0 + tl.arange(0, BLOCK_K)[None, :]
     if QTYPE == 3 or QTYPE == 4:
         w = _q45_k_weight(row, k // 256, (k % 256) // 32, k % 32, mask, QTYPE == 4)
@@ -296,20 +260,15 @@ def _store_tile(acc, y_ptr, p_ptr, rm, rn, m_ok, M, N, stride_ym, pid_k, SPLIT_K
 def _quant_matmul_kernel(x_ptr, w_ptr, y_ptr, p_ptr, M, N, row_bytes, stride_xm, stride_ym,
                          K: tl.constexpr, QTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         SPLIT_K: tl.constexpr, STEPS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                         DECODE_2D: tl.constexpr):
+                         SPLIT_K: tl.constexpr, STEPS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    if DECODE_2D:
-        row = w_ptr + (rn.to(tl.int64) * row_bytes)[:, None]
-        n_ok = (rn < N)[:, None]
-    else:
-        row = w_ptr + (rn.to(tl.int64) * row_bytes)[:, None, None]
-        n_ok = (rn < N)[:, None, None]
+    row = w_ptr + (rn.to(tl.int64) * row_bytes)[:, None]
+    n_ok = (rn < N)[:, None]
     m_ok = rm[:, None] < M
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -324,15 +283,9 @@ def _quant_matmul_kernel(x_ptr, w_ptr, y_ptr, p_ptr, M, N, row_bytes, stride_xm,
         else:
             # legacy types only: K is a multiple of 32, so whole 32-weight blocks are in or out
             x_mask = m_ok & ((k0 + rk)[None, :] < K)
-            if DECODE_2D:
-                w_mask = n_ok & ((k0 + rk)[None, :] < K)
-            else:
-                w_mask = n_ok & ((k0 // 32 + tl.arange(0, BLOCK_K // 32))[None, :, None] < K // 32)
+            w_mask = n_ok & ((k0 + rk)[None, :] < K)
         x = tl.load(x_rows + (k0 + rk)[None, :], mask=x_mask, other=0.0)
-        if DECODE_2D:
-            w = _decode_tile_2d(row, k0, w_mask, QTYPE, BLOCK_K)
-        else:
-            w = _decode_tile(row, k0, w_mask, QTYPE, BLOCK_N, BLOCK_K)
+        w = _decode_tile_2d(row, k0, w_mask, QTYPE, BLOCK_K)
         acc = _dot_acc(acc, x, w, IEEE, UPCAST)
     _store_tile(acc, y_ptr, p_ptr, rm, rn, m_ok, M, N, stride_ym, pid_k, SPLIT_K, UPCAST)
 
@@ -603,7 +556,7 @@ def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str,
             x2, blocks, y, part, m, n, blocks.shape[1], x2.stride(0), y.stride(0),
             K=k, QTYPE=code, IEEE=x.dtype == torch.float32, UPCAST=_interpreting(), BLOCK_M=BLOCK_M,
             BLOCK_N=config.block_n, BLOCK_K=bk, SPLIT_K=split, STEPS=steps // split, EVEN_N=n % config.block_n == 0,
-            EVEN_K=k % bk == 0, DECODE_2D=config.decode_2d, num_warps=config.num_warps, num_stages=config.num_stages)
+            EVEN_K=k % bk == 0, num_warps=config.num_warps, num_stages=config.num_stages)
     if split > 1:
         block = 1024
         split_reduce_kernel[(triton.cdiv(n, block), m)](part, y, y, m, n, y.stride(0), HAS_BIAS=False,

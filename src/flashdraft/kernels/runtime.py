@@ -24,6 +24,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def interpreted(kernel) -> bool:
+    """Whether this @triton.jit kernel runs under the interpreter: decided when it was decorated (its module's
+    import), whatever TRITON_INTERPRET says now."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
 def can_run(device: torch.device | str) -> bool:
     """Whether the Triton kernels can run for tensors on `device`: CUDA with Triton, or Triton's interpreter."""
     device = torch.device(device)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.quant.triton_kernels import sm_count
+from flashdraft.kernels.runtime import gpu_sm_count
 
 MAX_ROWS = 16
 SOURCE = Path(__file__).with_name("kquant_mma.cu")
@@ -122,7 +122,7 @@ def supported(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: s
             and blocks.shape == (out_features, k // 256 * BLOCK_BYTES[qtype])):
         return False
     device_index = _device_index(x)
-    return _builds(tilings_for(qtype, out_features, k, sm_count(device_index)), qtype, device_index)
+    return _builds(tilings_for(qtype, out_features, k, gpu_sm_count(device_index)), qtype, device_index)
 
 
 def _device_index(x: torch.Tensor) -> int:
@@ -196,7 +196,7 @@ def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str,
         return y.reshape(*lead, n)
     device_index = _device_index(x)
     if tiling is None:
-        tiling = tilings_for(qtype, n, k, sm_count(device_index))
+        tiling = tilings_for(qtype, n, k, gpu_sm_count(device_index))
     tilings = (tiling, tiling) if isinstance(tiling, MmaTiling) else tiling
     nsb = k // 256
     if tilings[0].split != tilings[1].split:

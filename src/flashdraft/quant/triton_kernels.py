@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashdraft.kernels.runtime import gpu_sm_count
+from flashdraft.kernels.runtime import gpu_sm_count, interpreted
 from flashdraft.kernels.split_reduce_triton import round_to, split_reduce_kernel
 
 QTYPE_CODES = {"Q4_0": 0, "Q5_0": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5, "Q4_1": 6, "Q5_1": 7}
@@ -467,8 +467,7 @@ def _dequantize_kernel(w_ptr, out_ptr, N, row_bytes, K: tl.constexpr, QTYPE: tl.
 
 
 def _interpreting() -> bool:
-    """Whether these kernels run under Triton's interpreter (decided when this module was imported)."""
-    return type(_quant_matmul_kernel).__name__ == "InterpretedFunction"
+    return interpreted(_quant_matmul_kernel)
 
 
 def sm_count(device_index: int | None) -> int:

@@ -21,6 +21,7 @@ class PlantedOracle:
         self.planted = torch.tensor([int(accept_pattern(s)) for s in range(PATTERN_STEPS)], device=device)
         self.vocab_size = vocab_size
         self.calls = torch.zeros(1, dtype=torch.long, device=device)
+        self.mutable = [self.calls]  # what a step changes (engine.speculative's Oracle)
 
     def reset(self) -> None:
         """Start the pattern again from step 0."""

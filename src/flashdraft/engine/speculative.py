@@ -130,7 +130,8 @@ class Launched:
 # Replaces the drafter's guesses (benchmarks and tests with a chosen acceptance pattern): called as
 # oracle(start, guesses) after the drafter has run, so the drafter's cost stays real. In a step on the device it
 # runs inside the step (and its graph, whose key holds it) with start a device scalar, so it must be capturable (no
-# host syncs): bench.oracle.PlantedOracle is.
+# host syncs); the device tensors it changes from step to step, if any, are its `mutable` list (a replayed graph
+# must see them as they are).
 Oracle = Callable[[int | torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -576,7 +577,7 @@ class SpeculativeDecoder:
         lifetime = self.graphs.lifetime_key
         key = ("step", lifetime(seq.target_cache), n, T, kv_len, draft_kv_len, lifetime(seq.oracle), sampling,
                project)
-        counters = [seq.oracle.calls] if isinstance(getattr(seq.oracle, "calls", None), torch.Tensor) else []
+        counters = list(getattr(seq.oracle, "mutable", ()))
         timed = self.device.type == "cuda"
         began_event = torch.cuda.Event(enable_timing=True) if timed else None
         if timed:

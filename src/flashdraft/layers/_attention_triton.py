@@ -8,8 +8,8 @@ Split-KV attention of a few query rows over a static cache, in one launch of `at
 2. a ticket from a per-(kv head, tile) counter: the program that arrives last rescales and adds the partials in
    split order 0, 1, ... (`_combine`, one pass, each split's loads issued before the previous one is added) and
    writes the rows straight into the [T, heads * head_dim] layout o_proj reads, then sets the counter back to
-   zero for the next launch. The order of the additions never depends on which program does them. (A second
-   kernel for this step cost about 3 us per layer, launch gap included, at batch 1 on the H200.)
+   zero for the next launch. The order of the additions never depends on which program does them, and no
+   second kernel (a launch per layer) is needed for it.
 
 Query rows of one kv head are the T tokens times its group's heads, token-major (row r = t * group + g, so a
 token's rows sit in the same tile places whatever T is). Every tile has BLOCK_Q rows and every key range SPLIT

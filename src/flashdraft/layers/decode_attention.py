@@ -10,9 +10,9 @@ query rows, key range), and the last program of each (kv head, tile) adds the ra
 fixed order; `config_for` picks the tiling from the head width and the cache's capacity (longer key ranges for
 long caches), never from T or kv_len.
 
-Why not SDPA: at T = 1..16 over a cache of a few hundred rows, cuDNN's flash kernel costs 11-20 us per layer
-on an H200 (docs/performance.md), for about 1-2 MB of keys and values, plus the kernels that turn the boolean
-mask into its own layout. And a row of a 16-query SDPA call need not round as the same query alone does. Here a
+Why not SDPA: at T = 1..16 over a short cache, cuDNN's flash kernel costs several times the reading of its keys
+and values (docs/performance.md), plus the kernels that turn the boolean mask into its own layout. And a row of a
+16-query SDPA call need not round as the same query alone does. Here a
 row's arithmetic does not depend on T at all (see the kernel module), so with the skinny GEMM the whole target
 pass gives a token the same bits in a decode and in a verify step.
 
@@ -54,28 +54,21 @@ class AttentionConfig:
                 + ("l" if self.pipelined else ""))
 
 
-# The tiling measured fastest over 512 and 2048 cached keys at T = 1 and 16 (scripts/gpu/attention_run.py, H200,
-# 2026-11-30, head_dim 128): one step of 128 keys per program, 8 warps; 7.8 us at 512 keys and T = 1, against
-# 9.2 us for the default's two steps of 64 and 10.2-11.2 us before the combine loaded ahead (docs/performance.md).
+# The tilings are the fastest measured by scripts/gpu/attention_run.py on an H200 at T = 1 and 16
+# (docs/performance.md: "Split-KV decode attention", "Attention over long caches", "Decode attention with a
+# pipelined key loop"). Short caches: one step of 128 keys per program, 8 warps.
 CONFIG = AttentionConfig(block_n=128, split=128, num_warps=8)
 # Caches of more rows (a 4096-token context's is 4112, a verify block over it): longer key ranges, fewer partials
 # for the last program to add, and the key loop pipelined (its next steps' loads in flight while one computes).
-# At 32K keys, T = 1 / 16: 53.3 / 126.1 us per layer with these 1024-key ranges, against 70.5 / 206.5 unrolled;
-# at 8K keys the 512-key ranges 24.4 / 45.4, against 22.3 / 61.4 (attention_run.py --long, H200, 2026-12-04;
-# docs/performance.md).
 SHORT_CACHE_ROWS = 6144
 LONG_CONFIGS = ((24576, AttentionConfig(block_n=64, split=512, num_warps=4, num_stages=3, pipelined=True)),
                 (None, AttentionConfig(block_n=128, split=1024, num_warps=8, pipelined=True)))
 # Wider heads (256: Gemma-4) keep steps of 64 keys: a 128-key step would hold 64 KB of keys and 64 KB of values
-# per program at once (not measured at that width, nor longer ranges).
+# per program at once.
 WIDE_HEAD_CONFIG = AttentionConfig()
-# 512-wide heads (Gemma 4's full layers): steps of 32 keys, so a step's keys and values stay at 32 KB each, and
-# 128-key ranges up to 24576 cache rows: with 512-key ranges the Gemma-4-31B GGUF decode step at 32 tokens of an
-# 8K cache took 13.43 ms against 12.88 with these (docs/performance.md, "Plain steps with a drafter loaded"; at 8K
-# keys 512-key ranges pipelined measured faster, 59.1 / 193.4 us per layer at T = 1 / 16 against 76.2 / 298.7,
-# but the short context in such a cache was not measured again). Longer caches: 1024-key ranges, pipelined, on 4
-# warps (32K keys: 108.6 / 638.5 against 228.3 / 1428.6 unrolled on 8; attention_run.py --long --shape
-# gemma-full, 2026-12-04).
+# 512-wide heads (Gemma 4's full layers): steps of 32 keys, so a step's keys and values stay at 32 KB each;
+# 128-key ranges up to 24576 cache rows (512-key ones made the decode step at a short context in an 8K cache
+# slower), 1024-key ranges pipelined on 4 warps beyond.
 WIDEST_HEAD_CONFIG = AttentionConfig(block_n=32, num_warps=8)
 WIDEST_LONG_CONFIG = AttentionConfig(block_n=32, split=1024, num_warps=4, num_stages=3, pipelined=True)
 WIDEST_SHORT_ROWS = 24576

@@ -9,9 +9,9 @@ cached pass's fused projection qkv [T, (n_heads + 2 * n_kv) * head_dim] and
   head_dim], at rows positions[t], and
 - returns the queries as [T, n_heads, head_dim] (Attention hands q.transpose(0, 1) to decode_attention).
 
-Why: torch.compile turns these steps into about four kernels per layer, which with their launch gaps cost about
-0.3 ms per token for a 36-layer model on an H200. Here they are one launch of T * (n_heads + n_kv) small programs,
-one per (token, query head) and per (token, key/value head pair).
+Why: compiled, these steps are about four kernels per layer, whose launches cost more than their work. Here they
+are one launch of T * (n_heads + n_kv) small programs, one per (token, query head) and per (token, key/value head
+pair).
 
 Numerics: `qkv_prep_reference` is what Attention.forward does in eager torch: rms_norm = weight * (x.float() *
 rsqrt(mean(x.float()^2) + eps)).to(dtype), rope = x * cos.to(dtype) + rotate_half(x) * sin.to(dtype) in the
@@ -29,9 +29,9 @@ position, with nothing that depends on T, so they are bitwise the same whether i
 
 The kernel is the custom op `flashdraft::qkv_prep` (it mutates cache_k and cache_v), opaque to torch.compile and
 safe inside CUDA graph capture: no host sync, and it allocates only q. It runs on CUDA with Triton, or under
-Triton's interpreter (TRITON_INTERPRET=1, the CPU tests), where kernels.runtime.can_run says so. Elsewhere Attention
-keeps its module-by-module path, which `qkv_prep_reference` reproduces for the tests. A position outside [0, capacity) writes no cache row (index_copy_ would raise instead; the
-kernel cannot check without a host sync).
+Triton's interpreter (TRITON_INTERPRET=1, the CPU tests), where kernels.runtime.can_run says so. Elsewhere
+Attention keeps its module-by-module path, which `qkv_prep_reference` reproduces for the tests. A position outside
+[0, capacity) writes no cache row (index_copy_ would raise instead; the kernel cannot check without a host sync).
 """
 from __future__ import annotations
 

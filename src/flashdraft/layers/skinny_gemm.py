@@ -13,9 +13,8 @@ depends only on its own input row. So every linear layer gives a token bitwise t
 goes through a 1-token decode step or a 16-token DFlash verify step: the GEMMs are no longer a way for greedy
 DFlash output to differ from plain decoding on the GPU. cuBLAS does not promise this: it picks different
 kernels (split-K, GEMV, tile shapes) for different M, so a 1-row and a 16-row product can round differently
-(scripts/gpu/gemm_run.py found one such shape, Qwen3-8B's down projection, on an H200). Bitwise identical logits
-for the whole pass also need the other ops to be batch-invariant: the RMSNorms are (eager and compiled, same
-script), SDPA over the cache with a mask is not yet (a row of a 16-query call differs from the same query alone).
+(docs/performance.md, "Lossless on the GPU"). Bitwise identical logits for the whole pass also need the other ops
+to be batch-invariant (layers.decode_attention, layers.qkv_prep).
 
 Use: the layers of a model built with LayerPlan(gemm="triton") (their `Linear`s, and the fused q/k/v and gate/up
 projections of Attention and GatedMLP) call `linear()`, which sends inputs of at most the plan's max_rows rows to
@@ -25,8 +24,8 @@ and it neither syncs with the host nor allocates anything but its output (and, f
 workspace) from the current allocator, so it is safe inside CUDA graph capture.
 
 **Fusions.** Besides its GEMMs, a decoder layer's decode step runs small elementwise kernels (two RMSNorms,
-SwiGLU's silu * up, two residual adds); on an H200 they and the gaps between launches took about 0.8 ms of a
-5.2 ms step. The kernel can take them in (each optional, each batch-invariant too):
+SwiGLU's silu * up, two residual adds) whose launches cost more than their work. The kernel can take them in
+(each optional, each batch-invariant too):
 - `rms_norm_eps`: an RMSNorm of x, the row scale in the epilogue, the norm's weight folded into W's columns
   beforehand (`fold_norm_weight`): the q/k/v and gate/up projections;
 - `gated=True`: W is the fused [gate; up] weight, and the result is silu(gate) * up (gate/up);

@@ -6,8 +6,8 @@ Why a hand-written kernel: Triton's tl.dot takes decoded weights through shared 
 permutes and barriers per K step; scripts/gpu/q4k_lab.py measured every formulation at 16-24% of the bandwidth
 roofline on the H200). Here each lane loads exactly the bytes of its own MMA fragments, so nothing but the
 weights' and x's loads touch memory, and the scales apply per 32-weight sub-block in fp32 on exact integer-valued
-products: 1.8-2.7x faster at one row and 1.5-1.8x at 16 than the Triton kernel on Gemma-4-31B's Q4_K shapes, and
-the weights are never rounded (docs/performance.md, issue #18).
+products, so it runs about twice as fast as the Triton kernel at one row, and the weights are never rounded
+(docs/performance.md).
 
 Used by flashdraft.quant.linear for these types when x is bf16 with at most MAX_ROWS rows, K a multiple of 256 and N
 of 16, on a GPU of compute capability 8.0 or newer; anything else, or a failed compile (warned once), goes to the

@@ -8,18 +8,18 @@ to the activation dtype and multiplies with tl.dot, accumulating in fp32. The we
 the 2-D tile (`_decode_tile_2d`: each element finds its own quant bits and scales, repeated loads served by L1);
 the prefill's dequantized copy (`dequantize`) uses the same formulas.
 
-The K-quants' matmul has its own formulation, QuantConfig.packed (`_quant_matmul_packed_kernel`), which works a super-block
-(256 weights) at a time and reads the quant bytes as packed words: per super-block and row, the header once
-(Q4_K/Q5_K: 4 int32 words holding d, dmin and the 12 scale bytes; Q6_K: d and 16 int8 scales), then the quants as
-contiguous words ([BLOCK_N, 4, 8] int32 words for Q4_K/Q5_K, uint16 half-words for Q6_K, whose 210-byte
-super-blocks are only 2-byte aligned). The weights are not put back in K order: each dot takes the weights that
-one bit field (byte p of a word, nibble h) of the loaded words holds, [BLOCK_N, 32] in word order, against x at
-the matching K indices, so the decode is shifts and masks on the loaded words, with the sub-block scales decoded
-once per super-block ([BLOCK_N, 4, 1]) and broadcast. Those K indices are strided, so `launch` permutes x once per
-call (`_packed_perm`, the same permutation within every super-block): the 32 x values of dot d of super-block sb
-lie at 256 sb + 32 d + 0..31, and the kernel loads them as contiguous vectors. Eight dots of K = 32 per
-super-block; the order (super-blocks low to high, then the fixed field order) never depends on M. Same weights
-and the same fp32 formulas as the per-element decode, but another summation order, so not bitwise equal to it.
+The K-quants' matmul has its own formulation, QuantConfig.packed (`_quant_matmul_packed_kernel`), which works a
+super-block (256 weights) at a time and reads the quant bytes as packed words: per super-block and row, the header
+once (Q4_K/Q5_K: 4 int32 words holding d, dmin and the 12 scale bytes; Q6_K: d and 16 int8 scales), then the quants
+as contiguous words ([BLOCK_N, 4, 8] int32 words for Q4_K/Q5_K, uint16 half-words for Q6_K, whose 210-byte
+super-blocks are only 2-byte aligned). The weights are not put back in K order: each dot takes the weights that one
+bit field (byte p of a word, nibble h) of the loaded words holds, [BLOCK_N, 32] in word order, against x at the
+matching K indices, so the decode is shifts and masks on the loaded words, with the sub-block scales decoded once
+per super-block ([BLOCK_N, 4, 1]) and broadcast. Those K indices are strided, so `launch` permutes x once per call
+(`_packed_perm`, the same permutation within every super-block): the 32 x values of dot d of super-block sb lie at
+256 sb + 32 d + 0..31, and the kernel loads them as contiguous vectors. Eight dots of K = 32 per super-block; the
+order (super-blocks low to high, then the fixed field order) never depends on M. Same weights and the same fp32
+formulas as the per-element decode, but another summation order, so not bitwise equal to it.
 
 Cost nearly flat in M: a 16-row tile holds a whole DFlash verify block, so the weight bytes are read once for
 any M <= 16; rows past M are masked loads (zeros) that cost no memory traffic.

@@ -196,3 +196,13 @@ def test_gated_mlp_takes_its_activation_at_construction():
         assert torch.equal(geglu(x), swiglu.down_proj(torch.nn.functional.gelu(gate, approximate="tanh") * up))
     with pytest.raises(ValueError, match="activation 'relu'"):
         GatedMLP(8, 16, activation="relu")
+
+
+def test_the_registry_maps_architecture_names_to_families():
+    """HF model_types and GGUF architectures pick their family's loaders; any other name goes to the Llama
+    family's, which refuse it by name (test_unsupported_architecture)."""
+    from flashdraft.models import registry
+
+    assert registry.family("qwen3") is registry.family("llama") is registry.LLAMA
+    assert registry.family("gemma4") is registry.family("gemma4_text") is registry.GEMMA4
+    assert registry.family("mamba") is registry.LLAMA and registry.family(None) is registry.LLAMA

@@ -4,13 +4,14 @@ its tokenizer and a drafter together.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from flashdraft.config import DrafterConfig, ModelConfig, is_gguf_path
-from flashdraft.models.gemma4.config import GEMMA4_MODEL_TYPES, is_gemma4_folder
+from flashdraft.config import DrafterConfig, ModelConfig, is_gguf_path, read_json
+from flashdraft.models.gemma4.config import GEMMA4_MODEL_TYPES
 from flashdraft.layers.plan import LayerPlan
 from flashdraft.loading.checkpoint import default_device_dtype, model_folder
 from flashdraft.loading.gguf import GGUFFile, GGUFTokenizer, gguf_name
@@ -24,44 +25,74 @@ from flashdraft.models.llama.gguf import llama_target_config, load_llama_drafter
 from flashdraft.models.llama.loader import load_dflash_drafter, load_llama_folder
 
 
+@dataclass(frozen=True)
+class Family:
+    """One model family's loaders: targets and their DFlash drafters, from HF folders and from GGUF files."""
+
+    max_positions: Callable[[Path], int]  # a folder's context limit, from its config.json
+    load_target: Callable[..., object]    # (folder, max_positions, device, dtype, plan)
+    load_drafter: Callable[..., object]   # (path, target, max_positions, plan)
+    gguf_config: Callable[[GGUFFile], object]
+    load_gguf_target: Callable[..., object]   # (GGUFFile, max_positions, device, dtype, plan)
+    load_gguf_drafter: Callable[..., object]  # (GGUFFile, target, max_positions, plan)
+
+
+LLAMA = Family(
+    max_positions=lambda folder: ModelConfig.from_file(folder / "config.json").max_position_embeddings,
+    load_target=load_llama_folder,
+    load_drafter=lambda path, target, max_positions, plan: load_dflash_drafter(
+        model_folder(path, "drafter"), target, max_positions, plan),
+    gguf_config=llama_target_config, load_gguf_target=load_llama_target, load_gguf_drafter=load_llama_drafter)
+GEMMA4 = Family(
+    max_positions=gemma4_max_positions,
+    load_target=lambda folder, max_positions, device, dtype, plan: load_gemma4_target(folder, device, dtype, plan),
+    load_drafter=load_gemma4_drafter, gguf_config=gemma4_gguf_config,
+    load_gguf_target=lambda g, max_positions, device, dtype, plan: load_gemma4_gguf_target(g, device, dtype, plan),
+    load_gguf_drafter=load_gemma4_gguf_drafter)
+# An HF config's model_type or a GGUF file's general.architecture -> its family (a drafter goes by its target's
+# model_type). Any other name goes to the Llama family's loaders, which refuse it naming what is supported.
+ARCHITECTURES = {"llama": LLAMA, "qwen3": LLAMA, **{name: GEMMA4 for name in (*GEMMA4_MODEL_TYPES, GEMMA4_ARCH)}}
+
+
+def family(architecture: str | None) -> Family:
+    return ARCHITECTURES.get(architecture, LLAMA)
+
+
+def _folder_family(folder: Path) -> Family:
+    return family(read_json(Path(folder) / "config.json").get("model_type"))
+
+
+def _target_family(target) -> Family:
+    return family(getattr(target.config, "model_type", None))
+
+
 def target_max_positions(folder: Path) -> int:
-    if is_gemma4_folder(folder):
-        return gemma4_max_positions(folder)
-    return ModelConfig.from_file(folder / "config.json").max_position_embeddings
+    return _folder_family(folder).max_positions(folder)
 
 
 def load_target(path: str | Path, max_positions: int, device=None, dtype=None,
                 plan: LayerPlan = LayerPlan()) -> DecoderLM:
     folder = model_folder(path, "model")
-    if is_gemma4_folder(folder):
-        return load_gemma4_target(folder, device, dtype, plan)
-    return load_llama_folder(folder, max_positions, device, dtype, plan)
+    return _folder_family(folder).load_target(folder, max_positions, device, dtype, plan)
 
 
 def load_drafter(path: str | Path, target: DecoderLM, max_positions: int,
                  plan: LayerPlan = LayerPlan()) -> DFlashDrafter:
-    if getattr(target.config, "model_type", None) in GEMMA4_MODEL_TYPES:
-        return load_gemma4_drafter(path, target, max_positions, plan)
-    return load_dflash_drafter(model_folder(path, "drafter"), target, max_positions, plan)
+    return _target_family(target).load_drafter(path, target, max_positions, plan)
 
 
 def gguf_target_config(g: GGUFFile):
     """The target's config: a ModelConfig (llama, qwen3) or a Gemma4Config (gemma4)."""
-    return gemma4_gguf_config(g) if g.arch == GEMMA4_ARCH else llama_target_config(g)
+    return family(g.arch).gguf_config(g)
 
 
 def load_gguf_target(g: GGUFFile, max_positions: int, device: torch.device, dtype: torch.dtype,
                      plan: LayerPlan = LayerPlan()):
-    if g.arch == GEMMA4_ARCH:
-        return load_gemma4_gguf_target(g, device, dtype, plan)
-    return load_llama_target(g, max_positions, device, dtype, plan)
+    return family(g.arch).load_gguf_target(g, max_positions, device, dtype, plan)
 
 
 def load_gguf_drafter(path: str | Path, target, max_positions: int, plan: LayerPlan = LayerPlan()):
-    g = GGUFFile(path, "drafter")
-    if getattr(target.config, "model_type", None) in GEMMA4_MODEL_TYPES:
-        return load_gemma4_gguf_drafter(g, target, max_positions, plan)
-    return load_llama_drafter(g, target, max_positions, plan)
+    return _target_family(target).load_gguf_drafter(GGUFFile(path, "drafter"), target, max_positions, plan)
 
 
 def drafter_block_size(path: str | Path) -> int:

@@ -126,10 +126,6 @@ class Gemma4Config:
         return cfg
 
 
-def is_gemma4_folder(folder: Path) -> bool:
-    return read_json(Path(folder) / "config.json").get("model_type") in GEMMA4_MODEL_TYPES
-
-
 def stop_token_ids(folder: Path) -> list[int]:
     """Ids of STOP_TOKENS in the folder's tokenizer files (tokenizer.json, tokenizer_config.json), if present."""
     folder = Path(folder)

@@ -24,7 +24,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from flashdraft.quant import triton_kernels as tk  # noqa: E402
+from flashdraft.kernels import gguf_triton as tk  # noqa: E402
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 POINTERS = {"x_ptr": "*bf16", "w_ptr": "*u8", "y_ptr": "*bf16", "p_ptr": "*fp32", "M": "i32", "N": "i32",

@@ -17,7 +17,7 @@ from triton_interpreter import generate_through, interpret_without_gpu  # noqa: 
 from flashdraft.layers import decode_attention as da  # noqa: E402
 from flashdraft.layers.attention import grouped_attention  # noqa: E402
 
-interpret_without_gpu("flashdraft.layers._attention_triton", da._kernels)
+interpret_without_gpu("flashdraft.kernels.attention_triton", da._kernels)
 
 
 def _cache(kv_heads, rows, hd, seed):

@@ -16,7 +16,7 @@ from triton_interpreter import interpret_without_gpu  # noqa: E402
 from flashdraft.layers import elementwise  # noqa: E402
 from flashdraft.layers import skinny_gemm as sg  # noqa: E402
 
-interpret_without_gpu("flashdraft.layers._skinny_triton", sg._kernels)
+interpret_without_gpu("flashdraft.kernels.skinny_triton", sg._kernels)
 
 EPS = 1e-6
 FUSIONS = {  # name: (norm, gated, residual)

@@ -21,10 +21,10 @@ from flashdraft.models import load_model  # noqa: E402
 from test_lossless import InlineGraphs, logging_oracle, without_warm_up_repeats  # noqa: E402
 from tiny_models import build_drafter, build_target  # noqa: E402
 
-interpret_without_gpu("flashdraft.layers._skinny_triton", skinny_gemm._kernels)
-interpret_without_gpu("flashdraft.layers._attention_triton", decode_attention._kernels)
-interpret_without_gpu("flashdraft.layers._qkv_prep_triton", qkv_prep._kernels)
-interpret_without_gpu("flashdraft.layers._rms_norm_triton", rms_norm_rows._kernels)
+interpret_without_gpu("flashdraft.kernels.skinny_triton", skinny_gemm._kernels)
+interpret_without_gpu("flashdraft.kernels.attention_triton", decode_attention._kernels)
+interpret_without_gpu("flashdraft.kernels.qkv_prep_triton", qkv_prep._kernels)
+interpret_without_gpu("flashdraft.kernels.rms_norm_triton", rms_norm_rows._kernels)
 
 FUSED = LayerPlan(gemm="triton", attention="triton", fuse_projections=True)
 

@@ -87,7 +87,8 @@ import dataclasses, sys
 import torch
 sys.path.insert(0, sys.argv[1])
 from flashdraft.quant import QUANT_FORMATS, dequantize
-from flashdraft.quant import gpu_kernels, triton_kernels as tk
+from flashdraft.kernels import gguf_triton as tk
+from flashdraft.quant import gpu_kernels
 from test_gguf_quant import random_blocks
 
 assert tk._interpreting()

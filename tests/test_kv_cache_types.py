@@ -290,8 +290,8 @@ from flashdraft.layers import decode_attention as da  # noqa: E402
 from flashdraft.layers import qkv_prep as qp  # noqa: E402
 from flashdraft.layers.attention import grouped_attention  # noqa: E402
 
-interpret_without_gpu("flashdraft.layers._attention_triton", da._kernels)
-interpret_without_gpu("flashdraft.layers._qkv_prep_triton", qp._kernels)
+interpret_without_gpu("flashdraft.kernels.attention_triton", da._kernels)
+interpret_without_gpu("flashdraft.kernels.qkv_prep_triton", qp._kernels)
 
 
 @pytest.mark.parametrize("k_type,v_type", [("q8_0", "q4_0"), ("q4_1", "q5_0"), ("q5_1", "f16")])

@@ -14,7 +14,7 @@ from triton_interpreter import interpret_without_gpu  # noqa: E402
 
 from flashdraft.layers import qkv_prep as qp  # noqa: E402
 
-interpret_without_gpu("flashdraft.layers._qkv_prep_triton", qp._kernels)
+interpret_without_gpu("flashdraft.kernels.qkv_prep_triton", qp._kernels)
 
 UNWRITTEN = float("-inf")  # what the caches hold before a call: any row still holding it was not written
 CAPACITY = 40

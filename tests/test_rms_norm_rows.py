@@ -12,7 +12,7 @@ from flashdraft.layers import rms_norm_rows as module  # noqa: E402
 from flashdraft.layers.elementwise import rms_norm  # noqa: E402
 from flashdraft.layers.rms_norm_rows import rms_norm_rows  # noqa: E402
 
-interpret_without_gpu("flashdraft.layers._rms_norm_triton", module._kernels)
+interpret_without_gpu("flashdraft.kernels.rms_norm_triton", module._kernels)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

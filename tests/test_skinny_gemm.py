@@ -18,7 +18,7 @@ from triton_interpreter import generate_through, interpret_without_gpu  # noqa: 
 
 from flashdraft.layers import skinny_gemm as sg  # noqa: E402
 
-interpret_without_gpu("flashdraft.layers._skinny_triton", sg._kernels)
+interpret_without_gpu("flashdraft.kernels.skinny_triton", sg._kernels)
 
 
 # (n, k, config): the heuristic's pick, uneven N and K (masked edges), split-K (the deterministic reduce

@@ -350,7 +350,7 @@ def stage_kernels(run: Run, bw: float, dev, gen, stage_deadline: float) -> None:
     kernels: list = []
     run.result["kernels"] = kernels
     try:
-        from flashdraft.quant import triton_kernels as tk
+        from flashdraft.kernels import gguf_triton as tk
     except ImportError as e:  # no Triton on this machine (a CPU CI without it)
         run.result["kernels_unavailable"] = f"{type(e).__name__}: {e}"
         log(f"(b) kernels skipped: Triton unavailable ({e})")
@@ -524,7 +524,7 @@ def adopt_tilings(run: Run, dev, *models) -> dict:
     of the tiling adopted for a timed shape of the same quant type. Returns {qtype N x K: tiling name}."""
     from flashdraft.quant import QuantLinear
     try:
-        from flashdraft.quant import triton_kernels as tk
+        from flashdraft.kernels import gguf_triton as tk
     except ImportError:
         return {}
     families = {}
@@ -866,7 +866,7 @@ def main(argv=None) -> int:
     gen = torch.Generator(device=dev).manual_seed(0)
     if args.configs is not None:
         try:
-            from flashdraft.quant import triton_kernels as tk
+            from flashdraft.kernels import gguf_triton as tk
             for row in json.loads(args.configs.read_text()):
                 row = dict(row)
                 key = (row.pop("qtype"), row.pop("n"), row.pop("k"))

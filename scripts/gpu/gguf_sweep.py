@@ -1,8 +1,8 @@
-"""Tiling sweep of the GGUF Triton kernels at Gemma-4-31B shapes (for choosing triton_kernels.config_for).
+"""Tiling sweep of the GGUF Triton kernels at Gemma-4-31B shapes (for choosing gguf_triton.config_for).
 
 Usage (repo root, CUDA): PYTHONPATH=src python scripts/gpu/gguf_sweep.py OUT_DIR [--budget-s S]
 Also writes OUT_DIR/gguf_configs.json, the fastest correct tiling per shape, which gguf_run.py --configs reads
-(and which can be copied into triton_kernels.CONFIGS).
+(and which can be copied into gguf_triton.CONFIGS).
 For each (qtype, shape) and each candidate tiling: relative error against dequantize + matmul, bitwise M=1 vs
 M=16 rows, and the median time per call at M = 1 and 16 (CUDA graph over enough weight copies to defeat L2,
 triton.testing.do_bench), next to the roofline. Writes OUT_DIR/gguf_sweep.json; prints the table as it goes.
@@ -49,7 +49,7 @@ def main() -> int:
     import triton.testing
 
     from flashdraft.quant import dequantize
-    from flashdraft.quant import triton_kernels as tk
+    from flashdraft.kernels import gguf_triton as tk
 
     t0 = time.time()
     dev = torch.device("cuda")

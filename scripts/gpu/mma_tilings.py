@@ -25,7 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gguf_run import bench_ms, copies_for, random_blocks, rel_err  # noqa: E402
 
-from flashdraft.quant import dequantize, mma_kernels, triton_kernels  # noqa: E402
+from flashdraft.kernels import gguf_triton  # noqa: E402
+from flashdraft.quant import dequantize, mma_kernels  # noqa: E402
 from flashdraft.quant.mma_kernels import MmaTiling  # noqa: E402
 
 STAGES = (3, 4)  # shared-memory ring depths tried beside the direct loads
@@ -93,7 +94,7 @@ def main() -> int:
         for tiling in [None] + grid:
             def call(w, m, tiling=tiling):
                 if tiling is None:
-                    return triton_kernels.launch(x[:m], w, n, qtype)
+                    return gguf_triton.launch(x[:m], w, n, qtype)
                 return mma_kernels.launch(x[:m], w, n, qtype, tiling)
             try:
                 y16, y1 = call(ws[0], 16), call(ws[0], 1)

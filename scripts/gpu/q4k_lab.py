@@ -4,7 +4,7 @@ weight copies that defeat the L2, one CUDA graph per candidate), checks it again
 bitwise batch invariance (rows at M = 1 equal those at M = 16), and prints one table.
 
 Candidates:
-- `adopted`: flashdraft.quant.triton_kernels.launch as it stands (decode each weight to fp32 with its scale and
+- `adopted`: flashdraft.kernels.gguf_triton.launch as it stands (decode each weight to fp32 with its scale and
   min, cast to bf16, tl.dot; x permuted once per call).
 - `load`: the same bytes read in the factored kernel's pattern, with only a byte sum (the memory ceiling of that
   access pattern under Triton).
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gguf_run import bench_ms, copies_for, random_blocks, rel_err  # noqa: E402
 
 from flashdraft.quant import dequantize  # noqa: E402
-from flashdraft.quant import triton_kernels as tk  # noqa: E402
+from flashdraft.kernels import gguf_triton as tk  # noqa: E402
 
 SHAPES = {"gate/up": (21504, 5376), "down": (5376, 21504), "sliding q": (8192, 5376), "sliding k/v": (4096, 5376)}
 SMOKE_SHAPES = {"smoke": (128, 1024)}

@@ -1,9 +1,9 @@
-"""Triton pieces shared by the kernels of flashdraft.layers, flashdraft.quant and flashdraft.engine: the split-K
-reduce that adds fp32 partials in a fixed order, the interpreter's rounding, and tl.reduce's combine functions
-(triton.language's own jit reductions, tl.max and tl.sum among them, break under an interpreter switched on after
-Triton's import, as the CPU tests do; Triton builtins and these do not).
+"""Triton pieces shared by the other kernels here: the split-K reduce that adds fp32 partials in a fixed order, the
+interpreter's rounding, and tl.reduce's combine functions (triton.language's own jit reductions, tl.max and tl.sum
+among them, break under an interpreter switched on after Triton's import, as the CPU tests do; Triton builtins and
+these do not).
 
-Imported only by those kernel modules, on first use (see flashdraft.layers._skinny_triton for why kernels are
+Imported only by those kernel modules, on first use (see flashdraft.kernels.skinny_triton for why kernels are
 decorated late), so importing flashdraft never needs Triton.
 """
 import triton

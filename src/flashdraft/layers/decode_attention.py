@@ -5,7 +5,7 @@ k / v [kv_heads, kv_len, row] (views of the static cache; rows of any KV cache t
 float rows of any dtype, or packed blocks that the kernel dequantizes as it reads them), under a boolean mask
 [T or 1, kv_len] (True = may attend; None = every row visible), scaling scores by `scale` (None: 1/sqrt(head_dim);
 Gemma 4 uses 1.0), and returns [T, heads * head_dim], the layout o_proj reads. The Triton
-kernel (flashdraft.layers._attention_triton) splits the keys into fixed ranges, one program per (kv head, tile of
+kernel (flashdraft.kernels.attention_triton) splits the keys into fixed ranges, one program per (kv head, tile of
 query rows, key range), and the last program of each (kv head, tile) adds the ranges' partial softmaxes in a
 fixed order; `config_for` picks the tiling from the head width and the cache's capacity (longer key ranges for
 long caches), never from T or kv_len.
@@ -33,7 +33,7 @@ from flashdraft.kernels.runtime import opaque_op
 from flashdraft.quant.kv_formats import stored_format
 
 HEAD_DIMS = (16, 32, 64, 128, 256, 512)  # powers of two (tl.arange), at least tl.dot's 16; 512: Gemma 4's full layers
-# The kernel's codes for quantized cache rows (_attention_triton._load_rows); float rows of any dtype are 0.
+# The kernel's codes for quantized cache rows (kernels.attention_triton._load_rows); float rows of any dtype are 0.
 KERNEL_FORMATS = {"q8_0": 1, "q4_0": 2, "q4_1": 3, "q5_0": 4, "q5_1": 5}
 
 
@@ -92,8 +92,8 @@ def config_for(head_dim: int, capacity: int = 0, element_bytes: int = 2) -> Atte
 
 @functools.cache
 def _kernels():
-    from flashdraft.layers import _attention_triton
-    return _attention_triton
+    from flashdraft.kernels import attention_triton
+    return attention_triton
 
 
 def supports(head_dim: int) -> bool:

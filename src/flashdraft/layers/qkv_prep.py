@@ -47,8 +47,8 @@ HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two (one tl.arange spans a head)
 
 @functools.cache
 def _kernels():
-    from flashdraft.layers import _qkv_prep_triton
-    return _qkv_prep_triton
+    from flashdraft.kernels import qkv_prep_triton
+    return qkv_prep_triton
 
 
 def _head_dim(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,

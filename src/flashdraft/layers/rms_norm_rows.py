@@ -6,7 +6,7 @@ round as eagerly and its kernels may differ with the pass's row count (on the H2
 token in a 16-token block other bits than alone, which broke greedy DFlash's equality with plain decoding). Here
 each row is one program over its own values only, so a token's result does not depend on the rows beside it.
 
-Numerics (_rms_norm_triton): elementwise.rms_norm's roundings, the sum of squares in the kernel's own order.
+Numerics (kernels.rms_norm_triton): elementwise.rms_norm's roundings, the sum of squares in the kernel's own order.
 Runs on CUDA with Triton, or under Triton's interpreter (TRITON_INTERPRET=1, the CPU tests).
 """
 from __future__ import annotations
@@ -20,8 +20,8 @@ MAX_WIDTH = 1 << 15  # one block spans a row
 
 @functools.cache
 def _kernels():
-    from flashdraft.layers import _rms_norm_triton
-    return _rms_norm_triton
+    from flashdraft.kernels import rms_norm_triton
+    return rms_norm_triton
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -1,6 +1,6 @@
 """Batch-invariant skinny GEMM: y[M, N] = x[M, K] @ W[N, K]^T for the few rows of a decode or verify step.
 
-`skinny_linear(x, weight, bias)` runs a Triton kernel (flashdraft.layers._skinny_triton) built for M = 1..16:
+`skinny_linear(x, weight, bias)` runs a Triton kernel (flashdraft.kernels.skinny_triton) built for M = 1..16:
 bf16 (or fp16 / fp32) in and out, fp32 accumulation, every program reading its [BLOCK_N, BLOCK_K] weight tiles
 once and using them for all rows of a 16-row tile (rows past M are zero padding), so the cost is nearly flat from
 M = 1 to 16 and the weights stream at close to the memory bandwidth.
@@ -166,8 +166,8 @@ def candidate_configs(n: int, k: int, wide: bool = False) -> list[SkinnyConfig]:
 
 @functools.cache
 def _kernels():
-    from flashdraft.layers import _skinny_triton
-    return _skinny_triton
+    from flashdraft.kernels import skinny_triton
+    return skinny_triton
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -1,13 +1,14 @@
 """The GPU product of x with GGUF blocks that QuantLinear calls: one op to torch.compile'd code (opaque_op), which
 takes the CUDA tensor-core kernel where it applies (Q4_K, Q5_K, Q6_K;
 bf16 x of at most 16 rows: decoding and speculative verify), a dequantized copy and cuBLAS for passes of many rows
-(prefill; triton_kernels.dequantizes), and the Triton kernels otherwise (other types, fp32, short passes)."""
+(prefill; gguf_triton.dequantizes), and the Triton kernels otherwise (other types, fp32, short passes)."""
 from __future__ import annotations
 
 import torch
 
+from flashdraft.kernels import gguf_triton
 from flashdraft.kernels.runtime import opaque_op
-from flashdraft.quant import mma_kernels, triton_kernels
+from flashdraft.quant import mma_kernels
 
 
 def _output_like(x, blocks, out_features, qtype):
@@ -18,9 +19,9 @@ def _output_like(x, blocks, out_features, qtype):
 def _quant_matmul(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str) -> torch.Tensor:
     if mma_kernels.supported(x, blocks, out_features, qtype):
         return mma_kernels.launch(x, blocks, out_features, qtype)
-    if triton_kernels.dequantizes(x.numel() // max(x.shape[-1], 1), out_features, x.shape[-1], x.dtype):
-        return triton_kernels.dequantize_matmul(x, blocks, qtype)
-    return triton_kernels.launch(x, blocks, out_features, qtype)
+    if gguf_triton.dequantizes(x.numel() // max(x.shape[-1], 1), out_features, x.shape[-1], x.dtype):
+        return gguf_triton.dequantize_matmul(x, blocks, qtype)
+    return gguf_triton.launch(x, blocks, out_features, qtype)
 
 
 def _matmul(qtype: str):
@@ -31,4 +32,4 @@ def _matmul(qtype: str):
     return matmul
 
 
-KERNELS = {name: _matmul(name) for name in triton_kernels.QTYPE_CODES}
+KERNELS = {name: _matmul(name) for name in gguf_triton.QTYPE_CODES}

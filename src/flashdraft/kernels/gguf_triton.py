@@ -1,4 +1,4 @@
-"""Triton matmul kernels that read GGUF blocks directly (imported by flashdraft.quant.linear on CUDA; the CPU
+"""Triton matmul kernels that read GGUF blocks directly (imported by flashdraft.quant.gpu_kernels on CUDA; the CPU
 tests run them under Triton's interpreter, TRITON_INTERPRET=1 set before this module is first imported).
 
 y[M, N] = x[M, K] @ W^T with W held as uint8 blocks [N, row_bytes] (blocks run along K). Each program owns

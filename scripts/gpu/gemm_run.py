@@ -4,7 +4,6 @@ benchmark with each backend.
 Usage (GPU machine, repo root): PYTHONPATH=src python scripts/gpu/gemm_run.py OUT_DIR [--sweep] [--no-bench]
   --sweep     time a wider set of tilings per shape (slower; for choosing skinny_gemm.CONFIGS)
   --no-bench  skip the synthetic benchmark stage; --no-gemm: skip the GEMM stage
-  --pdl       also run the benchmark with every skinny GEMM launched as a programmatic dependent launch
 
 Stages (each one's exception is caught and reported, so one failure does not lose the rest):
   1. bandwidth: read (sum of a 2 GiB tensor) and copy (2 GiB device-to-device) in GB/s
@@ -223,7 +222,7 @@ def stage_bench(variant: str) -> dict:
     return report.to_dict()
 
 
-def print_summary(results: dict, pdl: bool = False) -> None:
+def print_summary(results: dict) -> None:
     bw = results.get("bandwidth", {"read_gb_s": 4200.0, "copy_gb_s": 4200.0})
     log(f"\n== {results['device']}, torch {results['torch']}, triton {results['triton']}: read "
         f"{bw['read_gb_s']:.0f} GB/s, copy {bw['copy_gb_s']:.0f} GB/s; total {results['total_s']:.0f} s")
@@ -241,7 +240,7 @@ def print_summary(results: dict, pdl: bool = False) -> None:
         bp = f"{b[1]['us']:.1f}/{b[16]['us']:.1f}" if "us" in b.get(1, {}) and "us" in b.get(16, {}) else "-"
         log(f"{name:12s} {r['mb']:6.0f}  {pair(c):>28s}  {r['default'] + ' ' + pair(d):>34s}  {str(r['best']):14s} "
             f"{bp:>13s}  {r['check']['ok']}")
-    for variant in ("graphs+compiled", "graphs+compiled+triton") + (("graphs+compiled+triton+pdl",) if pdl else ()):
+    for variant in ("graphs+compiled", "graphs+compiled+triton"):
         r = results.get(f"bench {variant}")
         if r is None:
             if f"bench {variant}" in results["errors"]:
@@ -269,7 +268,7 @@ def main(out: Path) -> None:
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "sms": torch.cuda.get_device_properties(0).multi_processor_count,
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "errors": {}}
-    sweep, pdl = "--sweep" in sys.argv, "--pdl" in sys.argv
+    sweep = "--sweep" in sys.argv
 
     def save():
         (out / "gemm.json").write_text(json.dumps(results, indent=1, default=str))
@@ -302,16 +301,14 @@ def main(out: Path) -> None:
     gc.collect()
     torch.cuda.empty_cache()
     if "--no-bench" not in sys.argv:
-        for variant in ("graphs+compiled", "graphs+compiled+triton") + (("graphs+compiled+triton+pdl",) if pdl else ()):
-            os.environ["FLASHDRAFT_SKINNY_PDL"] = "1" if "pdl" in variant else "0"
-            stage(f"bench {variant}", stage_bench, variant.removesuffix("+pdl"))
+        for variant in ("graphs+compiled", "graphs+compiled+triton"):
+            stage(f"bench {variant}", stage_bench, variant)
             gc.collect()
             torch.cuda.empty_cache()
-        os.environ["FLASHDRAFT_SKINNY_PDL"] = "0"
     results["total_s"] = time.time() - t0
     save()
 
-    print_summary(results, pdl)
+    print_summary(results)
     if results["errors"]:
         log(f"errors in: {', '.join(results['errors'])}")
 

@@ -41,14 +41,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashdraft.kernels.runtime import gpu_sm_count, interpreting, opaque_op
+from flashdraft.kernels.runtime import gpu_sm_count, opaque_op
 from flashdraft.quant.linear import QuantLinear
 
 
@@ -115,16 +114,6 @@ def config_for(n: int, k: int, sms: int = 132) -> SkinnyConfig:
     - longer k with at least sms tiles of 16 rows: 16-row tiles, 2 warps, 8 stages (down, the drafter's fc);
     - fewer rows: 32-row tiles and a fixed split of K (up to 4 ways) towards 2 programs per SM.
     """
-    config = _config_for(n, k, sms)
-    return dataclasses.replace(config, pdl=True) if _pdl_everywhere() else config
-
-
-def _pdl_everywhere() -> bool:
-    """FLASHDRAFT_SKINNY_PDL=1 launches every skinny GEMM as a programmatic dependent (an experiment's switch)."""
-    return os.environ.get("FLASHDRAFT_SKINNY_PDL", "0") not in ("", "0") and not interpreting()
-
-
-def _config_for(n: int, k: int, sms: int) -> SkinnyConfig:
     if (n, k) in CONFIGS:
         return CONFIGS[(n, k)]
     block_k = 128 if k >= 128 else max(16, 1 << (k - 1).bit_length())

@@ -159,6 +159,21 @@ class DrafterConfig:
     def from_file(cls, path: Path) -> "DrafterConfig":
         return cls.from_dict(read_json(path), source=str(path))
 
+    def check_fits(self, target, source: Path | str) -> None:
+        """Refuse a drafter that cannot serve this target (its config: a ModelConfig or Gemma4Config): another
+        hidden size, taps of layers it lacks, a mask token outside its embedding."""
+        c = self.layers
+        if c.hidden_size != target.hidden_size:
+            raise ConfigError(f"{source}: drafter hidden_size {c.hidden_size} != target hidden_size "
+                              f"{target.hidden_size}")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_hidden_layers]
+        if bad:
+            raise ConfigError(f"{source}: target_layer_ids {bad} out of range for a target with "
+                              f"{target.num_hidden_layers} layers")
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            raise ConfigError(f"{source}: mask_token_id {self.mask_token_id} is not a row of the target's "
+                              f"embedding (vocab_size {target.vocab_size})")
+
     def to_dict(self) -> dict[str, Any]:
         """The z-lab config.json layout."""
         c = self.layers

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from flashdraft.config import ConfigError, DrafterConfig, ModelConfig
+from flashdraft.config import ConfigError
 
 
 class CheckpointError(ConfigError):
@@ -74,16 +74,3 @@ def default_device_dtype(device: str | torch.device | None, dtype: torch.dtype |
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return device, dtype
-
-
-def check_drafter_fits(cfg: DrafterConfig, target: ModelConfig, source: Path) -> None:
-    c = cfg.layers
-    if c.hidden_size != target.hidden_size:
-        raise ConfigError(f"{source}: drafter hidden_size {c.hidden_size} != target hidden_size {target.hidden_size}")
-    bad = [i for i in cfg.target_layer_ids if not 0 <= i < target.num_hidden_layers]
-    if bad:
-        raise ConfigError(f"{source}: target_layer_ids {bad} out of range for a target with "
-                          f"{target.num_hidden_layers} layers")
-    if not 0 <= cfg.mask_token_id < target.vocab_size:
-        raise ConfigError(f"{source}: mask_token_id {cfg.mask_token_id} is not a row of the target's "
-                          f"embedding (vocab_size {target.vocab_size})")

@@ -17,7 +17,7 @@ import torch
 from flashdraft.models.gemma4.config import Gemma4DrafterConfig
 from flashdraft.layers.plan import LayerPlan
 from flashdraft.models.kv_cache import KVCache, WindowKVCache
-from flashdraft.loading.checkpoint import assign_tensors, check_drafter_fits, model_folder, read_tensors
+from flashdraft.loading.checkpoint import assign_tensors, model_folder, read_tensors
 from flashdraft.models.llama.model import DFlashDrafter
 from flashdraft.models.gemma4.model import Gemma4LM
 
@@ -73,7 +73,7 @@ def load_gemma4_drafter(path: str | Path, target: Gemma4LM, max_positions: int,
                         plan: LayerPlan = LayerPlan()) -> Gemma4DFlashDrafter:
     folder = model_folder(path, "drafter")
     cfg = Gemma4DrafterConfig.from_file(folder / "config.json")
-    check_drafter_fits(cfg, target.config, folder)
+    cfg.check_fits(target.config, folder)
     p = target.model.norm.weight
     scale = float(target.embed_scale)
     with torch.device("meta"):

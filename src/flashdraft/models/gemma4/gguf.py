@@ -25,7 +25,7 @@ from torch import nn
 from flashdraft.config import ConfigError
 from flashdraft.models.gemma4.config import FULL, SLIDING, STOP_TOKENS, Gemma4Config, Gemma4DrafterConfig, RopeSpec
 from flashdraft.layers.plan import LayerPlan
-from flashdraft.loading.checkpoint import CheckpointError, check_drafter_fits
+from flashdraft.loading.checkpoint import CheckpointError
 from flashdraft.loading.gguf import FLOAT_TYPES, GGUFFile, eos_ids, f32, single_value
 from flashdraft.models.gemma4.model import Gemma4Experts, Gemma4LM, rope_inverse_frequencies
 from flashdraft.models.gemma4.drafter import Gemma4DFlashDrafter
@@ -375,7 +375,7 @@ def gemma4_gguf_drafter_config(g: GGUFFile, target: Gemma4Config) -> Gemma4Draft
 def load_gemma4_gguf_drafter(g: GGUFFile, target: Gemma4LM, max_positions: int,
                              plan: LayerPlan = LayerPlan()) -> Gemma4DFlashDrafter:
     cfg = gemma4_gguf_drafter_config(g, target.config)
-    check_drafter_fits(cfg, target.config, g.path)
+    cfg.check_fits(target.config, g.path)
     with torch.device("meta"):
         drafter = Gemma4DFlashDrafter(cfg, max_positions, float(target.embed_scale), plan)
     return install_drafter(g, drafter, target, max_positions)

@@ -5,7 +5,7 @@ import torch
 
 from flashdraft.config import ConfigError, ModelConfig
 from flashdraft.layers.plan import LayerPlan
-from flashdraft.loading.checkpoint import CheckpointError, check_drafter_fits
+from flashdraft.loading.checkpoint import CheckpointError
 from flashdraft.loading.gguf import GGUFFile, eos_ids
 from flashdraft.loading.gguf_tokenizer import special_token_id
 from flashdraft.models.gguf import (DRAFTER_ARCHS, GEMMA4_ARCH, TensorInstaller, gguf_drafter_config, gguf_rope,
@@ -65,7 +65,7 @@ def load_llama_drafter(g: GGUFFile, target: DecoderLM, max_positions: int,
         raise ConfigError(f"{g.path}: GGUF drafters are supported for "
                           f"{', '.join((*TARGET_ARCHS.values(), GEMMA4_ARCH))} targets, not {target_type!r}")
     cfg = gguf_drafter_config(g, target.config)
-    check_drafter_fits(cfg, target.config, g.path)
+    cfg.check_fits(target.config, g.path)
     with torch.device("meta"):
         drafter = DFlashDrafter(cfg, max_positions, plan)
     return install_drafter(g, drafter, target, max_positions)

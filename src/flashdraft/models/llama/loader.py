@@ -8,8 +8,7 @@ import torch
 
 from flashdraft.config import DrafterConfig, ModelConfig, read_json
 from flashdraft.layers.plan import LayerPlan
-from flashdraft.loading.checkpoint import (CheckpointError, assign_tensors, check_drafter_fits, default_device_dtype,
-                                          read_tensors)
+from flashdraft.loading.checkpoint import CheckpointError, assign_tensors, default_device_dtype, read_tensors
 from flashdraft.models.llama.model import DecoderLM, DFlashDrafter
 
 
@@ -40,7 +39,7 @@ def load_llama_folder(folder: Path, max_positions: int, device=None, dtype=None,
 def load_dflash_drafter(folder: Path, target, max_positions: int, plan: LayerPlan = LayerPlan()) -> DFlashDrafter:
     """A z-lab DFlash drafter from its Hugging Face folder, on the target's device and dtype."""
     cfg = DrafterConfig.from_file(folder / "config.json")
-    check_drafter_fits(cfg, target.config, folder)
+    cfg.check_fits(target.config, folder)
     p = target.model.norm.weight  # the target's device and dtype (a float parameter even in GGUF models)
     with torch.device("meta"):
         drafter = DFlashDrafter(cfg, max_positions, plan)

@@ -75,6 +75,9 @@ def test_table_rows_pair_each_test_and_ratio(tmp_path):
     assert "TOKENS DIFFER" in rows["DFlash tau 8 vs tg128"]["note"]
     long = rows["DFlash tau 6 vs tg128 @ d32768"]  # after a 32K prompt: against llama.cpp's plain decoding at 32K
     assert long["llama"] == 65.93 and long["note"].startswith("after 32768 tokens, tau 5.80, 3.80x own plain")
+    assert "drafter window" not in long["note"]
+    windowed = {r["test"]: r for r in sbs.table_rows(records, {**OURS, "draft_window": 1024})}
+    assert windowed["DFlash tau 6 vs tg128 @ d32768"]["note"].endswith(", drafter window 1024")
 
     res = tmp_path / "results"
     res.mkdir()
@@ -99,7 +102,8 @@ def test_measure_arguments_are_checked(tmp_path, capsys):
     gguf_file = tmp_path / "m.gguf"
     gguf_file.write_bytes(b"")
     cases = {"--taus must be at least 2": ["--taus", "1,4"], "--tokens must be at least 2": ["--tokens", "1"],
-             "no such GGUF file": [], "negative value": ["--depths", "0,-5"], "invalid choice": ["--drafter", "Q2_K"]}
+             "no such GGUF file": [], "negative value": ["--depths", "0,-5"], "invalid choice": ["--drafter", "Q2_K"],
+             "--draft-window must be at least 1": ["--draft-window", "0"]}
     for message, extra in cases.items():
         file = tmp_path / "missing.gguf" if message == "no such GGUF file" else gguf_file
         with pytest.raises(SystemExit) as e:
@@ -181,6 +185,7 @@ def test_script_arguments_are_checked(tmp_path):
              "SBS_MODELS: 'qwen3-8b:q8_0' is not SHAPE:TYPE": ([], {"SBS_MODELS": "qwen3-8b:q8_0"}),
              "SBS_DEPTHS must be comma-separated numbers": ([], {"SBS_DEPTHS": "0,8K"}),
              "SBS_DRAFTER must be": ([], {"SBS_DRAFTER": "Q2_K"}),
+             "SBS_DRAFT_WINDOW must be a positive number": ([], {"SBS_DRAFT_WINDOW": "0"}),
              "BUDGET must be a whole number": ([], {"SBS_BUDGET_S": "ten"}),
              "must hold make_gguf.py": ([], {"SBS_BENCH": str(tmp_path / "nowhere")})}
     for message, (args, extra) in cases.items():
@@ -214,6 +219,8 @@ def test_dry_run_prints_the_plan(tmp_path):
     order = [out.index(s) for s in ("BEE_BUDGET_S=60", "make_gguf.py", "side_by_side_gguf.py measure",
                                     "BEE_BUDGET_S=5", "llama-bench -m")]
     assert order == sorted(order), "SBS_SERIAL=0: build start, files, flashdraft during the build, build wait, llama"
+    out = run_script(["--dry-run", "flashdraft"], {**env, "SBS_DRAFT_WINDOW": "1024"}).stdout
+    assert out.count("--drafter Q5_K --draft-window 1024") == 2 and "--drafter bf16 --draft-window 1024" in out
     # one phase: llama.cpp only (a missing file is written first), no build
     proc = run_script(["--dry-run", "llama"], {**env, "SBS_MODELS": "qwen3-8b:bf16", "SBS_REPS": "5"})
     assert "BEE_BUDGET_S" not in proc.stdout and "side_by_side_gguf.py measure" not in proc.stdout

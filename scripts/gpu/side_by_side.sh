@@ -28,6 +28,7 @@
 # SBS_DFLASH_PROMPT (512, prompt tokens before DFlash and its plain baseline; a list, e.g. 512,32768, for DFlash
 # after each),
 # SBS_TOKENS (128), SBS_REPS (3, llama-bench -r), SBS_FD_REPS (1, flashdraft's timed runs per test),
+# SBS_DRAFT_WINDOW (none: DFlash's drafter sees the whole context; N: the last N tokens, --spec-dflash-cross-ctx),
 # SBS_DRAFTER (auto: bf16 for float files, Q5_K blocks for quantized ones; or Q5_K, Q8_0, Q4_K, Q6_K, bf16),
 # SBS_SERIAL (1), SBS_KEEP_GGUF (0: a file is deleted once both sides measured it),
 # SBS_JOBS (16, build jobs), SBS_NEED_FD / SBS_NEED_LLAMA (330 / 200: the seconds a model's flashdraft or llama.cpp
@@ -50,6 +51,7 @@ DFLASH_PROMPT="${SBS_DFLASH_PROMPT:-512}"
 TOKENS="${SBS_TOKENS:-128}"
 REPS="${SBS_REPS:-3}"
 FD_REPS="${SBS_FD_REPS:-1}"
+DRAFT_WINDOW="${SBS_DRAFT_WINDOW:-}"
 DRAFTER="${SBS_DRAFTER:-auto}"
 SERIAL="${SBS_SERIAL:-1}"
 KEEP="${SBS_KEEP_GGUF:-0}"
@@ -87,6 +89,7 @@ for spec in $MODELS; do
 done
 for v in DEPTHS PREFILL TAUS DFLASH_PROMPT; do [[ "${!v}" =~ ^[0-9]+(,[0-9]+)*$ ]] || die "SBS_$v must be comma-separated numbers, got '${!v}'"; done
 for v in BUDGET TOKENS REPS FD_REPS; do [[ "${!v}" =~ ^[0-9]+$ ]] || die "$v must be a whole number, got '${!v}'"; done
+[[ -z "$DRAFT_WINDOW" || "$DRAFT_WINDOW" =~ ^[1-9][0-9]*$ ]] || die "SBS_DRAFT_WINDOW must be a positive number, got '$DRAFT_WINDOW'"
 case "$DRAFTER" in auto|Q5_K|Q8_0|Q4_K|Q6_K|bf16) ;; *) die "SBS_DRAFTER must be auto, Q5_K, Q8_0, Q4_K, Q6_K or bf16, got '$DRAFTER'";; esac
 drafter_for() {  # auto: a bf16 drafter for a float file, Q5_K blocks (the walkthrough drafter's type) for a quantized one
     if [ "$DRAFTER" != auto ]; then echo "$DRAFTER"; else case "${1##*:}" in bf16|f32) echo bf16;; *) echo Q5_K;; esac; fi
@@ -182,6 +185,7 @@ phase_flashdraft() {
     for spec in $MODELS; do
         local nm extra=("${busy[@]}"); nm=$(name_of "$spec"); local f="$GGUF_DIR/$nm.gguf"
         case "$spec" in tiny-*) extra+=(--tiny);; esac
+        [ -n "$DRAFT_WINDOW" ] && extra+=(--draft-window "$DRAFT_WINDOW")
         [ -s "$RESULTS/flashdraft-$nm.json" ] && { say "flashdraft: $nm measured in an earlier call"; continue; }
         ensure_file "$spec" || continue
         [ "$(left)" -ge $NEED_FD ] || { say "flashdraft: not enough time left for $nm -- call again"; finish 3; }

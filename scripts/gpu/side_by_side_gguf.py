@@ -138,7 +138,7 @@ def measure(args) -> int:
     rec = Record(args.out, file=str(args.file), model=args.file.stem, tokens=args.tokens, reps=args.reps,
                  device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", torch=torch.__version__,
                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), build_running=args.build_running,
-                 depths=args.depths, prefill_lengths=args.prefill, taus=args.taus)
+                 depths=args.depths, prefill_lengths=args.prefill, taus=args.taus, draft_window=args.draft_window)
     longest = max([*args.depths, *args.prefill, *args.dflash_prompt, SHORT_PROMPT])
     context = longest + args.tokens + 64
     t = time.time()
@@ -218,7 +218,7 @@ def dflash(target, tokenizer, rec: Record, args, dev, context: int) -> None:
     drafter = build_drafter(target, context + 64, args.drafter, args.tiny, dev, ref.dtype, gen)
     rec.data["drafter"] = {"weights": args.drafter, "block_size": drafter.block_size,
                            "layers": drafter.config.layers.num_hidden_layers, "build_s": round(time.time() - t, 1)}
-    spec = Engine(target, tokenizer, drafter, context_size=context)
+    spec = Engine(target, tokenizer, drafter, context_size=context, draft_window=args.draft_window)
     B = drafter.block_size
     for n in sorted(set(args.dflash_prompt)):
         prompt = prompt_of(n, target.config.vocab_size, seed=n)
@@ -290,6 +290,8 @@ def table_rows(llama: list[dict], ours: dict) -> list[dict]:
         n = d.get("prompt_n", short)
         depth = n if n != short and llama_ts(llama, 0, gen, n) is not None else 0
         note = f"tau {d['tau']:.2f}, {d['speedup']:.2f}x own plain" + ("" if d["identical"] else ", TOKENS DIFFER")
+        if ours.get("draft_window"):
+            note += f", drafter window {ours['draft_window']}"
         rows.append({"test": f"DFlash tau {d['tau_planned']} vs tg{gen}" + (f" @ d{depth}" if depth else ""),
                      "llama": llama_ts(llama, 0, gen, depth), "ours": d["tok_s"],
                      "note": (f"after {n} tokens, " if n != short else "") + note})
@@ -353,6 +355,8 @@ def main(argv=None) -> int:
     m.add_argument("--reps", type=int, default=1, help="timed runs per test (the median is kept)")
     m.add_argument("--drafter", default="Q5_K", choices=["Q5_K", "Q8_0", "Q4_K", "Q6_K", "bf16"],
                    help="the random drafter's weights: GGUF blocks of this type, or bf16")
+    m.add_argument("--draft-window", type=int, default=None, metavar="N",
+                   help="DFlash's drafter sees only the last N tokens (--spec-dflash-cross-ctx; default: all)")
     m.add_argument("--device", default=None)
     m.add_argument("--tiny", action="store_true", help="tiny drafters, for make_gguf.py's tiny shapes (tests)")
     m.add_argument("--build-running", action="store_true", help="noted in the JSON: a build shared the CPUs")
@@ -366,6 +370,8 @@ def main(argv=None) -> int:
             ap.error("--tokens must be at least 2, --reps and --dflash-prompt at least 1")
         if any(t < 2 for t in args.taus):
             ap.error("--taus must be at least 2 (tau 1 is plain decoding)")
+        if args.draft_window is not None and args.draft_window < 1:
+            ap.error(f"--draft-window must be at least 1, got {args.draft_window}")
         if not args.file.is_file():
             ap.error(f"no such GGUF file: {args.file}")
         return measure(args)

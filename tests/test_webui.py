@@ -134,7 +134,8 @@ def test_page_streams_a_reply_and_shows_its_stats(webui_server, engine, tmp_path
                       r"\(([\d.]+)%\) · (\d+) steps, (\d+) with a draft", stats)
     assert shown, stats
     assert f"{MAX_TOKENS} tokens" in stats
-    measured = re.findall(r"\(([\d.]+) tok/s\), tau ([\d.]+), acceptance ([\d.]+)%", webui_server.log())
+    measured = re.findall(r": ([\d.]+) tok/s; .*?; tau ([\d.]+), acceptance \d+/\d+ \(([\d.]+)%\)",
+                          webui_server.log())
     assert measured == [(shown[1], shown[2], shown[5])], "the page shows other numbers than the server measured"
     accepted, drafted, steps, drafting_steps = (int(shown[i]) for i in (3, 4, 6, 7))
     assert float(shown[1]) > 0 and accepted <= drafted and drafting_steps <= steps

@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def use_allocator_settings() -> None:
-    """ALLOCATOR_SETTINGS unless PYTORCH_CUDA_ALLOC_CONF is set; before CUDA's first allocation (torch reads it then)."""
+    """ALLOCATOR_SETTINGS unless PYTORCH_CUDA_ALLOC_CONF is set; before CUDA's first allocation, when torch reads
+    it."""
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR_SETTINGS)
 
 

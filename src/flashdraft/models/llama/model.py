@@ -83,8 +83,8 @@ class DecoderLayer(nn.Module):
         """torch.compile the module path alone, for a layer on a fused path: its passes of more rows than that path
         takes (prefill) get their elementwise ops fused as a compiled layer's are (eager, they are slower:
         docs/performance.md), while the few-row passes keep their batch-invariant kernels. Invariance does not
-        matter past those rows: plain decoding and DFlash run a prompt through the same passes. Done once. (The function, not this layer's bound method, is compiled: the
-        layer holds no reference to itself.)"""
+        matter past those rows: plain decoding and DFlash run a prompt through the same passes. Done once. (The
+        function, not this layer's bound method, is compiled: the layer holds no reference to itself.)"""
         if self._compiled_module_path is None:
             self._compiled_module_path = torch.compile(DecoderLayer.module_forward, dynamic=True)
 

@@ -4,7 +4,8 @@ flashdraft never needs Triton and a CPU test can still set TRITON_INTERPRET firs
 Split-KV attention of a few query rows over a static cache, in one launch of `attention_kernel`, one program per
 (kv head, BLOCK_Q-row query tile, SPLIT-row key range):
 1. scores by tl.dot, the position mask, an online softmax over the range in BLOCK_N steps (unrolled, or a loop
-   that Triton pipelines), and the range's fp32 partial output, row maximum and row sum, stored;
+   that Triton pipelines and that stops at the last step holding keys), and the range's fp32 partial output,
+   row maximum and row sum, stored;
 2. a ticket from a per-(kv head, tile) counter: the program that arrives last rescales and adds the partials in
    split order 0, 1, ... (`_combine`, one pass, each split's loads issued before the previous one is added) and
    writes the rows straight into the [T, heads * head_dim] layout o_proj reads, then sets the counter back to
@@ -50,7 +51,11 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, count
     l_i = tl.full([BLOCK_Q], 0.0, tl.float32)
     acc = tl.full([BLOCK_Q, D], 0.0, tl.float32)
     if PIPELINED:  # a loop Triton pipelines: the next steps' keys and values load while one computes
-        for chunk in range(SPLIT // BLOCK_N):
+        # steps wholly past KV_LEN are skipped: they would add exact zeros (alpha 1, p 0), so a row keeps its bits
+        # whether its pass's kv_len ends in its range or later (a verify step's), and a short context in a long
+        # cache (a graph's 256-row bucket in 1024-key ranges) computes only the steps it has keys for
+        steps = tl.minimum(SPLIT // BLOCK_N, (KV_LEN - split * SPLIT + BLOCK_N - 1) // BLOCK_N)
+        for chunk in range(0, steps):
             m_i, l_i, acc = _key_step(q, m_i, l_i, acc, k_ptr, v_ptr, mask_ptr, kv, split, chunk, t, row_ok, KV_LEN,
                                       stride_kh, stride_kn, stride_vh, stride_vn, stride_mt, qk_scale, D, HAS_MASK,
                                       IEEE, BLOCK_N, SPLIT, K_FMT, V_FMT, K_ALIGN, V_ALIGN)

@@ -10,8 +10,9 @@ which perf_run.py --attention-config=OUT_DIR/attention.json then uses.
 
 Usage (GPU machine, repo root): PYTHONPATH=src python scripts/gpu/attention_run.py OUT_DIR [--long]
     [--shape qwen|gemma-full]
---long: long contexts instead (8K and 32K keys) and tilings with longer key ranges per program, the fastest at
-32K named. --shape gemma-full (with --long): Gemma-4-31B's full layers (32 heads over 4 kv heads of 512).
+--long: long contexts instead (8K and 32K keys, and 512 as a short context in a long cache) and tilings with
+longer key ranges per program, the fastest at 32K named. --shape gemma-full (with --long): Gemma-4-31B's full
+layers (32 heads over 4 kv heads of 512).
 """
 import argparse
 import dataclasses
@@ -48,30 +49,18 @@ CONFIGS = [CONFIG, AttentionConfig(), AttentionConfig(split=64),
            AttentionConfig(block_q=64, block_n=128, split=128, num_warps=8), AttentionConfig(block_q=64, split=256)]
 # the configuration adopted is the fastest over these (kv_len, T) cases (bench and chat contexts), if invariant
 ADOPT_ON = {(512, 1), (512, 16), (2048, 1), (2048, 16)}
-LONG_CONFIGS = [AttentionConfig(block_n=128, split=512, num_warps=8), AttentionConfig(block_n=128, split=1024, num_warps=8),
-                # the key loop pipelined (loads of the next steps in flight while one computes), then with a kv head's
-                # whole 16-token verify block (64 rows) in one query tile, its keys read once (issue #20)
-                AttentionConfig(block_n=128, split=1024, num_warps=8, pipelined=True),
-                AttentionConfig(block_n=128, split=1024, num_warps=8, num_stages=3, pipelined=True),
-                AttentionConfig(block_n=64, split=512, num_warps=4, num_stages=3, pipelined=True),
+# the tilings adopted for long caches (6145-24576 rows, and beyond), the 128-key, 8-warp tiling adopted beyond
+# 24576 rows before, and that one unrolled (every step of a range computed, as before the key loop stopped at
+# kv_len); the whole-block tile
+LONG_CONFIGS = [AttentionConfig(block_n=64, split=512, num_warps=4, num_stages=3, pipelined=True),
                 AttentionConfig(block_n=64, split=1024, num_warps=4, num_stages=3, pipelined=True),
-                AttentionConfig(block_n=64, split=1024, num_warps=4, num_stages=4, pipelined=True),
-                AttentionConfig(block_n=64, split=2048, num_warps=4, num_stages=3, pipelined=True),
-                AttentionConfig(block_n=128, split=2048, num_warps=8, num_stages=3, pipelined=True),
-                AttentionConfig(block_q=64, block_n=128, split=1024, num_warps=8),
-                AttentionConfig(block_q=64, block_n=128, split=1024, num_warps=8, pipelined=True),
-                AttentionConfig(block_q=64, block_n=64, split=1024, num_warps=4, num_stages=3, pipelined=True),
-                AttentionConfig(block_q=64, block_n=64, split=1024, num_warps=8, num_stages=3, pipelined=True),
-                AttentionConfig(block_q=64, block_n=64, split=2048, num_warps=8, num_stages=3, pipelined=True),
-                AttentionConfig(block_q=32, block_n=64, split=1024, num_warps=4, num_stages=3, pipelined=True)]
-# Gemma 4's full layers (32 query heads over 4 kv heads of 512, ten of them in the 31B): 32-key steps
-GEMMA_FULL_LONG_CONFIGS = [AttentionConfig(block_n=32, num_warps=8), AttentionConfig(block_n=32, split=1024, num_warps=8),
-                           AttentionConfig(block_n=32, split=1024, num_warps=8, pipelined=True),
-                           AttentionConfig(block_n=32, split=1024, num_warps=8, num_stages=3, pipelined=True),
-                           AttentionConfig(block_n=32, split=1024, num_warps=4, num_stages=3, pipelined=True),
-                           AttentionConfig(block_n=32, split=512, num_warps=8, num_stages=3, pipelined=True),
-                           AttentionConfig(block_n=32, split=2048, num_warps=8, num_stages=3, pipelined=True),
-                           AttentionConfig(block_n=16, split=1024, num_warps=4, num_stages=4, pipelined=True)]
+                AttentionConfig(block_n=128, split=1024, num_warps=8, pipelined=True),
+                AttentionConfig(block_n=128, split=1024, num_warps=8),
+                AttentionConfig(block_q=64, block_n=64, split=1024, num_warps=4, num_stages=3, pipelined=True)]
+# Gemma 4's full layers (32 query heads over 4 kv heads of 512, ten of them in the 31B): 32-key steps; the adopted
+# long tiling, and unrolled
+GEMMA_FULL_LONG_CONFIGS = [AttentionConfig(block_n=32, split=1024, num_warps=4, num_stages=3, pipelined=True),
+                           AttentionConfig(block_n=32, split=1024, num_warps=4, num_stages=3)]
 SHAPES = {"qwen": (32, 8, 128, 36), "gemma-full": (32, 4, 512, 10)}  # heads, kv_heads, head_dim, layers
 
 
@@ -88,7 +77,7 @@ def main(out: Path, long: bool = False, shape: str = "qwen") -> None:
                "shape": {"heads": heads, "kv_heads": kv_heads, "head_dim": hd, "layers": layers}, "rows": []}
     score = {c: 0.0 for c in configs}
     invariant = {c: True for c in configs}
-    for kv_len in ((8192, 32768) if long else (512, 2048, 8192)):
+    for kv_len in ((512, 8192, 32768) if long else (512, 2048, 8192)):  # long: 512 as a short chat in a long cache
         cap = kv_len + 256
         ks = [torch.randn(kv_heads, cap, hd, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(layers)]
         vs = [torch.randn(kv_heads, cap, hd, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(layers)]

@@ -60,11 +60,9 @@ class AttentionConfig:
 CONFIG = AttentionConfig(block_n=128, split=128, num_warps=8)
 # Caches of more rows (a 4096-token context's is 4112, a verify block over it): longer key ranges, fewer partials
 # for the last program to add, and the key loop pipelined (its next steps' loads in flight while one computes).
-# Beyond 24576 rows steps of 64 keys on 4 warps: within 5% of the 128-key, 8-warp tiling where that one measured
-# best, and faster than it in the last run (docs/performance.md, "Decode attention stops at kv_len").
 SHORT_CACHE_ROWS = 6144
 LONG_CONFIGS = ((24576, AttentionConfig(block_n=64, split=512, num_warps=4, num_stages=3, pipelined=True)),
-                (None, AttentionConfig(block_n=64, split=1024, num_warps=4, num_stages=3, pipelined=True)))
+                (None, AttentionConfig(block_n=128, split=1024, num_warps=8, pipelined=True)))
 # Wider heads (256: Gemma-4) keep steps of 64 keys: a 128-key step would hold 64 KB of keys and 64 KB of values
 # per program at once.
 WIDE_HEAD_CONFIG = AttentionConfig()

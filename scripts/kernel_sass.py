@@ -1,8 +1,13 @@
-"""Fingerprints of the quantized-matmul and skinny-GEMM Triton kernels' sm_90 machine code, compiled offline (no GPU
-needed): for each quant type and decode form, and for the skinny GEMM's fusion and operand-order variants, the
-instruction count and a hash of the instructions (addresses and line information left out). Run it on two checkouts
-and compare: identical fingerprints show that a change to the kernels' source (a helper factored out, a rename)
-changed no instruction, so it cannot change their speed.
+"""Fingerprints of the quantized-matmul, skinny-GEMM and decode-attention Triton kernels' sm_90 machine code,
+compiled offline (no GPU needed): for each quant type and decode form, for the skinny GEMM's fusion and
+operand-order variants, and for each adopted attention tiling, the instruction count, a hash of the instructions
+(addresses and line information left out), and registers a thread, stack and shared memory. Run it on two
+checkouts and compare: identical fingerprints show that a change to the kernels' source (a helper factored out, a
+rename) changed no instruction, so it cannot change their speed; and a tiling's registers say how many of its
+programs a multiprocessor holds (a source change that took the 8-warp attention tiling from 107 to 140 registers
+halved them, and slowed it by a third: docs/performance.md). The attention kernel is compiled as the GPU runs it,
+its pointers and strides specialized as 16-byte aligned (Triton's launch does that for torch's tensors): its
+key and value loads become cp.async copies only so.
 
 Usage: python scripts/kernel_sass.py [SRC_DIR]   (SRC_DIR: the src/ folder to import flashdraft from; default
 this checkout's). Needs Triton with its NVIDIA backend (ptxas and cuobjdump ship with it).
@@ -10,6 +15,7 @@ this checkout's). Needs Triton with its NVIDIA backend (ptxas and cuobjdump ship
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -25,8 +31,10 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from flashdraft.kernels import attention_triton  # noqa: E402
 from flashdraft.kernels import gguf_triton as tk  # noqa: E402
 from flashdraft.kernels import skinny_triton  # noqa: E402
+from flashdraft.layers import decode_attention as da  # noqa: E402
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 POINTERS = {"x_ptr": "*bf16", "w_ptr": "*u8", "y_ptr": "*bf16", "p_ptr": "*fp32", "M": "i32", "N": "i32",
@@ -36,19 +44,28 @@ COMMON = dict(K=5376, IEEE=False, UPCAST=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=
               EVEN_N=True, EVEN_K=True)
 
 
-def fingerprint(fn, signature: dict, constexprs: dict) -> dict:
+def fingerprint(fn, signature: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3,
+                aligned: tuple[str, ...] = ()) -> dict:
+    """aligned: arguments compiled as 16-byte aligned (pointers) or multiples of 16 (integers)."""
     full = dict(signature, **{k: "constexpr" for k in constexprs})
-    kernel = triton.compile(ASTSource(fn=fn, signature=full, constexprs=constexprs),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+    names = list(inspect.signature(fn.fn).parameters)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    kernel = triton.compile(ASTSource(fn=fn, signature=full, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
+                                                                       "num_stages": num_stages})
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
     try:
         sass = subprocess.run([str(CUOBJDUMP), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([str(CUOBJDUMP), "-res-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
     finally:
         os.unlink(f.name)
-    code = [re.sub(r"/\*[0-9a-f]{4}\*/", "", line).strip() for line in sass.splitlines()
-            if re.search(r"/\*[0-9a-f]{4}\*/", line)]
-    return {"instructions": len(code), "sha1": hashlib.sha1("\n".join(code).encode()).hexdigest()[:16]}
+    code = [re.sub(r"/\*[0-9a-f]{4,5}\*/", "", line).strip() for line in sass.splitlines()
+            if re.search(r"/\*[0-9a-f]{4,5}\*/", line)]
+    return {"instructions": len(code), "sha1": hashlib.sha1("\n".join(code).encode()).hexdigest()[:16],
+            "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+            "stack": int(re.search(r"STACK:(\d+)", usage).group(1)), "shared": kernel.metadata.shared}
 
 
 def main() -> int:
@@ -70,6 +87,23 @@ def main() -> int:
                 K=4096, STEPS=32, HAS_BIAS=False, HAS_NORM=norm, HAS_RESIDUAL=residual, GATED=gated, IEEE=False,
                 SWAP=swap, UPCAST=False, PDL=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, EVEN_N=True,
                 EVEN_K=True))
+    # decode attention, each adopted tiling at its head width (Qwen3-8B's group of 4; Gemma 4's 512-wide full
+    # layers, a group of 8), over a bf16 cache with a mask
+    attention = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "mask_ptr": "*u8", "m_ptr": "*fp32",
+                 "l_ptr": "*fp32", "acc_ptr": "*fp32", "counter_ptr": "*i32", "out_ptr": "*bf16", "T": "i32",
+                 "KV_LEN": "i32", "N_SPLITS": "i32", "stride_qh": "i32", "stride_qt": "i32", "stride_kh": "i32",
+                 "stride_kn": "i32", "stride_vh": "i32", "stride_vn": "i32", "stride_mt": "i32", "stride_ot": "i32",
+                 "qk_scale": "fp32"}
+    aligned = tuple(a for a in attention if a.endswith("_ptr")) + (
+        "stride_qh", "stride_qt", "stride_kh", "stride_kn", "stride_vh", "stride_vn", "stride_ot")
+    tilings = [(128, da.CONFIG)] + [(128, c) for _, c in da.LONG_CONFIGS] + [
+        (256, da.WIDE_HEAD_CONFIG), (512, da.WIDEST_HEAD_CONFIG), (512, da.WIDEST_LONG_CONFIG)]
+    for hd, c in tilings:
+        out[f"attention d{hd} {c.name}"] = fingerprint(
+            attention_triton.attention_kernel, attention, dict(
+                GROUP=8 if hd == 512 else 4, D=hd, HAS_MASK=True, IEEE=False, BLOCK_Q=c.block_q, BLOCK_N=c.block_n,
+                SPLIT=c.split, K_FMT=0, V_FMT=0, K_ALIGN=16, V_ALIGN=16, PIPELINED=c.pipelined),
+            num_warps=c.num_warps, num_stages=c.num_stages, aligned=aligned)
     print(json.dumps(out, indent=1))
     return 0
 

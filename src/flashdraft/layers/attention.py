@@ -1,4 +1,5 @@
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +64,18 @@ def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         mask = mask.repeat(*[1] * (mask.dim() - 2), group, 1)
     folded = F.scaled_dot_product_attention(q.reshape(b, kv_heads, group * Tq, hd), k, v, attn_mask=mask, scale=scale)
     return folded.reshape(b, heads, Tq, hd)  # fused kernels may return [b, Tq, heads, hd] strides
+
+
+class AttentionSegment(NamedTuple):
+    """One sequence's part of a batched pass: its rows (consecutive in the pass), one layer's cache of it, their
+    positions, the cache rows attended ([0, kv_len)) and the mask [rows, kv_len]."""
+
+    rows: int
+    cache_k: torch.Tensor
+    cache_v: torch.Tensor
+    positions: torch.Tensor
+    kv_len: int
+    mask: torch.Tensor | None
 
 
 def _rows_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -134,18 +147,40 @@ class Attention(nn.Module):
         return self._rotated(self.k_proj(x), self.n_kv, self.k_norm, cos, sin), self._value_heads(self.v_proj(x))
 
     def forward(self, x, cos, sin, cache_k, cache_v, positions, kv_len: int, mask: torch.Tensor | None):
-        T = x.shape[0]
+        q, k, v = self._heads(x, cos, sin)
+        return self.o_proj(self._attend(q, k, v, cache_k, cache_v, positions, kv_len, mask))
+
+    def segments_forward(self, x, cos, sin, segments: list[AttentionSegment]) -> torch.Tensor:
+        """attention(x) for the rows of several sequences in one pass (a batched step), x holding each segment's
+        rows in turn: the projections over all rows, each sequence's keys and values written to its own cache and
+        its queries attending over that cache alone."""
+        q, k, v = self._heads(x, cos, sin)
+        out, at = [], 0
+        for s in segments:
+            rows = slice(at, at + s.rows)
+            out.append(self._attend(q[:, rows], k[:, rows], v[:, rows], s.cache_k, s.cache_v, s.positions, s.kv_len,
+                                    s.mask))
+            at += s.rows
+        return self.o_proj(torch.cat(out))
+
+    def _heads(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys (normed, rotated) and values of rows x [T, hidden], each [heads, T, head_dim]."""
         q, k, v = self._qkv(x)
-        q = self._rotated(q, self.n_heads, self.q_norm, cos, sin)
-        k, v = self._rotated(k, self.n_kv, self.k_norm, cos, sin), self._value_heads(v)
+        return (self._rotated(q, self.n_heads, self.q_norm, cos, sin),
+                self._rotated(k, self.n_kv, self.k_norm, cos, sin), self._value_heads(v))
+
+    def _attend(self, q, k, v, cache_k, cache_v, positions, kv_len: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """Write k, v at their positions in the cache, then attend q [heads, T, head_dim] over its first kv_len rows:
+        [T, heads * head_dim]."""
+        T = q.shape[1]
         write_rows(cache_k, positions, k)
         write_rows(cache_v, positions, v)
         if T <= self.attention_rows:  # the kernel reads every cache type itself
-            return self.o_proj(decode_attention(q, cache_k[:, :kv_len], cache_v[:, :kv_len], _rows_mask(mask)))
+            return decode_attention(q, cache_k[:, :kv_len], cache_v[:, :kv_len], _rows_mask(mask))
         keys = read_rows(cache_k[:, :kv_len], self.head_dim, q.dtype)
         values = read_rows(cache_v[:, :kv_len], self.head_dim, q.dtype)
         out = grouped_attention(q[None], keys[None], values[None], mask)
-        return self.o_proj(out[0].transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
+        return out[0].transpose(0, 1).reshape(T, self.n_heads * self.head_dim)
 
     def prepped_forward(self, x, cos, sin, cache_k, cache_v, positions, kv_len: int,
                         mask: torch.Tensor | None) -> torch.Tensor:

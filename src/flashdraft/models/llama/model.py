@@ -16,7 +16,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from flashdraft.config import DrafterConfig, ModelConfig
 from flashdraft.layers import decode_attention, qkv_prep
-from flashdraft.layers.attention import Attention
+from flashdraft.layers.attention import Attention, AttentionSegment
 from flashdraft.layers.elementwise import RMSNorm, RotaryEmbedding
 from flashdraft.layers.plan import LayerPlan
 from flashdraft.layers.rms_norm_rows import rms_norm_rows
@@ -91,6 +91,12 @@ class DecoderLayer(nn.Module):
     def module_forward(self, h, cos, sin, cache_k, cache_v, positions, kv_len: int, mask: torch.Tensor | None):
         """The block module by module: every pass on the module path, and longer ones (prefill) on the fused."""
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache_k, cache_v, positions, kv_len, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def segments_forward(self, h, cos, sin, segments: list[AttentionSegment]):
+        """The block module by module over several sequences' rows at once (a batched step): each sequence's
+        attention over its own cache, the rest over all rows."""
+        h = h + self.self_attn.segments_forward(self.input_layernorm(h), cos, sin, segments)
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def fused_forward(self, h, cos, sin, cache_k, cache_v, positions, kv_len: int, mask: torch.Tensor | None):
@@ -199,11 +205,33 @@ class DecoderLM(nn.Module):
             mask = causal_lower_right(tokens.shape[0], kv_len)
         else:  # causal by absolute position: a query sees cache rows at or before its own position
             mask = torch.arange(kv_len, device=positions.device)[None, :] <= positions[:, None]
+        return self._run_layers(tokens, tap_ids, logits_row, lambda layer, i, h: layer(
+            h, cos, sin, cache.k[i], cache.v[i], positions, kv_len, mask))
+
+    def forward_segments(self, tokens: torch.Tensor, positions: torch.Tensor,
+                         segments: list[tuple[int, KVCache, int]], tap_ids: list[int] | None = None):
+        """forward for several sequences' rows in one pass (a batched step of their decoding): tokens [R] and
+        positions [R] hold each segment's rows in turn, a segment being (rows, its sequence's cache, kv_len), each
+        row causal by absolute position over its own cache's first kv_len rows. Returns forward's outputs for all R
+        rows (module path only: the passes that run the fused or compiled layers are one sequence's)."""
+        cos, sin = self.rope(positions)
+        parts, at = [], 0
+        for rows, cache, kv_len in segments:
+            p = positions[at:at + rows]
+            parts.append((rows, cache, p, kv_len, torch.arange(kv_len, device=p.device)[None, :] <= p[:, None]))
+            at += rows
+        return self._run_layers(tokens, tap_ids, None, lambda layer, i, h: layer.segments_forward(
+            h, cos, sin, [AttentionSegment(rows, cache.k[i], cache.v[i], p, kv_len, mask)
+                          for rows, cache, p, kv_len, mask in parts]))
+
+    def _run_layers(self, tokens: torch.Tensor, tap_ids: list[int] | None, logits_row: torch.Tensor | None, layer_pass):
+        """Embed tokens, run each decoder layer as layer_pass(layer, index, h) says, and return the logits and taps
+        (forward's outputs)."""
         h = self.embed(tokens)
         taps = {}
         wanted = set(tap_ids or ())
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, cache.k[i], cache.v[i], positions, kv_len, mask)
+            h = layer_pass(layer, i, h)
             if i in wanted:
                 taps[i] = h
         if logits_row is not None:  # a [1] index on the device: a graphed pass's varies from replay to replay

@@ -126,6 +126,11 @@ class Launched:
     launched_at: float = 0.0
     projected: bool = False  # the step projected the context rows waiting before it
 
+    @property
+    def deferred(self) -> bool:
+        """Waiting for SpeculativeDecoder.flush (launch with defer): neither run nor queued on the device."""
+        return self.done is None and self.host is None
+
 
 # Replaces the drafter's guesses (benchmarks and tests with a chosen acceptance pattern): called as
 # oracle(start, guesses) after the drafter has run, so the drafter's cost stays real. In a step on the device it
@@ -166,6 +171,19 @@ class Sequence:
     # written into the decoder: an oracle is made for one prompt's generations (PlantedOracle plants one reference
     # continuation), and the decoder's other sequences (a server's slots, the warm-up's) draft with the drafter.
     oracle: Oracle | None = None
+
+
+@dataclass
+class _DeferredStep:
+    """A step launched with defer, as flush() runs it (launch's arguments of _device_step)."""
+
+    seq: Sequence
+    n: int
+    T: int
+    kv_len: int
+    draft_kv_len: int
+    project: bool
+    launched: Launched
 
 
 @dataclass
@@ -245,6 +263,12 @@ class SpeculativeDecoder:
         self.compiled = self.compiles and not all(any(layers) for layers in fused)
         if self.compiles:
             compile_layers(*models)
+        # Steps of several sequences can run as one batched step (launch with defer, flush): eager passes on the
+        # layers' module path (no graphs, no compiled or fused layers), of a target that takes several sequences'
+        # rows in one pass (forward_segments). Where graphs replay each sequence's step, they do not yet.
+        self.batches = (self.graphs is None and not self.compiles and not any(fused[0])
+                        and hasattr(target, "forward_segments"))
+        self._deferred: list[_DeferredStep] = []
 
     @property
     def max_draft(self) -> int:
@@ -532,26 +556,39 @@ class SpeculativeDecoder:
         """One step from the device state alone: draft (n > 0, the sequence's oracle's guesses in their place when
         it has one), or for a plain step project the waiting context rows when `project`; verify T rows, sample,
         accept, advance. Run eagerly, or captured as one graph by launch. Returns [accepted, samples 0..n]."""
+        tokens = self._step_tokens(seq, n, T, draft_kv_len, project)
+        logits, taps = self.target(tokens, self._positions(seq.state.start, T), seq.target_cache, kv_len,
+                                   self.tap_ids)
+        return self._finish_step(seq, tokens, logits, taps, n)
+
+    def _step_tokens(self, seq: Sequence, n: int, T: int, draft_kv_len: int, project: bool) -> torch.Tensor:
+        """The T tokens a step verifies: the last committed one and the n guesses (drafted now), or for a plain
+        step the last one (repeated to T rows), after projecting the waiting context rows when `project`."""
         state = seq.state
         if n > 0:
             guesses = self._draft_pass(seq, n, draft_kv_len)[:n]
             if seq.oracle is not None:
                 guesses = seq.oracle(state.start[0], guesses)
-            tokens = torch.cat([state.last, guesses])
-        else:
-            if project:
-                self._project_context(seq)
-            tokens = state.last.expand(T)
-        logits, taps = self.target(tokens, self._positions(state.start, T), seq.target_cache, kv_len, self.tap_ids)
+            return torch.cat([state.last, guesses])
+        if project:
+            self._project_context(seq)
+        return state.last.expand(T)
+
+    def _finish_step(self, seq: Sequence, tokens: torch.Tensor, logits: torch.Tensor, taps: torch.Tensor | None,
+                     n: int) -> torch.Tensor:
+        """Sample the verify rows' logits, accept and advance (_accept_step): [accepted, samples 0..n]."""
+        state = seq.state
         samples = sample_tokens(logits[:n + 1], seq.params, state.key, self._positions(state.start + 1, n + 1))
         return self._accept_step(seq, tokens, samples, taps, n)
 
     @torch.inference_mode()
-    def launch(self, seq: Sequence, n: int, lookup_max: int = 0) -> Launched:
+    def launch(self, seq: Sequence, n: int, lookup_max: int = 0, defer: bool = False) -> Launched:
         """Start one step with up to n drafted tokens. With graphs and nothing for the host to do within the step,
         its graph is queued behind the steps already launched and this returns at once (see the module
         docstring); otherwise the step runs to the end here. lookup_max: with both a drafter and n-gram lookup,
-        the most guesses a lookup may propose in the drafter's place (0: none, as in plain decoding)."""
+        the most guesses a lookup may propose in the drafter's place (0: none, as in plain decoding). defer: where
+        steps batch (`batches`), a step that needs nothing of the host waits for flush(), which runs every
+        sequence's waiting step in one batched step (collect flushes too)."""
         n = self._clamp(n)
         began = time.perf_counter()
         lookup = self._lookup(seq, n, self._clamp(lookup_max))
@@ -565,6 +602,10 @@ class SpeculativeDecoder:
         start_max = len(seq.tokens) - 1 + seq.in_flight
         if self.graphs is None:
             draft_kv_len = seq.draft_cache.kv_len(start_max + self.block_size) if n > 0 else 0
+            if defer and self.batches:
+                launched = Launched(drafted=n, launched_at=began)
+                self._deferred.append(_DeferredStep(seq, n, T, start_max + T, draft_kv_len, project, launched))
+                return launched
             result = self._device_step(seq, n, T, start_max + T, draft_kv_len, project)
             return Launched(drafted=n, done=self._commit(seq, result.tolist(), n), launched_at=began)
         kv_len = bucket(start_max + T, self.capacity)
@@ -597,8 +638,36 @@ class SpeculativeDecoder:
         seq.in_flight += n + 1
         return Launched(drafted=n, host=host, event=event, began=began_event, launched_at=began, projected=project)
 
+    @torch.inference_mode()
+    def flush(self) -> None:
+        """Run the deferred steps (launch with defer) as one batched step: each sequence's draft pass, then one
+        target pass over every sequence's verify rows (DecoderLM.forward_segments: each attends over its own
+        cache), then each one's sampling, acceptance and commit. A sequence's tokens are those of its steps run
+        one by one: the same operations on its rows, over more rows at once."""
+        deferred, self._deferred = self._deferred, []
+        if not deferred:
+            return
+        tokens = [self._step_tokens(d.seq, d.n, d.T, d.draft_kv_len, d.project) for d in deferred]
+        positions = torch.cat([self._positions(d.seq.state.start, d.T) for d in deferred])
+        logits, taps = self.target.forward_segments(torch.cat(tokens), positions,
+                                                    [(d.T, d.seq.target_cache, d.kv_len) for d in deferred],
+                                                    self.tap_ids)
+        at = 0
+        for d, step_tokens in zip(deferred, tokens):
+            rows = slice(at, at + d.T)
+            result = self._finish_step(d.seq, step_tokens, logits[rows], taps[rows] if taps is not None else None,
+                                       d.n)
+            d.launched.done = self._commit(d.seq, result.tolist(), d.n)
+            at += d.T
+
+    def withdraw(self, launched: Launched) -> None:
+        """Forget a deferred step that will not be collected (its stream ended): nothing of it runs."""
+        self._deferred = [d for d in self._deferred if d.launched is not launched]
+
     def collect(self, seq: Sequence, launched: Launched) -> StepResult:
-        """Wait for a launched step (in launch order) and commit its tokens."""
+        """Wait for a launched step (in launch order) and commit its tokens (a deferred one: after flush())."""
+        if launched.deferred:
+            self.flush()
         if launched.done is not None:
             return launched.done
         if launched.event is not None:

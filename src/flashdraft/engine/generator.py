@@ -473,6 +473,11 @@ class Delta:
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for logprobs
 
 
+class StepLaunched:
+    """A decoding step launched and waiting to run batched with other streams' steps (stream's batch_steps): the
+    caller runs SpeculativeDecoder.flush(), then advances the stream, which collects the step."""
+
+
 @dataclass
 class PromptProgress:
     """After each prefill pass of a prompt (stream's prompt_progress): how many of its positions the caches hold
@@ -732,7 +737,8 @@ class Engine:
     def stream(self, prompt_ids: list[int], params: SamplingParams, draft: int | DraftPolicy | None = None,
                sequence: Sequence | None = None, n_min: int = 0, n_max: int | None = None,
                reuse_prefix: bool = False, context_shift: bool = False, n_keep: int = 0,
-               prompt_progress: bool = False) -> Iterator[Delta | PromptProgress | GenerationResult]:
+               prompt_progress: bool = False,
+               batch_steps: bool = False) -> Iterator[Delta | PromptProgress | StepLaunched | GenerationResult]:
         """Yield Delta events as tokens are committed, then one GenerationResult.
 
         draft: None = the engine's default policy (kept across requests: default_policy), an int = that fixed
@@ -745,8 +751,10 @@ class Engine:
         of finishing with "length"; not with a grammar, whose state the shift would lose. The shift happens at
         the same token count with and without drafting, so greedy DFlash still equals plain decoding.
         prompt_progress: yield a PromptProgress after each prefill pass (-ub tokens at most), so that the caller
-        can report it or do other work between passes (a server steps its other slots). Closing the iterator
-        stops the generation at once, between two prefill passes too.
+        can report it or do other work between passes (a server steps its other slots). batch_steps: where the
+        decoder batches steps (SpeculativeDecoder.batches), launch each step deferred and yield StepLaunched
+        before collecting it, so that a caller advancing several streams runs their steps as one (flush). Closing
+        the iterator stops the generation at once, between two prefill passes too.
         """
         grammar = self.check_sampling(params)
         self.check_prompt(prompt_ids)
@@ -788,10 +796,14 @@ class Engine:
         queued: deque = deque()
 
         def drop_queued() -> None:
-            """Steps queued and never to be collected are dropped, and so are their planned lengths."""
+            """Steps queued and never to be collected are dropped (a deferred one never runs), and so are their
+            planned lengths."""
             unplan = getattr(policy, "unplan", None)
             if queued and self.drafts and unplan is not None:
                 unplan(len(queued))
+            for launched in queued:
+                if launched.deferred:
+                    self.decoder.withdraw(launched)
             queued.clear()
 
         last_collect = t1
@@ -828,7 +840,10 @@ class Engine:
                     n = max(0, policy.next_length(min(max_useful, cap))) if self.drafts else 0
                     # n-gram lookup beside a drafter may stand in for it, unless drafting is off for the request
                     lookup_max = 0 if drafting_off else max(0, min(max_useful, cap))
-                    queued.append(self.decoder.launch(sequence, 0 if n < n_min else n, lookup_max))
+                    queued.append(self.decoder.launch(sequence, 0 if n < n_min else n, lookup_max,
+                                                      defer=batch_steps))
+                if queued[0].deferred:
+                    yield StepLaunched()
                 launched = queued.popleft()
                 step = self.decoder.collect(sequence, launched)
                 # A step's time: measured on the device when it ran pipelined (other slots' steps and the host's

@@ -4,8 +4,11 @@ The engine is not thread-safe, so only the worker thread touches its caches. Eac
 caches) and a draft policy that keeps learning across the slot's requests. The worker advances every busy slot
 by one stream event per round (one decoding step, or a few when text is held back; one pass of a prompt longer
 than one prefill pass), so slots share the model fairly and a long prompt does not stall the other slots'
-streams, and checks each job's cancel flag before every step: a disconnected client stops its generation within
-one step or pass. Events reach the request's asyncio queue through loop.call_soon_threadsafe, so the event loop
+streams. Where the decoder batches steps (SpeculativeDecoder.batches: eager passes, the CPU), the round's
+decoding steps of every slot run as one batched step: each stream stops at its launched step (StepLaunched), one
+flush runs them all (one target pass over every slot's rows), then each stream collects its own. The worker
+checks each job's cancel flag before every step: a disconnected client stops its generation within one step or
+pass. Events reach the request's asyncio queue through loop.call_soon_threadsafe, so the event loop
 (and with it /health and /metrics) never waits on the model.
 
 PromptCache: prefixes evicted from the server's slots, kept in host memory (llama-server's --cache-ram).
@@ -27,7 +30,7 @@ import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from flashdraft.engine.generator import Delta, PromptProgress
+from flashdraft.engine.generator import Delta, PromptProgress, StepLaunched
 from flashdraft.engine.speculative import Sequence, SpeculativeDecoder, shared_prefix
 from flashdraft.models.kv_cache import ArenaFull, HostArena
 from flashdraft.server.errors import APIError
@@ -277,8 +280,12 @@ class Scheduler:
                     break
                 active = [s for s in self.slots if s.job is not None]
             self.metrics.on_round(len(active))
-            for slot in active:
-                self._advance(slot)
+            # slots whose step waits to run batched with the others' (StepLaunched): one flush runs them all, then
+            # each collects its step
+            waiting = [slot for slot in active if self._advance(slot)]
+            while waiting:  # (a step whose text is held back is followed by the slot's next one)
+                self.engine.decoder.flush()
+                waiting = [slot for slot in waiting if self._advance(slot)]
         with self._cv:
             for slot in self.slots:
                 if slot.job is not None:
@@ -355,20 +362,24 @@ class Scheduler:
         slot.iterator = self.engine.stream(r.prompt_ids, r.choice_params(choice), draft=slot.policy,
                                            sequence=slot.sequence, n_min=r.n_min, n_max=r.n_max,
                                            reuse_prefix=r.cache_prompt, context_shift=self.context_shift,
-                                           n_keep=r.n_keep, prompt_progress=True)
+                                           n_keep=r.n_keep, prompt_progress=True,
+                                           batch_steps=self.engine.decoder.batches)
 
     def _release(self, slot: Slot) -> None:
         if slot.iterator is not None:
             slot.iterator.close()  # stops the generation at once
         slot.job, slot.iterator = None, None
 
-    def _advance(self, slot: Slot) -> None:
+    def _advance(self, slot: Slot) -> bool:
+        """Take the slot's next stream event; True when it is a step waiting for the round's batched flush."""
         job = slot.job
+        if job is None:  # released earlier in this round
+            return False
         if job.cancelled.is_set():
             log.info("slot %d: request %d cancelled after %d tokens", slot.id, job.id, slot.n_decoded)
             job.post(ENDED, "cancelled")
             self._release(slot)
-            return
+            return False
         try:
             event = next(slot.iterator)
         except Exception as e:  # a failure inside the model must end this request only, never the worker
@@ -377,25 +388,28 @@ class Scheduler:
                 log.exception("slot %d: request %d failed", slot.id, job.id)
             job.post(ERROR, error or e, slot.choice)
             self._release(slot)
-            return
+            return False
+        if isinstance(event, StepLaunched):
+            return True
         if isinstance(event, PromptProgress):  # one pass of a prompt: the other slots step before the next
             if job.request.return_progress and job.request.stream:
                 job.post(PROGRESS, event, slot.choice)
-            return
+            return False
         slot.choice_events += 1
         self.metrics.on_step()
         if isinstance(event, Delta):
             slot.n_decoded += len(event.token_ids)
             job.post(DELTA, event, slot.choice)
-            return
+            return False
         self.metrics.on_result(event)
         log.info("slot %d: request %d done: %s", slot.id, job.id, event.summary())
         job.post(RESULT, event, slot.choice)
         if slot.choice + 1 < job.request.n:
             slot.iterator.close()
             self._start(slot, job, slot.choice + 1)
-            return
+            return False
         self._release(slot)
+        return False
 
 
 def _constraint_error(job: Job, slot: Slot, error: Exception) -> APIError | None:

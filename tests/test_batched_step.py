@@ -1,0 +1,119 @@
+"""Steps of several sequences as one batched step (issue #23, the CPU's eager path): the target's pass over several
+sequences' rows, the decoder's deferred launches and flush, and streams that yield their launched steps."""
+import pytest
+import torch
+
+from flashdraft.config import SamplingParams
+from flashdraft.engine.generator import StepLaunched
+from flashdraft.bench.oracle import PlantedOracle
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
+PROMPTS = [[1, 5, 9, 33, 7], [2, 8, 4, 4, 4, 4, 11, 12, 13], [3, 3, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]]
+
+
+def test_target_pass_over_segments_matches_each_sequence_alone(engine):
+    """Three sequences' rows in one pass (other lengths, positions and caches): each row's logits and taps are
+    its own sequence's pass alone, and each cache gets the keys and values that pass writes."""
+    target, dec = engine.decoder.target, engine.decoder
+    g = torch.Generator().manual_seed(0)
+    alone_caches, batch_caches = [target.new_cache(64) for _ in range(3)], [target.new_cache(64) for _ in range(3)]
+    segments, outputs, tokens, positions = [], [], [], []
+    for i, (start, rows) in enumerate([(0, 5), (3, 8), (10, 1)]):
+        for cache in (alone_caches[i], batch_caches[i]):  # the same earlier rows in both caches
+            for layer_k, layer_v in zip(cache.k, cache.v):
+                layer_k.copy_(torch.randn(layer_k.shape, generator=torch.Generator().manual_seed(i)))
+                layer_v.copy_(torch.randn(layer_v.shape, generator=torch.Generator().manual_seed(i + 10)))
+        t = torch.randint(0, target.config.vocab_size, (rows,), generator=g)
+        p = torch.arange(start, start + rows)
+        outputs.append(target(t, p, alone_caches[i], start + rows, dec.tap_ids))
+        segments.append((rows, batch_caches[i], start + rows))
+        tokens.append(t)
+        positions.append(p)
+    logits, taps = target.forward_segments(torch.cat(tokens), torch.cat(positions), segments, dec.tap_ids)
+    at = 0
+    for (rows, _, _), (ref_logits, ref_taps) in zip(segments, outputs):
+        torch.testing.assert_close(logits[at:at + rows], ref_logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(taps[at:at + rows], ref_taps, rtol=1e-5, atol=1e-5)
+        assert torch.equal(logits[at:at + rows].argmax(-1), ref_logits.argmax(-1))
+        at += rows
+    for alone, batched in zip(alone_caches, batch_caches):
+        for a, b in zip(alone.k + alone.v, batched.k + batched.v):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _alone(engine, prompt, params, draft, oracle=None):
+    """The tokens after the prompt's first one that steps of `draft` guesses commit, one sequence alone."""
+    dec = engine.decoder
+    seq = dec.new_sequence(oracle)
+    dec.prefill(seq, prompt, params, 0)
+    for _ in range(8):
+        dec.collect(seq, dec.launch(seq, draft))
+    return seq.tokens[len(prompt):]
+
+
+@pytest.mark.parametrize("draft", [0, 7], ids=["plain", "dflash"])
+def test_deferred_steps_of_four_sequences_give_each_its_tokens_alone(engine, draft):
+    """Four sequences' steps launched deferred and run by one flush, eight rounds: each sequence commits the
+    tokens it commits stepping alone (greedy); with a planted oracle, several tokens a step."""
+    dec = engine.decoder
+    assert dec.batches
+    long = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    references = [p + engine.generate(p, long, 0).tokens for p in PROMPTS]
+
+    def oracles(planted: bool):  # five guesses accepted a step; each run its own (an oracle counts its steps)
+        vocab = engine.decoder.target.config.vocab_size
+        return [PlantedOracle(r, lambda step: 5, vocab, "cpu") if planted else None for r in references]
+
+    for planted in (False, True):
+        alone = [_alone(engine, p, GREEDY, draft, o) for p, o in zip(PROMPTS, oracles(planted))]
+        seqs = [dec.new_sequence(o) for o in oracles(planted)]
+        for seq, p in zip(seqs, PROMPTS):
+            dec.prefill(seq, p, GREEDY, 0)
+        for _ in range(8):
+            launched = [dec.launch(seq, draft, defer=True) for seq in seqs]
+            assert all(step.deferred for step in launched)
+            dec.flush()
+            for seq, step in zip(seqs, launched):
+                assert not step.deferred
+                dec.collect(seq, step)
+        assert [seq.tokens[len(p):] for seq, p in zip(seqs, PROMPTS)] == alone
+        if planted and draft:
+            assert all(len(a) == 1 + 8 * 6 for a in alone)  # five guesses and the target's token a step
+
+
+def test_a_withdrawn_step_never_runs_and_collect_flushes_alone(engine):
+    dec = engine.decoder
+    a, b = dec.new_sequence(), dec.new_sequence()
+    for seq, p in ((a, PROMPTS[0]), (b, PROMPTS[1])):
+        dec.prefill(seq, p, GREEDY, 0)
+    tokens_b, start_b = list(b.tokens), b.state.start.clone()
+    step_a, step_b = dec.launch(a, 7, defer=True), dec.launch(b, 7, defer=True)
+    dec.withdraw(step_b)
+    dec.collect(a, step_a)  # runs what is deferred: a's step alone
+    assert not step_a.deferred and step_b.deferred
+    assert b.tokens == tokens_b and torch.equal(b.state.start, start_b)
+    assert a.tokens[len(PROMPTS[0]):] == _alone(engine, PROMPTS[0], GREEDY, 7)[:len(a.tokens) - len(PROMPTS[0])]
+
+
+def test_streams_yield_their_launched_steps_and_give_the_same_text(engine):
+    """batch_steps: the stream yields StepLaunched before collecting each step, and its result is the plain
+    stream's; two streams advanced in turn with one flush a round give each its own result."""
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    plain = [engine.generate(p, params, 7) for p in PROMPTS[:2]]
+    streams = [engine.stream(p, params, 7, sequence=engine.new_sequence(), batch_steps=True) for p in PROMPTS[:2]]
+    results, launched = [None, None], 0
+    while any(r is None for r in results):
+        waiting = []
+        for i, s in enumerate(streams):
+            if results[i] is not None:
+                continue
+            event = next(s)
+            if isinstance(event, StepLaunched):
+                waiting.append(i)
+            elif hasattr(event, "finish_reason"):
+                results[i] = event
+        launched += len(waiting)
+        engine.decoder.flush()
+    assert launched > 0
+    assert [r.tokens for r in results] == [p.tokens for p in plain]
+    assert [r.stats.draft_n for r in results] == [p.stats.draft_n for p in plain]

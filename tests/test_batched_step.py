@@ -117,3 +117,29 @@ def test_streams_yield_their_launched_steps_and_give_the_same_text(engine):
     assert launched > 0
     assert [r.tokens for r in results] == [p.tokens for p in plain]
     assert [r.stats.draft_n for r in results] == [p.stats.draft_n for p in plain]
+
+
+def test_a_failed_batched_step_is_each_requests_error_and_the_next_one_runs(engine, monkeypatch):
+    """A failure inside the batched pass does not escape flush (the server's worker goes on): each step's collect
+    raises it, and the decoder's next steps run."""
+    dec = engine.decoder
+    seqs = [dec.new_sequence() for _ in range(2)]
+    for seq, p in zip(seqs, PROMPTS):
+        dec.prefill(seq, p, GREEDY, 0)
+    target = dec.target
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory (planted)")
+
+    monkeypatch.setattr(target, "forward_segments", broken)
+    launched = [dec.launch(seq, 7, defer=True) for seq in seqs]
+    dec.flush()
+    for seq, step in zip(seqs, launched):
+        assert not step.deferred
+        with pytest.raises(RuntimeError, match="planted"):
+            dec.collect(seq, step)
+    monkeypatch.undo()
+    fresh = dec.new_sequence()
+    dec.prefill(fresh, PROMPTS[0], GREEDY, 0)
+    dec.collect(fresh, dec.launch(fresh, 7, defer=True))
+    assert fresh.tokens[len(PROMPTS[0]):] == _alone(engine, PROMPTS[0], GREEDY, 7)[:len(fresh.tokens) - len(PROMPTS[0])]

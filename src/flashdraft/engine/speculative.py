@@ -125,11 +125,12 @@ class Launched:
     done: StepResult | None = None
     launched_at: float = 0.0
     projected: bool = False  # the step projected the context rows waiting before it
+    error: Exception | None = None  # why a deferred step's batched run failed (collect raises it)
 
     @property
     def deferred(self) -> bool:
         """Waiting for SpeculativeDecoder.flush (launch with defer): neither run nor queued on the device."""
-        return self.done is None and self.host is None
+        return self.done is None and self.host is None and self.error is None
 
 
 # Replaces the drafter's guesses (benchmarks and tests with a chosen acceptance pattern): called as
@@ -643,22 +644,28 @@ class SpeculativeDecoder:
         """Run the deferred steps (launch with defer) as one batched step: each sequence's draft pass, then one
         target pass over every sequence's verify rows (DecoderLM.forward_segments: each attends over its own
         cache), then each one's sampling, acceptance and commit. A sequence's tokens are those of its steps run
-        one by one: the same operations on its rows, over more rows at once."""
+        one by one: the same operations on its rows, over more rows at once. A failure is each unfinished step's
+        to raise when collected (the requests end, the caller goes on)."""
         deferred, self._deferred = self._deferred, []
         if not deferred:
             return
-        tokens = [self._step_tokens(d.seq, d.n, d.T, d.draft_kv_len, d.project) for d in deferred]
-        positions = torch.cat([self._positions(d.seq.state.start, d.T) for d in deferred])
-        logits, taps = self.target.forward_segments(torch.cat(tokens), positions,
-                                                    [(d.T, d.seq.target_cache, d.kv_len) for d in deferred],
-                                                    self.tap_ids)
-        at = 0
-        for d, step_tokens in zip(deferred, tokens):
-            rows = slice(at, at + d.T)
-            result = self._finish_step(d.seq, step_tokens, logits[rows], taps[rows] if taps is not None else None,
-                                       d.n)
-            d.launched.done = self._commit(d.seq, result.tolist(), d.n)
-            at += d.T
+        try:
+            tokens = [self._step_tokens(d.seq, d.n, d.T, d.draft_kv_len, d.project) for d in deferred]
+            positions = torch.cat([self._positions(d.seq.state.start, d.T) for d in deferred])
+            logits, taps = self.target.forward_segments(torch.cat(tokens), positions,
+                                                        [(d.T, d.seq.target_cache, d.kv_len) for d in deferred],
+                                                        self.tap_ids)
+            at = 0
+            for d, step_tokens in zip(deferred, tokens):
+                rows = slice(at, at + d.T)
+                result = self._finish_step(d.seq, step_tokens, logits[rows],
+                                           taps[rows] if taps is not None else None, d.n)
+                d.launched.done = self._commit(d.seq, result.tolist(), d.n)
+                at += d.T
+        except Exception as e:  # noqa: BLE001 - each step's own request reports it
+            for d in deferred:
+                if d.launched.done is None:
+                    d.launched.error = e
 
     def withdraw(self, launched: Launched) -> None:
         """Forget a deferred step that will not be collected (its stream ended): nothing of it runs."""
@@ -668,6 +675,8 @@ class SpeculativeDecoder:
         """Wait for a launched step (in launch order) and commit its tokens (a deferred one: after flush())."""
         if launched.deferred:
             self.flush()
+        if launched.error is not None:
+            raise launched.error
         if launched.done is not None:
             return launched.done
         if launched.event is not None:

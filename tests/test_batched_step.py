@@ -41,6 +41,35 @@ def test_target_pass_over_segments_matches_each_sequence_alone(engine):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 24], ids=["full", "ring"])
+def test_drafter_context_and_blocks_over_segments_match_each_sequence_alone(engine, window):
+    """The drafter's context projection and block pass for three sequences at once write and give what each
+    sequence's own calls do, over full caches and over rings of a 24-token window (context past the ring's
+    length, a block wrapping round)."""
+    drafter, target = engine.decoder.drafter, engine.decoder.target
+    B, width = drafter.block_size, len(drafter.config.target_layer_ids) * target.config.hidden_size
+    g = torch.Generator().manual_seed(5)
+    caches = {way: [drafter.new_cache(128, window=window) for _ in range(3)] for way in ("alone", "batched")}
+    starts, contexts = [40, 9, 27], []
+    for start in starts:
+        taps = torch.randn(start, width, generator=g)
+        contexts.append((taps, torch.arange(start)))
+    for (taps, positions), cache in zip(contexts, caches["alone"]):
+        drafter.add_context(taps, positions, cache)
+    drafter.add_context_segments([(taps, positions, cache) for (taps, positions), cache
+                                  in zip(contexts, caches["batched"])])
+    blocks = [torch.randn(B, target.config.hidden_size, generator=g) for _ in starts]
+    alone = [drafter(block, torch.arange(start, start + B), cache, cache.kv_len(start + B))
+             for block, start, cache in zip(blocks, starts, caches["alone"])]
+    batched = drafter.forward_segments(torch.cat(blocks), torch.cat([torch.arange(s, s + B) for s in starts]),
+                                       [(cache, cache.kv_len(start + B))
+                                        for cache, start in zip(caches["batched"], starts)])
+    torch.testing.assert_close(batched, torch.cat(alone), rtol=1e-5, atol=1e-5)
+    for a, b in zip(caches["alone"], caches["batched"]):
+        for x, y in zip(a.k + a.v, b.k + b.v):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
 def _alone(engine, prompt, params, draft, oracle=None):
     """The tokens after the prompt's first one that steps of `draft` guesses commit, one sequence alone."""
     dec = engine.decoder

@@ -268,7 +268,8 @@ class SpeculativeDecoder:
         # layers' module path (no graphs, no compiled or fused layers), of a target that takes several sequences'
         # rows in one pass (forward_segments). Where graphs replay each sequence's step, they do not yet.
         self.batches = (self.graphs is None and not self.compiles and not any(fused[0])
-                        and hasattr(target, "forward_segments"))
+                        and hasattr(target, "forward_segments")
+                        and (drafter is None or hasattr(drafter, "forward_segments")))
         self._deferred: list[_DeferredStep] = []
 
     @property
@@ -641,16 +642,20 @@ class SpeculativeDecoder:
 
     @torch.inference_mode()
     def flush(self) -> None:
-        """Run the deferred steps (launch with defer) as one batched step: each sequence's draft pass, then one
-        target pass over every sequence's verify rows (DecoderLM.forward_segments: each attends over its own
-        cache), then each one's sampling, acceptance and commit. A sequence's tokens are those of its steps run
-        one by one: the same operations on its rows, over more rows at once. A failure is each unfinished step's
-        to raise when collected (the requests end, the caller goes on)."""
+        """Run the deferred steps (launch with defer) as one batched step: one drafter pass over the drafting
+        sequences' blocks (_draft_passes), then one target pass over every sequence's verify rows
+        (DecoderLM.forward_segments: each attends over its own cache), then each one's sampling, acceptance and
+        commit. A sequence's tokens are those of its steps run one by one: the same operations on its rows, over
+        more rows at once. A failure is each unfinished step's to raise when collected (the requests end, the
+        caller goes on)."""
         deferred, self._deferred = self._deferred, []
         if not deferred:
             return
         try:
-            tokens = [self._step_tokens(d.seq, d.n, d.T, d.draft_kv_len, d.project) for d in deferred]
+            drafting = [d for d in deferred if d.n > 0]
+            guesses = dict(zip(map(id, drafting), self._draft_passes(drafting))) if drafting else {}
+            tokens = [torch.cat([d.seq.state.last, guesses[id(d)]]) if d.n > 0
+                      else self._step_tokens(d.seq, d.n, d.T, d.draft_kv_len, d.project) for d in deferred]
             positions = torch.cat([self._positions(d.seq.state.start, d.T) for d in deferred])
             logits, taps = self.target.forward_segments(torch.cat(tokens), positions,
                                                         [(d.T, d.seq.target_cache, d.kv_len) for d in deferred],
@@ -666,6 +671,33 @@ class SpeculativeDecoder:
             for d in deferred:
                 if d.launched.done is None:
                     d.launched.error = e
+
+    def _draft_passes(self, steps: list[_DeferredStep]) -> list[torch.Tensor]:
+        """_draft_pass for several sequences at once (flush's): their waiting context rows projected together,
+        their blocks in one drafter pass, the LM head over every block's guess rows; then each sequence's n
+        guesses (its oracle's in their place, where it has one)."""
+        B = self.block_size
+        waiting = []
+        for d in steps:
+            state = d.seq.state
+            rows = int(state.ctx_rows)
+            if rows:
+                waiting.append((state.ctx_taps[:rows], self._positions(state.start - rows, rows), d.seq.draft_cache))
+            state.ctx_rows.zero_()
+        if waiting:
+            self.drafter.add_context_segments(waiting)
+        block = torch.cat([torch.cat([d.seq.state.last, self._mask_tail_tokens()]) for d in steps])
+        positions = torch.cat([self._positions(d.seq.state.start, B) for d in steps])
+        hidden = self.drafter.forward_segments(self.target.embed(block), positions,
+                                               [(d.seq.draft_cache, d.draft_kv_len) for d in steps])
+        best = _best(self.target.logits(torch.cat([hidden[j * B + 1:j * B + 1 + d.n]
+                                                   for j, d in enumerate(steps)])), 1)
+        out, at = [], 0
+        for d in steps:
+            guesses = best[at:at + d.n]
+            out.append(d.seq.oracle(d.seq.state.start[0], guesses) if d.seq.oracle is not None else guesses)
+            at += d.n
+        return out
 
     def withdraw(self, launched: Launched) -> None:
         """Forget a deferred step that will not be collected (its stream ended): nothing of it runs."""

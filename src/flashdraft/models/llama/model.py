@@ -241,6 +241,25 @@ class DecoderLM(nn.Module):
         return logits, tap_out
 
 
+def _in_window(taps: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """Context rows a drafter cache keeps: of a ring, at most its length (rows a ring's length apart would share a
+    row in one write; the older ones are out of the window)."""
+    if isinstance(cache, WindowKVCache) and taps.shape[0] > cache.capacity:
+        return taps[-cache.capacity:], positions[-cache.capacity:]
+    return taps, positions
+
+
+def _block_rows(cache: KVCache, positions: torch.Tensor, kv_len: int,
+                mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Where a drafter block at these positions goes in its cache (noted there), and its mask: a window cache
+    hides its stale rows itself."""
+    cache.record(positions)
+    if isinstance(cache, WindowKVCache):
+        visible = cache.visible(kv_len, positions[-1])
+        mask = visible if mask is None else mask & visible
+    return cache.rows(positions), mask
+
+
 class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DrafterConfig, max_positions: int, plan: LayerPlan = LayerPlan()):
         super().__init__()
@@ -277,19 +296,33 @@ class DFlashDrafter(nn.Module):
 
         The context is shared by all layers and is not updated by them; each layer has its own k/v projections.
         """
-        if isinstance(cache, WindowKVCache) and taps.shape[0] > cache.capacity:
-            # rows a ring's length apart would share a row in one write; the older ones are out of the window
-            taps, positions = taps[-cache.capacity:], positions[-cache.capacity:]
+        taps, positions = _in_window(taps, positions, cache)
         cache.record(positions)
         if 0 < taps.shape[0] <= self.context_fused_rows:
             return self._add_context_fused(taps, positions, cache)
-        ctx = self.hidden_norm(self.fc(taps))
-        cos, sin = self.rope(positions)
-        rows = cache.rows(positions)
+        self._write_context([(taps, positions, cache)])
+
+    def add_context_segments(self, parts: list[tuple[torch.Tensor, torch.Tensor, KVCache]]) -> None:
+        """add_context for several sequences at once, (taps, positions, cache) each (a batched step's; the module
+        path): fc, hidden_norm and each layer's key/value projection over all their rows, each sequence's rows
+        written to its own cache."""
+        parts = [(*_in_window(taps, positions, cache), cache) for taps, positions, cache in parts]
+        for _, positions, cache in parts:
+            cache.record(positions)
+        self._write_context(parts)
+
+    def _write_context(self, parts: list[tuple[torch.Tensor, torch.Tensor, KVCache]]) -> None:
+        ctx = self.hidden_norm(self.fc(torch.cat([taps for taps, _, _ in parts])))
+        cos, sin = self.rope(torch.cat([positions for _, positions, _ in parts]))
+        rows = [cache.rows(positions) for _, positions, cache in parts]
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.project_kv(ctx, cos, sin)
-            write_rows(cache.k[i], rows, k)
-            write_rows(cache.v[i], rows, v)
+            at = 0
+            for (taps, _, cache), cache_rows in zip(parts, rows):
+                n = taps.shape[0]
+                write_rows(cache.k[i], cache_rows, k[:, at:at + n])
+                write_rows(cache.v[i], cache_rows, v[:, at:at + n])
+                at += n
 
     @torch.no_grad()
     def prepare(self) -> None:
@@ -329,14 +362,24 @@ class DFlashDrafter(nn.Module):
         kv_len) passes a mask hiding the rows past the block; a window cache masks its stale rows itself.
         """
         cos, sin = self.rope(positions)
-        cache.record(positions)
-        if isinstance(cache, WindowKVCache):
-            visible = cache.visible(kv_len, positions[-1])
-            mask = visible if mask is None else mask & visible
-        rows = cache.rows(positions)
+        rows, mask = _block_rows(cache, positions, kv_len, mask)
         h = block_embeds
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, cache.k[i], cache.v[i], rows, kv_len, mask)
+        return self.norm(h)
+
+    def forward_segments(self, block_embeds: torch.Tensor, positions: torch.Tensor,
+                         segments: list[tuple[KVCache, int]]) -> torch.Tensor:
+        """forward for several sequences' blocks in one pass (a batched step's; the module path): block_embeds and
+        positions hold the blocks in turn, each block (B rows) over its own (cache, kv_len)."""
+        B = self.block_size
+        cos, sin = self.rope(positions)
+        parts = [(cache, *_block_rows(cache, positions[j * B:(j + 1) * B], kv_len, None), kv_len)
+                 for j, (cache, kv_len) in enumerate(segments)]
+        h = block_embeds
+        for i, layer in enumerate(self.layers):
+            h = layer.segments_forward(h, cos, sin, [AttentionSegment(B, cache.k[i], cache.v[i], rows, kv_len, mask)
+                                                     for cache, rows, mask, kv_len in parts])
         return self.norm(h)
 
     def forward_train(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, taps: torch.Tensor,

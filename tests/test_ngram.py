@@ -139,8 +139,8 @@ def test_ngram_beside_a_drafter_stands_in_where_the_text_repeats(qwen3_dir, draf
     seen = []
     real_launch = both.decoder.launch
 
-    def launch(seq, n, lookup_max=0):
-        launched = real_launch(seq, n, lookup_max)
+    def launch(seq, n, lookup_max=0, **options):
+        launched = real_launch(seq, n, lookup_max, **options)
         seen.append((n, launched.done.looked_up if launched.done is not None else False, launched.drafted))
         return launched
 

@@ -324,8 +324,13 @@ def test_concurrent_clients_share_slots_fairly(server, engine):
     threads = [threading.Thread(target=stream_lines, args=(server, {**body, "prompt": p}, arrivals, results, k,
                                                            health_seconds))
                for k, p in prompts.items()]
+    batched = {name: metric(server, "flashdraft:batched_step" + name + "_total") for name in ("s", "_slots", "_tokens")}
     run_staggered(threads, 0.05)
     assert results == expected
+    # the slots' steps ran as batched steps (the CPU's), two slots at a time while two streams ran
+    steps, slots, step_tokens = (metric(server, "flashdraft:batched_step" + name + "_total") - batched[name]
+                                 for name in ("s", "_slots", "_tokens"))
+    assert steps > 0 and steps < slots <= 2 * steps and step_tokens >= slots
     order = [k for _, k in sorted(arrivals)]
     assert order.index("b") < len(order) - 1 - order[::-1].index("a"), "slot b waited for a to finish"
     assert len(health_seconds) == 3 and sorted(health_seconds)[1] < 1.0, health_seconds

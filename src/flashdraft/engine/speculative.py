@@ -641,16 +641,16 @@ class SpeculativeDecoder:
         return Launched(drafted=n, host=host, event=event, began=began_event, launched_at=began, projected=project)
 
     @torch.inference_mode()
-    def flush(self) -> None:
+    def flush(self) -> list[StepResult]:
         """Run the deferred steps (launch with defer) as one batched step: one drafter pass over the drafting
         sequences' blocks (_draft_passes), then one target pass over every sequence's verify rows
         (DecoderLM.forward_segments: each attends over its own cache), then each one's sampling, acceptance and
         commit. A sequence's tokens are those of its steps run one by one: the same operations on its rows, over
         more rows at once. A failure is each unfinished step's to raise when collected (the requests end, the
-        caller goes on)."""
+        caller goes on). Returns the results of the steps it ran."""
         deferred, self._deferred = self._deferred, []
         if not deferred:
-            return
+            return []
         try:
             drafting = [d for d in deferred if d.n > 0]
             guesses = dict(zip(map(id, drafting), self._draft_passes(drafting))) if drafting else {}
@@ -671,6 +671,7 @@ class SpeculativeDecoder:
             for d in deferred:
                 if d.launched.done is None:
                     d.launched.error = e
+        return [d.launched.done for d in deferred if d.launched.done is not None]
 
     def _draft_passes(self, steps: list[_DeferredStep]) -> list[torch.Tensor]:
         """_draft_pass for several sequences at once (flush's): their waiting context rows projected together,

@@ -40,6 +40,7 @@ QUIET_PATHS = {"/health", "/v1/health", "/metrics"}  # polled often: not logged 
 
 
 METRIC_PREFIX = "llamacpp:"  # llama-server's names
+OWN_PREFIX = "flashdraft:"  # what llama-server has no name for
 
 
 class ServerMetrics:
@@ -75,6 +76,11 @@ class ServerMetrics:
         self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted, by position in the draft (0 = first).", ["position"])
+        own = lambda name, doc: Counter(OWN_PREFIX + name, doc, registry=r)  # noqa: E731
+        self.batched_steps = own("batched_steps", "Batched steps: one target pass over the rows of every slot "
+                                 "whose step waited for it (CPU).")
+        self.batched_step_slots = own("batched_step_slots", "Slots stepped by batched steps (their sum).")
+        self.batched_step_tokens = own("batched_step_tokens", "Tokens committed by batched steps.")
         self.probe = scheduler_probe
         gauge("prompt_tokens_seconds", "Average prompt throughput in tokens/s.",
               lambda: _ratio(self._totals["prompt_n"], self._totals["prompt_s"]))
@@ -98,6 +104,13 @@ class ServerMetrics:
 
     def on_step(self) -> None:
         self.n_decode.inc()
+
+    def on_batch(self, steps: list) -> None:
+        """A batched step ran these slots' steps (StepResults)."""
+        if steps:
+            self.batched_steps.inc()
+            self.batched_step_slots.inc(len(steps))
+            self.batched_step_tokens.inc(sum(len(step.committed) for step in steps))
 
     def on_result(self, result) -> None:
         s = result.stats

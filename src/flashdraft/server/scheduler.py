@@ -284,7 +284,7 @@ class Scheduler:
             # each collects its step
             waiting = [slot for slot in active if self._advance(slot)]
             while waiting:  # (a step whose text is held back is followed by the slot's next one)
-                self.engine.decoder.flush()
+                self.metrics.on_batch(self.engine.decoder.flush())
                 waiting = [slot for slot in waiting if self._advance(slot)]
         with self._cv:
             for slot in self.slots:

@@ -132,6 +132,9 @@ class _NoMetrics:
     def on_step(self):
         pass
 
+    def on_batch(self, steps):
+        pass
+
     def on_result(self, result):
         pass
 

@@ -500,14 +500,21 @@ class SpeculativeDecoder:
         if exact is None:
             exact = self.graphs is None
         if exact:
-            rows = int(state.ctx_rows)
-            if rows:
-                self.drafter.add_context(state.ctx_taps[:rows], self._positions(state.start - rows, rows),
-                                         seq.draft_cache)
-        else:
-            self.drafter.add_context(state.ctx_taps[:B], self._positions(state.start - state.ctx_rows, B),
-                                     seq.draft_cache)
+            waiting = self._take_waiting(seq)
+            if waiting is not None:
+                self.drafter.add_context(*waiting, seq.draft_cache)
+            return
+        self.drafter.add_context(state.ctx_taps[:B], self._positions(state.start - state.ctx_rows, B),
+                                 seq.draft_cache)
         state.ctx_rows.zero_()
+
+    def _take_waiting(self, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The context rows waiting in the device state, their taps and positions, taken from it (eagerly: their
+        count is read on the host); None when none wait."""
+        state = seq.state
+        rows = int(state.ctx_rows)
+        state.ctx_rows.zero_()
+        return (state.ctx_taps[:rows], self._positions(state.start - rows, rows)) if rows else None
 
     def _waiting_limit(self) -> int:
         """The most context rows left waiting for a projection: what a captured projection takes (B rows), or
@@ -528,16 +535,24 @@ class SpeculativeDecoder:
         """Project the waiting context rows, run the block: the drafter's greedy guesses for block slots 1..n
         (eagerly; captured, for all B - 1 slots, so one graph serves every n), or with candidates > 1 each slot's
         best candidates, best first."""
-        state, B = seq.state, self.block_size
         self._project_context(seq)
-        block = torch.cat([state.last, self._mask_tail_tokens()])
-        positions = self._positions(state.start, B)
+        block, positions = self._draft_block(seq)
         # a graph reads kv_len rows, a bucket: the rows past the block are hidden (a window cache masks by the
         # positions its rows hold, itself)
         mask = None if self.graphs is None or isinstance(seq.draft_cache, WindowKVCache) else (
             torch.arange(kv_len, device=self.device)[None, :] <= positions[-1:, None])
         hidden = self.drafter(self.target.embed(block), positions, seq.draft_cache, kv_len, mask)
         return _best(self.target.logits(hidden[1:n + 1] if self.graphs is None else hidden[1:]), candidates)
+
+    def _draft_block(self, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafter's block after the last committed token (it, then B - 1 mask tokens) and its positions."""
+        state = seq.state
+        return torch.cat([state.last, self._mask_tail_tokens()]), self._positions(state.start, self.block_size)
+
+    @staticmethod
+    def _oracle_guesses(seq: Sequence, guesses: torch.Tensor) -> torch.Tensor:
+        """The guesses of a step on the device: its oracle's in the drafter's place, where the sequence has one."""
+        return seq.oracle(seq.state.start[0], guesses) if seq.oracle is not None else guesses
 
     def _accept_step(self, seq: Sequence, tokens: torch.Tensor, samples: torch.Tensor, taps: torch.Tensor | None,
                      n: int) -> torch.Tensor:
@@ -568,10 +583,7 @@ class SpeculativeDecoder:
         step the last one (repeated to T rows), after projecting the waiting context rows when `project`."""
         state = seq.state
         if n > 0:
-            guesses = self._draft_pass(seq, n, draft_kv_len)[:n]
-            if seq.oracle is not None:
-                guesses = seq.oracle(state.start[0], guesses)
-            return torch.cat([state.last, guesses])
+            return torch.cat([state.last, self._oracle_guesses(seq, self._draft_pass(seq, n, draft_kv_len)[:n])])
         if project:
             self._project_context(seq)
         return state.last.expand(T)
@@ -653,8 +665,8 @@ class SpeculativeDecoder:
             return []
         try:
             drafting = [d for d in deferred if d.n > 0]
-            guesses = dict(zip(map(id, drafting), self._draft_passes(drafting))) if drafting else {}
-            tokens = [torch.cat([d.seq.state.last, guesses[id(d)]]) if d.n > 0
+            guesses = iter(self._draft_passes(drafting) if drafting else ())  # in the order of `deferred`
+            tokens = [torch.cat([d.seq.state.last, next(guesses)]) if d.n > 0
                       else self._step_tokens(d.seq, d.n, d.T, d.draft_kv_len, d.project) for d in deferred]
             positions = torch.cat([self._positions(d.seq.state.start, d.T) for d in deferred])
             logits, taps = self.target.forward_segments(torch.cat(tokens), positions,
@@ -678,25 +690,17 @@ class SpeculativeDecoder:
         their blocks in one drafter pass, the LM head over every block's guess rows; then each sequence's n
         guesses (its oracle's in their place, where it has one)."""
         B = self.block_size
-        waiting = []
-        for d in steps:
-            state = d.seq.state
-            rows = int(state.ctx_rows)
-            if rows:
-                waiting.append((state.ctx_taps[:rows], self._positions(state.start - rows, rows), d.seq.draft_cache))
-            state.ctx_rows.zero_()
+        waiting = [(*taken, d.seq.draft_cache) for d in steps if (taken := self._take_waiting(d.seq)) is not None]
         if waiting:
             self.drafter.add_context_segments(waiting)
-        block = torch.cat([torch.cat([d.seq.state.last, self._mask_tail_tokens()]) for d in steps])
-        positions = torch.cat([self._positions(d.seq.state.start, B) for d in steps])
+        block, positions = (torch.cat(parts) for parts in zip(*(self._draft_block(d.seq) for d in steps)))
         hidden = self.drafter.forward_segments(self.target.embed(block), positions,
                                                [(d.seq.draft_cache, d.draft_kv_len) for d in steps])
         best = _best(self.target.logits(torch.cat([hidden[j * B + 1:j * B + 1 + d.n]
                                                    for j, d in enumerate(steps)])), 1)
         out, at = [], 0
         for d in steps:
-            guesses = best[at:at + d.n]
-            out.append(d.seq.oracle(d.seq.state.start[0], guesses) if d.seq.oracle is not None else guesses)
+            out.append(self._oracle_guesses(d.seq, best[at:at + d.n]))
             at += d.n
         return out
 

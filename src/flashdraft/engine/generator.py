@@ -23,7 +23,6 @@ from flashdraft.models import drafter_block_size, load_model
 
 # Caches get this many rows past the context so that any supported block can overhang the last position.
 MAX_BLOCK_SIZE = 64
-# The embedded demo pair's name: its folders are called target/ and drafter/, which say nothing in /v1/models.
 
 log = logging.getLogger("flashdraft")
 

@@ -58,8 +58,8 @@ class ServerMetrics:
         self._totals = {"prompt_n": 0.0, "prompt_s": 0.0, "predicted_n": 0.0, "predicted_s": 0.0}
         r = self.registry
 
-        def counter(name, doc, labels=()):
-            return Counter(METRIC_PREFIX + name, doc, labels, registry=r)
+        def counter(name, doc, labels=(), prefix=METRIC_PREFIX):
+            return Counter(prefix + name, doc, labels, registry=r)
 
         def gauge(name, doc, fn):
             g = Gauge(METRIC_PREFIX + name, doc, registry=r)
@@ -76,11 +76,12 @@ class ServerMetrics:
         self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted, by position in the draft (0 = first).", ["position"])
-        own = lambda name, doc: Counter(OWN_PREFIX + name, doc, registry=r)  # noqa: E731
-        self.batched_steps = own("batched_steps", "Batched steps: one target pass over the rows of every slot "
-                                 "whose step waited for it (CPU).")
-        self.batched_step_slots = own("batched_step_slots", "Slots stepped by batched steps (their sum).")
-        self.batched_step_tokens = own("batched_step_tokens", "Tokens committed by batched steps.")
+        self.batched_steps = counter("batched_steps", "Batched steps: one target pass over the rows of every slot "
+                                     "whose step waited for it (CPU).", prefix=OWN_PREFIX)
+        self.batched_step_slots = counter("batched_step_slots", "Slots stepped by batched steps (their sum).",
+                                          prefix=OWN_PREFIX)
+        self.batched_step_tokens = counter("batched_step_tokens", "Tokens committed by batched steps.",
+                                           prefix=OWN_PREFIX)
         self.probe = scheduler_probe
         gauge("prompt_tokens_seconds", "Average prompt throughput in tokens/s.",
               lambda: _ratio(self._totals["prompt_n"], self._totals["prompt_s"]))

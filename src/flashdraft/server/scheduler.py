@@ -373,8 +373,6 @@ class Scheduler:
     def _advance(self, slot: Slot) -> bool:
         """Take the slot's next stream event; True when it is a step waiting for the round's batched flush."""
         job = slot.job
-        if job is None:  # released earlier in this round
-            return False
         if job.cancelled.is_set():
             log.info("slot %d: request %d cancelled after %d tokens", slot.id, job.id, slot.n_decoded)
             job.post(ENDED, "cancelled")

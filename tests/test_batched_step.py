@@ -6,6 +6,9 @@ import torch
 from flashdraft.config import SamplingParams
 from flashdraft.engine.generator import StepLaunched
 from flashdraft.bench.oracle import PlantedOracle
+from flashdraft.engine import speculative
+from flashdraft.engine.cuda_graphs import GraphCache
+from test_lossless import InlineGraphs
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
 PROMPTS = [[1, 5, 9, 33, 7], [2, 8, 4, 4, 4, 4, 11, 12, 13], [3, 3, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]]
@@ -62,7 +65,7 @@ def test_drafter_context_and_blocks_over_segments_match_each_sequence_alone(engi
     alone = [drafter(block, torch.arange(start, start + B), cache, cache.kv_len(start + B))
              for block, start, cache in zip(blocks, starts, caches["alone"])]
     batched = drafter.forward_segments(torch.cat(blocks), torch.cat([torch.arange(s, s + B) for s in starts]),
-                                       [(cache, cache.kv_len(start + B))
+                                       [(cache, cache.kv_len(start + B), None)
                                         for cache, start in zip(caches["batched"], starts)])
     torch.testing.assert_close(batched, torch.cat(alone), rtol=1e-5, atol=1e-5)
     for a, b in zip(caches["alone"], caches["batched"]):
@@ -80,12 +83,17 @@ def _alone(engine, prompt, params, draft, oracle=None):
     return seq.tokens[len(prompt):]
 
 
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
 @pytest.mark.parametrize("draft", [0, 7], ids=["plain", "dflash"])
-def test_deferred_steps_of_four_sequences_give_each_its_tokens_alone(engine, draft):
+def test_deferred_steps_of_four_sequences_give_each_its_tokens_alone(engine, draft, graphed, monkeypatch):
     """Four sequences' steps launched deferred and run by one flush, eight rounds: each sequence commits the
-    tokens it commits stepping alone (greedy); with a planted oracle, several tokens a step."""
+    tokens it commits stepping alone (greedy); with a planted oracle, several tokens a step. Graphed (InlineGraphs
+    standing in for CUDA graphs): each batched step replays the graph of its composition, its passes reading the
+    caches up to the furthest sequence's bucket, the context rows projected a block at a time."""
     dec = engine.decoder
     assert dec.batches
+    if graphed:
+        monkeypatch.setattr(dec, "graphs", InlineGraphs())
     long = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
     references = [p + engine.generate(p, long, 0).tokens for p in PROMPTS]
 
@@ -108,6 +116,31 @@ def test_deferred_steps_of_four_sequences_give_each_its_tokens_alone(engine, dra
         assert [seq.tokens[len(p):] for seq, p in zip(seqs, PROMPTS)] == alone
         if planted and draft:
             assert all(len(a) == 1 + 8 * 6 for a in alone)  # five guesses and the target's token a step
+    if graphed:
+        assert "batch" in dec.graphs.keys
+
+
+def test_batch_graphs_are_kept_to_a_limit(engine, monkeypatch):
+    """More compositions than MAX_BATCH_GRAPHS: the oldest batch graphs go, the others stay (GraphCache.limit)."""
+    dec = engine.decoder
+    monkeypatch.setattr(dec, "graphs", InlineGraphs())
+    monkeypatch.setattr(speculative, "MAX_BATCH_GRAPHS", 2)
+    seqs = [dec.new_sequence() for _ in range(2)]
+    for seq, p in zip(seqs, PROMPTS):
+        dec.prefill(seq, p, GREEDY, 0)
+    for drafts in ([0, 0], [7, 0], [0, 7], [7, 7]):
+        launched = [dec.launch(seq, n, defer=True) for seq, n in zip(seqs, drafts)]
+        dec.flush()
+        for seq, step in zip(seqs, launched):
+            dec.collect(seq, step)
+    batch_keys = [key for key in dec.graphs.graphs if key[0] == "batch"]
+    assert len(batch_keys) == 2 and dec.graphs.keys.count("batch") == 4  # four compositions captured, two kept
+    # the last two kept: each key holds (cache, n, T, oracle, sampling, project) per step after its two lengths
+    assert [(key[3 + 1], key[3 + 6 + 1]) for key in batch_keys] == [(0, 7), (7, 7)]
+    graphs = GraphCache.__new__(GraphCache)  # limit() on keys of several kinds
+    graphs.graphs = {("step", 1): 1, ("batch", 1): 2, ("batch", 2): 3, ("batch", 3): 4}
+    graphs.limit("batch", 1)
+    assert list(graphs.graphs) == [("step", 1), ("batch", 3)]
 
 
 def test_a_withdrawn_step_never_runs_and_collect_flushes_alone(engine):
@@ -124,10 +157,15 @@ def test_a_withdrawn_step_never_runs_and_collect_flushes_alone(engine):
     assert a.tokens[len(PROMPTS[0]):] == _alone(engine, PROMPTS[0], GREEDY, 7)[:len(a.tokens) - len(PROMPTS[0])]
 
 
-def test_streams_yield_their_launched_steps_and_give_the_same_text(engine):
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+def test_streams_yield_their_launched_steps_and_give_the_same_text(engine, graphed, monkeypatch):
     """batch_steps: the stream yields StepLaunched before collecting each step, and its result is the plain
-    stream's; two streams advanced in turn with one flush a round give each its own result."""
+    stream's; two streams advanced in turn with one flush a round give each its own result. Graphed, where steps
+    would otherwise pipeline (two in flight), a stream keeps one deferred step at a time."""
     params = SamplingParams(temperature=0.0, max_tokens=24)
+    if graphed:
+        monkeypatch.setattr(engine.decoder, "graphs", InlineGraphs())
+        assert engine.decoder.pipelines(params)
     plain = [engine.generate(p, params, 7) for p in PROMPTS[:2]]
     streams = [engine.stream(p, params, 7, sequence=engine.new_sequence(), batch_steps=True) for p in PROMPTS[:2]]
     results, launched = [None, None], 0
@@ -138,6 +176,7 @@ def test_streams_yield_their_launched_steps_and_give_the_same_text(engine):
                 continue
             event = next(s)
             if isinstance(event, StepLaunched):
+                assert len(engine.decoder._deferred) == len(waiting) + 1  # this stream's one step
                 waiting.append(i)
             elif hasattr(event, "finish_reason"):
                 results[i] = event

@@ -22,11 +22,12 @@ def test_warm_up_makes_the_graphs_and_leaves_the_sequence_as_new(qwen3_dir, draf
     assert warm.warm_up(seq, [sampled]) > 0
     keys = warm.decoder.graphs.graphs
     assert seq.tokens == [] and warm.decoder.reusable_rows(seq, list(range(40))) == 0
+    # ("step", kv_len, draft_kv_len, cache, n, T, oracle, sampling, project)
     steps = [k for k in keys if k[0] == "step"]
-    assert {k[2] for k in steps} >= {0, warm.max_draft}  # plain and full-block steps
+    assert {k[4] for k in steps} >= {0, warm.max_draft}  # plain and full-block steps
     assert {k[-2] for k in steps} == {None, (0.7, 20, 0.95, 0.0)}  # greedy and the sampling settings' graphs
     # plain steps that leave their context rows waiting, and those that project a block's worth first
-    assert {k[-1] for k in steps if k[2] == 0} == {False, True}
+    assert {k[-1] for k in steps if k[4] == 0} == {False, True}
     cold = Engine.load(qwen3_dir, drafter_dir, device="cpu", context_size=256)
     vocab = cold.decoder.target.config.vocab_size
     reused = []
@@ -87,7 +88,7 @@ def test_the_server_warms_up_each_slot_where_there_is_something_to_make(qwen3_di
     finally:
         scheduler.stop()
         scheduler.join(10)
-    tied = {key[1] for key in engine.decoder.graphs.graphs if key[0] == "step"}
+    tied = {key[3] for key in engine.decoder.graphs.graphs if key[0] == "step"}
     assert tied == {engine.decoder.graphs.lifetime_key(slot.sequence.target_cache) for slot in scheduler.slots}
     assert all(slot.sequence.tokens == [] and slot.requests == 0 for slot in scheduler.slots)
     with caplog.at_level(logging.INFO, logger="flashdraft.server"):

@@ -72,5 +72,12 @@ class GraphCache:
         graph.replay()
         return out
 
+    def limit(self, kind: str, count: int) -> None:
+        """Keep at most `count` graphs of this kind (key[0]): the oldest captured go (their memory back to the
+        pool)."""
+        keys = [key for key in self.graphs if key[0] == kind]
+        for key in keys[:max(0, len(keys) - count)]:
+            del self.graphs[key]
+
     def __len__(self) -> int:
         return len(self.graphs)

@@ -554,7 +554,8 @@ class Engine:
              attention: str | None = None, cache_type_k: str | None = None, cache_type_v: str | None = None,
              draft_cache_type_k: str | None = None, draft_cache_type_v: str | None = None,
              ngram: NgramSettings | None = None, draft_window: int | None = None,
-             prefill_chunk: int | None = None, pad_prefill: bool | None = None, name: str | None = None) -> "Engine":
+             prefill_chunk: int | None = None, pad_prefill: bool | None = None, name: str | None = None,
+             slots: int = 1) -> "Engine":
         """Load a target (and optional drafter) from model folders; the context defaults to min(8192, the model's).
         gemm: "cublas" or "triton" (batch-invariant skinny GEMM for decode/verify/draft, CUDA only);
         attention: "sdpa" or "triton" (batch-invariant split-KV attention for the same passes). None (default):
@@ -565,10 +566,11 @@ class Engine:
         (--spec-dflash-cross-ctx; None: all of them). prefill_chunk: a prompt runs in passes of at most this many
         tokens (-ub/--ubatch-size; None: config.PREFILL_CHUNK). pad_prefill: pad each pass to one of a few sizes
         (config.prefill_buckets), which the warm-up runs once; None: on CUDA. name: the model's name in responses
-        (None: the loader's, from the folder or the GGUF file)."""
+        (None: the loader's, from the folder or the GGUF file). slots: sequences whose steps may run as one
+        batched step (a server's -np): the models' few-row passes are built to take all their rows."""
         device, dtype = default_device_dtype(device, dtype)
         block = drafter_block_size(drafter) if drafter else ngram.max_draft + 1 if ngram else 1
-        plan = resolve_plan(device, gemm, attention, block_size=block)
+        plan = resolve_plan(device, gemm, attention, block_size=block, slots=slots)
         loaded = load_model(model, drafter, device=device, dtype=dtype, context_size=context_size,
                             overhang=MAX_BLOCK_SIZE, plan=plan)
         name = name or loaded.name
@@ -789,7 +791,9 @@ class Engine:
         # Steps launched and not yet collected. Pipelined decoding keeps one queued behind the one being collected,
         # so the GPU works on the next step while the host handles this one's tokens; otherwise each step runs
         # to the end at launch.
-        depth = 2 if self.decoder.pipelines(params) else 1
+        # (A deferred step waits for the others' flush: one at a time, each seeing the last one's tokens.)
+        deferring = batch_steps and self.decoder.batches
+        depth = 2 if self.decoder.pipelines(params) and not deferring else 1
         # Near the end the next step waits for the queued one, so that it drafts only as far as is really left.
         longest = min(policy.length, cap) if isinstance(policy, FixedDraft) else cap
         queued: deque = deque()

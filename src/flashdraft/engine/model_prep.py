@@ -54,14 +54,17 @@ def compiles(device: torch.device | str, compile: bool | None) -> bool:
 
 
 def resolve_plan(device: torch.device | str, gemm: str | None = None, attention: str | None = None,
-                 compile: bool | None = None, block_size: int = 1) -> LayerPlan:
+                 compile: bool | None = None, block_size: int = 1, slots: int = 1) -> LayerPlan:
     """The plan the models are built with: the backends (resolve_gemm, resolve_attention), a row limit that
-    holds a verify block of `block_size` tokens, and fused projections where the fused layer path or compiled
+    holds a verify block of `block_size` tokens for each of `slots` sequences (a batched step's passes: the
+    few-row kernels compute each row as alone), and fused projections where the fused layer path or compiled
     layers use them."""
+    if slots < 1:
+        raise ValueError(f"slots must be at least 1, got {slots}")
     device = torch.device(device)
     gemm, attention = resolve_gemm(gemm, device), resolve_attention(attention, device)
     fused = gemm == "triton" and attention == "triton"
-    return LayerPlan(gemm=gemm, attention=attention, max_rows=max(BLOCK_M, block_size),
+    return LayerPlan(gemm=gemm, attention=attention, max_rows=max(BLOCK_M, block_size * slots),
                      fuse_projections=fused or compiles(device, compile))
 
 

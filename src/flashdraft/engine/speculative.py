@@ -70,6 +70,9 @@ LONG_LOOKUP = 8
 # captured, up to a block (a step's projection has a fixed shape: B rows), so a plain stretch projects once every
 # B steps instead of every step (docs/performance.md, "Plain steps with a drafter loaded").
 MAX_WAITING_ROWS = 256
+# Graphs of batched steps kept (each a composition of the steps it runs: their lengths, the caches they read up to);
+# the oldest goes beyond this.
+MAX_BATCH_GRAPHS = 64
 
 # Prefill passes padded to a bucket of at most this many rows replay a CUDA graph captured by the warm-up: below it
 # an eager pass is bound by the host launching its kernels (a 37-512-token prompt of an 8B took 37-47 ms on the
@@ -176,13 +179,14 @@ class Sequence:
 
 @dataclass
 class _DeferredStep:
-    """A step launched with defer, as flush() runs it (launch's arguments of _device_step)."""
+    """A step launched with defer, as flush() runs it: its guesses n, verify rows T, the furthest its last
+    committed position can be (start; its passes read the cache up to start + T and, drafting, start + B), whether a
+    plain step projects the waiting context rows."""
 
     seq: Sequence
     n: int
     T: int
-    kv_len: int
-    draft_kv_len: int
+    start: int
     project: bool
     launched: Launched
 
@@ -254,7 +258,8 @@ class SpeculativeDecoder:
                              f"max_rows), fewer than a verify block of {self.block_size}")
         for m in models:
             m.prepare()
-        fused = [[layer.fused_rows > 0 for layer in m.modules() if isinstance(layer, DecoderLayer)] for m in models]
+        layers = [[layer for layer in m.modules() if isinstance(layer, DecoderLayer)] for m in models]
+        fused = [[layer.fused_rows > 0 for layer in m_layers] for m_layers in layers]
         # every one of the target's layers on the fused path (then plain steps need no padding row)
         self.fused_target = bool(fused[0]) and all(fused[0])
         # On CUDA by default, compiled layers where the fused path is not taken, and the fused layers' module path
@@ -264,12 +269,15 @@ class SpeculativeDecoder:
         self.compiled = self.compiles and not all(any(layers) for layers in fused)
         if self.compiles:
             compile_layers(*models)
-        # Steps of several sequences can run as one batched step (launch with defer, flush): eager passes on the
-        # layers' module path (no graphs, no compiled or fused layers), of a target that takes several sequences'
-        # rows in one pass (forward_segments). Where graphs replay each sequence's step, they do not yet.
-        self.batches = (self.graphs is None and not self.compiles and not any(fused[0])
-                        and hasattr(target, "forward_segments")
-                        and (drafter is None or hasattr(drafter, "forward_segments")))
+        # Steps of several sequences can run as one batched step (launch with defer, flush; graphed where graphs
+        # are on) where the models take several sequences' rows in one pass (forward_segments) and a row's bits
+        # there are those of its sequence's pass alone: every layer on the module path, not compiled (the CPU), or
+        # every layer on the fused path of float weights, whose kernels compute each row from that row alone (the
+        # GPU). The quantized path's products of more than 16 rows are not batch-invariant (quant.mma_kernels
+        # takes up to 16), so GGUF models step one sequence at a time.
+        self.few_rows_batched = all(layer.norms_folded for m_layers in layers for layer in m_layers)
+        self.batches = (hasattr(target, "forward_segments") and (drafter is None or hasattr(drafter, "forward_segments"))
+                        and not self.compiled and (not any(fused[0]) or self.few_rows_batched))
         self._deferred: list[_DeferredStep] = []
 
     @property
@@ -493,28 +501,24 @@ class SpeculativeDecoder:
     # -- the passes of a step, each reading and advancing the sequence's device state ---------------------------
 
     def _project_context(self, seq: Sequence, exact: bool | None = None) -> None:
-        """Project the rows waiting in the device state into the drafter cache. Exact (eagerly, the default):
-        only the real rows, their count read on the host; else (captured) all B rows, a fixed shape, the padding
-        landing on positions from the start on, which the block pass or a later step writes first."""
-        state, B = seq.state, self.block_size
-        if exact is None:
-            exact = self.graphs is None
-        if exact:
-            waiting = self._take_waiting(seq)
-            if waiting is not None:
-                self.drafter.add_context(*waiting, seq.draft_cache)
-            return
-        self.drafter.add_context(state.ctx_taps[:B], self._positions(state.start - state.ctx_rows, B),
-                                 seq.draft_cache)
-        state.ctx_rows.zero_()
+        """Project the rows waiting in the device state into the drafter cache (_take_waiting; exact: eagerly,
+        the default, else captured)."""
+        waiting = self._take_waiting(seq, self.graphs is None if exact is None else exact)
+        if waiting is not None:
+            self.drafter.add_context(*waiting, seq.draft_cache)
 
-    def _take_waiting(self, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The context rows waiting in the device state, their taps and positions, taken from it (eagerly: their
-        count is read on the host); None when none wait."""
+    def _take_waiting(self, seq: Sequence, exact: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The context rows waiting in the device state, their taps and positions, taken from it. Exact: only the
+        real rows, their count read on the host (None when none wait); else (captured) all B rows, a fixed shape,
+        the padding landing on positions from the start on, which the block pass or a later step writes first."""
         state = seq.state
-        rows = int(state.ctx_rows)
+        if exact:
+            rows = int(state.ctx_rows)
+            taken = (state.ctx_taps[:rows], self._positions(state.start - rows, rows)) if rows else None
+        else:
+            taken = state.ctx_taps[:self.block_size], self._positions(state.start - state.ctx_rows, self.block_size)
         state.ctx_rows.zero_()
-        return (state.ctx_taps[:rows], self._positions(state.start - rows, rows)) if rows else None
+        return taken
 
     def _waiting_limit(self) -> int:
         """The most context rows left waiting for a projection: what a captured projection takes (B rows), or
@@ -614,31 +618,23 @@ class SpeculativeDecoder:
         # The start position is known on the device only; graphs are chosen for the furthest it can be (reading
         # more cache rows than needed is harmless: the position mask hides them).
         start_max = len(seq.tokens) - 1 + seq.in_flight
+        if defer and self.batches:
+            launched = Launched(drafted=n, launched_at=began)
+            self._deferred.append(_DeferredStep(seq, n, T, start_max, project, launched))
+            return launched
         if self.graphs is None:
             draft_kv_len = seq.draft_cache.kv_len(start_max + self.block_size) if n > 0 else 0
-            if defer and self.batches:
-                launched = Launched(drafted=n, launched_at=began)
-                self._deferred.append(_DeferredStep(seq, n, T, start_max + T, draft_kv_len, project, launched))
-                return launched
             result = self._device_step(seq, n, T, start_max + T, draft_kv_len, project)
             return Launched(drafted=n, done=self._commit(seq, result.tolist(), n), launched_at=began)
         kv_len = bucket(start_max + T, self.capacity)
         draft_kv_len = seq.draft_cache.kv_len(bucket(start_max + self.block_size, self.capacity)) if n > 0 else 0
-        p = seq.params
-        sampling = None if p.greedy else (p.temperature, p.top_k, p.top_p, p.min_p)
-        # GraphCache.lifetime_key: a graph replays the cache's and the oracle's tensors' addresses (and the
-        # sequence's device state, which lives as long as its cache), so their graphs go when they do (an id() alone
-        # could come back on a new object while the old graph stays).
-        lifetime = self.graphs.lifetime_key
-        key = ("step", lifetime(seq.target_cache), n, T, kv_len, draft_kv_len, lifetime(seq.oracle), sampling,
-               project)
-        counters = list(getattr(seq.oracle, "mutable", ()))
+        key = ("step", kv_len, draft_kv_len, *self._step_key(seq, n, T, project))
         timed = self.device.type == "cuda"
         began_event = torch.cuda.Event(enable_timing=True) if timed else None
         if timed:
             began_event.record()
         result = self.graphs.run(key, lambda: self._device_step(seq, n, T, kv_len, draft_kv_len, project),
-                                 mutable=seq.state.tensors() + counters)
+                                 mutable=self._mutable(seq))
         if not seq.host_buffers:
             seq.host_buffers = [torch.zeros(self.block_size + 1, dtype=torch.long, pin_memory=timed)
                                 for _ in range(4)]
@@ -652,56 +648,128 @@ class SpeculativeDecoder:
         seq.in_flight += n + 1
         return Launched(drafted=n, host=host, event=event, began=began_event, launched_at=began, projected=project)
 
+    def _step_key(self, seq: Sequence, n: int, T: int, project: bool) -> tuple:
+        """What a graph of a sequence's step is captured for, besides the lengths it reads. GraphCache.lifetime_key:
+        a graph replays the cache's and the oracle's tensors' addresses (and the sequence's device state, which
+        lives as long as its cache), so their graphs go when they do (an id() alone could come back on a new object
+        while the old graph stays)."""
+        p = seq.params
+        sampling = None if p.greedy else (p.temperature, p.top_k, p.top_p, p.min_p)
+        lifetime = self.graphs.lifetime_key
+        return lifetime(seq.target_cache), n, T, lifetime(seq.oracle), sampling, project
+
+    @staticmethod
+    def _mutable(seq: Sequence) -> list[torch.Tensor]:
+        """The device tensors a step of the sequence changes from step to step: its state and its oracle's."""
+        return seq.state.tensors() + list(getattr(seq.oracle, "mutable", ()))
+
     @torch.inference_mode()
     def flush(self) -> list[StepResult]:
-        """Run the deferred steps (launch with defer) as one batched step: one drafter pass over the drafting
-        sequences' blocks (_draft_passes), then one target pass over every sequence's verify rows
-        (DecoderLM.forward_segments: each attends over its own cache), then each one's sampling, acceptance and
-        commit. A sequence's tokens are those of its steps run one by one: the same operations on its rows, over
-        more rows at once. A failure is each unfinished step's to raise when collected (the requests end, the
-        caller goes on). Returns the results of the steps it ran."""
+        """Run the deferred steps (launch with defer) as batched steps, as many sequences in each as the models'
+        few-row passes take (_batches): one drafter pass over the drafting sequences' blocks (_draft_passes), one
+        target pass over every sequence's verify rows (forward_segments: each attends over its own cache), each
+        one's sampling and acceptance (_batched_step); graphed where graphs are on, keyed by the steps'
+        composition; then each one's commit. A sequence's tokens are those of its steps run one by one: the same
+        operations on its rows, over more rows at once. A failure is each unfinished step's to raise when collected
+        (the requests end, the caller goes on). Returns the results of the steps it ran."""
         deferred, self._deferred = self._deferred, []
-        if not deferred:
-            return []
-        try:
-            drafting = [d for d in deferred if d.n > 0]
-            guesses = iter(self._draft_passes(drafting) if drafting else ())  # in the order of `deferred`
-            tokens = [torch.cat([d.seq.state.last, next(guesses)]) if d.n > 0
-                      else self._step_tokens(d.seq, d.n, d.T, d.draft_kv_len, d.project) for d in deferred]
-            positions = torch.cat([self._positions(d.seq.state.start, d.T) for d in deferred])
-            logits, taps = self.target.forward_segments(torch.cat(tokens), positions,
-                                                        [(d.T, d.seq.target_cache, d.kv_len) for d in deferred],
-                                                        self.tap_ids)
-            at = 0
-            for d, step_tokens in zip(deferred, tokens):
-                rows = slice(at, at + d.T)
-                result = self._finish_step(d.seq, step_tokens, logits[rows],
-                                           taps[rows] if taps is not None else None, d.n)
-                d.launched.done = self._commit(d.seq, result.tolist(), d.n)
-                at += d.T
-        except Exception as e:  # noqa: BLE001 - each step's own request reports it
-            for d in deferred:
-                if d.launched.done is None:
-                    d.launched.error = e
-        return [d.launched.done for d in deferred if d.launched.done is not None]
+        done = []
+        for steps in self._batches(deferred):
+            try:
+                results = self._run_batched(steps).tolist()
+                at = 0
+                for d in steps:
+                    d.launched.done = self._commit(d.seq, results[at:at + d.n + 2], d.n)
+                    done.append(d.launched.done)
+                    at += d.n + 2
+            except Exception as e:  # noqa: BLE001 - each step's own request reports it
+                for d in steps:
+                    if d.launched.done is None:
+                        d.launched.error = e
+        return done
 
-    def _draft_passes(self, steps: list[_DeferredStep]) -> list[torch.Tensor]:
-        """_draft_pass for several sequences at once (flush's): their waiting context rows projected together,
-        their blocks in one drafter pass, the LM head over every block's guess rows; then each sequence's n
-        guesses (its oracle's in their place, where it has one)."""
+    def _batches(self, deferred: list[_DeferredStep]) -> list[list[_DeferredStep]]:
+        """The deferred steps in groups (in order) whose passes each fit the models' few-row path (plan.max_rows:
+        a drafting step's block, a plain step's rows), where the layers take it: past it a pass would take the module
+        path, whose rows need not round as on the few-row path alone. One group on the module path."""
+        if not self.few_rows_batched:
+            return [deferred] if deferred else []
+        groups, rows = [], self.plan.max_rows
+        for d in deferred:
+            need = self.block_size if d.n > 0 else d.T
+            if not groups or rows + need > self.plan.max_rows:
+                groups.append([])
+                rows = 0
+            groups[-1].append(d)
+            rows += need
+        return groups
+
+    def _run_batched(self, steps: list[_DeferredStep]) -> torch.Tensor:
+        """One batched step, eager or graphed: every step's [accepted, samples 0..n], in turn. A graph reads each
+        cache up to the furthest step's bucket (rows past a query's position are hidden by its mask) and is keyed
+        by the lengths and each step's _step_key; the oldest of more than MAX_BATCH_GRAPHS such graphs goes."""
+        if self.graphs is None:
+            return self._batched_step(steps)
         B = self.block_size
-        waiting = [(*taken, d.seq.draft_cache) for d in steps if (taken := self._take_waiting(d.seq)) is not None]
+        kv_len = bucket(max(d.start + d.T for d in steps), self.capacity)
+        draft_kv_len = max((d.seq.draft_cache.kv_len(bucket(d.start + B, self.capacity)) for d in steps if d.n > 0),
+                           default=0)
+        key = ("batch", kv_len, draft_kv_len, *(part for d in steps for part in self._step_key(d.seq, d.n, d.T,
+                                                                                             d.project)))
+        result = self.graphs.run(key, lambda: self._batched_step(steps, kv_len, draft_kv_len),
+                                 mutable=[t for d in steps for t in self._mutable(d.seq)])
+        self.graphs.limit("batch", MAX_BATCH_GRAPHS)
+        return result
+
+    def _batched_step(self, steps: list[_DeferredStep], kv_len: int | None = None,
+                      draft_kv_len: int | None = None) -> torch.Tensor:
+        """_device_step for several sequences at once: the drafting ones' guesses (_draft_passes), the plain ones'
+        projections, one target pass over every sequence's verify rows, then each one's sampling and acceptance.
+        kv_len, draft_kv_len: the cache rows every sequence's target and drafter passes read (a graph's), or None:
+        each its own (eagerly)."""
+        drafting = [d for d in steps if d.n > 0]
+        guesses = iter(self._draft_passes(drafting, draft_kv_len) if drafting else ())  # in the order of `steps`
+        tokens = [torch.cat([d.seq.state.last, next(guesses)]) if d.n > 0
+                  else self._step_tokens(d.seq, d.n, d.T, 0, d.project) for d in steps]
+        positions = torch.cat([self._positions(d.seq.state.start, d.T) for d in steps])
+        logits, taps = self.target.forward_segments(
+            torch.cat(tokens), positions, [(d.T, d.seq.target_cache, kv_len or d.start + d.T) for d in steps],
+            self.tap_ids)
+        results, at = [], 0
+        for d, step_tokens in zip(steps, tokens):
+            rows = slice(at, at + d.T)
+            results.append(self._finish_step(d.seq, step_tokens, logits[rows], taps[rows] if taps is not None else None,
+                                             d.n))
+            at += d.T
+        return torch.cat(results)
+
+    def _draft_passes(self, steps: list[_DeferredStep], kv_len: int | None = None) -> list[torch.Tensor]:
+        """_draft_pass for several sequences at once (a batched step's): their waiting context rows projected
+        together, their blocks in one drafter pass, the LM head over every block's guess rows (eagerly the n of
+        each; in a graph, kv_len given, all B - 1, which the position masks of the longer reads need); then each
+        sequence's n guesses (its oracle's in their place, where it has one)."""
+        B, exact = self.block_size, kv_len is None
+        waiting = [(*taken, d.seq.draft_cache) for d in steps
+                   if (taken := self._take_waiting(d.seq, exact)) is not None]
         if waiting:
             self.drafter.add_context_segments(waiting)
         block, positions = (torch.cat(parts) for parts in zip(*(self._draft_block(d.seq) for d in steps)))
-        hidden = self.drafter.forward_segments(self.target.embed(block), positions,
-                                               [(d.seq.draft_cache, d.draft_kv_len) for d in steps])
-        best = _best(self.target.logits(torch.cat([hidden[j * B + 1:j * B + 1 + d.n]
-                                                   for j, d in enumerate(steps)])), 1)
+        segments = []
+        for j, d in enumerate(steps):
+            cache = d.seq.draft_cache
+            if exact:
+                segments.append((cache, cache.kv_len(d.start + B), None))
+            else:  # rows past the block hidden (a window cache masks by the positions its rows hold, itself)
+                last = positions[(j + 1) * B - 1:(j + 1) * B]
+                segments.append((cache, kv_len, None if isinstance(cache, WindowKVCache) else
+                                 torch.arange(kv_len, device=self.device)[None, :] <= last[:, None]))
+        hidden = self.drafter.forward_segments(self.target.embed(block), positions, segments)
+        take = [d.n if exact else B - 1 for d in steps]
+        best = _best(self.target.logits(torch.cat([hidden[j * B + 1:j * B + 1 + t] for j, t in enumerate(take)])), 1)
         out, at = [], 0
-        for d in steps:
+        for d, t in zip(steps, take):
             out.append(self._oracle_guesses(d.seq, best[at:at + d.n]))
-            at += d.n
+            at += t
         return out
 
     def withdraw(self, launched: Launched) -> None:

@@ -182,28 +182,40 @@ class Attention(nn.Module):
         out = grouped_attention(q[None], keys[None], values[None], mask)
         return out[0].transpose(0, 1).reshape(T, self.n_heads * self.head_dim)
 
-    def prepped_forward(self, x, cos, sin, cache_k, cache_v, positions, kv_len: int,
-                        mask: torch.Tensor | None) -> torch.Tensor:
-        """attention(x) for a few-row cached pass of normed rows x: the q/k/v products (one where they are fused),
-        qkv_prep (q/k norm, RoPE, cache writes: one kernel), decode_attention and o_proj
+    def prepped_forward(self, x, cos, sin, segments: list[AttentionSegment]) -> torch.Tensor:
+        """attention(x) for a few-row cached pass of normed rows x (one sequence's, or several sequences' rows in
+        turn, each segment over its own cache): the q/k/v products over all rows (one where they are fused), per
+        segment qkv_prep (q/k norm, RoPE, cache writes: one kernel) and decode_attention, o_proj over all rows
         (DecoderLayer.quant_forward)."""
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x)
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        q = self._prep_into_cache(qkv, cos, sin, positions, cache_k, cache_v, self.n_heads, *self._head_norms())
-        return self.o_proj(decode_attention(q.transpose(0, 1), cache_k[:, :kv_len], cache_v[:, :kv_len],
-                                            _rows_mask(mask)))
+        return self.o_proj(self._prepped_attention(qkv, cos, sin, segments))
 
-    def fused_forward(self, h, norm_eps: float, cos, sin, cache_k, cache_v, positions, kv_len: int,
-                      mask: torch.Tensor | None) -> torch.Tensor:
-        """h + attention(rms_norm(h)) for a few-row cached pass in four kernels (DecoderLayer.fused_forward): the
-        q/k/v GEMM with the input norm (its weight folded into the q/k/v weight), qkv_prep, decode_attention,
-        o_proj with the residual add in its epilogue. Needs fused q/k/v weights."""
+    def fused_forward(self, h, norm_eps: float, cos, sin, segments: list[AttentionSegment]) -> torch.Tensor:
+        """h + attention(rms_norm(h)) for a few-row cached pass (one sequence's, or several sequences' rows in
+        turn) in 2 + 2 x segments kernels (DecoderLayer.fused_forward): the q/k/v GEMM over all rows with the
+        input norm (its weight folded into the q/k/v weight), per segment qkv_prep and decode_attention over its
+        cache, o_proj over all rows with the residual add in its epilogue. Needs fused q/k/v weights. Every
+        kernel computes a row from that row (and its own cache) alone, so a row's bits do not depend on the other
+        segments."""
         qkv = skinny_linear(h, self.qkv_proj.weight, self.qkv_proj.bias, rms_norm_eps=norm_eps)
-        q = self._prep_into_cache(qkv, cos, sin, positions, cache_k, cache_v, self.n_heads, *self._head_norms())
-        out = decode_attention(q.transpose(0, 1), cache_k[:, :kv_len], cache_v[:, :kv_len], _rows_mask(mask))
-        return skinny_linear(out, self.o_proj.weight, self.o_proj.bias, residual=h)
+        return skinny_linear(self._prepped_attention(qkv, cos, sin, segments), self.o_proj.weight, self.o_proj.bias,
+                             residual=h)
+
+    def _prepped_attention(self, qkv: torch.Tensor, cos, sin, segments: list[AttentionSegment]) -> torch.Tensor:
+        """Each segment's rows of the q/k/v projection through qkv_prep into its cache and decode_attention over
+        it: [rows, heads * head_dim], the segments' rows in turn."""
+        out, at = [], 0
+        for s in segments:
+            rows = slice(at, at + s.rows)
+            q = self._prep_into_cache(qkv[rows], cos[rows], sin[rows], s.positions, s.cache_k, s.cache_v,
+                                      self.n_heads, *self._head_norms())
+            out.append(decode_attention(q.transpose(0, 1), s.cache_k[:, :s.kv_len], s.cache_v[:, :s.kv_len],
+                                        _rows_mask(s.mask)))
+            at += s.rows
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     def write_context_kv(self, kv: torch.Tensor, cos, sin, positions, cache_k, cache_v) -> None:
         """Keys (k_norm, RoPE) and values of context rows into the cache, from their fused [k; v] projection kv

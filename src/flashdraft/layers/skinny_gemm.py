@@ -206,7 +206,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     even_k = k % (split * config.block_k) == 0
     pdl = {"launch_pdl": True} if config.pdl and x.device.type == "cuda" else {}
-    kern.skinny_gemm_kernel[(-(-n // config.block_n), split, m_tiles)](
+    kern.skinny_gemm_kernel[(m_tiles, -(-n // config.block_n), split)](
         x2, weight, bias if bias is not None else y, y, part,
         res2 if res2 is not None else y, m, n, x2.stride(0), weight.stride(0), y.stride(0),
         res2.stride(0) if res2 is not None else 0, float(rms_norm_eps or 0.0), K=k,
@@ -242,7 +242,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   gated: bool = False) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias) with the batch-invariant Triton kernel (see the module docstring):
     each output row is bitwise independent of how many rows go through together. Meant for few rows (<= 16
-    reads the weights once; more rows re-read them per 16-row tile). Fusions, all in fp32 with one rounding:
+    reads the weights once; more rows, a batched step's, take a program per 16-row tile of each weight tile, side
+    by side, so that the others mostly find the weight tile in L2). Fusions, all in fp32 with one rounding:
 
     - rms_norm_eps: x is RMS-normalized first, without a weight: x * rsqrt(mean(x * x) + rms_norm_eps) (an RMSNorm's
       weight goes into W's columns beforehand: fold_norm_weight);

@@ -171,7 +171,7 @@ class ServerState:
             elif s.ngram:  # --spec-draft-n-max sets how far a lookup proposes
                 ngram = NgramSettings(max_draft=s.spec_n_max) if s.spec_n_max else NgramSettings()
             engine = Engine.load(s.model, s.drafter, device=s.device, context_size=s.ctx_size, ngram=ngram,
-                                 name=demo_name(s.model), **s.cache_options)
+                                 name=demo_name(s.model), slots=s.n_slots, **s.cache_options)
             if not (s.drafting and engine.drafts):
                 fixed_draft = 0
             else:

@@ -363,7 +363,7 @@ class Scheduler:
                                            sequence=slot.sequence, n_min=r.n_min, n_max=r.n_max,
                                            reuse_prefix=r.cache_prompt, context_shift=self.context_shift,
                                            n_keep=r.n_keep, prompt_progress=True,
-                                           batch_steps=self.engine.decoder.batches)
+                                           batch_steps=len(self.slots) > 1)
 
     def _release(self, slot: Slot) -> None:
         if slot.iterator is not None:

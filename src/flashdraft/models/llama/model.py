@@ -73,11 +73,14 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, cos, sin, cache_k, cache_v, positions, kv_len: int, mask: torch.Tensor | None):
         if h.shape[0] <= self.fused_rows:
-            path = self.fused_forward if self.norms_folded else self.quant_forward
-            return path(h, cos, sin, cache_k, cache_v, positions, kv_len, mask)
+            return self._few_rows_path(h, cos, sin, [AttentionSegment(h.shape[0], cache_k, cache_v, positions, kv_len,
+                                                                      mask)])
         if self._compiled_module_path is not None:
             return self._compiled_module_path(self, h, cos, sin, cache_k, cache_v, positions, kv_len, mask)
         return self.module_forward(h, cos, sin, cache_k, cache_v, positions, kv_len, mask)
+
+    def _few_rows_path(self, h, cos, sin, segments: list[AttentionSegment]):
+        return (self.fused_forward if self.norms_folded else self.quant_forward)(h, cos, sin, segments)
 
     def compile_module_path(self) -> None:
         """torch.compile the module path alone, for a layer on a fused path: its passes of more rows than that path
@@ -94,32 +97,34 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def segments_forward(self, h, cos, sin, segments: list[AttentionSegment]):
-        """The block module by module over several sequences' rows at once (a batched step): each sequence's
-        attention over its own cache, the rest over all rows."""
+        """The block over several sequences' rows at once (a batched step), each sequence's attention over its own
+        cache, the rest over all rows: the fused (or quantized) path where all rows fit it, else module by
+        module."""
+        if h.shape[0] <= self.fused_rows:
+            return self._few_rows_path(h, cos, sin, segments)
         h = h + self.self_attn.segments_forward(self.input_layernorm(h), cos, sin, segments)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def fused_forward(self, h, cos, sin, cache_k, cache_v, positions, kv_len: int, mask: torch.Tensor | None):
-        """The same block in six kernel launches: four GEMMs, qkv_prep and attention. Each RMSNorm runs in the
-        GEMM that reads its output (its weight folded into that GEMM's weight: prepare), each residual add in
-        the epilogue of the GEMM that produces it, SwiGLU in the gate/up GEMM's epilogue, and q/k norm, RoPE and
-        the cache writes in one kernel (layers.qkv_prep). At batch 1 the elementwise kernels and the gaps between
-        launches cost a sixth of a step otherwise."""
+    def fused_forward(self, h, cos, sin, segments: list[AttentionSegment]):
+        """The same block in four GEMMs and, per segment (a sequence's rows and cache), qkv_prep and attention.
+        Each RMSNorm runs in the GEMM that reads its output (its weight folded into that GEMM's weight: prepare),
+        each residual add in the epilogue of the GEMM that produces it, SwiGLU in the gate/up GEMM's epilogue,
+        and q/k norm, RoPE and the cache writes in one kernel (layers.qkv_prep). At batch 1 the elementwise
+        kernels and the gaps between launches cost a sixth of a step otherwise."""
         mlp = self.mlp
-        h = self.self_attn.fused_forward(h, self.input_layernorm.eps, cos, sin, cache_k, cache_v, positions, kv_len,
-                                         mask)
+        h = self.self_attn.fused_forward(h, self.input_layernorm.eps, cos, sin, segments)
         act = skinny_linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, rms_norm_eps=self.post_attention_layernorm.eps,
                             gated=True)
         return skinny_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)
 
-    def quant_forward(self, h, cos, sin, cache_k, cache_v, positions, kv_len: int, mask: torch.Tensor | None):
+    def quant_forward(self, h, cos, sin, segments: list[AttentionSegment]):
         """The same block for projections held as GGUF blocks, whose kernels cannot take a norm or an epilogue:
         the quantized products, each RMSNorm one kernel (the second with the residual add before it), q/k norm,
         RoPE and the cache writes one kernel (qkv_prep), attention, and eager SwiGLU and residual add. Every
         kernel computes a row from that row alone, so a token's bits are the same in a verify block as alone,
         which the compiled module path did not give (rms_norm_rows)."""
         h, x = rms_norm_rows(h, self.input_layernorm.weight, self.input_layernorm.eps)
-        attn = self.self_attn.prepped_forward(x, cos, sin, cache_k, cache_v, positions, kv_len, mask)
+        attn = self.self_attn.prepped_forward(x, cos, sin, segments)
         h, x = rms_norm_rows(h, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps, attn)
         return h + self.mlp(x)
 
@@ -213,7 +218,9 @@ class DecoderLM(nn.Module):
         """forward for several sequences' rows in one pass (a batched step of their decoding): tokens [R] and
         positions [R] hold each segment's rows in turn, a segment being (rows, its sequence's cache, kv_len), each
         row causal by absolute position over its own cache's first kv_len rows. Returns forward's outputs for all R
-        rows (module path only: the passes that run the fused or compiled layers are one sequence's)."""
+        rows. The layers take their few-row path where all R rows fit it (each row's bits its own, as alone), else
+        the module path; the final norm runs per segment, so that a row gets the bits its sequence's pass alone
+        gives it (a reduction kernel's tiling may follow the row count)."""
         cos, sin = self.rope(positions)
         parts, at = [], 0
         for rows, cache, kv_len in segments:
@@ -222,11 +229,12 @@ class DecoderLM(nn.Module):
             at += rows
         return self._run_layers(tokens, tap_ids, None, lambda layer, i, h: layer.segments_forward(
             h, cos, sin, [AttentionSegment(rows, cache.k[i], cache.v[i], p, kv_len, mask)
-                          for rows, cache, p, kv_len, mask in parts]))
+                          for rows, cache, p, kv_len, mask in parts]), [rows for rows, *_ in segments])
 
-    def _run_layers(self, tokens: torch.Tensor, tap_ids: list[int] | None, logits_row: torch.Tensor | None, layer_pass):
+    def _run_layers(self, tokens: torch.Tensor, tap_ids: list[int] | None, logits_row: torch.Tensor | None, layer_pass,
+                    segment_rows: list[int] | None = None):
         """Embed tokens, run each decoder layer as layer_pass(layer, index, h) says, and return the logits and taps
-        (forward's outputs)."""
+        (forward's outputs); segment_rows: the final norm over each segment's rows apart."""
         h = self.embed(tokens)
         taps = {}
         wanted = set(tap_ids or ())
@@ -236,9 +244,16 @@ class DecoderLM(nn.Module):
                 taps[i] = h
         if logits_row is not None:  # a [1] index on the device: a graphed pass's varies from replay to replay
             h = h.index_select(0, logits_row)
-        logits = self.logits(self.model.norm(h))
+        logits = self.logits(_norm_segments(self.model.norm, h, segment_rows))
         tap_out = torch.cat([taps[i] for i in tap_ids], dim=-1) if tap_ids else None
         return logits, tap_out
+
+
+def _norm_segments(norm: nn.Module, h: torch.Tensor, segment_rows: list[int] | None) -> torch.Tensor:
+    """norm(h), over each segment's rows apart where segment_rows is given (more than one)."""
+    if segment_rows is None or len(segment_rows) == 1:
+        return norm(h)
+    return torch.cat([norm(part) for part in h.split(segment_rows)])
 
 
 def _in_window(taps: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -299,16 +314,18 @@ class DFlashDrafter(nn.Module):
         taps, positions = _in_window(taps, positions, cache)
         cache.record(positions)
         if 0 < taps.shape[0] <= self.context_fused_rows:
-            return self._add_context_fused(taps, positions, cache)
+            return self._add_context_fused([(taps, positions, cache)])
         self._write_context([(taps, positions, cache)])
 
     def add_context_segments(self, parts: list[tuple[torch.Tensor, torch.Tensor, KVCache]]) -> None:
-        """add_context for several sequences at once, (taps, positions, cache) each (a batched step's; the module
-        path): fc, hidden_norm and each layer's key/value projection over all their rows, each sequence's rows
-        written to its own cache."""
+        """add_context for several sequences at once, (taps, positions, cache) each (a batched step's): fc,
+        hidden_norm and each layer's key/value projection over all their rows, each sequence's rows written to its
+        own cache; the fused path where all rows fit it."""
         parts = [(*_in_window(taps, positions, cache), cache) for taps, positions, cache in parts]
         for _, positions, cache in parts:
             cache.record(positions)
+        if 0 < sum(taps.shape[0] for taps, _, _ in parts) <= self.context_fused_rows:
+            return self._add_context_fused(parts)
         self._write_context(parts)
 
     def _write_context(self, parts: list[tuple[torch.Tensor, torch.Tensor, KVCache]]) -> None:
@@ -344,13 +361,20 @@ class DFlashDrafter(nn.Module):
             self.context_kv.append((weight, bias))
         self.context_fused_rows = self.plan.max_rows
 
-    def _add_context_fused(self, taps: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> None:
+    def _add_context_fused(self, parts: list[tuple[torch.Tensor, torch.Tensor, KVCache]]) -> None:
+        """The fused context projection of (taps, positions, cache) parts: fc and each layer's [k; v] GEMM over all
+        their rows, each part's keys and values into its own cache (qkv_prep)."""
+        taps = parts[0][0] if len(parts) == 1 else torch.cat([taps for taps, _, _ in parts])
         fc_out = self.fc(taps)
-        cos, sin = self.rope(positions)
-        rows = cache.rows(positions)
+        cos, sin = self.rope(parts[0][1] if len(parts) == 1 else torch.cat([p for _, p, _ in parts]))
+        cache_rows = [cache.rows(positions) for _, positions, cache in parts]
         for i, (layer, (weight, bias)) in enumerate(zip(self.layers, self.context_kv)):
             kv = skinny_linear(fc_out, weight, bias, rms_norm_eps=self.hidden_norm.eps)
-            layer.self_attn.write_context_kv(kv, cos, sin, rows, cache.k[i], cache.v[i])
+            at = 0
+            for (part_taps, _, cache), rows in zip(parts, cache_rows):
+                span = slice(at, at + part_taps.shape[0])
+                layer.self_attn.write_context_kv(kv[span], cos[span], sin[span], rows, cache.k[i], cache.v[i])
+                at = span.stop
 
     def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -369,18 +393,19 @@ class DFlashDrafter(nn.Module):
         return self.norm(h)
 
     def forward_segments(self, block_embeds: torch.Tensor, positions: torch.Tensor,
-                         segments: list[tuple[KVCache, int]]) -> torch.Tensor:
-        """forward for several sequences' blocks in one pass (a batched step's; the module path): block_embeds and
-        positions hold the blocks in turn, each block (B rows) over its own (cache, kv_len)."""
+                         segments: list[tuple[KVCache, int, torch.Tensor | None]]) -> torch.Tensor:
+        """forward for several sequences' blocks in one pass (a batched step's): block_embeds and positions hold the
+        blocks in turn, each block (B rows) over its own (cache, kv_len, mask: as forward's); the layers' few-row
+        path where all blocks fit it, the final norm per block (as DecoderLM.forward_segments)."""
         B = self.block_size
         cos, sin = self.rope(positions)
-        parts = [(cache, *_block_rows(cache, positions[j * B:(j + 1) * B], kv_len, None), kv_len)
-                 for j, (cache, kv_len) in enumerate(segments)]
+        parts = [(cache, *_block_rows(cache, positions[j * B:(j + 1) * B], kv_len, mask), kv_len)
+                 for j, (cache, kv_len, mask) in enumerate(segments)]
         h = block_embeds
         for i, layer in enumerate(self.layers):
             h = layer.segments_forward(h, cos, sin, [AttentionSegment(B, cache.k[i], cache.v[i], rows, kv_len, mask)
                                                      for cache, rows, mask, kv_len in parts])
-        return self.norm(h)
+        return _norm_segments(self.norm, h, [B] * len(segments))
 
     def forward_train(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, taps: torch.Tensor,
                       mask: torch.Tensor) -> torch.Tensor:

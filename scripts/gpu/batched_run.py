@@ -1,0 +1,159 @@
+"""Batched steps of several streams (issue #23) on the engine's default GPU path: N sequences stepped together
+(launch with defer, one flush a round: one drafter pass, one target pass over every sequence's rows, graphed per
+composition) against one sequence's pipelined steps.
+
+    PYTHONPATH=src python scripts/gpu/batched_run.py OUT [--shape qwen3-8b] [--streams 1,2,4,8,16] [--tau 6]
+
+For each N, plain and DFlash (planted oracle at tau, the drafter really running): total tok/s over the timed
+rounds, per-stream tok/s, and the ratios the issue asks for (total against one stream's; per-stream DFlash
+speedup against the single stream's). First, checks: the fused target pass over segments gives every row the bits
+of its sequence's pass alone, and batched greedy tokens equal each sequence's alone. Runs on the CPU too (a tiny
+shape, eager), to try the script. Writes OUT/batched.json and prints the table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from flashdraft.bench.oracle import PlantedOracle
+from flashdraft.bench.synthetic import SHAPES, build_synthetic, synchronize
+from flashdraft.config import SamplingParams
+from flashdraft.engine.generator import Engine
+from flashdraft.engine.model_prep import resolve_plan
+
+
+def log(*parts) -> None:
+    print(*parts, flush=True)
+
+
+def check_rows(engine: Engine, dev: torch.device) -> bool:
+    """Three sequences' rows (16 + 1 + 16) in one target pass against each sequence's pass alone: bitwise."""
+    target, taps = engine.decoder.target, engine.decoder.tap_ids
+    g = torch.Generator(device="cpu").manual_seed(0)
+    vocab = target.config.vocab_size
+    alone_caches = [target.new_cache(128) for _ in range(3)]
+    batch_caches = [target.new_cache(128) for _ in range(3)]
+    tokens, positions, segments, alone = [], [], [], []
+    with torch.inference_mode():
+        for i, (start, rows) in enumerate([(40, 16), (7, 1), (80, 16)]):
+            history = torch.randint(0, vocab, (start,), generator=g).to(dev)
+            for cache in (alone_caches[i], batch_caches[i]):  # the same earlier rows in both caches
+                target(history, torch.arange(start, device=dev), cache, start, causal=True)
+            t = torch.randint(0, vocab, (rows,), generator=g).to(dev)
+            p = torch.arange(start, start + rows, device=dev)
+            alone.append(target(t, p, alone_caches[i], start + rows, taps))
+            tokens.append(t)
+            positions.append(p)
+            segments.append((rows, batch_caches[i], start + rows))
+        logits, tap_out = target.forward_segments(torch.cat(tokens), torch.cat(positions), segments, taps)
+    same, at = True, 0
+    for (rows, _, _), (ref_logits, ref_taps) in zip(segments, alone):
+        same &= torch.equal(logits[at:at + rows], ref_logits) and torch.equal(tap_out[at:at + rows], ref_taps)
+        at += rows
+    return bool(same)
+
+
+def run_streams(engine: Engine, prompts: list[list[int]], draft: int, oracles, rounds: int, warm: int,
+                params: SamplingParams) -> tuple[float, list[list[int]]]:
+    """Step len(prompts) sequences together: `warm` untimed rounds (graph captures), then `rounds` timed ones.
+    Returns (committed tokens per second over the timed rounds, each sequence's tokens after its prompt)."""
+    dec = engine.decoder
+    seqs = [dec.new_sequence(o) for o in oracles]
+    for seq, p in zip(seqs, prompts):
+        dec.prefill(seq, p, params, 0)
+    counted, began = 0, None
+    for r in range(warm + rounds):
+        if r == warm:
+            synchronize(dec.device)
+            began, counted = time.perf_counter(), 0
+        launched = [dec.launch(seq, draft, defer=True) for seq in seqs]
+        dec.flush()
+        for seq, step in zip(seqs, launched):
+            counted += len(dec.collect(seq, step).committed)
+    synchronize(dec.device)
+    return counted / (time.perf_counter() - began), [seq.tokens[len(p):] for seq, p in zip(seqs, prompts)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--shape", default=None, help="synthetic shape (default qwen3-8b on CUDA, tiny on the CPU)")
+    ap.add_argument("--streams", default="1,2,4,8,16")
+    ap.add_argument("--tau", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=24)
+    ap.add_argument("--warm", type=int, default=4)
+    ap.add_argument("--context", type=int, default=512, help="prompt tokens of each stream")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    shape = args.shape or ("qwen3-8b" if dev.type == "cuda" else "tiny")
+    streams = [int(s) for s in args.streams.split(",")]
+    B = SHAPES[shape][2]
+    tokens = (args.warm + args.rounds) * B + 64
+    capacity = args.context + tokens + 64
+    plan = resolve_plan(dev, block_size=B, slots=max(streams))
+    target, drafter = build_synthetic(shape, dev, dtype, capacity, plan=plan)
+    engine = Engine(target, None, drafter, context_size=capacity)
+    dec = engine.decoder
+    log(f"{shape} on {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}: plan {plan}, batches "
+        f"{dec.batches}, graphs {dec.graphs is not None}, block {B}, prompt {args.context}")
+    if not dec.batches:
+        log("the decoder does not batch steps on this path: nothing to measure")
+        return 1
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    vocab = target.config.vocab_size
+    prompts = [[1 + (7 * i + j) % (vocab - 2) for j in range(args.context)] for i in range(max(streams))]
+    t0 = time.perf_counter()
+    references = [p + engine.generate(p, params, 0).tokens for p in prompts[:max(streams)]]
+    log(f"references: {time.perf_counter() - t0:.1f} s")
+    accept = min(args.tau - 1, B - 1)
+
+    def oracles(n):
+        return [PlantedOracle(r, lambda s: accept, vocab, dev) for r in references[:n]]
+
+    report = {"shape": shape, "device": str(dev), "plan": str(plan), "tau": accept + 1, "rounds": args.rounds,
+              "context": args.context, "checks": {}, "rows": []}
+    report["checks"]["rows_bitwise"] = check_rows(engine, dev)
+    log(f"check: target rows over segments bitwise as alone: {report['checks']['rows_bitwise']}")
+    # one sequence's pipelined steps (the engine's single-stream path), plain and DFlash
+    singles = {}
+    for name, draft in (("plain", 0), ("dflash", B - 1)):
+        seq = engine.new_sequence(oracles(1)[0] if draft else None)
+        engine.generate(prompts[0], params, draft, sequence=seq)  # captures
+        result = engine.generate(prompts[0], params, draft, sequence=engine.new_sequence(oracles(1)[0] if draft else None))
+        s = result.stats
+        singles[name] = (s.predicted_n - 1) / (s.predicted_ms / 1000)
+        report["checks"][f"single_{name}_identical"] = prompts[0] + result.tokens == references[0][:len(prompts[0]) + len(result.tokens)]
+    log(f"one stream, pipelined: plain {singles['plain']:.1f} tok/s, DFlash {singles['dflash']:.1f} tok/s "
+        f"({singles['dflash'] / singles['plain']:.2f}x)")
+    report["single"] = singles
+    for n in streams:
+        row = {"streams": n}
+        for name, draft in (("plain", 0), ("dflash", B - 1)):
+            tok_s, committed = run_streams(engine, prompts[:n], draft, oracles(n) if draft else [None] * n,
+                                           args.rounds, args.warm, params)
+            identical = all(r[len(p):len(p) + len(c)] == c for r, p, c in zip(references, prompts, committed))
+            row[name] = {"total_tok_s": tok_s, "per_stream_tok_s": tok_s / n, "identical": identical}
+        row["dflash_speedup_per_stream"] = row["dflash"]["per_stream_tok_s"] / row["plain"]["per_stream_tok_s"]
+        row["dflash_total_vs_one_stream"] = row["dflash"]["total_tok_s"] / singles["dflash"]
+        report["rows"].append(row)
+        log(f"{n:3d} streams: plain {row['plain']['total_tok_s']:8.1f} tok/s total ({row['plain']['per_stream_tok_s']:7.1f}"
+            f" each), DFlash {row['dflash']['total_tok_s']:8.1f} total ({row['dflash']['per_stream_tok_s']:7.1f} each, "
+            f"{row['dflash_speedup_per_stream']:.2f}x plain per stream; {row['dflash_total_vs_one_stream']:.2f}x one "
+            f"pipelined stream's); tokens as alone: plain {row['plain']['identical']}, DFlash {row['dflash']['identical']}")
+        if dev.type == "cuda":
+            log(f"     batch graphs {sum(1 for k in dec.graphs.graphs if k[0] == 'batch')}, peak memory "
+                f"{torch.cuda.max_memory_allocated() / 2 ** 30:.1f} GiB")
+    (out / "batched.json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

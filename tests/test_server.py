@@ -331,6 +331,12 @@ def test_concurrent_clients_share_slots_fairly(server, engine):
     steps, slots, step_tokens = (metric(server, "flashdraft:batched_step" + name + "_total") - batched[name]
                                  for name in ("s", "_slots", "_tokens"))
     assert steps > 0 and steps < slots <= 2 * steps and step_tokens >= slots
+    # /slots: each slot's last request's steps and drafts (tau: tokens a step), its steps batched
+    for slot in idle_slots(server.url):
+        assert slot["batched_steps"] is True and slot["n_steps"] > 0
+        assert 0 <= slot["draft_n_accepted"] <= slot["draft_n"] <= 7 * slot["n_steps"]
+        assert slot["tau"] == pytest.approx((slot["n_steps"] + slot["draft_n_accepted"]) / slot["n_steps"])
+        assert 1 <= slot["tau"] and slot["n_steps"] <= slot["n_decoded"] <= slot["n_steps"] * slot["tau"] + 1
     order = [k for _, k in sorted(arrivals)]
     assert order.index("b") < len(order) - 1 - order[::-1].index("a"), "slot b waited for a to finish"
     assert len(health_seconds) == 3 and sorted(health_seconds)[1] < 1.0, health_seconds

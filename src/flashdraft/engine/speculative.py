@@ -175,6 +175,10 @@ class Sequence:
     # written into the decoder: an oracle is made for one prompt's generations (PlantedOracle plants one reference
     # continuation), and the decoder's other sequences (a server's slots, the warm-up's) draft with the drafter.
     oracle: Oracle | None = None
+    # Since the last prefill: steps committed, guesses they proposed and accepted (a server's /slots shows them).
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
 
 
 @dataclass
@@ -342,6 +346,7 @@ class SpeculativeDecoder:
             raise ValueError("a constrained request needs its compiled grammar")
         reused = self.reusable_rows(seq, prompt) if reuse else 0
         seq.tokens, seq.reused, seq.params, seq.in_flight = list(prompt[:reused + 1]), reused, params, 0
+        seq.steps = seq.drafted = seq.accepted = 0
         if self.drafter is not None:  # no context rows wait: the drafter's cache holds the reused positions
             seq.projected, seq.waiting = reused, 0
             if seq.state is not None:
@@ -812,6 +817,7 @@ class SpeculativeDecoder:
         acc = host[0]
         committed = host[1:acc + 2]
         seq.tokens.extend(committed)
+        seq.steps, seq.drafted, seq.accepted = seq.steps + 1, seq.drafted + n, seq.accepted + acc
         return StepResult(committed=committed, drafted=n, accepted=acc, seconds=seconds)
 
     def _host_step(self, seq: Sequence, n: int, lookup: list[int] | None = None) -> StepResult:

@@ -166,11 +166,16 @@ class Slot:
     choice_events: int = 0          # events the current choice has given
     last_used: int = 0              # when the slot last took a job (the scheduler's count of jobs started)
 
-    def state(self, context_size: int) -> dict:
-        job = self.job  # read once: the worker may finish it meanwhile
+    def state(self, context_size: int, batched: bool) -> dict:
+        """/slots' entry: llama-server's fields, the decoding steps of the slot's current (or last) request with
+        their drafts (tau: tokens committed a step), whether its steps run batched with the other slots', and its
+        draft policy."""
+        job, seq = self.job, self.sequence  # read once: the worker may finish it meanwhile
+        steps, drafted, accepted = seq.steps, seq.drafted, seq.accepted
         state = {"id": self.id, "is_processing": job is not None, "id_task": job.id if job else None,
                  "n_ctx": context_size, "n_prompt_tokens": self.n_prompt, "n_decoded": self.n_decoded,
-                 "requests": self.requests}
+                 "requests": self.requests, "n_steps": steps, "draft_n": drafted, "draft_n_accepted": accepted,
+                 "tau": (steps + accepted) / steps if steps else None, "batched_steps": batched}
         policy_state = getattr(self.policy, "state", None)
         if callable(policy_state):
             state["draft_policy"] = policy_state()
@@ -267,7 +272,8 @@ class Scheduler:
         return len(self.pending)
 
     def slots_state(self) -> list[dict]:
-        return [s.state(self.engine.context_size) for s in self.slots]
+        batched = len(self.slots) > 1 and self.engine.decoder.batches
+        return [s.state(self.engine.context_size, batched) for s in self.slots]
 
     # --- the worker thread -------------------------------------------------------------------------------------
 

@@ -253,6 +253,67 @@ def test_cost_model_is_fixed_at_creation_and_priced_per_device(engine):
     assert policy.state()["step_cost"] == pytest.approx(cpu.ratio(engine.max_draft))
 
 
+def test_a_batched_steps_cost_grows_with_its_streams(engine):
+    """estimate_cost for S streams stepping together: a batched step of S drafting streams against one of S plain
+    streams costs more plain steps the more streams share it (on a CPU soon, on a GPU slowly; a CPU's one-row pass
+    is cheaper than any multi-row one, so two streams' ratio is below one's), one stream's is the single stream's;
+    the engine makes each count's once and the policy it makes prices with them."""
+    d = engine.decoder
+    for device in ("cpu", "cuda"):
+        ratios = [estimate_cost(d.target, d.drafter, device, s).ratio(engine.max_draft) for s in (1, 2, 4, 16)]
+        assert ratios[1] < ratios[2] < ratios[3] and ratios[0] < ratios[3]
+        assert estimate_cost(d.target, d.drafter, device, 1) == estimate_cost(d.target, d.drafter, device)
+    assert ratios[3] > 1.3 * ratios[0]  # the GPU's, 16 streams: 128 verify rows (block 8)
+    assert estimate_cost(d.target, d.drafter, "cpu", 16).ratio(engine.max_draft) > 2 * ratios[0]
+    assert engine.draft_cost(4) is engine.draft_cost(4) and engine.draft_cost(1) == policy_cost(engine)
+    policy = AdaptiveDraft.for_engine(engine)
+    policy.set_streams(4)
+    assert policy.step_cost() == engine.draft_cost(4) and policy.state()["streams"] == 4
+    assert policy.state()["step_cost"] == pytest.approx(engine.draft_cost(4).ratio(engine.max_draft))
+    for bad in (0, 1.5, "2"):
+        with pytest.raises(ValueError, match="streams must be an integer >= 1"):
+            policy.set_streams(bad)
+
+
+def policy_cost(engine) -> DraftCost:
+    return AdaptiveDraft.for_engine(engine).cost
+
+
+class Steady(Pattern):
+    """Every step's first m guesses right: E(n) = min(m, n) + 1, no noise."""
+
+    def __init__(self, m: int):
+        self.m = m
+
+    def draw(self, rng: random.Random, n: int) -> int:
+        return min(self.m, n)
+
+    def expected(self, n: int) -> float:
+        return min(self.m, n) + 1.0
+
+
+def test_drafting_switches_off_where_the_batch_makes_it_lose_and_back_on_alone():
+    """Three tokens a drafting step pay alone (gain 1.5 at 2 plain steps a drafting step) but not in a batch of 8
+    streams (4.5 plain steps): drafting goes off once 8 streams step together, and a probe brings it back once the
+    slot steps alone again; a policy without a batch cost keeps drafting."""
+    costs = {1: DraftCost(fixed=0.7, per_token=0.02), 8: DraftCost(fixed=3.0, per_token=0.034)}
+    pattern = Steady(2)
+    batched, single = AdaptiveDraft(BASE, cost=costs[1], batch_cost=costs.__getitem__), AdaptiveDraft(BASE, cost=costs[1])
+    for policy in (batched, single):
+        serve_requests(policy, 2, 64, pattern)
+        assert policy.mode == "on" and policy.gain() == pytest.approx(1.5)
+        policy.set_streams(8)
+    assert batched.step_cost() == costs[8] and single.step_cost() == costs[1]
+    off = serve_requests(batched, 2, 64, pattern)
+    serve_requests(single, 2, 64, pattern)
+    assert batched.mode == "off" and batched.gain() == pytest.approx(3 / 4.51) and single.mode == "on"
+    assert off[:4] == [BASE] * 3 + [0]  # a clear loss (a third of a plain step a step): off after three steps
+    assert off.count(0) > 2 * off.count(BASE)  # then plain, but for probes
+    batched.set_streams(1)
+    lengths = serve_requests(batched, 4, 64, pattern)
+    assert batched.mode == "on" and batched.switches == 2 and all(n > 0 for n in lengths[-10:])
+
+
 def test_weight_bytes_counts_each_matrix_once():
     """Fused projections are views of one storage, a tied LM head is the embedding table, and an untied
     embedding table is not read by a pass (one row is looked up)."""
@@ -328,7 +389,7 @@ def test_one_log_line_per_switch(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "flashdraft.adaptive"]
     assert policy.switches >= 3 and len(lines) == policy.switches
     line = re.compile(r"adaptive drafting (on|off) \(expected \d+\.\d\d tokens per step at length 15, "
-                      r"step cost \d+\.\d\d plain steps: gain \d+\.\d\d\)")
+                      r"step cost \d+\.\d\d plain steps: gain \d+\.\d\d; 1 stream\(s\)\)")
     assert all(line.fullmatch(text) for text in lines), lines
     assert lines[-1].startswith("adaptive drafting off")
 

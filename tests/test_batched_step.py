@@ -211,3 +211,22 @@ def test_a_failed_batched_step_is_each_requests_error_and_the_next_one_runs(engi
     dec.prefill(fresh, PROMPTS[0], GREEDY, 0)
     dec.collect(fresh, dec.launch(fresh, 7, defer=True))
     assert fresh.tokens[len(PROMPTS[0]):] == _alone(engine, PROMPTS[0], GREEDY, 7)[:len(fresh.tokens) - len(PROMPTS[0])]
+
+
+def test_the_scheduler_prices_drafting_for_the_slots_stepping_together(engine, monkeypatch):
+    """Each round, the busy slots' draft policies learn how many streams step together (their batched step's cost
+    of drafting): the busy slots' count where steps batch, one where slots step in turn or alone."""
+    pytest.importorskip("fastapi")
+    from flashdraft.server.scheduler import Scheduler
+
+    scheduler = Scheduler(engine, 3, None, metrics=None)
+    scheduler._price_drafts(scheduler.slots[:2])
+    assert [slot.policy.streams for slot in scheduler.slots] == [2, 2, 1]
+    assert scheduler.slots[0].policy.step_cost() == engine.draft_cost(2)
+    monkeypatch.setattr(engine.decoder, "batches", False)  # slots stepping in turn (a GGUF model on the GPU)
+    scheduler._price_drafts(scheduler.slots)
+    assert [slot.policy.streams for slot in scheduler.slots] == [1, 1, 1]
+    monkeypatch.undo()
+    alone = Scheduler(engine, 1, None, metrics=None)
+    alone._price_drafts(alone.slots)
+    assert alone.slots[0].policy.streams == 1

@@ -8,7 +8,7 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 from flashdraft.config import PREFILL_CHUNK, Constraint, SamplingParams
 from flashdraft.loading.tokenizer import IncrementalText
@@ -61,7 +61,11 @@ class FixedDraft:
 #
 # - Acceptance: E(n), the tokens a step drafting n guesses commits (min(correct guesses, n) + 1), as an EWMA over
 #   the drafting steps; one full-block step tells it for every n at once.
-# - Cost: a step drafting n guesses costs R(n) = 1 + fixed + per_token * n plain steps.
+# - Cost: a step drafting n guesses costs R(n) = 1 + fixed + per_token * n plain steps. Where S streams step
+#   together (a server's batched steps), R is that of a batched step of S streams drafting n against one of S
+#   plain streams (estimate_cost's streams): the verify rows of all streams share one pass, which stops being
+#   nearly free once they are many (a CPU's products early, a GPU's once the rows' arithmetic outweighs the
+#   weights' reads), so drafting switches off where the batch would go faster without it.
 # - Gain G(n) = E(n) / R(n): throughput relative to plain decoding. Drafting stays on while G(full block) >= 1
 #   (losing steps are summed, so one unlucky step does not switch it off), and a probe switches it back on when
 #   G >= 1 + profit_min.
@@ -135,14 +139,18 @@ class Ewma:
 
 class AdaptiveDraft:
     """A DraftPolicy (next_length / record) that drafts the full block or nothing; one per slot, it keeps learning
-    across requests. state() is its JSON-able summary for /props and /metrics."""
+    across requests. state() is its JSON-able summary for /props and /metrics. batch_cost: the cost of a batched
+    step of S streams (set_streams), None: the cost of one stream's whatever the batch."""
 
-    def __init__(self, max_draft: int, config: AdaptiveConfig | None = None, cost: DraftCost | None = None):
+    def __init__(self, max_draft: int, config: AdaptiveConfig | None = None, cost: DraftCost | None = None,
+                 batch_cost: Callable[[int], DraftCost] | None = None):
         if not isinstance(max_draft, int) or max_draft < 0:
             raise ValueError(f"max_draft must be an integer >= 0, got {max_draft!r}")
         self.config = config or AdaptiveConfig()
         self.config.validate()
         self.cost = cost or DraftCost()
+        self.batch_cost = batch_cost
+        self.streams = 1  # streams stepping together (set_streams)
         self.base = max_draft
         # tokens[n]: what a step drafting n guesses commits, min(run of correct guesses, n) + 1, averaged over the
         # drafting steps (index 0 unused). Greedy guesses do not depend on the length drafted, so a step of length
@@ -163,14 +171,25 @@ class AdaptiveDraft:
     @classmethod
     def for_engine(cls, engine, config: AdaptiveConfig | None = None) -> "AdaptiveDraft":
         """A controller priced for an engine's target and drafter on its device (estimate_cost)."""
-        d = engine.decoder
-        cost = estimate_cost(d.target, d.drafter, d.device.type) if d.drafter is not None else None
-        return cls(engine.max_draft, config, cost)
+        if engine.decoder.drafter is None:
+            return cls(engine.max_draft, config)
+        return cls(engine.max_draft, config, engine.draft_cost(1), engine.draft_cost)
 
     @property
     def length(self) -> int:
         """The length drafted on ordinary steps: the full block while on, 0 while off."""
         return self.base if self.mode == ON else 0
+
+    def set_streams(self, streams: int) -> None:
+        """How many streams' steps run together from now on (a server's batched steps): the cost the decisions
+        price drafting at."""
+        if not isinstance(streams, int) or streams < 1:
+            raise ValueError(f"streams must be an integer >= 1, got {streams!r}")
+        self.streams = streams
+
+    def step_cost(self) -> DraftCost:
+        """The cost model of the steps now: one stream's, or a batched step's of the streams stepping together."""
+        return self.batch_cost(self.streams) if self.streams > 1 and self.batch_cost is not None else self.cost
 
     # --- DraftPolicy -------------------------------------------------------------------------------------------
 
@@ -237,7 +256,7 @@ class AdaptiveDraft:
     def gain(self, n: int | None = None) -> float:
         """E(n) / R(n): throughput of drafting n guesses (default the full block) relative to plain decoding."""
         n = self.base if n is None else n
-        return self.expected_tokens(n) / self.cost.ratio(n)
+        return self.expected_tokens(n) / self.step_cost().ratio(n)
 
     # --- decisions ---------------------------------------------------------------------------------------------
 
@@ -287,7 +306,8 @@ class AdaptiveDraft:
         self.mode = mode
         self.switches += 1
         adaptive_log.info("adaptive drafting %s (expected %.2f tokens per step at length %d, step cost %.2f plain steps: "
-                 "gain %.2f)", mode, self.expected_tokens(length), length, self.cost.ratio(length), self.gain(length))
+                 "gain %.2f; %d stream(s))", mode, self.expected_tokens(length), length, self.step_cost().ratio(length),
+                 self.gain(length), self.streams)
 
     # --- reporting ---------------------------------------------------------------------------------------------
 
@@ -300,9 +320,10 @@ class AdaptiveDraft:
             "length": self.length,
             "max_length": self.base,
             "expected_tokens": self.expected_tokens(self.base) if ready else None,
-            "step_cost": self.cost.ratio(self.base),
+            "step_cost": self.step_cost().ratio(self.base),
             "gain": self.gain() if ready else None,
             "cost": asdict(self.cost),
+            "streams": self.streams,
             "switches": self.switches,
             "steps": self.steps,
             "shortfall": self.shortfall,
@@ -363,12 +384,13 @@ def _storage(t) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def estimate_cost(target, drafter, device_type: str) -> DraftCost:
+def estimate_cost(target, drafter, device_type: str, streams: int = 1) -> DraftCost:
     """The cost of drafting steps relative to a plain step, from the weights each pass reads (once, at
     load: no timing). A drafting step of n guesses runs the drafter over its block, the target's LM head over the
     n drafted rows, and the target over n + 1 rows; a plain step runs the target over one row. A mixture of
-    experts reads about rows * top_k / num_experts of its experts in a pass (all of them at most). Fitted to
-    1 + fixed + per_token * n through n = 1 and n = block - 1."""
+    experts reads about rows * top_k / num_experts of its experts in a pass (all of them at most). streams: a
+    batched step of that many streams, each drafting n, against one of as many plain streams (every pass's rows
+    that many times over). Fitted to 1 + fixed + per_token * n through n = 1 and n = block - 1."""
     lm, experts, other = weight_bytes(target)
     _, d_experts, d_other = weight_bytes(drafter)
     cfg = target.config
@@ -376,12 +398,13 @@ def estimate_cost(target, drafter, device_type: str) -> DraftCost:
     block = drafter.block_size
 
     def target_pass(rows: int) -> float:
+        rows *= streams
         share = min(1.0, rows * top_k / n_experts) if n_experts and top_k else 1.0
         return rows_factor(rows, device_type) * (lm + other + experts * share)
 
     def drafting(n: int) -> float:
-        return (target_pass(n + 1) + rows_factor(block, device_type) * (d_other + d_experts)
-                + rows_factor(n, device_type) * lm)
+        return (target_pass(n + 1) + rows_factor(block * streams, device_type) * (d_other + d_experts)
+                + rows_factor(n * streams, device_type) * lm)
 
     plain = target_pass(1)
     if plain <= 0:
@@ -547,6 +570,7 @@ class Engine:
         self.adaptive = adaptive  # default policy: the adaptive controller (True) or the full block (False)
         self._default_policy: tuple[bool, DraftPolicy] | None = None  # (adaptive when made, the policy)
         self._prefill_lengths_met = False  # a warm-up has run every bucket's pass length once (warm_up)
+        self._draft_costs: dict[int, DraftCost] = {}  # draft_cost's, by streams
 
     @classmethod
     def load(cls, model: str | Path, drafter: str | Path | None = None, device=None, dtype=None,
@@ -719,6 +743,14 @@ class Engine:
                                     min_p=params.min_p, seed=0, max_tokens=max(1, tokens), ignore_eos=True)
             for draft in drafts:
                 self.generate(prompt, params, draft, sequence=sequence)
+
+    def draft_cost(self, streams: int = 1) -> DraftCost:
+        """estimate_cost of this engine's pair for `streams` streams stepping together (made once per count)."""
+        cost = self._draft_costs.get(streams)
+        if cost is None:
+            d = self.decoder
+            cost = self._draft_costs[streams] = estimate_cost(d.target, d.drafter, d.device.type, streams)
+        return cost
 
     def make_policy(self) -> DraftPolicy:
         """A new default draft-length policy, for a new slot (keep it for the slot's requests: it learns across

@@ -286,6 +286,7 @@ class Scheduler:
                     break
                 active = [s for s in self.slots if s.job is not None]
             self.metrics.on_round(len(active))
+            self._price_drafts(active)
             # slots whose step waits to run batched with the others' (StepLaunched): one flush runs them all, then
             # each collects its step
             waiting = [slot for slot in active if self._advance(slot)]
@@ -299,6 +300,15 @@ class Scheduler:
                     self._release(slot)
             while self.pending:
                 self.pending.popleft().post(ENDED, "shutdown")
+
+    def _price_drafts(self, active: list[Slot]) -> None:
+        """Tell the busy slots' draft policies how many streams step together this round (their steps' batched
+        pass prices drafting: AdaptiveDraft.set_streams); one where slots step in turn."""
+        streams = len(active) if len(self.slots) > 1 and self.engine.decoder.batches else 1
+        for slot in active:
+            set_streams = getattr(slot.policy, "set_streams", None)
+            if set_streams is not None:
+                set_streams(streams)
 
     def _assign(self) -> bool:
         """Give queued jobs (oldest first) to free slots; True when any slot has work."""

@@ -230,3 +230,28 @@ def test_the_scheduler_prices_drafting_for_the_slots_stepping_together(engine, m
     alone = Scheduler(engine, 1, None, metrics=None)
     alone._price_drafts(alone.slots)
     assert alone.slots[0].policy.streams == 1
+
+
+def test_a_stream_asks_before_each_launch_whether_to_defer(engine, monkeypatch):
+    """batch_steps as a function (a server's: more than one slot busy): a stream alone keeps its graphed steps
+    pipelined, defers them once others step beside it (a pipelined step still in flight is collected first), and
+    gives the plain stream's tokens throughout."""
+    dec = engine.decoder
+    monkeypatch.setattr(dec, "graphs", InlineGraphs())
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    plain = engine.generate(PROMPTS[0], params, 7)
+    asked = []
+
+    def others_busy() -> bool:  # alone for the first launches, then beside other streams
+        asked.append(len(asked) >= 4)
+        return asked[-1]
+
+    events, launched = [], 0
+    for event in engine.stream(PROMPTS[0], params, 7, sequence=engine.new_sequence(), batch_steps=others_busy):
+        if isinstance(event, StepLaunched):
+            launched += 1
+            dec.flush()
+        events.append(event)
+    assert events[-1].tokens == plain.tokens
+    assert launched > 0 and len(asked) > launched and asked[:4] == [False] * 4
+    assert "step" in dec.graphs.keys and "batch" in dec.graphs.keys

@@ -771,7 +771,8 @@ class Engine:
                sequence: Sequence | None = None, n_min: int = 0, n_max: int | None = None,
                reuse_prefix: bool = False, context_shift: bool = False, n_keep: int = 0,
                prompt_progress: bool = False,
-               batch_steps: bool = False) -> Iterator[Delta | PromptProgress | StepLaunched | GenerationResult]:
+               batch_steps: bool | Callable[[], bool] = False
+               ) -> Iterator[Delta | PromptProgress | StepLaunched | GenerationResult]:
         """Yield Delta events as tokens are committed, then one GenerationResult.
 
         draft: None = the engine's default policy (kept across requests: default_policy), an int = that fixed
@@ -786,8 +787,9 @@ class Engine:
         prompt_progress: yield a PromptProgress after each prefill pass (-ub tokens at most), so that the caller
         can report it or do other work between passes (a server steps its other slots). batch_steps: where the
         decoder batches steps (SpeculativeDecoder.batches), launch each step deferred and yield StepLaunched
-        before collecting it, so that a caller advancing several streams runs their steps as one (flush). Closing
-        the iterator stops the generation at once, between two prefill passes too.
+        before collecting it, so that a caller advancing several streams runs their steps as one (flush); a
+        function: asked before each launch (a server's lone busy slot keeps its steps pipelined). Closing the
+        iterator stops the generation at once, between two prefill passes too.
         """
         grammar = self.check_sampling(params)
         self.check_prompt(prompt_ids)
@@ -823,9 +825,11 @@ class Engine:
         # Steps launched and not yet collected. Pipelined decoding keeps one queued behind the one being collected,
         # so the GPU works on the next step while the host handles this one's tokens; otherwise each step runs
         # to the end at launch.
-        # (A deferred step waits for the others' flush: one at a time, each seeing the last one's tokens.)
-        deferring = batch_steps and self.decoder.batches
-        depth = 2 if self.decoder.pipelines(params) and not deferring else 1
+        # A deferred step waits for the others' flush: one at a time, each seeing the last one's tokens.
+        pipelined = self.decoder.pipelines(params)
+
+        def deferring() -> bool:
+            return self.decoder.batches and (batch_steps() if callable(batch_steps) else batch_steps)
         # Near the end the next step waits for the queued one, so that it drafts only as far as is really left.
         longest = min(policy.length, cap) if isinstance(policy, FixedDraft) else cap
         queued: deque = deque()
@@ -866,7 +870,8 @@ class Engine:
                         continue
                 if out.finished is not None:
                     break
-                while len(queued) < depth:
+                defer = deferring()
+                while len(queued) < (1 if defer or not pipelined else 2):
                     # Room for this step's tokens after the most the queued steps can commit.
                     max_useful = min(params.max_tokens - len(out.tokens),
                                      self.context_size - len(sequence.tokens)) - sequence.in_flight - 1
@@ -876,7 +881,7 @@ class Engine:
                     # n-gram lookup beside a drafter may stand in for it, unless drafting is off for the request
                     lookup_max = 0 if drafting_off else max(0, min(max_useful, cap))
                     queued.append(self.decoder.launch(sequence, 0 if n < n_min else n, lookup_max,
-                                                      defer=batch_steps))
+                                                      defer=defer))
                 if queued[0].deferred:
                     yield StepLaunched()
                 launched = queued.popleft()

@@ -301,6 +301,12 @@ class Scheduler:
             while self.pending:
                 self.pending.popleft().post(ENDED, "shutdown")
 
+    def _batching(self) -> bool:
+        """Whether a slot's next step waits to run batched with the other slots' (the stream asks before each
+        launch): while more than one slot is busy; a lone stream keeps its steps pipelined (graphed steps queue the
+        next one while the host reads the last)."""
+        return self.busy > 1
+
     def _price_drafts(self, active: list[Slot]) -> None:
         """Tell the busy slots' draft policies how many streams step together this round (their steps' batched
         pass prices drafting: AdaptiveDraft.set_streams); one where slots step in turn."""
@@ -379,7 +385,7 @@ class Scheduler:
                                            sequence=slot.sequence, n_min=r.n_min, n_max=r.n_max,
                                            reuse_prefix=r.cache_prompt, context_shift=self.context_shift,
                                            n_keep=r.n_keep, prompt_progress=True,
-                                           batch_steps=len(self.slots) > 1)
+                                           batch_steps=self._batching)
 
     def _release(self, slot: Slot) -> None:
         if slot.iterator is not None:

@@ -12,18 +12,14 @@ DEVICE = "cuda" if ON_CUDA else "cpu"
 
 pytest.importorskip("triton")
 
-from triton_interpreter import interpret_without_gpu  # noqa: E402
+from triton_interpreter import interpret_layer_kernels  # noqa: E402
 
 from flashdraft.config import SamplingParams  # noqa: E402
 from flashdraft.engine.generator import Engine  # noqa: E402
-from flashdraft.layers import decode_attention, qkv_prep, rms_norm_rows, skinny_gemm  # noqa: E402
 from test_lossless import InlineGraphs  # noqa: E402
 from tiny_models import build_drafter, build_target  # noqa: E402
 
-interpret_without_gpu("flashdraft.kernels.skinny_triton", skinny_gemm._kernels)
-interpret_without_gpu("flashdraft.kernels.attention_triton", decode_attention._kernels)
-interpret_without_gpu("flashdraft.kernels.qkv_prep_triton", qkv_prep._kernels)
-interpret_without_gpu("flashdraft.kernels.rms_norm_triton", rms_norm_rows._kernels)
+interpret_layer_kernels()
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
 PROMPTS = [[5, 9, 33, 7, 20], [8, 4, 4, 4, 11, 12, 13]]

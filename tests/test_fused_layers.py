@@ -10,21 +10,17 @@ DEVICE = "cuda" if ON_CUDA else "cpu"
 
 pytest.importorskip("triton")
 
-from triton_interpreter import interpret_without_gpu  # noqa: E402
+from triton_interpreter import interpret_layer_kernels  # noqa: E402
 
 from flashdraft.config import SamplingParams  # noqa: E402
 from flashdraft.engine.generator import Engine  # noqa: E402
-from flashdraft.layers import decode_attention, qkv_prep, rms_norm_rows, skinny_gemm  # noqa: E402
 from flashdraft.layers import LayerPlan  # noqa: E402
 from flashdraft.models.llama.model import DecoderLayer  # noqa: E402
 from flashdraft.models import load_model  # noqa: E402
 from test_lossless import InlineGraphs, logging_oracle, without_warm_up_repeats  # noqa: E402
 from tiny_models import build_drafter, build_target  # noqa: E402
 
-interpret_without_gpu("flashdraft.kernels.skinny_triton", skinny_gemm._kernels)
-interpret_without_gpu("flashdraft.kernels.attention_triton", decode_attention._kernels)
-interpret_without_gpu("flashdraft.kernels.qkv_prep_triton", qkv_prep._kernels)
-interpret_without_gpu("flashdraft.kernels.rms_norm_triton", rms_norm_rows._kernels)
+interpret_layer_kernels()
 
 FUSED = LayerPlan(gemm="triton", attention="triton", fuse_projections=True)
 

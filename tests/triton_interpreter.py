@@ -20,6 +20,15 @@ def interpret_without_gpu(kernel_module: str, kernels_cache) -> None:
     kernels_cache.cache_clear()
 
 
+def interpret_layer_kernels() -> None:
+    """interpret_without_gpu for every kernel of a decoder layer's few-row paths: the skinny GEMM, decode attention,
+    qkv_prep and the row norm."""
+    from flashdraft.layers import decode_attention, qkv_prep, rms_norm_rows, skinny_gemm
+    for kernels, layer in (("skinny_triton", skinny_gemm), ("attention_triton", decode_attention),
+                           ("qkv_prep_triton", qkv_prep), ("rms_norm_triton", rms_norm_rows)):
+        interpret_without_gpu(f"flashdraft.kernels.{kernels}", layer._kernels)
+
+
 def generate_through(module, op_name: str, engine, prompt, params, ref, arg_shape) -> list | None:
     """Assert that engine's greedy output, plain and drafting 7, equals ref. On the CPU, also return
     arg_shape(first argument) of every call of module.op_name (the kernel's entry: kernels.runtime.opaque_op)

@@ -509,3 +509,17 @@ def test_engine_output_with_the_controller_is_lossless(engine):
     assert results[0].stats.draft_n_accepted > 0
     assert policy.state()["steps"] == sum(r.stats.steps for r in results)  # it saw every step
     assert json.dumps(policy.state())
+
+
+def test_a_copy_of_a_policy_keeps_what_it_learnt_and_shares_its_batch_cost(engine):
+    """Benchmarks start each prompt from a copy of the policy: the copy has the learnt state, apart from the
+    original's, and shares the engine's batch cost (a function of the models, never copied)."""
+    import copy
+
+    policy = AdaptiveDraft.for_engine(engine)
+    serve_requests(policy, 1, 64, Steady(3))
+    policy.set_streams(4)
+    twin = copy.deepcopy(policy)
+    assert twin.batch_cost is policy.batch_cost and twin.streams == 4 and twin.state() == policy.state()
+    serve_requests(twin, 1, 64, Steady(0))
+    assert twin.tokens[1].value != policy.tokens[1].value and policy.expected_tokens(BASE) == 4.0

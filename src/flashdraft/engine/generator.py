@@ -2,6 +2,7 @@
 draft policies that pick each step's draft length (fixed, or the adaptive controller)."""
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -167,6 +168,15 @@ class AdaptiveDraft:
         # Kinds of the steps handed out and not yet recorded, oldest first: with pipelined steps the next step's
         # length is chosen before this one's result is recorded.
         self._planned: deque[str] = deque()
+
+    def __deepcopy__(self, memo: dict) -> "AdaptiveDraft":
+        """A copy of what the controller has learnt (benchmarks start each prompt from the same state), sharing
+        batch_cost: a function of the engine's models, not state to copy."""
+        twin = AdaptiveDraft.__new__(AdaptiveDraft)
+        memo[id(self)] = twin
+        for name, value in self.__dict__.items():
+            setattr(twin, name, value if name == "batch_cost" else copy.deepcopy(value, memo))
+        return twin
 
     @classmethod
     def for_engine(cls, engine, config: AdaptiveConfig | None = None) -> "AdaptiveDraft":

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import httpx
 import openai
@@ -423,8 +424,11 @@ def test_slot_state_shows_a_policy_state_when_it_has_one():
         def state(self):
             return {"mode": "active", "length": 3}
 
-    assert Slot(0, None, Policy()).state(256)["draft_policy"] == {"mode": "active", "length": 3}
-    assert "draft_policy" not in Slot(1, None, 7).state(256)
+    fresh = types.SimpleNamespace(steps=0, drafted=0, accepted=0)  # a sequence's step counts before any step
+    state = Slot(0, fresh, Policy()).state(256, batched=False)
+    assert state["draft_policy"] == {"mode": "active", "length": 3}
+    assert (state["n_steps"], state["tau"], state["batched_steps"]) == (0, None, False)
+    assert "draft_policy" not in Slot(1, fresh, 7).state(256, batched=True)
 
 
 def test_unknown_and_bad_flags_are_errors_naming_them(capsys, tmp_path):

@@ -179,8 +179,10 @@ def test_concurrent_streams(capsys, prompts):
         assert w["per_stream_tok_s"] == pytest.approx(rate)  # each request's own rate, as the server says
         assert w["total_tok_s"] == pytest.approx(w["tokens"] / w["wall_s"]) and w["ttft_ms"] > 0
     assert c["dflash"]["draft_n_accepted"] == 12 * ACCEPTED and c["speedup"] > 0
+    # tokens a step over the way's requests: each commits N tokens in N - 1 - ACCEPTED steps after the prefill's
+    assert c["dflash"]["tau"] == pytest.approx((N - 1) / (N - 1 - ACCEPTED)) and c["baseline"]["tau"] == 1.0
     assert len(app.state.requests) == 2 + 2 * 12  # the warm-up, then both ways
-    assert "per stream" in err and "DFlash / baseline" in err  # the table went to stderr
+    assert "per stream" in err and "tau" in err and "DFlash / baseline" in err  # the table went to stderr
 
 
 @pytest.mark.parametrize("argv, message", [

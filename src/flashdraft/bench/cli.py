@@ -226,13 +226,14 @@ def run_concurrently(backend, prompts, args, config: dict) -> dict:
     with tqdm(total=total, desc="bench", unit="gen", file=sys.stderr, disable=None, leave=False) as bar:
         result = run_concurrent(backend, prompts, args.concurrency, args.reps, on_generation=bar.update)
     print(f"{'way':10s}{'streams':>8s}{'requests':>10s}{'tokens':>8s}{'wall s':>8s}{'total tok/s':>13s}"
-          f"{'per stream':>12s}{'ttft ms':>9s}", file=table)
+          f"{'per stream':>12s}{'ttft ms':>9s}{'tau':>7s}", file=table)
     for way in ("baseline", "dflash"):
         w = result[way]
         per_stream = "-" if w["per_stream_tok_s"] is None else f"{w['per_stream_tok_s']:.1f}"
         ttft = "-" if w["ttft_ms"] is None else f"{w['ttft_ms']:.0f}"
+        tau = "-" if w["tau"] is None else f"{w['tau']:.2f}"
         print(f"{way:10s}{result['streams']:>8d}{w['requests']:>10d}{w['tokens']:>8d}{w['wall_s']:>8.2f}"
-              f"{w['total_tok_s']:>13.1f}{per_stream:>12s}{ttft:>9s}", file=table)
+              f"{w['total_tok_s']:>13.1f}{per_stream:>12s}{ttft:>9s}{tau:>7s}", file=table)
     if result["speedup"] is not None:
         print(f"DFlash / baseline, total tok/s: {result['speedup']:.2f}x", file=table)
     return {"concurrency": result, "config": {**config, "concurrency": args.concurrency}}

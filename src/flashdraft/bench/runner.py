@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from flashdraft.bench.prompts import BenchPrompt
-from flashdraft.bench.report import Measurement, PromptResult, median_ttft
+from flashdraft.bench.report import Measurement, PromptResult, median_ttft, tau
 from flashdraft.config import SamplingParams
 
 # Tokens each way for the warm-up generation: enough to touch every code path (prefill, drafting, verify).
@@ -258,7 +258,8 @@ def run_concurrent(backend: Backend, prompts: list[BenchPrompt], streams: int, r
     at once, each sending every prompt's first case (a conversation's first turn) `reps` times, thread i
     starting at prompt i so that the server's slots hold different prompts. Per way: the wall time of the
     phase, tokens over it (total tok/s), each request's own generation rate as the server reports it
-    (per-stream tok/s, the mean over requests) and the median time to first token."""
+    (per-stream tok/s, the mean over requests), the median time to first token, and tau (tokens a decoding step
+    over the way's requests: what a batched step's cost is read against)."""
     from concurrent.futures import ThreadPoolExecutor
 
     cases = [first_case(p) for p in prompts]
@@ -280,7 +281,8 @@ def run_concurrent(backend: Backend, prompts: list[BenchPrompt], streams: int, r
         rates = [1000.0 * m.predicted_n / m.predicted_ms for m in runs if m.predicted_ms > 0]
         ways[name] = {"requests": len(runs), "tokens": tokens, "wall_s": wall, "total_tok_s": tokens / wall,
                       "per_stream_tok_s": sum(rates) / len(rates) if rates else None, "ttft_ms": median_ttft(runs),
-                      "draft_n": sum(m.draft_n for m in runs), "draft_n_accepted": sum(m.draft_n_accepted for m in runs)}
+                      "draft_n": sum(m.draft_n for m in runs), "draft_n_accepted": sum(m.draft_n_accepted for m in runs),
+                      "tau": tau(runs)}
     base, fast = ways["baseline"]["total_tok_s"], ways["dflash"]["total_tok_s"]
     return {"streams": streams, **ways, "speedup": fast / base if base > 0 else None}
 

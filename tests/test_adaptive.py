@@ -254,17 +254,18 @@ def test_cost_model_is_fixed_at_creation_and_priced_per_device(engine):
 
 
 def test_a_batched_steps_cost_grows_with_its_streams(engine):
-    """estimate_cost for S streams stepping together: a batched step of S drafting streams against one of S plain
-    streams costs more plain steps the more streams share it (on a CPU soon, on a GPU slowly; a CPU's one-row pass
-    is cheaper than any multi-row one, so two streams' ratio is below one's), one stream's is the single stream's;
-    the engine makes each count's once and the policy it makes prices with them."""
+    """estimate_cost for S streams stepping together: on a CPU a batched step of S drafting streams against one of
+    S plain streams costs more plain steps the more streams share it (a CPU's one-row pass is cheaper than any
+    multi-row one, so two streams' ratio is below one's); on a GPU, memory-bound, the verify rows stay nearly free
+    and each stream's own work weighs alike on both, so the ratio stays near one stream's. One stream's is the
+    single stream's; the engine makes each count's once and the policy it makes prices with them."""
     d = engine.decoder
+    cpu = [estimate_cost(d.target, d.drafter, "cpu", s).ratio(engine.max_draft) for s in (1, 2, 4, 16)]
+    assert cpu[1] < cpu[2] < cpu[3] and cpu[0] < cpu[3]
+    gpu = [estimate_cost(d.target, d.drafter, "cuda", s).ratio(engine.max_draft) for s in (1, 2, 4, 16)]
+    assert all(1.0 < r < 1.2 * gpu[0] for r in gpu) and gpu[3] < cpu[3] / 1.5
     for device in ("cpu", "cuda"):
-        ratios = [estimate_cost(d.target, d.drafter, device, s).ratio(engine.max_draft) for s in (1, 2, 4, 16)]
-        assert ratios[1] < ratios[2] < ratios[3] and ratios[0] < ratios[3]
         assert estimate_cost(d.target, d.drafter, device, 1) == estimate_cost(d.target, d.drafter, device)
-    assert ratios[3] > 1.3 * ratios[0]  # the GPU's, 16 streams: 128 verify rows (block 8)
-    assert estimate_cost(d.target, d.drafter, "cpu", 16).ratio(engine.max_draft) > 2 * ratios[0]
     assert engine.draft_cost(4) is engine.draft_cost(4) and engine.draft_cost(1) == policy_cost(engine)
     policy = AdaptiveDraft.for_engine(engine)
     policy.set_streams(4)

@@ -350,6 +350,14 @@ class AdaptiveDraft:
 # row more (the demo pair on the 2-core development machine: a 2-row target pass 1.57x a 1-row one, 16 rows
 # 2.0-2.2x).
 
+# A batched step's work per stream besides the weights (sampling and acceptance, each sequence's attention and
+# cache-write launches, the host's bookkeeping), in one-row target passes: the demo pair's batched steps on the 2-core
+# machine cost 2.97 plain batched steps a drafting step at 4 streams and 3.26 at 8 (measured tau over the measured
+# speedup, docs/adaptive.md), which the weights alone put at 3.19 and 4.69; 0.1 puts them at 2.76 and 3.54. On the
+# H200 a stream's 41 attention and qkv_prep launches are about 0.5 ms of a 4.4 ms step (predicted): about the same.
+STREAM_OVERHEAD = 0.1
+
+
 def rows_factor(rows: int, device_type: str) -> float:
     if device_type == "cpu":
         return 1.0 if rows <= 1 else 1.5 + 0.034 * rows
@@ -400,7 +408,8 @@ def estimate_cost(target, drafter, device_type: str, streams: int = 1) -> DraftC
     n drafted rows, and the target over n + 1 rows; a plain step runs the target over one row. A mixture of
     experts reads about rows * top_k / num_experts of its experts in a pass (all of them at most). streams: a
     batched step of that many streams, each drafting n, against one of as many plain streams (every pass's rows
-    that many times over). Fitted to 1 + fixed + per_token * n through n = 1 and n = block - 1."""
+    that many times over, and STREAM_OVERHEAD one-row passes a stream on both). Fitted to
+    1 + fixed + per_token * n through n = 1 and n = block - 1."""
     lm, experts, other = weight_bytes(target)
     _, d_experts, d_other = weight_bytes(drafter)
     cfg = target.config
@@ -412,11 +421,14 @@ def estimate_cost(target, drafter, device_type: str, streams: int = 1) -> DraftC
         share = min(1.0, rows * top_k / n_experts) if n_experts and top_k else 1.0
         return rows_factor(rows, device_type) * (lm + other + experts * share)
 
+    one_row = lm + other + experts * (min(1.0, top_k / n_experts) if n_experts and top_k else 1.0)
+    per_streams = STREAM_OVERHEAD * streams * one_row if streams > 1 else 0.0
+
     def drafting(n: int) -> float:
         return (target_pass(n + 1) + rows_factor(block * streams, device_type) * (d_other + d_experts)
-                + rows_factor(n * streams, device_type) * lm)
+                + rows_factor(n * streams, device_type) * lm + per_streams)
 
-    plain = target_pass(1)
+    plain = target_pass(1) + per_streams
     if plain <= 0:
         return DraftCost()
     last = max(block - 1, 1)

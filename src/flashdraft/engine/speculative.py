@@ -546,12 +546,16 @@ class SpeculativeDecoder:
         best candidates, best first."""
         self._project_context(seq)
         block, positions = self._draft_block(seq)
-        # a graph reads kv_len rows, a bucket: the rows past the block are hidden (a window cache masks by the
-        # positions its rows hold, itself)
-        mask = None if self.graphs is None or isinstance(seq.draft_cache, WindowKVCache) else (
-            torch.arange(kv_len, device=self.device)[None, :] <= positions[-1:, None])
+        mask = None if self.graphs is None else self._past_block_mask(seq.draft_cache, kv_len, positions)
         hidden = self.drafter(self.target.embed(block), positions, seq.draft_cache, kv_len, mask)
         return _best(self.target.logits(hidden[1:n + 1] if self.graphs is None else hidden[1:]), candidates)
+
+    def _past_block_mask(self, cache: KVCache, kv_len: int, positions: torch.Tensor) -> torch.Tensor | None:
+        """A captured drafter pass reads kv_len rows, a bucket: the mask hiding the rows past the block at these
+        positions (None for a window cache, which masks by the positions its rows hold, itself)."""
+        if isinstance(cache, WindowKVCache):
+            return None
+        return torch.arange(kv_len, device=self.device)[None, :] <= positions[-1:, None]
 
     def _draft_block(self, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafter's block after the last committed token (it, then B - 1 mask tokens) and its positions."""
@@ -738,7 +742,8 @@ class SpeculativeDecoder:
                   else self._step_tokens(d.seq, d.n, d.T, 0, d.project) for d in steps]
         positions = torch.cat([self._positions(d.seq.state.start, d.T) for d in steps])
         logits, taps = self.target.forward_segments(
-            torch.cat(tokens), positions, [(d.T, d.seq.target_cache, kv_len or d.start + d.T) for d in steps],
+            torch.cat(tokens), positions,
+            [(d.T, d.seq.target_cache, d.start + d.T if kv_len is None else kv_len) for d in steps],
             self.tap_ids)
         results, at = [], 0
         for d, step_tokens in zip(steps, tokens):
@@ -764,10 +769,8 @@ class SpeculativeDecoder:
             cache = d.seq.draft_cache
             if exact:
                 segments.append((cache, cache.kv_len(d.start + B), None))
-            else:  # rows past the block hidden (a window cache masks by the positions its rows hold, itself)
-                last = positions[(j + 1) * B - 1:(j + 1) * B]
-                segments.append((cache, kv_len, None if isinstance(cache, WindowKVCache) else
-                                 torch.arange(kv_len, device=self.device)[None, :] <= last[:, None]))
+            else:
+                segments.append((cache, kv_len, self._past_block_mask(cache, kv_len, positions[j * B:(j + 1) * B])))
         hidden = self.drafter.forward_segments(self.target.embed(block), positions, segments)
         take = [d.n if exact else B - 1 for d in steps]
         best = _best(self.target.logits(torch.cat([hidden[j * B + 1:j * B + 1 + t] for j, t in enumerate(take)])), 1)

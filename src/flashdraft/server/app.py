@@ -77,7 +77,7 @@ class ServerMetrics:
         self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted, by position in the draft (0 = first).", ["position"])
         self.batched_steps = counter("batched_steps", "Batched steps: one target pass over the rows of every slot "
-                                     "whose step waited for it (CPU).", prefix=OWN_PREFIX)
+                                     "whose step waited for it.", prefix=OWN_PREFIX)
         self.batched_step_slots = counter("batched_step_slots", "Slots stepped by batched steps (their sum).",
                                           prefix=OWN_PREFIX)
         self.batched_step_tokens = counter("batched_step_tokens", "Tokens committed by batched steps.",

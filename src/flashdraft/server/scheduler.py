@@ -4,9 +4,10 @@ The engine is not thread-safe, so only the worker thread touches its caches. Eac
 caches) and a draft policy that keeps learning across the slot's requests. The worker advances every busy slot
 by one stream event per round (one decoding step, or a few when text is held back; one pass of a prompt longer
 than one prefill pass), so slots share the model fairly and a long prompt does not stall the other slots'
-streams. Where the decoder batches steps (SpeculativeDecoder.batches: eager passes, the CPU), the round's
-decoding steps of every slot run as one batched step: each stream stops at its launched step (StepLaunched), one
-flush runs them all (one target pass over every slot's rows), then each stream collects its own. The worker
+streams. Where the decoder batches steps (SpeculativeDecoder.batches: the CPU's module path, the GPU's fused
+layers of float weights) and more than one slot is busy, the round's decoding steps of every slot run as one
+batched step: each stream stops at its launched step (StepLaunched), one flush runs them all (one target pass
+over every slot's rows), then each stream collects its own. The worker
 checks each job's cancel flag before every step: a disconnected client stops its generation within one step or
 pass. Events reach the request's asyncio queue through loop.call_soon_threadsafe, so the event loop
 (and with it /health and /metrics) never waits on the model.

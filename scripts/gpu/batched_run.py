@@ -156,6 +156,7 @@ def main() -> int:
         row["dflash_speedup_per_stream"] = row["dflash"]["per_stream_tok_s"] / row["plain"]["per_stream_tok_s"]
         row["dflash_total_vs_one_stream"] = row["dflash"]["total_tok_s"] / singles["dflash"]
         report["rows"].append(row)
+        (out / "batched.json").write_text(json.dumps(report, indent=1))  # each row as it comes: a call may end early
         log(f"{n:3d} streams: plain {row['plain']['total_tok_s']:8.1f} tok/s total ({row['plain']['per_stream_tok_s']:7.1f}"
             f" each), DFlash {row['dflash']['total_tok_s']:8.1f} total ({row['dflash']['per_stream_tok_s']:7.1f} each, "
             f"{row['dflash_speedup_per_stream']:.2f}x plain per stream; {row['dflash_total_vs_one_stream']:.2f}x one "
@@ -198,6 +199,7 @@ def run_demo(args, out: Path, dev: torch.device, streams: list[int]) -> int:
             row[name] = {"total_tok_s": tok_s, "per_stream_tok_s": tok_s / n, "identical": identical}
         row["dflash_speedup_per_stream"] = row["dflash"]["per_stream_tok_s"] / row["plain"]["per_stream_tok_s"]
         report["rows"].append(row)
+        (out / "batched_demo.json").write_text(json.dumps(report, indent=1))
         log(f"{n:3d} streams: plain {row['plain']['total_tok_s']:8.1f} tok/s total, DFlash "
             f"{row['dflash']['total_tok_s']:8.1f} ({row['dflash_speedup_per_stream']:.2f}x plain per stream); tokens "
             f"as alone: plain {row['plain']['identical']}, DFlash {row['dflash']['identical']}")

@@ -160,15 +160,19 @@ def test_a_withdrawn_step_never_runs_and_collect_flushes_alone(engine):
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
 def test_streams_yield_their_launched_steps_and_give_the_same_text(engine, graphed, monkeypatch):
     """batch_steps: the stream yields StepLaunched before collecting each step, and its result is the plain
-    stream's; two streams advanced in turn with one flush a round give each its own result. Graphed, where steps
-    would otherwise pipeline (two in flight), a stream keeps one deferred step at a time."""
+    stream's; two streams advanced in turn with one flush a round give each its own result. A stream keeps one
+    deferred step at a time; graphed, a flushed step is queued (its result collected later) and the stream
+    launches its next step behind it before collecting it, as pipelined steps do (a step launched finds the one
+    before still in flight, except near the end, where the next step waits to draft only what is left); eagerly
+    the flush runs each step to the end."""
     params = SamplingParams(temperature=0.0, max_tokens=24)
     if graphed:
         monkeypatch.setattr(engine.decoder, "graphs", InlineGraphs())
         assert engine.decoder.pipelines(params)
     plain = [engine.generate(p, params, 7) for p in PROMPTS[:2]]
-    streams = [engine.stream(p, params, 7, sequence=engine.new_sequence(), batch_steps=True) for p in PROMPTS[:2]]
-    results, launched = [None, None], 0
+    seqs = [engine.new_sequence() for _ in PROMPTS[:2]]
+    streams = [engine.stream(p, params, 7, sequence=seq, batch_steps=True) for p, seq in zip(PROMPTS[:2], seqs)]
+    results, launched, behind_one_in_flight = [None, None], 0, 0
     while any(r is None for r in results):
         waiting = []
         for i, s in enumerate(streams):
@@ -177,12 +181,17 @@ def test_streams_yield_their_launched_steps_and_give_the_same_text(engine, graph
             event = next(s)
             if isinstance(event, StepLaunched):
                 assert len(engine.decoder._deferred) == len(waiting) + 1  # this stream's one step
+                behind_one_in_flight += seqs[i].in_flight > 0
                 waiting.append(i)
             elif hasattr(event, "finish_reason"):
                 results[i] = event
         launched += len(waiting)
-        engine.decoder.flush()
+        assert engine.decoder.flush() == len(waiting)
     assert launched > 0
+    if graphed:
+        assert behind_one_in_flight > 0
+    else:
+        assert behind_one_in_flight == 0
     assert [r.tokens for r in results] == [p.tokens for p in plain]
     assert [r.stats.draft_n for r in results] == [p.stats.draft_n for p in plain]
 

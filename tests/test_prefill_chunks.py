@@ -135,6 +135,9 @@ class _NoMetrics:
     def on_batch(self, steps):
         pass
 
+    def on_batched_tokens(self, total):
+        pass
+
     def on_result(self, result):
         pass
 

@@ -63,24 +63,78 @@ def check_rows(engine: Engine, dev: torch.device) -> bool:
 
 
 def run_streams(engine: Engine, prompts: list[list[int]], draft: int, oracles, rounds: int, warm: int,
-                params: SamplingParams) -> tuple[float, list[list[int]]]:
-    """Step len(prompts) sequences together: `warm` untimed rounds (graph captures), then `rounds` timed ones.
-    Returns (committed tokens per second over the timed rounds, each sequence's tokens after its prompt)."""
+                params: SamplingParams) -> tuple[float, float, list[list[int]]]:
+    """Step len(prompts) sequences together as a server's rounds do: each round every sequence launches a step
+    deferred and one flush runs them all; with graphs the flush queues the batched step and the round before is
+    collected after it (pipelined, the host's work beside the device's). `warm` untimed rounds (graph captures),
+    then `rounds` timed ones. Returns (committed tokens per second over the timed rounds, the device's ms per
+    batched step (CUDA; else 0), each sequence's tokens after its prompt)."""
     dec = engine.decoder
     seqs = [dec.new_sequence(o) for o in oracles]
     for seq, p in zip(seqs, prompts):
         dec.prefill(seq, p, params, 0)
-    counted, began = 0, None
+    counted, device_s, batches, began, pending = 0, 0.0, 0, None, None
+
+    def collect(launched) -> None:
+        nonlocal counted, device_s, batches
+        for seq, step in zip(seqs, launched):
+            result = dec.collect(seq, step)
+            counted += len(result.committed)
+        device_s += result.seconds or 0.0  # the batched step's device time, the same for each of its steps
+        batches += 1
+
     for r in range(warm + rounds):
         if r == warm:
+            if pending is not None:
+                collect(pending)
+                pending = None
             synchronize(dec.device)
-            began, counted = time.perf_counter(), 0
+            began, counted, device_s, batches = time.perf_counter(), 0, 0.0, 0
+        launched = [dec.launch(seq, draft, defer=True) for seq in seqs]
+        dec.flush()
+        if pending is not None:
+            collect(pending)
+        pending = launched
+    collect(pending)
+    synchronize(dec.device)
+    elapsed = time.perf_counter() - began
+    return counted / elapsed, 1000 * device_s / batches, [seq.tokens[len(p):] for seq, p in zip(seqs, prompts)]
+
+
+def profile_rounds(engine: Engine, prompts, draft: int, oracles, params: SamplingParams, warm: int,
+                   rounds: int = 8) -> list[dict]:
+    """Device time by kernel over `rounds` timed rounds (after `warm`), per round, under torch.profiler; printed
+    and returned (the 20 costliest)."""
+    from torch.profiler import ProfilerActivity, profile
+    dec = engine.decoder
+    seqs = [dec.new_sequence(o) for o in oracles]
+    for seq, p in zip(seqs, prompts):
+        dec.prefill(seq, p, params, 0)
+
+    def round_() -> None:
         launched = [dec.launch(seq, draft, defer=True) for seq in seqs]
         dec.flush()
         for seq, step in zip(seqs, launched):
-            counted += len(dec.collect(seq, step).committed)
+            dec.collect(seq, step)
+
+    for _ in range(warm):
+        round_()
     synchronize(dec.device)
-    return counted / (time.perf_counter() - began), [seq.tokens[len(p):] for seq, p in zip(seqs, prompts)]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(rounds):
+            round_()
+        synchronize(dec.device)
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+        if us > 0:
+            rows.append({"kernel": e.key[:90], "calls_per_round": e.count / rounds, "us_per_round": us / rounds})
+    rows.sort(key=lambda r: -r["us_per_round"])
+    total = sum(r["us_per_round"] for r in rows)
+    log(f"profile, {len(prompts)} streams, DFlash: device time {total / 1000:.2f} ms a round (kernels)")
+    for r in rows[:20]:
+        log(f"  {r['us_per_round']:9.1f} us  {r['calls_per_round']:6.1f} calls  {r['kernel']}")
+    return rows[:20]
 
 
 def main() -> int:
@@ -93,6 +147,8 @@ def main() -> int:
     ap.add_argument("--warm", type=int, default=4)
     ap.add_argument("--context", type=int, default=512, help="prompt tokens of each stream (synthetic)")
     ap.add_argument("--demo", action="store_true", help="the embedded demo pair on the code prompts")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="at this many streams, also profile DFlash rounds: device time by kernel")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -136,9 +192,12 @@ def main() -> int:
     # one sequence's pipelined steps (the engine's single-stream path), plain and DFlash
     singles = {}
     for name, draft in (("plain", 0), ("dflash", B - 1)):
-        seq = engine.new_sequence(oracles(1)[0] if draft else None)
-        engine.generate(prompts[0], params, draft, sequence=seq)  # captures
-        result = engine.generate(prompts[0], params, draft, sequence=engine.new_sequence(oracles(1)[0] if draft else None))
+        oracle = oracles(1)[0] if draft else None
+        seq = engine.new_sequence(oracle)  # one sequence and oracle: the timed run replays the first run's graphs
+        engine.generate(prompts[0], params, draft, sequence=seq)
+        if oracle is not None:
+            oracle.reset()
+        result = engine.generate(prompts[0], params, draft, sequence=seq)
         s = result.stats
         singles[name] = (s.predicted_n - 1) / (s.predicted_ms / 1000)
         same = prompts[0] + result.tokens == references[0][:len(prompts[0]) + len(result.tokens)]
@@ -149,10 +208,12 @@ def main() -> int:
     for n in streams:
         row = {"streams": n}
         for name, draft in (("plain", 0), ("dflash", B - 1)):
-            tok_s, committed = run_streams(engine, prompts[:n], draft, oracles(n) if draft else [None] * n,
-                                           args.rounds, args.warm, params)
+            tok_s, device_ms, committed = run_streams(engine, prompts[:n], draft,
+                                                      oracles(n) if draft else [None] * n, args.rounds, args.warm,
+                                                      params)
             identical = all(r[len(p):len(p) + len(c)] == c for r, p, c in zip(references, prompts, committed))
-            row[name] = {"total_tok_s": tok_s, "per_stream_tok_s": tok_s / n, "identical": identical}
+            row[name] = {"total_tok_s": tok_s, "per_stream_tok_s": tok_s / n, "identical": identical,
+                         "device_ms_per_batch": device_ms}
         row["dflash_speedup_per_stream"] = row["dflash"]["per_stream_tok_s"] / row["plain"]["per_stream_tok_s"]
         row["dflash_total_vs_one_stream"] = row["dflash"]["total_tok_s"] / singles["dflash"]
         report["rows"].append(row)
@@ -160,10 +221,13 @@ def main() -> int:
         log(f"{n:3d} streams: plain {row['plain']['total_tok_s']:8.1f} tok/s total ({row['plain']['per_stream_tok_s']:7.1f}"
             f" each), DFlash {row['dflash']['total_tok_s']:8.1f} total ({row['dflash']['per_stream_tok_s']:7.1f} each, "
             f"{row['dflash_speedup_per_stream']:.2f}x plain per stream; {row['dflash_total_vs_one_stream']:.2f}x one "
-            f"pipelined stream's); tokens as alone: plain {row['plain']['identical']}, DFlash {row['dflash']['identical']}")
+            f"pipelined stream's); tokens as alone: plain {row['plain']['identical']}, DFlash {row['dflash']['identical']}; "
+            f"device ms per batched step: plain {row['plain']['device_ms_per_batch']:.2f}, DFlash "
+            f"{row['dflash']['device_ms_per_batch']:.2f}")
         if dev.type == "cuda":
-            log(f"     batch graphs {sum(1 for k in dec.graphs.graphs if k[0] == 'batch')}, peak memory "
-                f"{torch.cuda.max_memory_allocated() / 2 ** 30:.1f} GiB")
+            log(f"     peak memory {torch.cuda.max_memory_allocated() / 2 ** 30:.1f} GiB")
+        if n == args.profile:
+            report["profile"] = profile_rounds(engine, prompts[:n], B - 1, oracles(n), params, args.warm)
     (out / "batched.json").write_text(json.dumps(report, indent=1))
     return 0
 
@@ -194,9 +258,11 @@ def run_demo(args, out: Path, dev: torch.device, streams: list[int]) -> int:
         prompts = [distinct[i % len(distinct)] for i in range(n)]
         row = {"streams": n}
         for name, draft in (("plain", 0), ("dflash", B - 1)):
-            tok_s, committed = run_streams(engine, prompts, draft, [None] * n, args.rounds, args.warm, params)
+            tok_s, device_ms, committed = run_streams(engine, prompts, draft, [None] * n, args.rounds, args.warm,
+                                                      params)
             identical = all(alone[i % len(distinct)][:len(c)] == c for i, c in enumerate(committed))
-            row[name] = {"total_tok_s": tok_s, "per_stream_tok_s": tok_s / n, "identical": identical}
+            row[name] = {"total_tok_s": tok_s, "per_stream_tok_s": tok_s / n, "identical": identical,
+                         "device_ms_per_batch": device_ms}
         row["dflash_speedup_per_stream"] = row["dflash"]["per_stream_tok_s"] / row["plain"]["per_stream_tok_s"]
         report["rows"].append(row)
         (out / "batched_demo.json").write_text(json.dumps(report, indent=1))

@@ -519,7 +519,8 @@ class Delta:
 
 class StepLaunched:
     """A decoding step launched and waiting to run batched with other streams' steps (stream's batch_steps): the
-    caller runs SpeculativeDecoder.flush(), then advances the stream, which collects the step."""
+    caller runs SpeculativeDecoder.flush(), then advances the stream, which collects the step (with graphs, where
+    the flush only queued it: launches its next step first, yielding this again, and collects the one before)."""
 
 
 @dataclass
@@ -847,7 +848,8 @@ class Engine:
         # Steps launched and not yet collected. Pipelined decoding keeps one queued behind the one being collected,
         # so the GPU works on the next step while the host handles this one's tokens; otherwise each step runs
         # to the end at launch.
-        # A deferred step waits for the others' flush: one at a time, each seeing the last one's tokens.
+        # A deferred step waits for the others' flush, one at a time (two of a sequence in one batched step would
+        # not see each other's tokens); once flushed it is queued on the device like a pipelined step.
         pipelined = self.decoder.pipelines(params)
 
         def deferring() -> bool:
@@ -893,7 +895,8 @@ class Engine:
                 if out.finished is not None:
                     break
                 defer = deferring()
-                while len(queued) < (1 if defer or not pipelined else 2):
+                depth = 2 if pipelined else 1
+                while len(queued) < depth and not (queued and queued[-1].deferred):
                     # Room for this step's tokens after the most the queued steps can commit.
                     max_useful = min(params.max_tokens - len(out.tokens),
                                      self.context_size - len(sequence.tokens)) - sequence.in_flight - 1
@@ -904,8 +907,13 @@ class Engine:
                     lookup_max = 0 if drafting_off else max(0, min(max_useful, cap))
                     queued.append(self.decoder.launch(sequence, 0 if n < n_min else n, lookup_max,
                                                       defer=defer))
-                if queued[0].deferred:
+                if queued[-1].deferred:
                     yield StepLaunched()
+                    if len(queued) < depth and not queued[-1].deferred:
+                        # flushed and queued on the device (graphs): the next step goes in behind it before the
+                        # one before is collected, as pipelined steps do
+                        delta = None
+                        continue
                 launched = queued.popleft()
                 step = self.decoder.collect(sequence, launched)
                 # A step's time: measured on the device when it ran pipelined (other slots' steps and the host's

@@ -129,6 +129,7 @@ class Launched:
     launched_at: float = 0.0
     projected: bool = False  # the step projected the context rows waiting before it
     error: Exception | None = None  # why a deferred step's batched run failed (collect raises it)
+    batched: bool = False  # run by flush, in a batched step
 
     @property
     def deferred(self) -> bool:
@@ -283,6 +284,7 @@ class SpeculativeDecoder:
         self.batches = (hasattr(target, "forward_segments") and (drafter is None or hasattr(drafter, "forward_segments"))
                         and not self.compiled and (not any(fused[0]) or self.few_rows_batched))
         self._deferred: list[_DeferredStep] = []
+        self.batched_tokens = 0  # tokens committed by steps of batched steps, so far (a server's metrics)
 
     @property
     def max_draft(self) -> int:
@@ -644,18 +646,25 @@ class SpeculativeDecoder:
             began_event.record()
         result = self.graphs.run(key, lambda: self._device_step(seq, n, T, kv_len, draft_kv_len, project),
                                  mutable=self._mutable(seq))
-        if not seq.host_buffers:
-            seq.host_buffers = [torch.zeros(self.block_size + 1, dtype=torch.long, pin_memory=timed)
-                                for _ in range(4)]
-        host = seq.host_buffers[seq.next_host]
-        seq.next_host = (seq.next_host + 1) % len(seq.host_buffers)
-        host[:n + 2].copy_(result, non_blocking=True)
+        host = self._land(seq, result, n)
         event = None
         if timed:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-        seq.in_flight += n + 1
         return Launched(drafted=n, host=host, event=event, began=began_event, launched_at=began, projected=project)
+
+    def _land(self, seq: Sequence, result: torch.Tensor, n: int) -> torch.Tensor:
+        """Queue the copy of a launched step's [accepted, samples 0..n] to the host, into the sequence's next
+        landing buffer (pinned on CUDA), and count its tokens in flight. Returns the buffer (valid once an event
+        recorded after this has passed)."""
+        if not seq.host_buffers:
+            seq.host_buffers = [torch.zeros(self.block_size + 1, dtype=torch.long,
+                                            pin_memory=self.device.type == "cuda") for _ in range(4)]
+        host = seq.host_buffers[seq.next_host]
+        seq.next_host = (seq.next_host + 1) % len(seq.host_buffers)
+        host[:n + 2].copy_(result, non_blocking=True)
+        seq.in_flight += n + 1
+        return host
 
     def _step_key(self, seq: Sequence, n: int, T: int, project: bool) -> tuple:
         """What a graph of a sequence's step is captured for, besides the lengths it reads. GraphCache.lifetime_key:
@@ -673,29 +682,54 @@ class SpeculativeDecoder:
         return seq.state.tensors() + list(getattr(seq.oracle, "mutable", ()))
 
     @torch.inference_mode()
-    def flush(self) -> list[StepResult]:
+    def flush(self) -> int:
         """Run the deferred steps (launch with defer) as batched steps, as many sequences in each as the models'
         few-row passes take (_batches): one drafter pass over the drafting sequences' blocks (_draft_passes), one
         target pass over every sequence's verify rows (forward_segments: each attends over its own cache), each
-        one's sampling and acceptance (_batched_step); graphed where graphs are on, keyed by the steps'
-        composition; then each one's commit. A sequence's tokens are those of its steps run one by one: the same
-        operations on its rows, over more rows at once. A failure is each unfinished step's to raise when collected
-        (the requests end, the caller goes on). Returns the results of the steps it ran."""
+        one's sampling and acceptance (_batched_step). A sequence's tokens are those of its steps run one by one:
+        the same operations on its rows, over more rows at once. With graphs, each batched step is one graph keyed
+        by the steps' composition and is queued like a pipelined step (each step's result copied to its
+        sequence's host buffer, one event after them): this returns at once, and collect() waits for the event,
+        so that the host can launch and flush the next round while the device runs this one. Eagerly the steps
+        run to the end here and are committed. A failure is each unfinished step's to raise when collected (the
+        requests end, the caller goes on). Returns how many steps it ran or queued."""
         deferred, self._deferred = self._deferred, []
-        done = []
         for steps in self._batches(deferred):
             try:
-                results = self._run_batched(steps).tolist()
-                at = 0
                 for d in steps:
-                    d.launched.done = self._commit(d.seq, results[at:at + d.n + 2], d.n)
-                    done.append(d.launched.done)
-                    at += d.n + 2
+                    d.launched.batched = True
+                if self.graphs is None:
+                    results = self._run_batched(steps).tolist()
+                    at = 0
+                    for d in steps:
+                        d.launched.done = self._commit(d.seq, results[at:at + d.n + 2], d.n, batched=True)
+                        at += d.n + 2
+                else:
+                    self._queue_batched(steps)
             except Exception as e:  # noqa: BLE001 - each step's own request reports it
                 for d in steps:
-                    if d.launched.done is None:
+                    if d.launched.done is None and d.launched.host is None:
                         d.launched.error = e
-        return done
+        return len(deferred)
+
+    def _queue_batched(self, steps: list[_DeferredStep]) -> None:
+        """Queue one graphed batched step and each step's result copy to its sequence's host buffer, then one event
+        (and one before: the batch's device time, each step's seconds)."""
+        timed = self.device.type == "cuda"
+        began = torch.cuda.Event(enable_timing=True) if timed else None
+        if timed:
+            began.record()
+        result = self._run_batched(steps)
+        hosts, at = [], 0
+        for d in steps:
+            hosts.append(self._land(d.seq, result[at:at + d.n + 2], d.n))
+            at += d.n + 2
+        event = None
+        if timed:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        for d, host in zip(steps, hosts):
+            d.launched.host, d.launched.event, d.launched.began, d.launched.projected = host, event, began, d.project
 
     def _batches(self, deferred: list[_DeferredStep]) -> list[list[_DeferredStep]]:
         """The deferred steps in groups (in order) whose passes each fit the models' few-row path (plan.max_rows:
@@ -799,7 +833,7 @@ class SpeculativeDecoder:
         if launched.projected:  # the context up to the step's start
             seq.projected = len(seq.tokens) - 1
         seconds = launched.began.elapsed_time(launched.event) / 1000 if launched.began is not None else None
-        return self._commit(seq, launched.host[:n + 2].tolist(), n, seconds)
+        return self._commit(seq, launched.host[:n + 2].tolist(), n, seconds, launched.batched)
 
     def _lookup(self, seq: Sequence, n: int, lookup_max: int) -> list[int] | None:
         """The n-gram lookup's guesses for this step, or None for the drafter's (or a plain step): without a
@@ -814,13 +848,16 @@ class SpeculativeDecoder:
         proposal = seq.proposer.propose(seq.tokens, lookup_max)
         return proposal if proposal and (n == 0 or len(proposal) >= min(LONG_LOOKUP, lookup_max)) else None
 
-    def _commit(self, seq: Sequence, host: list[int], n: int, seconds: float | None = None) -> StepResult:
+    def _commit(self, seq: Sequence, host: list[int], n: int, seconds: float | None = None,
+                batched: bool = False) -> StepResult:
         """Commit a step's [accepted, samples 0..n]: the accepted guesses (equal to samples 0..acc-1), then the
-        target's own sample acc."""
+        target's own sample acc (counted in batched_tokens for a step of a batched step)."""
         acc = host[0]
         committed = host[1:acc + 2]
         seq.tokens.extend(committed)
         seq.steps, seq.drafted, seq.accepted = seq.steps + 1, seq.drafted + n, seq.accepted + acc
+        if batched:
+            self.batched_tokens += len(committed)
         return StepResult(committed=committed, drafted=n, accepted=acc, seconds=seconds)
 
     def _host_step(self, seq: Sequence, n: int, lookup: list[int] | None = None) -> StepResult:

@@ -55,6 +55,7 @@ class ServerMetrics:
         self._rounds = 0
         self._busy_sum = 0
         self._max_tokens_seen = 0
+        self._batched_tokens_seen = 0
         self._totals = {"prompt_n": 0.0, "prompt_s": 0.0, "predicted_n": 0.0, "predicted_s": 0.0}
         r = self.registry
 
@@ -106,12 +107,17 @@ class ServerMetrics:
     def on_step(self) -> None:
         self.n_decode.inc()
 
-    def on_batch(self, steps: list) -> None:
-        """A batched step ran these slots' steps (StepResults)."""
+    def on_batch(self, steps: int) -> None:
+        """A flush ran (or queued on the device) `steps` slots' steps as a batched step."""
         if steps:
             self.batched_steps.inc()
-            self.batched_step_slots.inc(len(steps))
-            self.batched_step_tokens.inc(sum(len(step.committed) for step in steps))
+            self.batched_step_slots.inc(steps)
+
+    def on_batched_tokens(self, total: int) -> None:
+        """The decoder's count of tokens committed by batched steps so far (after each round: a queued step's
+        tokens count once its slot collected it)."""
+        self.batched_step_tokens.inc(max(0, total - self._batched_tokens_seen))
+        self._batched_tokens_seen = max(total, self._batched_tokens_seen)
 
     def on_result(self, result) -> None:
         s = result.stats

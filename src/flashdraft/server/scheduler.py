@@ -7,7 +7,9 @@ than one prefill pass), so slots share the model fairly and a long prompt does n
 streams. Where the decoder batches steps (SpeculativeDecoder.batches: the CPU's module path, the GPU's fused
 layers of float weights) and more than one slot is busy, the round's decoding steps of every slot run as one
 batched step: each stream stops at its launched step (StepLaunched), one flush runs them all (one target pass
-over every slot's rows), then each stream collects its own. The worker
+over every slot's rows), then each stream collects its own; with CUDA graphs the flush only queues the batched
+step, and each stream launches its next step, flushed in the same round, before collecting the one before (the
+device runs a round while the host commits the last one's tokens). The worker
 checks each job's cancel flag before every step: a disconnected client stops its generation within one step or
 pass. Events reach the request's asyncio queue through loop.call_soon_threadsafe, so the event loop
 (and with it /health and /metrics) never waits on the model.
@@ -291,9 +293,10 @@ class Scheduler:
             # slots whose step waits to run batched with the others' (StepLaunched): one flush runs them all, then
             # each collects its step
             waiting = [slot for slot in active if self._advance(slot)]
-            while waiting:  # (a step whose text is held back is followed by the slot's next one)
+            while waiting:  # (a step whose text is held back, or a pipelined one, is followed by its next one)
                 self.metrics.on_batch(self.engine.decoder.flush())
                 waiting = [slot for slot in waiting if self._advance(slot)]
+            self.metrics.on_batched_tokens(self.engine.decoder.batched_tokens)
         with self._cv:
             for slot in self.slots:
                 if slot.job is not None:

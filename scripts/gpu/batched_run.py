@@ -66,14 +66,14 @@ def run_streams(engine: Engine, prompts: list[list[int]], draft: int, oracles, r
                 params: SamplingParams) -> tuple[float, float, list[list[int]]]:
     """Step len(prompts) sequences together as a server's rounds do: each round every sequence launches a step
     deferred and one flush runs them all; with graphs the flush queues the batched step and the round before is
-    collected after it (pipelined, the host's work beside the device's). `warm` untimed rounds (graph captures),
-    then `rounds` timed ones. Returns (committed tokens per second over the timed rounds, the device's ms per
-    batched step (CUDA; else 0), each sequence's tokens after its prompt)."""
+    collected after it (pipelined, the host's work beside the device's). First `warm` + `rounds` untimed rounds
+    (every graph the timed rounds need is captured then: a graph per cache bucket the sequences reach), then the
+    prompts again into the same sequences (the same caches, so the same graphs) and `rounds` timed rounds.
+    Returns (committed tokens per second over the timed rounds, the device's ms per batched step (CUDA; else 0),
+    each sequence's tokens after its prompt in the timed rounds)."""
     dec = engine.decoder
     seqs = [dec.new_sequence(o) for o in oracles]
-    for seq, p in zip(seqs, prompts):
-        dec.prefill(seq, p, params, 0)
-    counted, device_s, batches, began, pending = 0, 0.0, 0, None, None
+    counted, device_s, batches = 0, 0.0, 0
 
     def collect(launched) -> None:
         nonlocal counted, device_s, batches
@@ -83,19 +83,24 @@ def run_streams(engine: Engine, prompts: list[list[int]], draft: int, oracles, r
         device_s += result.seconds or 0.0  # the batched step's device time, the same for each of its steps
         batches += 1
 
-    for r in range(warm + rounds):
-        if r == warm:
+    def run(n_rounds: int) -> None:
+        pending = None
+        for _ in range(n_rounds):
+            launched = [dec.launch(seq, draft, defer=True) for seq in seqs]
+            dec.flush()
             if pending is not None:
                 collect(pending)
-                pending = None
-            synchronize(dec.device)
-            began, counted, device_s, batches = time.perf_counter(), 0, 0.0, 0
-        launched = [dec.launch(seq, draft, defer=True) for seq in seqs]
-        dec.flush()
-        if pending is not None:
-            collect(pending)
-        pending = launched
-    collect(pending)
+            pending = launched
+        collect(pending)
+
+    for timed in (False, True):
+        for seq, p, oracle in zip(seqs, prompts, oracles):
+            if oracle is not None:
+                oracle.reset()
+            dec.prefill(seq, p, params, 0)
+        synchronize(dec.device)
+        began, counted, device_s, batches = time.perf_counter(), 0, 0.0, 0
+        run(rounds if timed else warm + rounds)
     synchronize(dec.device)
     elapsed = time.perf_counter() - began
     return counted / elapsed, 1000 * device_s / batches, [seq.tokens[len(p):] for seq, p in zip(seqs, prompts)]
@@ -117,8 +122,11 @@ def profile_rounds(engine: Engine, prompts, draft: int, oracles, params: Samplin
         for seq, step in zip(seqs, launched):
             dec.collect(seq, step)
 
-    for _ in range(warm):
+    for _ in range(warm + rounds):  # every graph the profiled rounds replay is captured
         round_()
+    for seq, p, oracle in zip(seqs, prompts, oracles):
+        oracle.reset()
+        dec.prefill(seq, p, params, 0)
     synchronize(dec.device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(rounds):

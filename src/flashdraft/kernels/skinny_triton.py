@@ -49,9 +49,12 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, r_ptr, M, N, stride_xm
                        HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
                        IEEE: tl.constexpr, SWAP: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+                       SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, W_EVICT: tl.constexpr):
     """N is the number of output features: with GATED, W has 2N rows (gate rows [0, N) over up rows [N, 2N)).
-    HAS_NORM and GATED need SPLIT_K == 1 (the row norm needs all of K; silu needs the whole gate product)."""
+    HAS_NORM and GATED need SPLIT_K == 1 (the row norm needs all of K; silu needs the whole gate product).
+    W_EVICT: the weight loads' L2 eviction policy: "evict_first" where one row tile reads each weight tile (the
+    weights stream through L2 once), "" (the default) where several do, so that the later row tiles' programs find
+    the tile in L2; a cache hint, no change to the arithmetic."""
     if PDL:  # launched as a programmatic dependent: wait here for the previous kernel's writes (our input)
         tl.extra.cuda.gdc_wait()
     # Row tiles vary fastest: the programs of one weight tile for every 16-row tile of a batched pass run side by
@@ -82,19 +85,19 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, r_ptr, M, N, stride_xm
         if EVEN_K:
             x = tl.load(x_ptrs, mask=m_ok, other=0.0)
             if EVEN_N:
-                w = tl.load(w_ptrs, eviction_policy="evict_first")
+                w = tl.load(w_ptrs, eviction_policy=W_EVICT)
                 if GATED:
-                    wu = tl.load(wu_ptrs, eviction_policy="evict_first")
+                    wu = tl.load(wu_ptrs, eviction_policy=W_EVICT)
             else:
-                w = tl.load(w_ptrs, mask=n_ok, other=0.0, eviction_policy="evict_first")
+                w = tl.load(w_ptrs, mask=n_ok, other=0.0, eviction_policy=W_EVICT)
                 if GATED:
-                    wu = tl.load(wu_ptrs, mask=n_ok, other=0.0, eviction_policy="evict_first")
+                    wu = tl.load(wu_ptrs, mask=n_ok, other=0.0, eviction_policy=W_EVICT)
         else:
             k_ok = (k_lo + step * BLOCK_K + rk)[None, :] < K
             x = tl.load(x_ptrs, mask=m_ok & k_ok, other=0.0)
-            w = tl.load(w_ptrs, mask=n_ok & k_ok, other=0.0, eviction_policy="evict_first")
+            w = tl.load(w_ptrs, mask=n_ok & k_ok, other=0.0, eviction_policy=W_EVICT)
             if GATED:
-                wu = tl.load(wu_ptrs, mask=n_ok & k_ok, other=0.0, eviction_policy="evict_first")
+                wu = tl.load(wu_ptrs, mask=n_ok & k_ok, other=0.0, eviction_policy=W_EVICT)
         if UPCAST:  # Triton's interpreter only: its tl.dot multiplies bf16 operands' raw bits (3.6)
             x = x.to(tl.float32)
             w = w.to(tl.float32)

@@ -215,7 +215,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         IEEE=x.dtype == torch.float32, SWAP=config.swap,
         UPCAST=x.device.type != "cuda" and x.dtype != torch.float32, PDL=bool(pdl),
         BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split,
-        EVEN_N=n % config.block_n == 0, EVEN_K=even_k, num_warps=config.num_warps, num_stages=config.num_stages, **pdl)
+        EVEN_N=n % config.block_n == 0, EVEN_K=even_k, W_EVICT="evict_first" if m_tiles == 1 else "",
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl)
     if split > 1:
         block = 1024
         kern.split_reduce_kernel[(-(-n // block), m)](

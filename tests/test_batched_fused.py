@@ -172,3 +172,45 @@ def test_steps_beyond_the_few_row_passes_run_in_groups(engine):
     plain = [SimpleNamespace(n=0, T=1) for _ in range(20)]
     assert [len(group) for group in dec._batches(plain)] == [16, 4]
     assert dec._batches([]) == []
+
+
+def test_graphed_batched_steps_take_their_segment_tables_as_inputs(engine, alone, monkeypatch):
+    """A graphed batched step's passes launch each attention kernel once for all sequences, with the segment
+    tables made outside the graph (a copy from the host cannot be captured) and given to it as inputs: the
+    passes never make their own, and each sequence still gets its tokens alone."""
+    dec = engine.decoder
+    monkeypatch.setattr(dec, "graphs", InlineGraphs())
+    given = []
+    for model in (dec.target, dec.drafter):
+        def spy(*args, _forward=model.forward_segments, **kwargs):
+            given.append(kwargs.get("table") is not None)
+            return _forward(*args, **kwargs)
+        monkeypatch.setattr(model, "forward_segments", spy)
+    seqs = [dec.new_sequence() for _ in range(2)]
+    for seq, p in zip(seqs, PROMPTS):
+        dec.prefill(seq, p, GREEDY, 0)
+    for drafts in [(BLOCK - 1, BLOCK - 1), (0, 0)]:
+        launched = [dec.launch(seq, n, defer=True) for seq, n in zip(seqs, drafts)]
+        dec.flush()
+        for seq, step in zip(seqs, launched):
+            dec.collect(seq, step)
+    # two target passes and one drafter pass of two sequences, each called twice (warm-up and capture)
+    assert given == [True] * 6
+    tables = [dec.target.segment_table([(1, seq.target_cache, 32) for seq in seqs]),
+              dec.drafter.segment_table([(seq.draft_cache, 32, None) for seq in seqs])]
+    for table, rows in zip(tables, (1, BLOCK)):
+        assert table is not None and table[:2].tolist() == [0, rows]
+
+
+def test_segment_tables_refuse_caches_one_launch_cannot_serve(engine):
+    """One launch serves caches of the first one's shape, strides and dtype at a fixed offset from it: a cache of
+    another capacity gets no table (the passes then launch the kernels per sequence)."""
+    target = engine.decoder.target
+    same = [target.new_cache(64), target.new_cache(64)]
+    table = target.segment_table([(3, same[0], 10), (2, same[1], 10)])
+    assert table is not None and table.shape == (2 * 4 + 5 * 2,)
+    assert table[:8].view(2, 4)[:, :2].tolist() == [[0, 3], [3, 2]]
+    assert table[8:].view(5, 2)[:3].abs().sum() == 0  # the first segment's rows: its own caches
+    offset = (same[1].k[0].data_ptr() - same[0].k[0].data_ptr()) // same[0].k[0].element_size()
+    assert table[8:].view(5, 2)[3:, 0].tolist() == [offset, offset]
+    assert target.segment_table([(3, same[0], 10), (2, target.new_cache(48), 10)]) is None

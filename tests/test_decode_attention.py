@@ -304,3 +304,28 @@ def test_gemma4_target_rows_are_bitwise_independent_of_the_block(tmp_path):
         alone = [model(ids[start + i:start + i + 1], torch.tensor([start + i], device="cuda"), cache, kv)[0]
                  for i in range(16)]
     assert all(torch.equal(block[i], row[0]) for i, row in enumerate(alone))
+
+
+@pytest.mark.parametrize("config", [None, MANY_RANGES, PIPELINED], ids=["default", "many-ranges", "pipelined"])
+def test_one_launch_over_several_caches_gives_each_segment_its_own_launch(config):
+    """Three sequences' rows (5, 1 and 16 tokens, other positions, kv_len and caches) in one launch
+    (decode_attention_segments, a batched step's layer): each row's bits are its own sequence's launch alone over
+    its own cache and kv_len (the merged launch reads the longest kv_len, its mask hiding the rest)."""
+    k, v = (torch.randn(3, 2, 320, 64, generator=torch.Generator().manual_seed(s)).to(DEVICE) for s in (21, 22))
+    q = _queries(8, 22, 64, seed=23)
+    segments = [(5, 200, 210), (1, 40, 41), (16, 280, 300)]  # rows, first position, kv_len
+    alone, masks, table, first = [], [], [], 0
+    for i, (rows, start, kv_len) in enumerate(segments):
+        mask = _causal(start, rows, kv_len)
+        alone.append(da.launch(q[:, first:first + rows].contiguous(), k[i, :, :kv_len], v[i, :, :kv_len], mask,
+                               config))
+        masks.append(torch.nn.functional.pad(mask, (0, 300 - kv_len), value=False))
+        offset = (k[i].data_ptr() - k[0].data_ptr()) // k.element_size()
+        table.append([first, rows, offset, offset])
+        first += rows
+    merged = da.launch(q, k[0, :, :300], v[0, :, :300], torch.cat(masks), config,
+                       segments=torch.tensor(table, device=DEVICE), segment_rows=tuple(r for r, _, _ in segments))
+    assert torch.equal(merged, torch.cat(alone))
+    with pytest.raises(ValueError, match="segments"):
+        da.launch(q, k[0, :, :300], v[0, :, :300], None, config, segments=torch.tensor(table, device=DEVICE),
+                  segment_rows=(5, 1, 16))

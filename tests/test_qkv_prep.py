@@ -215,3 +215,26 @@ def test_custom_op_and_compile():
         assert torch.equal(compiled(*tensors, big[0, 1], big[1, 1]), step(*tensors, ref_big[0, 1], ref_big[1, 1]))
     assert torch.equal(big, ref_big)
     assert not (big[:, 1, :, args["positions"]] == UNWRITTEN).any() and (big[:, 0] == UNWRITTEN).all()
+
+
+def test_one_launch_writes_each_rows_own_sequences_caches():
+    """qkv_prep_segments (a batched step's layer): rows of three sequences in one launch, each row's keys and values
+    into its own sequence's caches (offsets from the first's), the same bits as each sequence's own qkv_prep."""
+    args = _inputs(7, 4, 2, 32, torch.bfloat16, True, seed=31)
+    pool = {way: tuple(torch.full((3, 2, CAPACITY, 32), UNWRITTEN, dtype=torch.bfloat16, device=DEVICE)
+                       for _ in range(2)) for way in ("alone", "merged")}
+    rows, offsets, queries, first = [3, 1, 3], [], [], 0
+    fields = ("qkv", "cos", "sin", "positions")
+    for i, n in enumerate(rows):
+        part = {**args, **{f: args[f][first:first + n] for f in fields}}
+        queries.append(qp.qkv_prep(cache_k=pool["alone"][0][i], cache_v=pool["alone"][1][i], **part))
+        step = pool["merged"][0][i].data_ptr() - pool["merged"][0][0].data_ptr()
+        offsets += [[step // 2, step // 2]] * n
+        first += n
+    merged = qp.qkv_prep_segments(cache_k=pool["merged"][0][0], cache_v=pool["merged"][1][0],
+                                  cache_offsets=torch.tensor(offsets, device=DEVICE), **args)
+    assert torch.equal(merged, torch.cat(queries))
+    assert torch.equal(pool["merged"][0], pool["alone"][0]) and torch.equal(pool["merged"][1], pool["alone"][1])
+    with pytest.raises(ValueError, match="cache_offsets"):
+        qp.qkv_prep_segments(cache_k=pool["merged"][0][0], cache_v=pool["merged"][1][0],
+                             cache_offsets=torch.tensor(offsets[:-1], device=DEVICE), **args)

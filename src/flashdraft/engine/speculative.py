@@ -759,26 +759,42 @@ class SpeculativeDecoder:
                            default=0)
         key = ("batch", kv_len, draft_kv_len, *(part for d in steps for part in self._step_key(d.seq, d.n, d.T,
                                                                                              d.project)))
-        result = self.graphs.run(key, lambda: self._batched_step(steps, kv_len, draft_kv_len),
-                                 mutable=[t for d in steps for t in self._mutable(d.seq)])
+        result = self.graphs.run(key, lambda **tables: self._batched_step(steps, kv_len, draft_kv_len, **tables),
+                                 mutable=[t for d in steps for t in self._mutable(d.seq)],
+                                 **self._segment_tables(steps, kv_len, draft_kv_len))
         self.graphs.limit("batch", MAX_BATCH_GRAPHS)
         return result
 
-    def _batched_step(self, steps: list[_DeferredStep], kv_len: int | None = None,
-                      draft_kv_len: int | None = None) -> torch.Tensor:
+    def _segment_tables(self, steps: list[_DeferredStep], kv_len: int, draft_kv_len: int) -> dict[str, torch.Tensor]:
+        """The segment tables of a graphed batched step's target and drafter passes (forward_segments' table: one
+        launch of each attention kernel for all sequences), made outside the graph (their rows are copied from the
+        host) and given to it as inputs; none for a pass of one sequence or of caches one launch cannot serve."""
+        tables = {}
+        if len(steps) > 1:
+            tables["target_table"] = self.target.segment_table([(d.T, d.seq.target_cache, kv_len) for d in steps])
+        drafting = [d for d in steps if d.n > 0]
+        if len(drafting) > 1:
+            tables["draft_table"] = self.drafter.segment_table([(d.seq.draft_cache, draft_kv_len, None)
+                                                                for d in drafting])
+        return {name: table for name, table in tables.items() if table is not None}
+
+    def _batched_step(self, steps: list[_DeferredStep], kv_len: int | None = None, draft_kv_len: int | None = None,
+                      target_table: torch.Tensor | None = None,
+                      draft_table: torch.Tensor | None = None) -> torch.Tensor:
         """_device_step for several sequences at once: the drafting ones' guesses (_draft_passes), the plain ones'
         projections, one target pass over every sequence's verify rows, then each one's sampling and acceptance.
         kv_len, draft_kv_len: the cache rows every sequence's target and drafter passes read (a graph's), or None:
-        each its own (eagerly)."""
+        each its own (eagerly). target_table, draft_table: the passes' segment tables (_segment_tables), or None:
+        the passes make their own (eagerly)."""
         drafting = [d for d in steps if d.n > 0]
-        guesses = iter(self._draft_passes(drafting, draft_kv_len) if drafting else ())  # in the order of `steps`
+        guesses = iter(self._draft_passes(drafting, draft_kv_len, draft_table) if drafting else ())  # steps' order
         tokens = [torch.cat([d.seq.state.last, next(guesses)]) if d.n > 0
                   else self._step_tokens(d.seq, d.n, d.T, 0, d.project) for d in steps]
         positions = torch.cat([self._positions(d.seq.state.start, d.T) for d in steps])
         logits, taps = self.target.forward_segments(
             torch.cat(tokens), positions,
             [(d.T, d.seq.target_cache, d.start + d.T if kv_len is None else kv_len) for d in steps],
-            self.tap_ids)
+            self.tap_ids, table=target_table)
         results, at = [], 0
         for d, step_tokens in zip(steps, tokens):
             rows = slice(at, at + d.T)
@@ -787,11 +803,13 @@ class SpeculativeDecoder:
             at += d.T
         return torch.cat(results)
 
-    def _draft_passes(self, steps: list[_DeferredStep], kv_len: int | None = None) -> list[torch.Tensor]:
+    def _draft_passes(self, steps: list[_DeferredStep], kv_len: int | None = None,
+                      table: torch.Tensor | None = None) -> list[torch.Tensor]:
         """_draft_pass for several sequences at once (a batched step's): their waiting context rows projected
         together, their blocks in one drafter pass, the LM head over every block's guess rows (eagerly the n of
         each; in a graph, kv_len given, all B - 1, which the position masks of the longer reads need); then each
-        sequence's n guesses (its oracle's in their place, where it has one)."""
+        sequence's n guesses (its oracle's in their place, where it has one). table: the block pass's segment
+        table (_segment_tables), or None."""
         B, exact = self.block_size, kv_len is None
         waiting = [(*taken, d.seq.draft_cache) for d in steps
                    if (taken := self._take_waiting(d.seq, exact)) is not None]
@@ -805,7 +823,7 @@ class SpeculativeDecoder:
                 segments.append((cache, cache.kv_len(d.start + B), None))
             else:
                 segments.append((cache, kv_len, self._past_block_mask(cache, kv_len, positions[j * B:(j + 1) * B])))
-        hidden = self.drafter.forward_segments(self.target.embed(block), positions, segments)
+        hidden = self.drafter.forward_segments(self.target.embed(block), positions, segments, table=table)
         take = [d.n if exact else B - 1 for d in steps]
         best = _best(self.target.logits(torch.cat([hidden[j * B + 1:j * B + 1 + t] for j, t in enumerate(take)])), 1)
         out, at = [], 0

@@ -31,15 +31,29 @@ from flashdraft.kernels.split_reduce_triton import add, maximum
 
 
 @triton.jit(do_not_specialize=["T", "KV_LEN", "N_SPLITS"])
-def attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, counter_ptr, out_ptr, T, KV_LEN, N_SPLITS,
-                     stride_qh, stride_qt, stride_kh, stride_kn, stride_vh, stride_vn, stride_mt, stride_ot,
+def attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, counter_ptr, out_ptr, seg_ptr, T, KV_LEN,
+                     N_SPLITS, stride_qh, stride_qt, stride_kh, stride_kn, stride_vh, stride_vn, stride_mt, stride_ot,
                      qk_scale, GROUP: tl.constexpr, D: tl.constexpr, HAS_MASK: tl.constexpr,
                      IEEE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                      K_FMT: tl.constexpr, V_FMT: tl.constexpr, K_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr,
-                     PIPELINED: tl.constexpr):
+                     PIPELINED: tl.constexpr, SEGMENTED: tl.constexpr):
     kv = tl.program_id(0)
     tile = tl.program_id(1)
     split = tl.program_id(2)
+    pair = kv * tl.num_programs(1) + tile  # this (kv head, query tile)'s counter and partials
+    if SEGMENTED:  # several sequences' rows, each over its own cache: axis 2 is (segment, key range)
+        seg = split // N_SPLITS
+        split = split % N_SPLITS
+        pair = pair + seg * tl.num_programs(0) * tl.num_programs(1)
+        first = tl.load(seg_ptr + 4 * seg)  # the segment's first row, rows, and its caches' offsets from segment 0's
+        T = tl.load(seg_ptr + 4 * seg + 1).to(tl.int32)
+        k_ptr += tl.multiple_of(tl.load(seg_ptr + 4 * seg + 2), 16)
+        v_ptr += tl.multiple_of(tl.load(seg_ptr + 4 * seg + 3), 16)
+        q_ptr += first * stride_qt
+        out_ptr += first * stride_ot
+        mask_ptr += first * stride_mt
+        # a tile past the segment's rows (segments have different lengths) reads no keys: its rows are all masked
+        KV_LEN = tl.where(tile * BLOCK_Q < T * GROUP, KV_LEN, 0)
     rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
     row_ok = rows < T * GROUP
     t = rows // GROUP
@@ -64,15 +78,15 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, count
             m_i, l_i, acc = _key_step(q, m_i, l_i, acc, k_ptr, v_ptr, mask_ptr, kv, split, chunk, t, row_ok, KV_LEN,
                                       stride_kh, stride_kn, stride_vh, stride_vn, stride_mt, qk_scale, D, HAS_MASK,
                                       IEEE, BLOCK_N, SPLIT, K_FMT, V_FMT, K_ALIGN, V_ALIGN)
-    slot = (kv * tl.num_programs(1) + tile) * N_SPLITS + split
+    slot = pair * N_SPLITS + split
     r = tl.arange(0, BLOCK_Q)
     tl.store(m_ptr + slot * BLOCK_Q + r, m_i, mask=row_ok)
     tl.store(l_ptr + slot * BLOCK_Q + r, l_i, mask=row_ok)
     tl.store(acc_ptr + (slot * BLOCK_Q + r)[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
     # acq_rel: this program's partial is visible before its ticket; the last one's loads see every partial
-    counter = counter_ptr + kv * tl.num_programs(1) + tile
+    counter = counter_ptr + pair
     if tl.atomic_add(counter, 1, sem="acq_rel") == N_SPLITS - 1:
-        _combine(m_ptr, l_ptr, acc_ptr, out_ptr, kv, tile, T, N_SPLITS, stride_ot, GROUP, D, BLOCK_Q)
+        _combine(m_ptr, l_ptr, acc_ptr, out_ptr, kv, tile, pair, T, N_SPLITS, stride_ot, GROUP, D, BLOCK_Q)
         tl.atomic_xchg(counter, 0)
 
 
@@ -157,7 +171,7 @@ def _scaled(q, scales, ok, D: tl.constexpr, AFFINE: tl.constexpr):
 
 
 @triton.jit
-def _combine(m_ptr, l_ptr, acc_ptr, out_ptr, kv, tile, T, N_SPLITS, stride_ot, GROUP: tl.constexpr,
+def _combine(m_ptr, l_ptr, acc_ptr, out_ptr, kv, tile, pair, T, N_SPLITS, stride_ot, GROUP: tl.constexpr,
              D: tl.constexpr, BLOCK_Q: tl.constexpr):
     """Add the N_SPLITS partials of (kv, tile) in split order 0, 1, ... and store the tile's rows of the output.
 
@@ -170,7 +184,7 @@ def _combine(m_ptr, l_ptr, acc_ptr, out_ptr, kv, tile, T, N_SPLITS, stride_ot, G
     visible one (a longer kv_len in a verify step). Loads bypass L1 (.cg): other programs wrote the partials."""
     r = tl.arange(0, BLOCK_Q)
     d = tl.arange(0, D)
-    base = (kv * tl.num_programs(1) + tile) * N_SPLITS
+    base = pair * N_SPLITS
     rows = tile * BLOCK_Q + r
     row_ok = rows < T * GROUP  # padding rows of the tile: nothing stored, nothing read
     m_next = tl.load(m_ptr + base * BLOCK_Q + r, mask=row_ok, other=float("-inf"), cache_modifier=".cg")

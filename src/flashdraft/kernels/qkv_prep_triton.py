@@ -25,9 +25,9 @@ from flashdraft.kernels.split_reduce_triton import add, round_to
 
 @triton.jit
 def qkv_prep_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_norm_ptr, k_norm_ptr, q_ptr, cache_k_ptr, cache_v_ptr,
-                    stride_qkv, stride_cos, stride_sin, stride_kh, stride_kn, stride_vh, stride_vn, capacity, eps,
-                    N_HEADS: tl.constexpr, N_KV: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr,
-                    EMULATE: tl.constexpr):
+                    offsets_ptr, stride_qkv, stride_cos, stride_sin, stride_kh, stride_kn, stride_vh, stride_vn,
+                    capacity, eps, N_HEADS: tl.constexpr, N_KV: tl.constexpr, D: tl.constexpr,
+                    HAS_NORM: tl.constexpr, EMULATE: tl.constexpr, HAS_OFFSETS: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.program_id(1)
     dtype = q_ptr.dtype.element_ty
@@ -59,6 +59,9 @@ def qkv_prep_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_norm_ptr, k_norm_ptr, 
     else:
         kv = (slot - N_HEADS).to(tl.int64)
         pos = tl.load(pos_ptr + t).to(tl.int64)
+        if HAS_OFFSETS:  # the token's sequence's caches, these many elements from the given ones
+            cache_k_ptr += tl.multiple_of(tl.load(offsets_ptr + 2 * t), 16)
+            cache_v_ptr += tl.multiple_of(tl.load(offsets_ptr + 2 * t + 1), 16)
         if (pos >= 0) & (pos < capacity):  # an out-of-range position writes nothing rather than past the cache
             tl.store(cache_k_ptr + kv * stride_kh + pos * stride_kn + d, out)
             value = tl.load(head + N_KV * D + d)  # value head j sits N_KV heads after key head j

@@ -10,10 +10,10 @@ from torch.nn.attention.bias import CausalBias
 
 from flashdraft.config import ModelConfig
 from flashdraft.layers import decode_attention as attention_kernel
-from flashdraft.layers.decode_attention import decode_attention
+from flashdraft.layers.decode_attention import decode_attention, decode_attention_segments
 from flashdraft.layers.elementwise import RMSNorm, rope
 from flashdraft.layers.plan import LayerPlan
-from flashdraft.layers.qkv_prep import qkv_prep
+from flashdraft.layers.qkv_prep import qkv_prep, qkv_prep_segments
 from flashdraft.layers.skinny_gemm import Linear, attach_fused, skinny_linear
 from flashdraft.quant.kv_formats import read_rows, write_rows
 
@@ -76,6 +76,65 @@ class AttentionSegment(NamedTuple):
     positions: torch.Tensor
     kv_len: int
     mask: torch.Tensor | None
+
+
+class MergedSegments(NamedTuple):
+    """A batched pass's segments as one launch of each attention kernel per layer reads them (made once a pass,
+    by merge_segments): every row's cache row (positions) and mask [R, kv_len] over the longest of the segments'
+    kv_len (a row's bits do not depend on how far past its last visible key a pass reads: decode_attention), the
+    segment table (segment_table: each segment's first row, rows and caches' offsets from the first's) and each
+    row's caches' offsets, and the segments' row counts."""
+
+    positions: torch.Tensor
+    mask: torch.Tensor
+    kv_len: int
+    table: torch.Tensor
+    offsets: torch.Tensor
+    rows: tuple[int, ...]
+
+
+def segment_table(rows: list[int], keys: list[list[torch.Tensor]],
+                  values: list[list[torch.Tensor]]) -> torch.Tensor | None:
+    """The int64 table one launch of qkv_prep and decode_attention over several sequences' caches reads (a batched
+    pass's; its rows are data, like positions: a CUDA graph takes it as an input): per segment its first row, its
+    rows, and the element offsets of its keys' and values' cache from the first segment's, then per row those
+    offsets again ([S * 4 + R * 2], on the caches' device). keys / values: each segment's cache tensors, one per
+    layer. None where one launch cannot serve them: caches of other shapes, strides or dtypes than the first's, or
+    offsets that differ between layers or are not a multiple of 16 elements (the kernels' loads keep their
+    alignment)."""
+    k0, v0 = keys[0], values[0]
+    spec = [(t.shape, t.stride(), t.dtype) for t in (k0[0], v0[0])]
+    segments, per_row, first = [], [], 0
+    for n, k, v in zip(rows, keys, values):
+        if [(t.shape, t.stride(), t.dtype) for t in (k[0], v[0])] != spec:
+            return None
+        offsets = []
+        for mine, base in ((k, k0), (v, v0)):
+            elements = [(mine[i].data_ptr() - base[i].data_ptr()) / base[i].element_size() for i in (0, -1)]
+            if elements[0] != elements[1] or elements[0] % 16:
+                return None
+            offsets.append(int(elements[0]))
+        segments += [first, n, *offsets]
+        per_row += offsets * n
+        first += n
+    return torch.tensor(segments + per_row, dtype=torch.int64).to(k0[0].device)
+
+
+def merge_segments(segments: list[AttentionSegment], table: torch.Tensor) -> MergedSegments:
+    """The MergedSegments of one pass's segments (their mask None: every row up to its kv_len visible) and their
+    segment_table."""
+    kv_len = max(s.kv_len for s in segments)
+    masks = []
+    for s in segments:
+        m = _rows_mask(s.mask)
+        if m is None:
+            m = torch.ones(1, s.kv_len, dtype=torch.bool, device=s.positions.device)
+        if m.shape[1] < kv_len:  # a shorter segment's rows see nothing past its own kv_len
+            m = F.pad(m, (0, kv_len - m.shape[1]), value=False)
+        masks.append(m.expand(s.rows, -1))
+    S = len(segments)
+    return MergedSegments(torch.cat([s.positions for s in segments]), torch.cat(masks), kv_len,
+                          table[:4 * S].view(S, 4), table[4 * S:].view(-1, 2), tuple(s.rows for s in segments))
 
 
 def _rows_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -182,7 +241,8 @@ class Attention(nn.Module):
         out = grouped_attention(q[None], keys[None], values[None], mask)
         return out[0].transpose(0, 1).reshape(T, self.n_heads * self.head_dim)
 
-    def prepped_forward(self, x, cos, sin, segments: list[AttentionSegment]) -> torch.Tensor:
+    def prepped_forward(self, x, cos, sin, segments: list[AttentionSegment],
+                        merged: MergedSegments | None = None) -> torch.Tensor:
         """attention(x) for a few-row cached pass of normed rows x (one sequence's, or several sequences' rows in
         turn, each segment over its own cache): the q/k/v products over all rows (one where they are fused), per
         segment qkv_prep (q/k norm, RoPE, cache writes: one kernel) and decode_attention, o_proj over all rows
@@ -191,9 +251,10 @@ class Attention(nn.Module):
             qkv = self.qkv_proj(x)
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        return self.o_proj(self._prepped_attention(qkv, cos, sin, segments))
+        return self.o_proj(self._prepped_attention(qkv, cos, sin, segments, merged))
 
-    def fused_forward(self, h, norm_eps: float, cos, sin, segments: list[AttentionSegment]) -> torch.Tensor:
+    def fused_forward(self, h, norm_eps: float, cos, sin, segments: list[AttentionSegment],
+                      merged: MergedSegments | None = None) -> torch.Tensor:
         """h + attention(rms_norm(h)) for a few-row cached pass (one sequence's, or several sequences' rows in
         turn) in 2 + 2 x segments kernels (DecoderLayer.fused_forward): the q/k/v GEMM over all rows with the
         input norm (its weight folded into the q/k/v weight), per segment qkv_prep and decode_attention over its
@@ -201,12 +262,22 @@ class Attention(nn.Module):
         kernel computes a row from that row (and its own cache) alone, so a row's bits do not depend on the other
         segments."""
         qkv = skinny_linear(h, self.qkv_proj.weight, self.qkv_proj.bias, rms_norm_eps=norm_eps)
-        return skinny_linear(self._prepped_attention(qkv, cos, sin, segments), self.o_proj.weight, self.o_proj.bias,
-                             residual=h)
+        return skinny_linear(self._prepped_attention(qkv, cos, sin, segments, merged), self.o_proj.weight,
+                             self.o_proj.bias, residual=h)
 
-    def _prepped_attention(self, qkv: torch.Tensor, cos, sin, segments: list[AttentionSegment]) -> torch.Tensor:
+    def _prepped_attention(self, qkv: torch.Tensor, cos, sin, segments: list[AttentionSegment],
+                           merged: MergedSegments | None = None) -> torch.Tensor:
         """Each segment's rows of the q/k/v projection through qkv_prep into its cache and decode_attention over
-        it: [rows, heads * head_dim], the segments' rows in turn."""
+        it: [rows, heads * head_dim], the segments' rows in turn. merged (several segments): one launch of each
+        kernel for all of them, each segment's programs doing what its own launches would (where the caches are
+        of the compute dtype: the kernel writes no other)."""
+        first = segments[0]
+        if merged is not None and first.cache_k.dtype == qkv.dtype and first.cache_v.dtype == qkv.dtype:
+            q = qkv_prep_segments(qkv, cos, sin, merged.positions, first.cache_k, first.cache_v, merged.offsets,
+                                  self.n_heads, self.n_kv, *self._head_norms())
+            return decode_attention_segments(q.transpose(0, 1), first.cache_k[:, :merged.kv_len],
+                                             first.cache_v[:, :merged.kv_len], merged.mask, merged.table,
+                                             merged.rows)
         out, at = [], 0
         for s in segments:
             rows = slice(at, at + s.rows)

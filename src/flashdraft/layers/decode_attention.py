@@ -101,12 +101,18 @@ def supports(head_dim: int) -> bool:
 
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-           config: AttentionConfig | None = None, scale: float | None = None) -> torch.Tensor:
+           config: AttentionConfig | None = None, scale: float | None = None,
+           segments: torch.Tensor | None = None, segment_rows: tuple[int, ...] = ()) -> torch.Tensor:
     """Run the kernel (no custom-op wrapper). q [heads, T, hd]; k, v [kv_heads, kv_len, row] (rows of a KV cache
     type) with unit stride along a row; mask None or bool [T or 1, kv_len]; scale: of the scores (None:
     1/sqrt(hd)). Returns [T, heads * hd] in q's dtype.
     config None = config_for(head_dim, the cache's capacity: k's rows per kv head as allocated, from its strides,
-    its element size)."""
+    its element size).
+    segments (int64 [S, 4], on q's device) with segment_rows (S row counts): q's rows are S sequences' rows in
+    turn, each attending over its own cache, whose keys and values start segments[j, 2] and segments[j, 3]
+    elements after k's and v's (the same strides and capacity); segments[j, 0:2] = its first row, its rows; the
+    mask [T, kv_len] has every row's own (segment_table). One launch for all: each segment's programs do what a
+    launch of its rows alone over its cache does."""
     heads, T, hd = q.shape
     c = config or config_for(hd, k.stride(0) // max(1, k.stride(1)), k.element_size())
     kv_heads, kv_len = k.shape[0], k.shape[1]
@@ -123,10 +129,16 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("decode_attention: keys and values need unit stride along head_dim")
     group = heads // kv_heads
-    tiles = -(-(T * group) // c.block_q)
+    n_segments = len(segment_rows) if segments is not None else 1
+    if segments is not None and (segments.shape != (n_segments, 4) or sum(segment_rows) != T
+                                 or segments.dtype != torch.int64 or mask is None or mask.shape[0] != T):
+        raise ValueError(f"decode_attention: segments {list(segments.shape)} ({segments.dtype}) for rows "
+                         f"{list(segment_rows)} of q's {T}, mask {None if mask is None else list(mask.shape)}: "
+                         f"want int64 [{n_segments}, 4] and a [{T}, kv_len] mask")
+    tiles = -(-(max(segment_rows, default=T) * group) // c.block_q)
     splits = max(1, -(-kv_len // c.split))
     out = torch.empty((T, heads * hd), dtype=q.dtype, device=q.device)
-    m = torch.empty((kv_heads * tiles * splits * c.block_q,), dtype=torch.float32, device=q.device)
+    m = torch.empty((n_segments * kv_heads * tiles * splits * c.block_q,), dtype=torch.float32, device=q.device)
     l_sum = torch.empty_like(m)
     acc = torch.empty((m.shape[0], hd), dtype=torch.float32, device=q.device)
     if mask is not None:
@@ -134,14 +146,15 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         if mask.stride(-1) != 1:
             mask = mask.contiguous()
     stride_mt = 0 if mask is None or mask.shape[0] == 1 else mask.stride(0)
-    _kernels().attention_kernel[(kv_heads, tiles, splits)](
-        q, k, v, mask if mask is not None else q, m, l_sum, acc, _tickets(q.device, kv_heads * tiles), out, T,
+    _kernels().attention_kernel[(kv_heads, tiles, splits * n_segments)](
+        q, k, v, mask if mask is not None else q, m, l_sum, acc, _tickets(q.device, n_segments * kv_heads * tiles),
+        out, segments if segments is not None else q, T,
         kv_len, splits, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), stride_mt,
         out.stride(0), math.log2(math.e) * (1 / math.sqrt(hd) if scale is None else scale), GROUP=group, D=hd,
         HAS_MASK=mask is not None, IEEE=q.dtype == torch.float32, BLOCK_Q=c.block_q, BLOCK_N=c.block_n, SPLIT=c.split,
         K_FMT=KERNEL_FORMATS.get(k_format.name, 0), V_FMT=KERNEL_FORMATS.get(v_format.name, 0),
-        K_ALIGN=_row_alignment(k), V_ALIGN=_row_alignment(v), PIPELINED=c.pipelined, num_warps=c.num_warps,
-        num_stages=c.num_stages)
+        K_ALIGN=_row_alignment(k), V_ALIGN=_row_alignment(v), PIPELINED=c.pipelined, SEGMENTED=segments is not None,
+        num_warps=c.num_warps, num_stages=c.num_stages)
     return out
 
 
@@ -180,6 +193,27 @@ def _output_like(q, k, v, mask, scale=None):
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       mask: torch.Tensor | None, scale: float | None = None) -> torch.Tensor:
     return launch(q, k, v, mask, scale=scale)
+
+
+def _segments_output_like(q, k, v, mask, segments, segment_rows, scale=None):
+    return q.new_empty((q.shape[1], q.shape[0] * q.shape[2]))
+
+
+@opaque_op("flashdraft::decode_attention_segments", _segments_output_like)
+def _decode_attention_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                               segments: torch.Tensor, segment_rows: list[int],
+                               scale: float | None = None) -> torch.Tensor:
+    return launch(q, k, v, mask, scale=scale, segments=segments, segment_rows=tuple(segment_rows))
+
+
+def decode_attention_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                              segments: torch.Tensor, segment_rows: list[int],
+                              scale: float | None = None) -> torch.Tensor:
+    """decode_attention for several sequences' rows in one launch (a batched step's layer): q [heads, R, hd] holds
+    the segments' rows in turn, k / v are the first segment's cache (as decode_attention's), the others' caches
+    lie segments[j, 2:4] elements from it (segment_table), mask [R, kv_len] is each row's own. Each row gets the
+    bits its segment's decode_attention alone gives it."""
+    return _decode_attention_segments(q, k, v, mask, segments, list(segment_rows), scale)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

@@ -87,10 +87,15 @@ def _head_dim(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions
 def launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
            cache_k: torch.Tensor, cache_v: torch.Tensor, n_heads: int, n_kv: int,
            q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-           eps: float = 1e-6) -> torch.Tensor:
-    """Run the kernel (no custom-op wrapper); arguments and result as qkv_prep."""
+           eps: float = 1e-6, cache_offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the kernel (no custom-op wrapper); arguments and result as qkv_prep (cache_offsets: as
+    qkv_prep_segments')."""
     hd = _head_dim(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight)
     T = qkv.shape[0]
+    if cache_offsets is not None and (cache_offsets.shape != (T, 2) or cache_offsets.dtype != torch.int64
+                                      or not cache_offsets.is_contiguous()):
+        raise ValueError(f"qkv_prep: cache_offsets must be contiguous int64 [{T}, 2], got {cache_offsets.dtype} "
+                         f"{list(cache_offsets.shape)}")
     q = torch.empty((T, n_heads, hd), dtype=qkv.dtype, device=qkv.device)
     if T == 0:
         return q
@@ -102,9 +107,10 @@ def launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: t
     _kernels().qkv_prep_kernel[(T, n_heads + n_kv)](
         qkv, cos, sin, positions, q_norm_weight if has_norm else qkv, k_norm_weight if has_norm else qkv,
         q if n_heads else qkv,  # no query heads: nothing is stored there (an empty tensor may have no address)
-        cache_k, cache_v, qkv.stride(0), cos.stride(0), sin.stride(0), cache_k.stride(0), cache_k.stride(1),
-        cache_v.stride(0), cache_v.stride(1), cache_k.shape[1], eps, N_HEADS=n_heads, N_KV=n_kv, D=hd,
-        HAS_NORM=has_norm, EMULATE=qkv.device.type != "cuda", num_warps=1,
+        cache_k, cache_v, cache_offsets if cache_offsets is not None else positions, qkv.stride(0), cos.stride(0),
+        sin.stride(0), cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), cache_k.shape[1],
+        eps, N_HEADS=n_heads, N_KV=n_kv, D=hd, HAS_NORM=has_norm, EMULATE=qkv.device.type != "cuda",
+        HAS_OFFSETS=cache_offsets is not None, num_warps=1,
         enable_fp_fusion=False)  # no FMA: the eager path rounds the RoPE products before adding them
     return q
 
@@ -131,6 +137,32 @@ def qkv_prep(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions:
     kernel launch (module docstring: numerics, batch invariance). n_heads = 0: keys and values only (a drafter's
     context rows); both norm weights are then the key norm's."""
     return _qkv_prep(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight, eps)
+
+
+def _segment_queries_like(qkv, cos, sin, positions, cache_k, cache_v, cache_offsets, n_heads, n_kv, q_norm_weight,
+                          k_norm_weight, eps):
+    return _queries_like(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight, eps)
+
+
+@opaque_op("flashdraft::qkv_prep_segments", _segment_queries_like, mutates_args=("cache_k", "cache_v"))
+def _qkv_prep_segments(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                       cache_k: torch.Tensor, cache_v: torch.Tensor, cache_offsets: torch.Tensor, n_heads: int,
+                       n_kv: int, q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
+                       eps: float) -> torch.Tensor:
+    return launch(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight, eps,
+                  cache_offsets)
+
+
+def qkv_prep_segments(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                      cache_k: torch.Tensor, cache_v: torch.Tensor, cache_offsets: torch.Tensor, n_heads: int,
+                      n_kv: int, q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
+                      eps: float = 1e-6) -> torch.Tensor:
+    """qkv_prep for several sequences' rows in one launch (a batched step's layer): row t's keys and values go to
+    the caches cache_offsets[t, 0] / [t, 1] elements after cache_k / cache_v (its sequence's caches of this
+    layer: the same strides and capacity), at rows positions[t]; everything else as qkv_prep (a row's bits are
+    its own)."""
+    return _qkv_prep_segments(qkv, cos, sin, positions, cache_k, cache_v, cache_offsets, n_heads, n_kv,
+                              q_norm_weight, k_norm_weight, eps)
 
 
 def qkv_prep_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,

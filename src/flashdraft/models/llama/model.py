@@ -16,7 +16,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from flashdraft.config import DrafterConfig, ModelConfig
 from flashdraft.layers import decode_attention, qkv_prep
-from flashdraft.layers.attention import Attention, AttentionSegment
+from flashdraft.layers.attention import Attention, AttentionSegment, MergedSegments, merge_segments, segment_table
 from flashdraft.layers.elementwise import RMSNorm, RotaryEmbedding
 from flashdraft.layers.plan import LayerPlan
 from flashdraft.layers.rms_norm_rows import rms_norm_rows
@@ -79,8 +79,8 @@ class DecoderLayer(nn.Module):
             return self._compiled_module_path(self, h, cos, sin, cache_k, cache_v, positions, kv_len, mask)
         return self.module_forward(h, cos, sin, cache_k, cache_v, positions, kv_len, mask)
 
-    def _few_rows_path(self, h, cos, sin, segments: list[AttentionSegment]):
-        return (self.fused_forward if self.norms_folded else self.quant_forward)(h, cos, sin, segments)
+    def _few_rows_path(self, h, cos, sin, segments: list[AttentionSegment], merged: MergedSegments | None = None):
+        return (self.fused_forward if self.norms_folded else self.quant_forward)(h, cos, sin, segments, merged)
 
     def compile_module_path(self) -> None:
         """torch.compile the module path alone, for a layer on a fused path: its passes of more rows than that path
@@ -96,35 +96,35 @@ class DecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache_k, cache_v, positions, kv_len, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def segments_forward(self, h, cos, sin, segments: list[AttentionSegment]):
+    def segments_forward(self, h, cos, sin, segments: list[AttentionSegment], merged: MergedSegments | None = None):
         """The block over several sequences' rows at once (a batched step), each sequence's attention over its own
-        cache, the rest over all rows: the fused (or quantized) path where all rows fit it, else module by
-        module."""
+        cache, the rest over all rows: the fused (or quantized) path where all rows fit it (merged: the segments'
+        attention as one launch of each kernel, Attention._prepped_attention), else module by module."""
         if h.shape[0] <= self.fused_rows:
-            return self._few_rows_path(h, cos, sin, segments)
+            return self._few_rows_path(h, cos, sin, segments, merged)
         h = h + self.self_attn.segments_forward(self.input_layernorm(h), cos, sin, segments)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def fused_forward(self, h, cos, sin, segments: list[AttentionSegment]):
+    def fused_forward(self, h, cos, sin, segments: list[AttentionSegment], merged: MergedSegments | None = None):
         """The same block in four GEMMs and, per segment (a sequence's rows and cache), qkv_prep and attention.
         Each RMSNorm runs in the GEMM that reads its output (its weight folded into that GEMM's weight: prepare),
         each residual add in the epilogue of the GEMM that produces it, SwiGLU in the gate/up GEMM's epilogue,
         and q/k norm, RoPE and the cache writes in one kernel (layers.qkv_prep). At batch 1 the elementwise
         kernels and the gaps between launches cost a sixth of a step otherwise."""
         mlp = self.mlp
-        h = self.self_attn.fused_forward(h, self.input_layernorm.eps, cos, sin, segments)
+        h = self.self_attn.fused_forward(h, self.input_layernorm.eps, cos, sin, segments, merged)
         act = skinny_linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, rms_norm_eps=self.post_attention_layernorm.eps,
                             gated=True)
         return skinny_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)
 
-    def quant_forward(self, h, cos, sin, segments: list[AttentionSegment]):
+    def quant_forward(self, h, cos, sin, segments: list[AttentionSegment], merged: MergedSegments | None = None):
         """The same block for projections held as GGUF blocks, whose kernels cannot take a norm or an epilogue:
         the quantized products, each RMSNorm one kernel (the second with the residual add before it), q/k norm,
         RoPE and the cache writes one kernel (qkv_prep), attention, and eager SwiGLU and residual add. Every
         kernel computes a row from that row alone, so a token's bits are the same in a verify block as alone,
         which the compiled module path did not give (rms_norm_rows)."""
         h, x = rms_norm_rows(h, self.input_layernorm.weight, self.input_layernorm.eps)
-        attn = self.self_attn.prepped_forward(x, cos, sin, segments)
+        attn = self.self_attn.prepped_forward(x, cos, sin, segments, merged)
         h, x = rms_norm_rows(h, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps, attn)
         return h + self.mlp(x)
 
@@ -214,22 +214,32 @@ class DecoderLM(nn.Module):
             h, cos, sin, cache.k[i], cache.v[i], positions, kv_len, mask))
 
     def forward_segments(self, tokens: torch.Tensor, positions: torch.Tensor,
-                         segments: list[tuple[int, KVCache, int]], tap_ids: list[int] | None = None):
+                         segments: list[tuple[int, KVCache, int]], tap_ids: list[int] | None = None,
+                         table: torch.Tensor | None = None):
         """forward for several sequences' rows in one pass (a batched step of their decoding): tokens [R] and
         positions [R] hold each segment's rows in turn, a segment being (rows, its sequence's cache, kv_len), each
         row causal by absolute position over its own cache's first kv_len rows. Returns forward's outputs for all R
-        rows. The layers take their few-row path where all R rows fit it (each row's bits its own, as alone), else
-        the module path; the final norm runs per segment, so that a row gets the bits its sequence's pass alone
-        gives it (a reduction kernel's tiling may follow the row count)."""
+        rows. The layers take their few-row path where all R rows fit it (each row's bits its own, as alone; each
+        attention kernel one launch for all segments where their caches allow: table, segment_table(segments),
+        made here when not given; a CUDA graph takes it as an input, made outside capture), else the module path;
+        the final norm runs per segment, so that a row gets the bits its sequence's pass alone gives it (a
+        reduction kernel's tiling may follow the row count)."""
         cos, sin = self.rope(positions)
         parts, at = [], 0
         for rows, cache, kv_len in segments:
             p = positions[at:at + rows]
             parts.append((rows, cache, p, kv_len, torch.arange(kv_len, device=p.device)[None, :] <= p[:, None]))
             at += rows
+        merged = _merged(self.model.layers, tokens.shape[0], [(AttentionSegment(rows, cache.k[0], cache.v[0], p, kv_len,
+                                                                                mask), cache)
+                                                               for rows, cache, p, kv_len, mask in parts], table)
         return self._run_layers(tokens, tap_ids, None, lambda layer, i, h: layer.segments_forward(
             h, cos, sin, [AttentionSegment(rows, cache.k[i], cache.v[i], p, kv_len, mask)
-                          for rows, cache, p, kv_len, mask in parts]), [rows for rows, *_ in segments])
+                          for rows, cache, p, kv_len, mask in parts], merged), [rows for rows, *_ in segments])
+
+    def segment_table(self, segments: list[tuple[int, KVCache, int]]) -> torch.Tensor | None:
+        """The segment table of forward_segments' segments (None where one launch cannot serve their caches)."""
+        return _segment_table([rows for rows, _, _ in segments], [cache for _, cache, _ in segments])
 
     def _run_layers(self, tokens: torch.Tensor, tap_ids: list[int] | None, logits_row: torch.Tensor | None, layer_pass,
                     segment_rows: list[int] | None = None):
@@ -254,6 +264,21 @@ def _norm_segments(norm: nn.Module, h: torch.Tensor, segment_rows: list[int] | N
     if segment_rows is None or len(segment_rows) == 1:
         return norm(h)
     return torch.cat([norm(part) for part in h.split(segment_rows)])
+
+
+def _segment_table(rows: list[int], caches: list[KVCache]) -> torch.Tensor | None:
+    return segment_table(rows, [cache.k for cache in caches], [cache.v for cache in caches])
+
+
+def _merged(layers, rows: int, segments: list[tuple[AttentionSegment, KVCache]],
+            table: torch.Tensor | None) -> MergedSegments | None:
+    """The pass's MergedSegments (from its segments' first layer, and their caches), where its layers take their
+    few-row path for `rows` rows and there are several segments whose caches one launch serves; else None."""
+    if len(segments) < 2 or rows > min(layer.fused_rows for layer in layers):
+        return None
+    if table is None:
+        table = _segment_table([s.rows for s, _ in segments], [cache for _, cache in segments])
+    return None if table is None else merge_segments([s for s, _ in segments], table)
 
 
 def _in_window(taps: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -393,19 +418,27 @@ class DFlashDrafter(nn.Module):
         return self.norm(h)
 
     def forward_segments(self, block_embeds: torch.Tensor, positions: torch.Tensor,
-                         segments: list[tuple[KVCache, int, torch.Tensor | None]]) -> torch.Tensor:
+                         segments: list[tuple[KVCache, int, torch.Tensor | None]],
+                         table: torch.Tensor | None = None) -> torch.Tensor:
         """forward for several sequences' blocks in one pass (a batched step's): block_embeds and positions hold the
         blocks in turn, each block (B rows) over its own (cache, kv_len, mask: as forward's); the layers' few-row
-        path where all blocks fit it, the final norm per block (as DecoderLM.forward_segments)."""
+        path where all blocks fit it (table: as DecoderLM.forward_segments'), the final norm per block."""
         B = self.block_size
         cos, sin = self.rope(positions)
         parts = [(cache, *_block_rows(cache, positions[j * B:(j + 1) * B], kv_len, mask), kv_len)
                  for j, (cache, kv_len, mask) in enumerate(segments)]
+        merged = _merged(self.layers, block_embeds.shape[0], [(AttentionSegment(B, cache.k[0], cache.v[0], rows,
+                                                                                kv_len, mask), cache)
+                                                              for cache, rows, mask, kv_len in parts], table)
         h = block_embeds
         for i, layer in enumerate(self.layers):
             h = layer.segments_forward(h, cos, sin, [AttentionSegment(B, cache.k[i], cache.v[i], rows, kv_len, mask)
-                                                     for cache, rows, mask, kv_len in parts])
+                                                     for cache, rows, mask, kv_len in parts], merged)
         return _norm_segments(self.norm, h, [B] * len(segments))
+
+    def segment_table(self, segments: list[tuple[KVCache, int, torch.Tensor | None]]) -> torch.Tensor | None:
+        """The segment table of forward_segments' segments (None where one launch cannot serve their caches)."""
+        return _segment_table([self.block_size] * len(segments), [cache for cache, _, _ in segments])
 
     def forward_train(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, taps: torch.Tensor,
                       mask: torch.Tensor) -> torch.Tensor:

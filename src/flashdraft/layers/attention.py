@@ -110,10 +110,11 @@ def segment_table(rows: list[int], keys: list[list[torch.Tensor]],
             return None
         offsets = []
         for mine, base in ((k, k0), (v, v0)):
-            elements = [(mine[i].data_ptr() - base[i].data_ptr()) / base[i].element_size() for i in (0, -1)]
-            if elements[0] != elements[1] or elements[0] % 16:
+            size = base[0].element_size()
+            gaps = {mine[i].data_ptr() - base[i].data_ptr() for i in (0, -1)}
+            if len(gaps) > 1 or next(iter(gaps)) % (16 * size):
                 return None
-            offsets.append(int(elements[0]))
+            offsets.append(next(iter(gaps)) // size)
         segments += [first, n, *offsets]
         per_row += offsets * n
         first += n
@@ -256,11 +257,11 @@ class Attention(nn.Module):
     def fused_forward(self, h, norm_eps: float, cos, sin, segments: list[AttentionSegment],
                       merged: MergedSegments | None = None) -> torch.Tensor:
         """h + attention(rms_norm(h)) for a few-row cached pass (one sequence's, or several sequences' rows in
-        turn) in 2 + 2 x segments kernels (DecoderLayer.fused_forward): the q/k/v GEMM over all rows with the
-        input norm (its weight folded into the q/k/v weight), per segment qkv_prep and decode_attention over its
-        cache, o_proj over all rows with the residual add in its epilogue. Needs fused q/k/v weights. Every
-        kernel computes a row from that row (and its own cache) alone, so a row's bits do not depend on the other
-        segments."""
+        turn) in 2 + 2 x segments kernels, or 4 with merged (DecoderLayer.fused_forward): the q/k/v GEMM over all
+        rows with the input norm (its weight folded into the q/k/v weight), per segment qkv_prep and
+        decode_attention over its cache (_prepped_attention), o_proj over all rows with the residual add in its
+        epilogue. Needs fused q/k/v weights. Every kernel computes a row from that row (and its own cache) alone,
+        so a row's bits do not depend on the other segments."""
         qkv = skinny_linear(h, self.qkv_proj.weight, self.qkv_proj.bias, rms_norm_eps=norm_eps)
         return skinny_linear(self._prepped_attention(qkv, cos, sin, segments, merged), self.o_proj.weight,
                              self.o_proj.bias, residual=h)

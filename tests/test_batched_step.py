@@ -1,5 +1,7 @@
 """Steps of several sequences as one batched step (issue #23, the CPU's eager path): the target's pass over several
 sequences' rows, the decoder's deferred launches and flush, and streams that yield their launched steps."""
+import threading
+
 import pytest
 import torch
 
@@ -264,3 +266,55 @@ def test_a_stream_asks_before_each_launch_whether_to_defer(engine, monkeypatch):
     assert events[-1].tokens == plain.tokens
     assert launched > 0 and len(asked) > launched and asked[:4] == [False] * 4
     assert "step" in dec.graphs.keys and "batch" in dec.graphs.keys
+
+
+class _Posts:
+    """A stand-in event loop for the scheduler's jobs: every event posted, in order; `done` once `expected` results
+    came."""
+
+    def __init__(self, expected: int):
+        self.events, self.done, self.expected = [], threading.Event(), expected
+
+    def call_soon_threadsafe(self, put, event):
+        self.events.append((put.__self__, event))
+        if sum(kind == "result" for _, (kind, *_rest) in self.events) == self.expected:
+            self.done.set()
+
+
+def test_a_servers_slots_step_batched_and_pipelined_under_graphs(engine, monkeypatch):
+    """The scheduler's rounds where graphs are on (InlineGraphs): three requests on three slots, their steps run
+    batched (one flush a round) and pipelined (a slot's next step launched behind its flushed one before that one
+    is collected), each request's tokens those it gets alone."""
+    pytest.importorskip("fastapi")
+    from flashdraft.server.requests import GenerationRequest, Job
+    from flashdraft.server.scheduler import Scheduler
+    from test_prefill_chunks import _NoMetrics
+
+    dec = engine.decoder
+    monkeypatch.setattr(dec, "graphs", InlineGraphs())
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    alone = [engine.generate(p, params, 7, sequence=engine.new_sequence()).tokens for p in PROMPTS[:3]]
+    behind_in_flight, flush = [], dec.flush
+
+    def watched_flush():
+        behind_in_flight.append(sum(d.seq.in_flight > 0 for d in dec._deferred))
+        return flush()
+
+    monkeypatch.setattr(dec, "flush", watched_flush)
+    posts = _Posts(3)
+    scheduler = Scheduler(engine, 3, 7, _NoMetrics())
+    scheduler.start()
+    try:
+        jobs = [Job(GenerationRequest(p, params, None, 0, True, False, "m", "", cache_prompt=False), posts)
+                for p in PROMPTS[:3]]
+        for job in jobs:
+            scheduler.submit(job)
+        assert posts.done.wait(120)
+    finally:
+        scheduler.stop()
+        scheduler.join(10)
+    for job, expected in zip(jobs, alone):
+        tokens = [t for queue, (kind, payload, _) in posts.events if queue is job.events and kind == "delta"
+                  for t in payload.token_ids]
+        assert tokens == expected
+    assert max(behind_in_flight) >= 2  # rounds where several slots' steps went in behind their flushed ones

@@ -118,7 +118,12 @@ def segment_table(rows: list[int], keys: list[list[torch.Tensor]],
         segments += [first, n, *offsets]
         per_row += offsets * n
         first += n
-    return torch.tensor(segments + per_row, dtype=torch.int64).to(k0[0].device)
+    table = torch.tensor(segments + per_row, dtype=torch.int64)
+    if k0[0].device.type != "cuda":
+        return table.to(k0[0].device)
+    # from pinned memory without waiting: a plain copy would wait for the device's queued work (the round before,
+    # which a pipelined batched step runs while the host prepares the next)
+    return table.pin_memory().to(k0[0].device, non_blocking=True)
 
 
 def merge_segments(segments: list[AttentionSegment], table: torch.Tensor) -> MergedSegments:

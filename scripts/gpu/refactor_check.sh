@@ -21,7 +21,7 @@ case "${1:-tests}" in
     timeout 560 python -m pytest -q -p no:cacheprovider tests/test_lossless.py tests/test_fused_layers.py \
       tests/test_decode_attention.py tests/test_skinny_gemm.py tests/test_gemma4_target.py tests/test_sampling.py \
       tests/test_warmup.py tests/test_draft_window.py tests/test_gguf.py tests/test_batched_fused.py \
-      tests/test_batched_step.py > "$OUT/gpu_tests.log" 2>&1
+      tests/test_batched_step.py tests/test_qkv_prep.py > "$OUT/gpu_tests.log" 2>&1
     grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log"; tail -n 3 "$OUT/gpu_tests.log"
     ;;
   figures)

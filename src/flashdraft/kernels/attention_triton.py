@@ -19,6 +19,11 @@ the same whether 1 or 16 tokens go through (batch invariance, as the skinny GEMM
 zeros; a key range hidden from a row altogether gives it the partial (m = -inf, l = 0, acc = 0), which the combine
 weighs by exactly 0.
 
+SEGMENTED (a batched step's layer, decode_attention_segments): the rows are several sequences' in turn, each over
+its own cache; axis 2 runs over (segment, key range), and each program reads its segment's first row, rows and
+caches' offsets from a table, then does what a launch of that segment alone does (its tiles start at the
+segment's first row; a tile past its rows reads no keys).
+
 Quantized caches (KV cache types q8_0, q5_1, q5_0, q4_1, q4_0) are read as their packed blocks and dequantized in
 registers (`_load_rows`), so a step reads the cache's bytes, not a dequantized copy of it. Their rows are laid out
 by field (kv_formats): the quants load as contiguous vectors (ALIGN bytes wide, the rows' alignment) and each

@@ -768,8 +768,11 @@ class SpeculativeDecoder:
     def _segment_tables(self, steps: list[_DeferredStep], kv_len: int, draft_kv_len: int) -> dict[str, torch.Tensor]:
         """The segment tables of a graphed batched step's target and drafter passes (forward_segments' table: one
         launch of each attention kernel for all sequences), made outside the graph (their rows are copied from the
-        host) and given to it as inputs; none for a pass of one sequence or of caches one launch cannot serve."""
+        host) and given to it as inputs; none for a pass of one sequence, of caches one launch cannot serve, or on
+        the module path (the CPU's), which launches per sequence."""
         tables = {}
+        if not self.few_rows_batched:
+            return tables
         if len(steps) > 1:
             tables["target_table"] = self.target.segment_table([(d.T, d.seq.target_cache, kv_len) for d in steps])
         drafting = [d for d in steps if d.n > 0]

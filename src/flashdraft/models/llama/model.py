@@ -106,7 +106,8 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def fused_forward(self, h, cos, sin, segments: list[AttentionSegment], merged: MergedSegments | None = None):
-        """The same block in four GEMMs and, per segment (a sequence's rows and cache), qkv_prep and attention.
+        """The same block in four GEMMs and, per segment (a sequence's rows and cache), qkv_prep and attention (one
+        launch of each for all segments, given merged).
         Each RMSNorm runs in the GEMM that reads its output (its weight folded into that GEMM's weight: prepare),
         each residual add in the epilogue of the GEMM that produces it, SwiGLU in the gate/up GEMM's epilogue,
         and q/k norm, RoPE and the cache writes in one kernel (layers.qkv_prep). At batch 1 the elementwise

@@ -318,3 +318,25 @@ def test_a_servers_slots_step_batched_and_pipelined_under_graphs(engine, monkeyp
                   for t in payload.token_ids]
         assert tokens == expected
     assert max(behind_in_flight) >= 2  # rounds where several slots' steps went in behind their flushed ones
+
+
+def test_a_stream_whose_queued_batched_step_failed_raises_without_launching_more(engine, monkeypatch):
+    """Graphed, a flushed step is queued and the stream would launch its next one behind it; when the batched
+    step failed instead, the stream raises its error at once (nothing more launched for a request that ends)."""
+    dec = engine.decoder
+    monkeypatch.setattr(dec, "graphs", InlineGraphs())
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory (planted)")
+
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    streams = [engine.stream(p, params, 7, sequence=engine.new_sequence(), batch_steps=True) for p in PROMPTS[:2]]
+    for s in streams:
+        next(s)  # the prefill's token
+        assert isinstance(next(s), StepLaunched)
+    monkeypatch.setattr(dec.target, "forward_segments", broken)
+    assert dec.flush() == 2
+    for s in streams:
+        with pytest.raises(RuntimeError, match="planted"):
+            next(s)
+    assert dec._deferred == []

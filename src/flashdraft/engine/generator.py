@@ -909,7 +909,7 @@ class Engine:
                                                       defer=defer))
                 if queued[-1].deferred:
                     yield StepLaunched()
-                    if len(queued) < depth and not queued[-1].deferred:
+                    if len(queued) < depth and not queued[-1].deferred and queued[-1].error is None:
                         # flushed and queued on the device (graphs): the next step goes in behind it before the
                         # one before is collected, as pipelined steps do
                         delta = None

@@ -180,7 +180,7 @@ class InlineGraphs(GraphCache):
     def __init__(self):
         self.graphs, self._tied, self.keys = {}, {}, []
 
-    def run(self, key, fn, mutable=(), **inputs):
+    def run(self, key, fn, mutable=(), constants=None, **inputs):
         self.keys.append(key[0])
         with torch.inference_mode():
             for _, outs in self.graphs.values():
@@ -190,11 +190,12 @@ class InlineGraphs(GraphCache):
         if key not in self.graphs:
             # the capture's warm-up: fn runs once more on the inputs, and the state it updates in place is put back
             saved = [t.clone() for t in mutable]
+            fixed = constants() if constants is not None else {}
             with torch.inference_mode():
-                fn(**{k: v.clone() for k, v in inputs.items()})
+                fn(**{k: v.clone() for k, v in inputs.items()}, **fixed)
             for t, before in zip(mutable, saved):
                 t.copy_(before)
-            self.graphs[key] = ({k: v.clone() for k, v in inputs.items()}, None)
+            self.graphs[key] = ({**{k: v.clone() for k, v in inputs.items()}, **fixed}, None)
         static, outs = self.graphs[key]
         for k, v in inputs.items():
             static[k].copy_(v)

@@ -45,13 +45,18 @@ class GraphCache:
         for key in [k for k in self.graphs if token in k]:
             del self.graphs[key]
 
-    def run(self, key: tuple, fn: Callable, mutable: list[torch.Tensor] = (), **inputs: torch.Tensor):
+    def run(self, key: tuple, fn: Callable, mutable: list[torch.Tensor] = (),
+            constants: Callable[[], dict[str, torch.Tensor]] | None = None, **inputs: torch.Tensor):
         """Replay the graph of `key` (capturing fn on first use) on these inputs. mutable: tensors fn updates in
         place from their own values (a step's device state), restored after the warm-up run so that the replay
-        starts from what the caller left there."""
+        starts from what the caller left there. constants: made only when the graph is captured (outside capture),
+        tensors whose values the key fixes (a batched step's segment tables): kept with the graph and given to fn
+        beside the inputs, never made or copied again."""
         entry = self.graphs.get(key)
         if entry is None:
             static = {k: v.clone() for k, v in inputs.items()}
+            if constants is not None:
+                static.update(constants())
             saved = [t.clone() for t in mutable]
             # Warm up on a side stream (lazy library init must not happen during capture). fn runs on the real
             # inputs here, so whatever it writes into caches is correct, and the replay below rewrites the same.

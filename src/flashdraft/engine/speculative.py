@@ -761,15 +761,15 @@ class SpeculativeDecoder:
                                                                                              d.project)))
         result = self.graphs.run(key, lambda **tables: self._batched_step(steps, kv_len, draft_kv_len, **tables),
                                  mutable=[t for d in steps for t in self._mutable(d.seq)],
-                                 **self._segment_tables(steps, kv_len, draft_kv_len))
+                                 constants=lambda: self._segment_tables(steps, kv_len, draft_kv_len))
         self.graphs.limit("batch", MAX_BATCH_GRAPHS)
         return result
 
     def _segment_tables(self, steps: list[_DeferredStep], kv_len: int, draft_kv_len: int) -> dict[str, torch.Tensor]:
         """The segment tables of a graphed batched step's target and drafter passes (forward_segments' table: one
-        launch of each attention kernel for all sequences), made outside the graph (their rows are copied from the
-        host) and given to it as inputs; none for a pass of one sequence, of caches one launch cannot serve, or on
-        the module path (the CPU's), which launches per sequence."""
+        launch of each attention kernel for all sequences), made once, outside capture (their rows are copied from
+        the host), as the graph's constants (its key fixes them); none for a pass of one sequence, of caches one
+        launch cannot serve, or on the module path (the CPU's), which launches per sequence."""
         tables = {}
         if not self.few_rows_batched:
             return tables

@@ -96,7 +96,7 @@ class MergedSegments(NamedTuple):
 def segment_table(rows: list[int], keys: list[list[torch.Tensor]],
                   values: list[list[torch.Tensor]]) -> torch.Tensor | None:
     """The int64 table one launch of qkv_prep and decode_attention over several sequences' caches reads (a batched
-    pass's; its rows are data, like positions: a CUDA graph takes it as an input): per segment its first row, its
+    pass's; a CUDA graph keeps it as a constant made outside capture): per segment its first row, its
     rows, and the element offsets of its keys' and values' cache from the first segment's, then per row those
     offsets again ([S * 4 + R * 2], on the caches' device). keys / values: each segment's cache tensors, one per
     layer. None where one launch cannot serve them: caches of other shapes, strides or dtypes than the first's, or

@@ -222,7 +222,7 @@ class DecoderLM(nn.Module):
         row causal by absolute position over its own cache's first kv_len rows. Returns forward's outputs for all R
         rows. The layers take their few-row path where all R rows fit it (each row's bits its own, as alone; each
         attention kernel one launch for all segments where their caches allow: table, segment_table(segments),
-        made here when not given; a CUDA graph takes it as an input, made outside capture), else the module path;
+        made here when not given; a CUDA graph keeps it as a constant made outside capture), else the module path;
         the final norm runs per segment, so that a row gets the bits its sequence's pass alone gives it (a
         reduction kernel's tiling may follow the row count)."""
         cos, sin = self.rope(positions)

@@ -640,18 +640,21 @@ class SpeculativeDecoder:
         kv_len = bucket(start_max + T, self.capacity)
         draft_kv_len = seq.draft_cache.kv_len(bucket(start_max + self.block_size, self.capacity)) if n > 0 else 0
         key = ("step", kv_len, draft_kv_len, *self._step_key(seq, n, T, project))
-        timed = self.device.type == "cuda"
-        began_event = torch.cuda.Event(enable_timing=True) if timed else None
-        if timed:
-            began_event.record()
+        began_event = self._timing_event()
         result = self.graphs.run(key, lambda: self._device_step(seq, n, T, kv_len, draft_kv_len, project),
                                  mutable=self._mutable(seq))
         host = self._land(seq, result, n)
-        event = None
-        if timed:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-        return Launched(drafted=n, host=host, event=event, began=began_event, launched_at=began, projected=project)
+        return Launched(drafted=n, host=host, event=self._timing_event(), began=began_event, launched_at=began,
+                        projected=project)
+
+    def _timing_event(self) -> torch.cuda.Event | None:
+        """An event recorded now on the current stream, timing-enabled (a launched step's device time is the span
+        between two), on CUDA; else None."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def _land(self, seq: Sequence, result: torch.Tensor, n: int) -> torch.Tensor:
         """Queue the copy of a launched step's [accepted, samples 0..n] to the host, into the sequence's next
@@ -715,19 +718,13 @@ class SpeculativeDecoder:
     def _queue_batched(self, steps: list[_DeferredStep]) -> None:
         """Queue one graphed batched step and each step's result copy to its sequence's host buffer, then one event
         (and one before: the batch's device time, each step's seconds)."""
-        timed = self.device.type == "cuda"
-        began = torch.cuda.Event(enable_timing=True) if timed else None
-        if timed:
-            began.record()
+        began = self._timing_event()
         result = self._run_batched(steps)
         hosts, at = [], 0
         for d in steps:
             hosts.append(self._land(d.seq, result[at:at + d.n + 2], d.n))
             at += d.n + 2
-        event = None
-        if timed:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
+        event = self._timing_event()
         for d, host in zip(steps, hosts):
             d.launched.host, d.launched.event, d.launched.began, d.launched.projected = host, event, began, d.project
 

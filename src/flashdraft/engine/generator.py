@@ -416,13 +416,14 @@ def estimate_cost(target, drafter, device_type: str, streams: int = 1) -> DraftC
     n_experts, top_k = getattr(cfg, "num_experts", 0) or 0, getattr(cfg, "top_k_experts", 0) or 0
     block = drafter.block_size
 
-    def target_pass(rows: int) -> float:
-        rows *= streams
+    def weights_read(rows: int) -> float:
         share = min(1.0, rows * top_k / n_experts) if n_experts and top_k else 1.0
-        return rows_factor(rows, device_type) * (lm + other + experts * share)
+        return lm + other + experts * share
 
-    one_row = lm + other + experts * (min(1.0, top_k / n_experts) if n_experts and top_k else 1.0)
-    per_streams = STREAM_OVERHEAD * streams * one_row if streams > 1 else 0.0
+    def target_pass(rows: int) -> float:
+        return rows_factor(rows * streams, device_type) * weights_read(rows * streams)
+
+    per_streams = STREAM_OVERHEAD * streams * weights_read(1) if streams > 1 else 0.0
 
     def drafting(n: int) -> float:
         return (target_pass(n + 1) + rows_factor(block * streams, device_type) * (d_other + d_experts)

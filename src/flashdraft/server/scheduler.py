@@ -274,9 +274,13 @@ class Scheduler:
     def deferred(self) -> int:
         return len(self.pending)
 
+    @property
+    def batches(self) -> bool:
+        """Whether the slots' steps run batched while more than one is busy (several slots, a decoder that batches)."""
+        return len(self.slots) > 1 and self.engine.decoder.batches
+
     def slots_state(self) -> list[dict]:
-        batched = len(self.slots) > 1 and self.engine.decoder.batches
-        return [s.state(self.engine.context_size, batched) for s in self.slots]
+        return [s.state(self.engine.context_size, self.batches) for s in self.slots]
 
     # --- the worker thread -------------------------------------------------------------------------------------
 
@@ -314,7 +318,7 @@ class Scheduler:
     def _price_drafts(self, active: list[Slot]) -> None:
         """Tell the busy slots' draft policies how many streams step together this round (their steps' batched
         pass prices drafting: AdaptiveDraft.set_streams); one where slots step in turn."""
-        streams = len(active) if len(self.slots) > 1 and self.engine.decoder.batches else 1
+        streams = len(active) if self.batches else 1
         for slot in active:
             set_streams = getattr(slot.policy, "set_streams", None)
             if set_streams is not None:

@@ -62,6 +62,15 @@ def check_rows(engine: Engine, dev: torch.device) -> bool:
     return bool(same)
 
 
+def start(dec, seqs, prompts: list[list[int]], oracles, params: SamplingParams) -> None:
+    """Each sequence's prompt prefilled again (its caches and graphs kept) and its oracle's pattern from step 0."""
+    for seq, p, oracle in zip(seqs, prompts, oracles):
+        if oracle is not None:
+            oracle.reset()
+        dec.prefill(seq, p, params, 0)
+    synchronize(dec.device)
+
+
 def run_streams(engine: Engine, prompts: list[list[int]], draft: int, oracles, rounds: int, warm: int,
                 params: SamplingParams) -> tuple[float, float, list[list[int]]]:
     """Step len(prompts) sequences together as a server's rounds do: each round every sequence launches a step
@@ -94,11 +103,7 @@ def run_streams(engine: Engine, prompts: list[list[int]], draft: int, oracles, r
         collect(pending)
 
     for timed in (False, True):
-        for seq, p, oracle in zip(seqs, prompts, oracles):
-            if oracle is not None:
-                oracle.reset()
-            dec.prefill(seq, p, params, 0)
-        synchronize(dec.device)
+        start(dec, seqs, prompts, oracles, params)
         began, counted, device_s, batches = time.perf_counter(), 0, 0.0, 0
         run(rounds if timed else warm + rounds)
     synchronize(dec.device)
@@ -113,8 +118,7 @@ def profile_rounds(engine: Engine, prompts, draft: int, oracles, params: Samplin
     from torch.profiler import ProfilerActivity, profile
     dec = engine.decoder
     seqs = [dec.new_sequence(o) for o in oracles]
-    for seq, p in zip(seqs, prompts):
-        dec.prefill(seq, p, params, 0)
+    start(dec, seqs, prompts, oracles, params)
 
     def round_() -> None:
         launched = [dec.launch(seq, draft, defer=True) for seq in seqs]
@@ -124,10 +128,7 @@ def profile_rounds(engine: Engine, prompts, draft: int, oracles, params: Samplin
 
     for _ in range(warm + rounds):  # every graph the profiled rounds replay is captured
         round_()
-    for seq, p, oracle in zip(seqs, prompts, oracles):
-        oracle.reset()
-        dec.prefill(seq, p, params, 0)
-    synchronize(dec.device)
+    start(dec, seqs, prompts, oracles, params)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(rounds):
             round_()

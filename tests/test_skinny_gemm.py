@@ -73,6 +73,49 @@ def test_more_than_16_rows_and_leading_dims():
     assert sg.skinny_linear(x[:, :0], w).shape == (2, 0, 64)
 
 
+@pytest.mark.parametrize("fusion", ["bias", "norm+gated", "residual", "split"])
+def test_row_tiles_give_every_row_the_bits_of_one_tile(fusion):
+    """A program over 1-4 row tiles (batched steps' passes of up to 64 rows) multiplies each with the weight tile
+    it loaded once: every row the bits of the same row run alone, at every ROW_TILES, with a last tile that is
+    partly or wholly padding (50 rows), and the default choice for each row count."""
+    g = torch.Generator().manual_seed(7)
+    n, k = 48, 192
+    rows = 2 * n if "gated" in fusion else n
+    w = torch.randn(rows, k, generator=g).to(DEVICE)
+    x = torch.randn(70, k, generator=g).to(DEVICE)
+    config = sg.SkinnyConfig(16, 64, split_k=3) if fusion == "split" else sg.SkinnyConfig(32, 64, swap=True)
+    kw = {"bias": torch.randn(rows, generator=g).to(DEVICE)} if fusion in ("bias", "split") else {}
+    if "norm" in fusion:
+        kw.update(rms_norm_eps=1e-6, gated=True)
+    residual = torch.randn(70, n, generator=g).to(DEVICE) if fusion == "residual" else None
+
+    def run(m, tiles=None):
+        return sg.launch(x[:m], w, kw.get("bias"), config, rms_norm_eps=kw.get("rms_norm_eps"),
+                         gated=kw.get("gated", False), residual=None if residual is None else residual[:m],
+                         row_tiles=tiles)
+
+    alone = torch.cat([run(1 + i)[i:i + 1] for i in range(0, 70, 23)])  # rows 0, 23, 46, 69 alone
+    picked = [0, 23, 46, 69]
+    for m, tiles in [(70, None), (64, 4), (50, 4), (50, 3), (48, 2), (70, 1)]:
+        y = run(m, tiles)
+        assert y.shape[0] == m
+        keep = [i for i in picked if i < m]
+        assert torch.equal(y[keep], alone[[picked.index(i) for i in keep]]), (m, tiles)
+    ref = run(70, 1)
+    for tiles in (2, 3, 4):
+        assert torch.equal(run(70, tiles), ref)
+
+
+def test_row_tiles_and_stages_choice():
+    assert [sg.row_tiles_for(t) for t in (1, 2, 3, 4, 5, 16)] == [1, 2, 3, 4, 4, 4]
+    qkv = sg.config_for(6144, 4096)
+    assert sg.stages_for(qkv, 1, 2, False) == qkv.num_stages
+    # four row tiles add 16 KiB of x to each 16 KiB stage: 6 stages of 32 KiB still fit in 200 KiB
+    assert sg.stages_for(qkv, 4, 2, False) == 6
+    wide = sg.SkinnyConfig(64, 256, 1, 4, 6, swap=True)
+    assert sg.stages_for(wide, 4, 2, False) == 3 and sg.stages_for(wide, 4, 4, True) == 2
+
+
 def test_a_broken_kernel_is_caught(monkeypatch):
     """The checks above can fail: a kernel whose K steps depend on M is caught by the invariance check."""
     g = torch.Generator().manual_seed(2)

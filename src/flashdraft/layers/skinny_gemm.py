@@ -1,9 +1,10 @@
 """Batch-invariant skinny GEMM: y[M, N] = x[M, K] @ W[N, K]^T for the few rows of a decode or verify step.
 
-`skinny_linear(x, weight, bias)` runs a Triton kernel (flashdraft.kernels.skinny_triton) built for M = 1..16:
-bf16 (or fp16 / fp32) in and out, fp32 accumulation, every program reading its [BLOCK_N, BLOCK_K] weight tiles
-once and using them for all rows of a 16-row tile (rows past M are zero padding), so the cost is nearly flat from
-M = 1 to 16 and the weights stream at close to the memory bandwidth.
+`skinny_linear(x, weight, bias)` runs a Triton kernel (flashdraft.kernels.skinny_triton) built for M = 1..16
+(and up to 64 in one read of the weights, for batched steps): bf16 (or fp16 / fp32) in and out, fp32 accumulation,
+every program reading its [BLOCK_N, BLOCK_K] weight tiles once and using them for all rows of one to four 16-row
+tiles (rows past M are zero padding), so the cost is nearly flat from M = 1 to 16 and the weights stream at close
+to the memory bandwidth.
 
 **Bitwise batch invariance.** Row m of the output depends only on x[m] and W, never on M or on the other rows:
 the tiling, the K split and the order in which K is reduced are fixed by (N, K) alone (one config per weight
@@ -153,6 +154,25 @@ def candidate_configs(n: int, k: int, wide: bool = False) -> list[SkinnyConfig]:
     return unique
 
 
+# Shared memory one program may use on the H200 (227 KiB a block), less a margin for the epilogue's scratch
+SHARED_MEMORY_BYTES = 200 * 1024
+
+
+def row_tiles_for(m_tiles: int) -> int:
+    """16-row tiles per program for a pass of m_tiles tiles: all of them up to 4 (the weights read once), else 4
+    (a program per 4 tiles of each weight tile, side by side, the others finding the tile in L2). Any choice gives
+    every row the same bits (the kernel's ROW_TILES); this one is for speed."""
+    return min(m_tiles, 4)
+
+
+def stages_for(config: SkinnyConfig, row_tiles: int, element_size: int, gated: bool) -> int:
+    """config.num_stages, fewer where a stage's weight and x tiles times the stages would pass the shared memory
+    (several row tiles a program add an x tile each to every stage); at least 2. Pipelining depth only: no change
+    to the arithmetic."""
+    per_stage = (config.block_n * (2 if gated else 1) + row_tiles * BLOCK_M) * config.block_k * element_size
+    return max(2, min(config.num_stages, SHARED_MEMORY_BYTES // per_stage))
+
+
 @functools.cache
 def _kernels():
     from flashdraft.kernels import skinny_triton
@@ -162,12 +182,13 @@ def _kernels():
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            config: SkinnyConfig | None = None, out: torch.Tensor | None = None, *,
            rms_norm_eps: float | None = None, residual: torch.Tensor | None = None,
-           gated: bool = False) -> torch.Tensor:
+           gated: bool = False, row_tiles: int | None = None) -> torch.Tensor:
     """Run the kernel: x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype, with skinny_linear's optional
     fusions (no custom-op wrapper). config None = config_for(weight's shape), or GATED_CONFIGS' when gated; norm and
     gated run any config with split_k = 1 (both need the whole K range in one program). Gated: a program covers
-    config.block_n gate rows and the same features' up rows. Benchmarks pass a config; the model path goes
-    through skinny_linear."""
+    config.block_n gate rows and the same features' up rows. row_tiles: 16-row tiles per program (1 to 4; None:
+    row_tiles_for the row count). Benchmarks pass a config and row_tiles; the model path goes through
+    skinny_linear."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = weight.shape[0]
     if weight.shape[1] != k:
@@ -203,10 +224,12 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     kern = _kernels()
     split = config.split_k
     m_tiles = -(-m // BLOCK_M)
+    row_tiles = row_tiles_for(m_tiles) if row_tiles is None else row_tiles
+    stages = stages_for(config, row_tiles, x.element_size(), gated)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     even_k = k % (split * config.block_k) == 0
     pdl = {"launch_pdl": True} if config.pdl and x.device.type == "cuda" else {}
-    kern.skinny_gemm_kernel[(m_tiles, -(-n // config.block_n), split)](
+    kern.skinny_gemm_kernel[(-(-m_tiles // row_tiles), -(-n // config.block_n), split)](
         x2, weight, bias if bias is not None else y, y, part,
         res2 if res2 is not None else y, m, n, x2.stride(0), weight.stride(0), y.stride(0),
         res2.stride(0) if res2 is not None else 0, float(rms_norm_eps or 0.0), K=k,
@@ -214,9 +237,9 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         HAS_BIAS=bias is not None, HAS_NORM=rms_norm_eps is not None, HAS_RESIDUAL=res2 is not None, GATED=gated,
         IEEE=x.dtype == torch.float32, SWAP=config.swap,
         UPCAST=x.device.type != "cuda" and x.dtype != torch.float32, PDL=bool(pdl),
-        BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split,
-        EVEN_N=n % config.block_n == 0, EVEN_K=even_k, W_EVICT="evict_first" if m_tiles == 1 else "",
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl)
+        BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, ROW_TILES=row_tiles, SPLIT_K=split,
+        EVEN_N=n % config.block_n == 0, EVEN_K=even_k, W_EVICT="evict_first" if m_tiles <= row_tiles else "",
+        num_warps=config.num_warps, num_stages=stages, **pdl)
     if split > 1:
         block = 1024
         kern.split_reduce_kernel[(-(-n // block), m)](
@@ -242,9 +265,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   rms_norm_eps: float | None = None, residual: torch.Tensor | None = None,
                   gated: bool = False) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias) with the batch-invariant Triton kernel (see the module docstring):
-    each output row is bitwise independent of how many rows go through together. Meant for few rows (<= 16
-    reads the weights once; more rows, a batched step's, take a program per 16-row tile of each weight tile, side
-    by side, so that the others mostly find the weight tile in L2). Fusions, all in fp32 with one rounding:
+    each output row is bitwise independent of how many rows go through together. Meant for few rows (up to 64
+    read the weights once, a program multiplying each weight tile with up to four 16-row tiles; more rows, a
+    batched step's, take a program per four row tiles of each weight tile, side by side, so that the others mostly
+    find the weight tile in L2). Fusions, all in fp32 with one rounding:
 
     - rms_norm_eps: x is RMS-normalized first, without a weight: x * rsqrt(mean(x * x) + rms_norm_eps) (an RMSNorm's
       weight goes into W's columns beforehand: fold_norm_weight);

@@ -30,6 +30,7 @@ CASES = [
     (72, 200, sg.SkinnyConfig(32, 64, split_k=4, swap=True)),
     (64, 256, sg.SkinnyConfig(32, 64, swap=True)),
     (48, 160, sg.SkinnyConfig(16, 32, split_k=3)),
+    (64, 256, sg.SkinnyConfig(32, 64, swap=True, block_m=64)),
 ]
 
 

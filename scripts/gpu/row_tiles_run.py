@@ -1,8 +1,8 @@
 """The skinny GEMM over batched steps' row counts (issue #23): time per call of each GEMM of a fused Qwen3-8B layer
-(and the LM head, the drafter's fc and context k/v) at 16 to 256 rows, with the kernel's own choice of row tiles
-per program against one row tile per program, and whether every row keeps the bits it has alone.
+(and the LM head, the drafter's fc and context k/v) at 1, 16, 64 and 256 rows, with the model's tiling and with
+tilings of 64-row tiles, and whether every row keeps the bits it has alone (at every row count).
 
-Usage (GPU machine, repo root): PYTHONPATH=src python scripts/gpu/row_tiles_run.py OUT_DIR
+Usage (GPU machine, repo root): PYTHONPATH=src python scripts/gpu/row_tiles_run.py OUT_DIR [CASE ...]
 Writes OUT_DIR/row_tiles.json and prints one line per (GEMM, rows).
 """
 from __future__ import annotations
@@ -30,40 +30,53 @@ CASES = {
     "drafter fc": (4096, 20480, ""),
     "drafter k/v+norm": (2048, 4096, "norm"),
 }
-ROWS = (16, 32, 48, 64, 128, 256)
+ROWS = (1, 16, 64, 256)
 PICKED = (0, 17, 38, 63, 200, 255)  # rows checked against themselves alone
+C = sg.SkinnyConfig
+# Tilings of 64-row tiles (one tensor-core product over a batched pass's rows), weight tile on either side
+CANDIDATES = [C(64, 128, 1, 4, 6, swap=True, block_m=64), C(64, 128, 1, 4, 4, swap=True, block_m=64),
+              C(128, 64, 1, 4, 6, swap=True, block_m=64), C(64, 64, 1, 4, 8, swap=True, block_m=64),
+              C(128, 128, 1, 8, 4, swap=True, block_m=64), C(64, 128, 1, 4, 4, block_m=64),
+              C(128, 64, 1, 8, 4, block_m=64), C(64, 128, 2, 4, 4, swap=True, block_m=64)]
 
 
-def call(x, w, fusion: str, kw: dict, m: int, tiles: int | None):
-    part = {a: (b[:m] if a == "residual" else b) for a, b in kw.items()}
-    return sg.launch(x[:m], w, None, None, row_tiles=tiles, **part)
+def call(x, w, kw: dict, m: int, config, start: int = 0):
+    part = {a: (b[start:start + m] if a == "residual" else b) for a, b in kw.items()}
+    return sg.launch(x[start:start + m], w, None, config, **part)
 
 
 def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     results = []
-    for name, (rows, k, fusion) in CASES.items():
+    chosen = sys.argv[2:] or list(CASES)
+    for name in chosen:
+        rows, k, fusion = CASES[name]
         n = rows // 2 if "gated" in fusion else rows
         x = torch.randn(max(ROWS), k, device="cuda", dtype=torch.bfloat16)
         kw = fusion_kwargs(fusion, x, n, k)
         w = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        alone = {i: call(x[i:], w, fusion, {a: (b[i:] if a == "residual" else b) for a, b in kw.items()}, 1, None)
-                 for i in PICKED}
         copies = max(2, -(-3 * L2_BYTES // (rows * k * 2)))
         weights = [w] + [torch.randn_like(w) * 0.02 for _ in range(copies - 1)]
         floor_us = rows * k * 2 / 4.2e12 * 1e6
-        for m in ROWS:
-            y = call(x, w, fusion, kw, m, None)
-            same = all(torch.equal(y[i:i + 1], alone[i]) for i in PICKED if i < m)
-            us = {}
-            for label, tiles in (("chosen", None), ("one", 1)):
-                fns = [lambda w=w, t=tiles: call(x, w, fusion, kw, m, t) for w in weights]
-                us[label] = graphed_per_call_ms(fns, est_ms=rows * k * 2 / 4e12 * 1e3) * 1e3
-            results.append({"case": name, "rows": m, "row_tiles": sg.row_tiles_for(-(-m // 16)),
-                            "us": us["chosen"], "us_one_tile": us["one"], "invariant": same})
-            print(f"{name:20s} M={m:3d} row tiles {sg.row_tiles_for(-(-m // 16))}: {us['chosen']:7.1f} us "
-                  f"(one tile a program {us['one']:7.1f} us; weights at 4.2 TB/s {floor_us:6.1f} us)  "
-                  f"rows as alone {same}", flush=True)
+        model = sg.GATED_CONFIGS.get((rows, k), sg.GATED_DEFAULT) if "gated" in fusion else sg.config_for(rows, k)
+        print(f"{name}: weights at 4.2 TB/s {floor_us:.1f} us", flush=True)
+        for config in [model] + [c for c in CANDIDATES if c != model]:
+            if ("norm" in fusion or "gated" in fusion) and config.split_k > 1:
+                continue
+            try:
+                alone = {i: call(x, w, kw, 1, config, i) for i in PICKED}
+                same = all(torch.equal(call(x, w, kw, m, config)[i:i + 1], alone[i])
+                           for m in ROWS for i in PICKED if i < m)
+                us = [graphed_per_call_ms([lambda w=w, m=m: call(x, w, kw, m, config) for w in weights],
+                                          est_ms=rows * k * 2 / 4e12 * 1e3) * 1e3 for m in ROWS]
+            except Exception as e:  # a tiling that does not fit (shared memory, registers): report, go on
+                print(f"  {config.name:22s} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                continue
+            results.append({"case": name, "config": config.name, "model": config == model, "rows": ROWS,
+                            "us": us, "invariant": same})
+            print(f"  {config.name:22s}{' (model)' if config == model else '        '} "
+                  + "  ".join(f"M={m} {u:7.1f}" for m, u in zip(ROWS, us)) + f" us  rows as alone {same}",
+                  flush=True)
         del weights
         torch.cuda.empty_cache()
         (out / "row_tiles.json").write_text(json.dumps(results, indent=2))

@@ -67,11 +67,13 @@ class SkinnyConfig:
     swap: bool = False     # compute (W x^T)^T: the weight tile is the left tl.dot operand
     pdl: bool = False      # CUDA only: launch as a programmatic dependent launch (Hopper), so the launch
     #                        overlaps the end of the previous kernel; the kernel waits before reading anything
+    block_m: int = BLOCK_M  # rows per tile (a tl.dot's rows; 64: a batched pass's rows in one tensor-core product)
 
     @property
     def name(self) -> str:
         return (f"n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}p{self.num_stages}"
-                + ("x" if self.swap else "") + ("+pdl" if self.pdl else ""))
+                + ("x" if self.swap else "") + (f"m{self.block_m}" if self.block_m != BLOCK_M else "")
+                + ("+pdl" if self.pdl else ""))
 
 
 # (N, K) -> the tiling measured fastest (M = 1 plus M = 16) on one H200 (torch 2.11, Triton 3.6) by
@@ -158,18 +160,18 @@ def candidate_configs(n: int, k: int, wide: bool = False) -> list[SkinnyConfig]:
 SHARED_MEMORY_BYTES = 200 * 1024
 
 
-def row_tiles_for(m_tiles: int) -> int:
-    """16-row tiles per program for a pass of m_tiles tiles: all of them up to 4 (the weights read once), else 4
-    (a program per 4 tiles of each weight tile, side by side, the others finding the tile in L2). Any choice gives
-    every row the same bits (the kernel's ROW_TILES); this one is for speed."""
-    return min(m_tiles, 4)
+def row_tiles_for(m_tiles: int, block_m: int = BLOCK_M) -> int:
+    """Row tiles per program for a pass of m_tiles tiles of block_m rows: all of them up to 64 rows (the weights
+    read once), else 64 rows' worth (a program per 64 rows of each weight tile, side by side, the others finding
+    the tile in L2). Any choice gives every row the same bits (the kernel's ROW_TILES); this one is for speed."""
+    return max(1, min(m_tiles, 64 // block_m))
 
 
 def stages_for(config: SkinnyConfig, row_tiles: int, element_size: int, gated: bool) -> int:
     """config.num_stages, fewer where a stage's weight and x tiles times the stages would pass the shared memory
     (several row tiles a program add an x tile each to every stage); at least 2. Pipelining depth only: no change
     to the arithmetic."""
-    per_stage = (config.block_n * (2 if gated else 1) + row_tiles * BLOCK_M) * config.block_k * element_size
+    per_stage = (config.block_n * (2 if gated else 1) + row_tiles * config.block_m) * config.block_k * element_size
     return max(2, min(config.num_stages, SHARED_MEMORY_BYTES // per_stage))
 
 
@@ -223,8 +225,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             res2 = res2.contiguous()
     kern = _kernels()
     split = config.split_k
-    m_tiles = -(-m // BLOCK_M)
-    row_tiles = row_tiles_for(m_tiles) if row_tiles is None else row_tiles
+    m_tiles = -(-m // config.block_m)
+    row_tiles = row_tiles_for(m_tiles, config.block_m) if row_tiles is None else row_tiles
     stages = stages_for(config, row_tiles, x.element_size(), gated)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     even_k = k % (split * config.block_k) == 0
@@ -237,7 +239,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         HAS_BIAS=bias is not None, HAS_NORM=rms_norm_eps is not None, HAS_RESIDUAL=res2 is not None, GATED=gated,
         IEEE=x.dtype == torch.float32, SWAP=config.swap,
         UPCAST=x.device.type != "cuda" and x.dtype != torch.float32, PDL=bool(pdl),
-        BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, ROW_TILES=row_tiles, SPLIT_K=split,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, ROW_TILES=row_tiles, SPLIT_K=split,
         EVEN_N=n % config.block_n == 0, EVEN_K=even_k, W_EVICT="evict_first" if m_tiles <= row_tiles else "",
         num_warps=config.num_warps, num_stages=stages, **pdl)
     if split > 1:

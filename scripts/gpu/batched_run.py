@@ -31,6 +31,10 @@ from flashdraft.engine.generator import Engine
 from flashdraft.engine.model_prep import resolve_plan
 
 
+# plain decoding, DFlash drafting the full block every step, and the server's adaptive policy (at most the block)
+MODES = ("plain", "dflash", "adaptive")
+
+
 def log(*parts) -> None:
     print(*parts, flush=True)
 
@@ -62,6 +66,15 @@ def check_rows(engine: Engine, dev: torch.device) -> bool:
     return bool(same)
 
 
+def stream_policies(engine: Engine, n: int) -> list:
+    """A server's slots' draft policies for n streams stepping together: the engine's default (adaptive, priced
+    for the pair and device), each told the stream count."""
+    policies = [engine.make_policy() for _ in range(n)]
+    for p in policies:
+        p.set_streams(n)
+    return policies
+
+
 def start(dec, seqs, prompts: list[list[int]], oracles, params: SamplingParams) -> None:
     """Each sequence's prompt prefilled again (its caches and graphs kept) and its oracle's pattern from step 0."""
     for seq, p, oracle in zip(seqs, prompts, oracles):
@@ -72,12 +85,14 @@ def start(dec, seqs, prompts: list[list[int]], oracles, params: SamplingParams) 
 
 
 def run_streams(engine: Engine, prompts: list[list[int]], draft: int, oracles, rounds: int, warm: int,
-                params: SamplingParams) -> tuple[float, float, list[list[int]]]:
+                params: SamplingParams, policies: list | None = None) -> tuple[float, float, list[list[int]]]:
     """Step len(prompts) sequences together as a server's rounds do: each round every sequence launches a step
     deferred and one flush runs them all; with graphs the flush queues the batched step and the round before is
     collected after it (pipelined, the host's work beside the device's). First `warm` + `rounds` untimed rounds
     (every graph the timed rounds need is captured then: a graph per cache bucket the sequences reach), then the
     prompts again into the same sequences (the same caches, so the same graphs) and `rounds` timed rounds.
+    policies: each sequence's draft policy (the engine's adaptive one, told the stream count), which picks its
+    step's length (at most `draft`) and learns from its result, as a server's slot does; None: `draft` each step.
     Returns (committed tokens per second over the timed rounds, the device's ms per batched step (CUDA; else 0),
     each sequence's tokens after its prompt in the timed rounds)."""
     dec = engine.decoder
@@ -86,16 +101,19 @@ def run_streams(engine: Engine, prompts: list[list[int]], draft: int, oracles, r
 
     def collect(launched) -> None:
         nonlocal counted, device_s, batches
-        for seq, step in zip(seqs, launched):
+        for i, (seq, step) in enumerate(zip(seqs, launched)):
             result = dec.collect(seq, step)
             counted += len(result.committed)
+            if policies:
+                policies[i].record(result.drafted, result.accepted)
         device_s += result.seconds or 0.0  # the batched step's device time, the same for each of its steps
         batches += 1
 
     def run(n_rounds: int) -> None:
         pending = None
         for _ in range(n_rounds):
-            launched = [dec.launch(seq, draft, defer=True) for seq in seqs]
+            launched = [dec.launch(seq, policies[i].next_length(draft) if policies else draft, defer=True)
+                        for i, seq in enumerate(seqs)]
             dec.flush()
             if pending is not None:
                 collect(pending)
@@ -216,15 +234,20 @@ def main() -> int:
     report["single"] = singles
     for n in streams:
         row = {"streams": n}
-        for name, draft in (("plain", 0), ("dflash", B - 1)):
+        for name in MODES:
+            draft = 0 if name == "plain" else B - 1
+            policies = stream_policies(engine, n) if name == "adaptive" else None
             tok_s, device_ms, committed = run_streams(engine, prompts[:n], draft,
                                                       oracles(n) if draft else [None] * n, args.rounds, args.warm,
-                                                      params)
+                                                      params, policies)
             identical = all(r[len(p):len(p) + len(c)] == c for r, p, c in zip(references, prompts, committed))
             row[name] = {"total_tok_s": tok_s, "per_stream_tok_s": tok_s / n, "identical": identical,
                          "device_ms_per_batch": device_ms}
-        row["dflash_speedup_per_stream"] = row["dflash"]["per_stream_tok_s"] / row["plain"]["per_stream_tok_s"]
-        row["dflash_total_vs_one_stream"] = row["dflash"]["total_tok_s"] / singles["dflash"]
+            if policies:
+                row[name]["lengths"] = [p.length for p in policies]
+        for name in ("dflash", "adaptive"):
+            row[f"{name}_speedup_per_stream"] = row[name]["per_stream_tok_s"] / row["plain"]["per_stream_tok_s"]
+            row[f"{name}_total_vs_one_stream"] = row[name]["total_tok_s"] / singles["dflash"]
         report["rows"].append(row)
         (out / "batched.json").write_text(json.dumps(report, indent=1))  # each row as it comes: a call may end early
         log(f"{n:3d} streams: plain {row['plain']['total_tok_s']:8.1f} tok/s total ({row['plain']['per_stream_tok_s']:7.1f}"
@@ -233,6 +256,10 @@ def main() -> int:
             f"pipelined stream's); tokens as alone: plain {row['plain']['identical']}, DFlash {row['dflash']['identical']}; "
             f"device ms per batched step: plain {row['plain']['device_ms_per_batch']:.2f}, DFlash "
             f"{row['dflash']['device_ms_per_batch']:.2f}")
+        log(f"     adaptive DFlash (the server's policy for {n} streams, lengths now {row['adaptive']['lengths']}): "
+            f"{row['adaptive']['total_tok_s']:8.1f} total ({row['adaptive_speedup_per_stream']:.2f}x plain per stream; "
+            f"{row['adaptive_total_vs_one_stream']:.2f}x one pipelined stream's), tokens as alone "
+            f"{row['adaptive']['identical']}, device ms per batched step {row['adaptive']['device_ms_per_batch']:.2f}")
         if dev.type == "cuda":
             log(f"     peak memory {torch.cuda.max_memory_allocated() / 2 ** 30:.1f} GiB")
         if n == args.profile:
@@ -266,18 +293,25 @@ def run_demo(args, out: Path, dev: torch.device, streams: list[int]) -> int:
     for n in streams:
         prompts = [distinct[i % len(distinct)] for i in range(n)]
         row = {"streams": n}
-        for name, draft in (("plain", 0), ("dflash", B - 1)):
+        for name in MODES:
+            draft = 0 if name == "plain" else B - 1
+            policies = stream_policies(engine, n) if name == "adaptive" else None
             tok_s, device_ms, committed = run_streams(engine, prompts, draft, [None] * n, args.rounds, args.warm,
-                                                      params)
+                                                      params, policies)
             identical = all(alone[i % len(distinct)][:len(c)] == c for i, c in enumerate(committed))
             row[name] = {"total_tok_s": tok_s, "per_stream_tok_s": tok_s / n, "identical": identical,
                          "device_ms_per_batch": device_ms}
-        row["dflash_speedup_per_stream"] = row["dflash"]["per_stream_tok_s"] / row["plain"]["per_stream_tok_s"]
+        for name in ("dflash", "adaptive"):
+            row[f"{name}_speedup_per_stream"] = row[name]["per_stream_tok_s"] / row["plain"]["per_stream_tok_s"]
+            row[f"{name}_total_vs_one_stream"] = row[name]["total_tok_s"] / singles["dflash"]
         report["rows"].append(row)
         (out / "batched_demo.json").write_text(json.dumps(report, indent=1))
         log(f"{n:3d} streams: plain {row['plain']['total_tok_s']:8.1f} tok/s total, DFlash "
-            f"{row['dflash']['total_tok_s']:8.1f} ({row['dflash_speedup_per_stream']:.2f}x plain per stream); tokens "
-            f"as alone: plain {row['plain']['identical']}, DFlash {row['dflash']['identical']}")
+            f"{row['dflash']['total_tok_s']:8.1f} ({row['dflash_speedup_per_stream']:.2f}x plain per stream, "
+            f"{row['dflash_total_vs_one_stream']:.2f}x one stream's), adaptive {row['adaptive']['total_tok_s']:8.1f} "
+            f"({row['adaptive_speedup_per_stream']:.2f}x, {row['adaptive_total_vs_one_stream']:.2f}x); tokens as "
+            f"alone: plain {row['plain']['identical']}, DFlash {row['dflash']['identical']}, adaptive "
+            f"{row['adaptive']['identical']}")
     (out / "batched_demo.json").write_text(json.dumps(report, indent=1))
     return 0
 

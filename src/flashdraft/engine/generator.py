@@ -71,9 +71,14 @@ class FixedDraft:
 #   (losing steps are summed, so one unlucky step does not switch it off), and a probe switches it back on when
 #   G >= 1 + profit_min.
 #
-# Only the full block (or what is left of the request) is drafted: DFlash drafts the whole block in one pass,
-# so a long draft costs hardly more than a short one, and docs/adaptive.md found that searching the length did
-# not pay where switching drafting on and off did. docs/adaptive.md describes the algorithm and its evidence.
+# One stream drafts only the full block (or what is left of the request): DFlash drafts the whole block in one
+# pass, so a long draft costs hardly more than a short one, and docs/adaptive.md found that searching the length
+# did not pay where switching drafting on and off did. Several streams stepping together draft the length of the
+# best G(n) among 2^k - 1 and the block (verify rows a power of two, so a batch's compositions stay few): there
+# every verify row is arithmetic on every weight (on the H200 a 64-row batched pass costs 2.5x a 16-row one), so
+# guesses past the expected run cost more than they bring. A step whose guesses were all right drafts the full
+# block next, so E(n) of the longer lengths follows the text. docs/adaptive.md describes the algorithm and its
+# evidence.
 
 adaptive_log = logging.getLogger("flashdraft.adaptive")
 
@@ -139,9 +144,10 @@ class Ewma:
 
 
 class AdaptiveDraft:
-    """A DraftPolicy (next_length / record) that drafts the full block or nothing; one per slot, it keeps learning
-    across requests. state() is its JSON-able summary for /props and /metrics. batch_cost: the cost of a batched
-    step of S streams (set_streams), None: the cost of one stream's whatever the batch."""
+    """A DraftPolicy (next_length / record) that drafts the full block or nothing (several streams stepping
+    together: the length that pays best, see above); one per slot, it keeps learning across requests. state() is
+    its JSON-able summary for /props and /metrics. batch_cost: the cost of a batched step of S streams
+    (set_streams), None: the cost of one stream's whatever the batch."""
 
     def __init__(self, max_draft: int, config: AdaptiveConfig | None = None, cost: DraftCost | None = None,
                  batch_cost: Callable[[int], DraftCost] | None = None):
@@ -165,9 +171,10 @@ class AdaptiveDraft:
         self.probe_failures = 0      # failed probes since drafting was last on (sets the backoff)
         self.probing = False         # a probe is due or under way
         self.probe_done = 0          # steps of the probe under way
-        # Kinds of the steps handed out and not yet recorded, oldest first: with pipelined steps the next step's
-        # length is chosen before this one's result is recorded.
-        self._planned: deque[str] = deque()
+        self.all_right = False       # the last drafting step shorter than the block had every guess right
+        # Kinds of the steps handed out and not yet recorded, with the length chosen before a request's cap, oldest
+        # first: with pipelined steps the next step's length is chosen before this one's result is recorded.
+        self._planned: deque[tuple[str, int]] = deque()
 
     def __deepcopy__(self, memo: dict) -> "AdaptiveDraft":
         """A copy of what the controller has learnt (benchmarks start each prompt from the same state), sharing
@@ -187,8 +194,15 @@ class AdaptiveDraft:
 
     @property
     def length(self) -> int:
-        """The length drafted on ordinary steps: the full block while on, 0 while off."""
-        return self.base if self.mode == ON else 0
+        """The length drafted on ordinary steps: 0 while off; while on the full block, or with several streams
+        stepping together the candidate length (2^k - 1, or the block) of the best expected gain, the longer on a
+        tie, the full block after a shorter step had every guess right."""
+        if self.mode != ON:
+            return 0
+        if self.streams == 1 or self.all_right or not self._ready():
+            return self.base
+        candidates = [n for n in (2 ** k - 1 for k in range(1, self.base.bit_length() + 1)) if n < self.base]
+        return max([*candidates, self.base], key=lambda n: (self.gain(n), n))
 
     def set_streams(self, streams: int) -> None:
         """How many streams' steps run together from now on (a server's batched steps): the cost the decisions
@@ -205,18 +219,19 @@ class AdaptiveDraft:
 
     def next_length(self, max_useful: int) -> int:
         if self.mode == ON:
-            n = max(0, min(self.base, max_useful))
-            # Fewer guesses than the block (a request's last tokens, a request's n_max) may not pay for the
-            # drafter pass, which costs the same: decode plainly then.
-            if 0 < n < self.base and self._ready() and self.gain(n) < 1.0:
+            length = self.length
+            n = max(0, min(length, max_useful))
+            # Fewer guesses than chosen (a request's last tokens, a request's n_max) may not pay for the drafter
+            # pass, which costs the same: decode plainly then.
+            if 0 < n < length and self._ready() and self.gain(n) < 1.0:
                 n = 0
-            self._planned.append(DRAFT)
+            self._planned.append((DRAFT, length))
             return n
         if self.base > 0 and (self.probing or self.off_steps >= self._probe_wait()):
             self.probing = True
-            self._planned.append(PROBE)
+            self._planned.append((PROBE, self.base))
             return max(0, min(self.base, max_useful))
-        self._planned.append(PLAIN)
+        self._planned.append((PLAIN, 0))
         return 0
 
     def unplan(self, count: int) -> None:
@@ -233,7 +248,7 @@ class AdaptiveDraft:
         if not isinstance(accepted, int) or not 0 <= accepted <= drafted:
             raise ValueError(f"accepted must be an integer in [0, drafted={drafted}], got {accepted!r}")
         self.steps += 1
-        kind = self._planned.popleft() if self._planned else None
+        kind, chosen = self._planned.popleft() if self._planned else (None, 0)
         probe = kind == PROBE and self.mode == OFF and self.probing and drafted > 0
         if probe and self.probe_done == 0:
             # What was learnt before switching off is stale by now (the text has moved on, and it was what
@@ -242,6 +257,8 @@ class AdaptiveDraft:
                 t.count = 0
         for n in range(1, drafted + 1):
             self.tokens[n].add(min(accepted, n) + 1.0)
+        if drafted > 0:  # (a step a request's end cut short tells nothing of longer runs)
+            self.all_right = accepted == drafted == chosen < self.base
         if kind == PLAIN and self.mode == OFF:
             self.off_steps += 1
         elif kind == DRAFT and self.mode == ON and drafted > 0:
@@ -344,24 +361,26 @@ class AdaptiveDraft:
 
 # --- the cost model -----------------------------------------------------------------------------------------------
 # A decoding step is dominated by reading the weights (GPU, and a CPU's one-row matrix-vector products) or by the
-# arithmetic on them (a CPU's multi-row products). Per weight byte, a pass of T rows costs rows_factor(T) times a
-# one-row pass: on CUDA the passes of up to a block are memory-bound (1 + 0.004 per extra row: the synthetic
-# Qwen3-8B pair's measured step cost, docs/performance.md), on a CPU a multi-row product costs 1.5x + 0.034x per
-# row more (the demo pair on the 2-core development machine: a 2-row target pass 1.57x a 1-row one, 16 rows
-# 2.0-2.2x).
+# arithmetic on them (a CPU's multi-row products, a GPU's past a block). Per weight byte, a pass of T rows costs
+# rows_factor(T) times a one-row pass: on CUDA the passes of up to a block are memory-bound (1 + 0.004 per extra row:
+# the synthetic Qwen3-8B pair's measured step cost), and each row past 16 adds 0.031 (the H200's batched steps of
+# 32-256 rows, 2026-12-05: 8.86 / 14.31 / 24.93 / 46.61 ms for 2 / 4 / 8 / 16 DFlash streams against 5.84 for one;
+# docs/performance.md); on a CPU a multi-row product costs 1.5x + 0.034x per row more (the demo pair on the 2-core
+# development machine: a 2-row target pass 1.57x a 1-row one, 16 rows 2.0-2.2x).
 
 # A batched step's work per stream besides the weights (sampling and acceptance, each sequence's attention and
-# cache-write launches, the host's bookkeeping), in one-row target passes: the demo pair's batched steps on the 2-core
-# machine cost 2.97 plain batched steps a drafting step at 4 streams and 3.26 at 8 (measured tau over the measured
-# speedup, docs/adaptive.md), which the weights alone put at 3.19 and 4.69; 0.1 puts them at 2.76 and 3.54. On the
-# H200 a stream's 41 attention and qkv_prep launches are about 0.5 ms of a 4.4 ms step (predicted): about the same.
-STREAM_OVERHEAD = 0.1
+# cache-write rows, the host's bookkeeping), in one-row target passes, by device: the demo pair's batched steps on the
+# 2-core machine cost 2.97 plain batched steps a drafting step at 4 streams and 3.26 at 8 (measured tau over the
+# measured speedup, docs/adaptive.md), which the weights alone put at 3.19 and 4.69; 0.1 puts them at 2.76 and 3.54.
+# On the H200, pipelined, one attention launch a layer for all streams: 16 plain streams 6.27 ms a step against
+# 4.54 for one, 0.02 of a step a stream past the rows' own cost.
+STREAM_OVERHEAD = {"cpu": 0.1, "cuda": 0.02}
 
 
 def rows_factor(rows: int, device_type: str) -> float:
     if device_type == "cpu":
         return 1.0 if rows <= 1 else 1.5 + 0.034 * rows
-    return 1.0 + 0.004 * (rows - 1)
+    return 1.0 + 0.004 * (min(rows, 16) - 1) + 0.031 * max(0, rows - 16)
 
 
 def weight_bytes(model) -> tuple[float, float, float]:
@@ -423,7 +442,7 @@ def estimate_cost(target, drafter, device_type: str, streams: int = 1) -> DraftC
     def target_pass(rows: int) -> float:
         return rows_factor(rows * streams, device_type) * weights_read(rows * streams)
 
-    per_streams = STREAM_OVERHEAD * streams * weights_read(1) if streams > 1 else 0.0
+    per_streams = STREAM_OVERHEAD.get(device_type, STREAM_OVERHEAD["cpu"]) * streams * weights_read(1) if streams > 1 else 0.0
 
     def drafting(n: int) -> float:
         return (target_pass(n + 1) + rows_factor(block * streams, device_type) * (d_other + d_experts)

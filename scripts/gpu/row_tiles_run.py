@@ -1,12 +1,14 @@
 """The skinny GEMM over batched steps' row counts (issue #23): time per call of each GEMM of a fused Qwen3-8B layer
 (and the LM head, the drafter's fc and context k/v) at 1, 16, 64 and 256 rows, with the model's tiling and with
-tilings of 64-row tiles, and whether every row keeps the bits it has alone (at every row count).
+tilings of 64-row tiles, and whether every row keeps the bits it has alone (at every row count), and those it has with the same tiling's
+16-row tiles.
 
 Usage (GPU machine, repo root): PYTHONPATH=src python scripts/gpu/row_tiles_run.py OUT_DIR [CASE ...]
 Writes OUT_DIR/row_tiles.json and prints one line per (GEMM, rows).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -69,13 +71,18 @@ def main(out: Path) -> None:
                            for m in ROWS for i in PICKED if i < m)
                 us = [graphed_per_call_ms([lambda w=w, m=m: call(x, w, kw, m, config) for w in weights],
                                           est_ms=rows * k * 2 / 4e12 * 1e3) * 1e3 for m in ROWS]
+                # the same tiling with 16-row tiles: do its rows alone have the 64-row tile's bits? (then a pass
+                # could take 64-row tiles past 16 rows only, and one stream's steps keep today's kernel)
+                narrow = dataclasses.replace(config, block_m=16)
+                as_16 = (all(torch.equal(call(x, w, kw, 64, config)[i:i + 1], call(x, w, kw, 1, narrow, i))
+                             for i in PICKED if i < 64) if config.block_m == 64 else None)
             except Exception as e:  # a tiling that does not fit (shared memory, registers): report, go on
                 print(f"  {config.name:22s} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
                 continue
             results.append({"case": name, "config": config.name, "model": config == model, "rows": ROWS,
-                            "us": us, "invariant": same})
+                            "us": us, "invariant": same, "bits_as_16_row_tiles": as_16})
             print(f"  {config.name:22s}{' (model)' if config == model else '        '} "
-                  + "  ".join(f"M={m} {u:7.1f}" for m, u in zip(ROWS, us)) + f" us  rows as alone {same}",
+                  + "  ".join(f"M={m} {u:7.1f}" for m, u in zip(ROWS, us)) + f" us  rows as alone {same}, as with 16-row tiles {as_16}",
                   flush=True)
         del weights
         torch.cuda.empty_cache()

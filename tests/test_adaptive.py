@@ -266,6 +266,16 @@ def test_a_batched_steps_cost_grows_with_its_streams(engine):
     gpu = [estimate_cost(d.target, d.drafter, "cuda", s).ratio(engine.max_draft) for s in (1, 2, 4, 16)]
     # within 16 rows (2 streams of this pair's 8-row blocks) nearly flat; past them each row is arithmetic
     assert engine.max_draft + 1 == 8 and gpu[0] < gpu[1] < 1.05 * gpu[0] and gpu[1] < gpu[2] < gpu[3]
+    # each length priced exactly, where the line through n = 1 and the block does not bend: at 4 streams the 3
+    # guesses' 16 verify rows cost no more per row than 4 streams' one guess (below the line), past them more
+    four = estimate_cost(d.target, d.drafter, "cuda", 4)
+    line = [1 + four.fixed + four.per_token * n for n in range(8)]
+    assert len(four.ratios) == 8 and four.ratios[0] == 1.0
+    assert four.ratios[1] == pytest.approx(line[1]) and four.ratios[7] == pytest.approx(line[7])
+    assert four.ratios[3] < line[3] - 0.05 and four.ratio(3) == four.ratios[3]
+    assert all(a < b for a, b in zip(four.ratios[1:], four.ratios[2:]))
+    with pytest.raises(ValueError, match="ratios must be numbers >= 1"):
+        DraftCost(ratios=(1.0, 0.5))
     for device in ("cpu", "cuda"):
         assert estimate_cost(d.target, d.drafter, device, 1) == estimate_cost(d.target, d.drafter, device)
     assert engine.draft_cost(4) is engine.draft_cost(4) and engine.draft_cost(1) == policy_cost(engine)
@@ -431,7 +441,7 @@ def test_state_is_json_and_tracks_the_controller():
     assert state["mode"] == "on" and state["length"] == BASE and state["max_length"] == BASE
     assert state["gain"] == pytest.approx(state["expected_tokens"] / state["step_cost"])
     assert state["gain"] > 1 and state["step_cost"] == pytest.approx(CPU.ratio(BASE))
-    assert state["cost"] == {"fixed": 1.19, "per_token": 0.048}
+    assert state["cost"] == {"fixed": 1.19, "per_token": 0.048, "ratios": []}
     assert state["steps"] == policy.steps and state["config"]["min_samples"] == 3
     serve_requests(policy, 2, 128, Pattern(0.02), seed=9)
     state = policy.state()

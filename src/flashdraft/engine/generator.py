@@ -114,19 +114,25 @@ class AdaptiveConfig:
 
 @dataclass(frozen=True)
 class DraftCost:
-    """What a step drafting n guesses costs, in plain decoding steps: 1 + fixed + per_token * n (n > 0).
-    The default is a middle guess for a pair whose cost was not estimated (see estimate_cost)."""
+    """What a step drafting n guesses costs, in plain decoding steps: 1 + fixed + per_token * n (n > 0), or
+    ratios[n] where given (estimate_cost's, exact where a batched pass's cost bends at 16 rows). The default is a
+    middle guess for a pair whose cost was not estimated (see estimate_cost)."""
 
     fixed: float = 1.0
     per_token: float = 0.02
+    ratios: tuple[float, ...] = ()  # ratios[n] for n = 0 .. block - 1 (ratios[0] = 1)
 
     def __post_init__(self):
         for name in ("fixed", "per_token"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 <= value < 1e6):
                 raise ValueError(f"draft cost {name} must be a number >= 0, got {value!r}")
+        if not all(isinstance(r, (int, float)) and 1 <= r < 1e6 for r in self.ratios):
+            raise ValueError(f"draft cost ratios must be numbers >= 1 (plain steps a step costs), got {self.ratios!r}")
 
     def ratio(self, n: int) -> float:
+        if 0 < n < len(self.ratios):
+            return self.ratios[n]
         return 1.0 + self.fixed + self.per_token * n if n > 0 else 1.0
 
 
@@ -427,8 +433,8 @@ def estimate_cost(target, drafter, device_type: str, streams: int = 1) -> DraftC
     n drafted rows, and the target over n + 1 rows; a plain step runs the target over one row. A mixture of
     experts reads about rows * top_k / num_experts of its experts in a pass (all of them at most). streams: a
     batched step of that many streams, each drafting n, against one of as many plain streams (every pass's rows
-    that many times over, and STREAM_OVERHEAD one-row passes a stream on both). Fitted to
-    1 + fixed + per_token * n through n = 1 and n = block - 1."""
+    that many times over, and STREAM_OVERHEAD one-row passes a stream on both). Each n's ratio, and (for the
+    reports) the line 1 + fixed + per_token * n through n = 1 and n = block - 1."""
     lm, experts, other = weight_bytes(target)
     _, d_experts, d_other = weight_bytes(drafter)
     cfg = target.config
@@ -454,7 +460,8 @@ def estimate_cost(target, drafter, device_type: str, streams: int = 1) -> DraftC
     last = max(block - 1, 1)
     r1, rn = drafting(1) / plain, drafting(last) / plain
     per_token = max(0.0, (rn - r1) / (last - 1)) if last > 1 else 0.0
-    return DraftCost(fixed=max(0.0, r1 - 1.0 - per_token), per_token=per_token)
+    return DraftCost(fixed=max(0.0, r1 - 1.0 - per_token), per_token=per_token,
+                     ratios=(1.0, *(drafting(n) / plain for n in range(1, last + 1))))
 
 
 @dataclass

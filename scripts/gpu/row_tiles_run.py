@@ -1,7 +1,7 @@
 """The skinny GEMM over batched steps' row counts (issue #23): time per call of each GEMM of a fused Qwen3-8B layer
 (and the LM head, the drafter's fc and context k/v) at 1, 16, 64 and 256 rows, with the model's tiling and with
-tilings of 64-row tiles, and whether every row keeps the bits it has alone (at every row count), and those it has with the same tiling's
-16-row tiles.
+tilings of 64-row tiles, and whether every row keeps the bits it has alone (at every row count), and those it has
+with the same tiling's 16-row tiles.
 
 Usage (GPU machine, repo root): PYTHONPATH=src python scripts/gpu/row_tiles_run.py OUT_DIR [CASE ...]
 Writes OUT_DIR/row_tiles.json and prints one line per (GEMM, rows).
@@ -82,8 +82,8 @@ def main(out: Path) -> None:
             results.append({"case": name, "config": config.name, "model": config == model, "rows": ROWS,
                             "us": us, "invariant": same, "bits_as_16_row_tiles": as_16})
             print(f"  {config.name:22s}{' (model)' if config == model else '        '} "
-                  + "  ".join(f"M={m} {u:7.1f}" for m, u in zip(ROWS, us)) + f" us  rows as alone {same}, as with 16-row tiles {as_16}",
-                  flush=True)
+                  + "  ".join(f"M={m} {u:7.1f}" for m, u in zip(ROWS, us))
+                  + f" us  rows as alone {same}, as with 16-row tiles {as_16}", flush=True)
         del weights
         torch.cuda.empty_cache()
         (out / "row_tiles.json").write_text(json.dumps(results, indent=2))

@@ -448,7 +448,8 @@ def estimate_cost(target, drafter, device_type: str, streams: int = 1) -> DraftC
     def target_pass(rows: int) -> float:
         return rows_factor(rows * streams, device_type) * weights_read(rows * streams)
 
-    per_streams = STREAM_OVERHEAD.get(device_type, STREAM_OVERHEAD["cpu"]) * streams * weights_read(1) if streams > 1 else 0.0
+    overhead = STREAM_OVERHEAD.get(device_type, STREAM_OVERHEAD["cpu"])
+    per_streams = overhead * streams * weights_read(1) if streams > 1 else 0.0
 
     def drafting(n: int) -> float:
         return (target_pass(n + 1) + rows_factor(block * streams, device_type) * (d_other + d_experts)

@@ -4,11 +4,12 @@ the split-K reduce (flashdraft.kernels.split_reduce_triton) that its launch call
 Kept apart so that importing flashdraft never needs Triton, and so that TRITON_INTERPRET (read by triton.jit
 when these functions are decorated, i.e. when this module is first imported) can still be set by a CPU test.
 
-y[M, N] = x[M, K] @ W[N, K]^T with fp32 accumulation. Every program owns BLOCK_N output features of one
-BLOCK_M = 16 row tile (rows past M are loaded as zeros) and one fixed K range, and walks that range in
-BLOCK_K steps from low to high K, feeding the tensor cores with tl.dot. Nothing in the instruction sequence
-depends on M (only which padding rows are zero), and a tensor-core product's output row depends only on its own
-input row, so row m of y is bitwise the same for every M: batch invariance. With SPLIT_K > 1 the K ranges are
+y[M, N] = x[M, K] @ W[N, K]^T with fp32 accumulation. Every program owns BLOCK_N output features of ROW_TILES
+consecutive BLOCK_M-row tiles (BLOCK_M fixed per weight shape, 16 by default; rows past M are loaded as zeros) and
+one fixed K range, and walks that range in BLOCK_K steps from low to high K, loading each weight tile once and
+feeding it with each row tile's x to the tensor cores by the same tl.dot. Nothing in a tile's instruction sequence
+depends on M or on ROW_TILES (only which padding rows are zero), and a tensor-core product's output row depends
+only on its own input row, so row m of y is bitwise the same for every M: batch invariance. With SPLIT_K > 1 the K ranges are
 fixed by (K, SPLIT_K, BLOCK_K) alone and a second kernel adds the fp32 partials in split order 0, 1, ...
 
 Optional fusions (constexpr switches), so that a decoder layer's norms, SwiGLU and residual adds need no kernels

@@ -301,6 +301,8 @@ def run_demo(args, out: Path, dev: torch.device, streams: list[int]) -> int:
             identical = all(alone[i % len(distinct)][:len(c)] == c for i, c in enumerate(committed))
             row[name] = {"total_tok_s": tok_s, "per_stream_tok_s": tok_s / n, "identical": identical,
                          "device_ms_per_batch": device_ms}
+            if policies:
+                row[name]["lengths"] = [p.length for p in policies]
         for name in ("dflash", "adaptive"):
             row[f"{name}_speedup_per_stream"] = row[name]["per_stream_tok_s"] / row["plain"]["per_stream_tok_s"]
             row[f"{name}_total_vs_one_stream"] = row[name]["total_tok_s"] / singles["dflash"]

@@ -105,7 +105,10 @@ def test_row_tiles_give_every_row_the_bits_of_one_tile(fusion):
 
 
 def test_row_tiles_and_stages_choice():
-    assert [sg.row_tiles_for(t) for t in (1, 2, 3, 4, 5, 16)] == [1, 2, 3, 4, 4, 4]
+    four = sg.SkinnyConfig(32, 64, row_tiles=4)
+    assert [sg.row_tiles_for(t, four) for t in (1, 2, 3, 4, 5, 16)] == [1, 2, 3, 4, 4, 4]
+    assert [sg.row_tiles_for(t, sg.SkinnyConfig()) for t in (1, 4, 16)] == [1, 1, 1]
+    assert sg.GATED_CONFIGS[(24576, 4096)].row_tiles == 4 and four.name == "n32k64s1w4p4r4"
     qkv = sg.config_for(6144, 4096)
     assert sg.stages_for(qkv, 1, 2, False) == qkv.num_stages
     # four row tiles add 16 KiB of x to each 16 KiB stage: 6 stages of 32 KiB still fit in 200 KiB

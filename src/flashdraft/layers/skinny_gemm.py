@@ -1,10 +1,10 @@
 """Batch-invariant skinny GEMM: y[M, N] = x[M, K] @ W[N, K]^T for the few rows of a decode or verify step.
 
-`skinny_linear(x, weight, bias)` runs a Triton kernel (flashdraft.kernels.skinny_triton) built for M = 1..16
-(and up to 64 in one read of the weights, for batched steps): bf16 (or fp16 / fp32) in and out, fp32 accumulation,
-every program reading its [BLOCK_N, BLOCK_K] weight tiles once and using them for all rows of one to four 16-row
-tiles (rows past M are zero padding), so the cost is nearly flat from M = 1 to 16 and the weights stream at close
-to the memory bandwidth.
+`skinny_linear(x, weight, bias)` runs a Triton kernel (flashdraft.kernels.skinny_triton) built for M = 1..16:
+bf16 (or fp16 / fp32) in and out, fp32 accumulation, every program reading its [BLOCK_N, BLOCK_K] weight tiles
+once and using them for all rows of a 16-row tile (rows past M are zero padding; for a batched step's more rows,
+of up to four tiles where the tiling says so), so the cost is nearly flat from M = 1 to 16 and the weights stream
+at close to the memory bandwidth.
 
 **Bitwise batch invariance.** Row m of the output depends only on x[m] and W, never on M or on the other rows:
 the tiling, the K split and the order in which K is reduced are fixed by (N, K) alone (one config per weight
@@ -68,12 +68,14 @@ class SkinnyConfig:
     pdl: bool = False      # CUDA only: launch as a programmatic dependent launch (Hopper), so the launch
     #                        overlaps the end of the previous kernel; the kernel waits before reading anything
     block_m: int = BLOCK_M  # rows per tile (a tl.dot's rows; 64: a batched pass's rows in one tensor-core product)
+    row_tiles: int = 1     # most row tiles per program (each weight tile loaded once for all of them), where a
+    #                        pass has more than one tile (batched steps); 1-4, no change to any row's bits
 
     @property
     def name(self) -> str:
         return (f"n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}p{self.num_stages}"
                 + ("x" if self.swap else "") + (f"m{self.block_m}" if self.block_m != BLOCK_M else "")
-                + ("+pdl" if self.pdl else ""))
+                + (f"r{self.row_tiles}" if self.row_tiles > 1 else "") + ("+pdl" if self.pdl else ""))
 
 
 # (N, K) -> the tiling measured fastest (M = 1 plus M = 16) on one H200 (torch 2.11, Triton 3.6) by
@@ -96,9 +98,11 @@ CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
 # Other shapes get GATED_DEFAULT, Qwen3's tiling, which the GPU lossless check also runs on its tiny float32
 # models (batch-invariant at both measured shapes; at Llama's 12 us slower than its own). The plain tiling with half its
 # stages (n64k128 p3, weight tile on the left) was about 1 us faster but gave rows that differed with M, so it is
-# not used.
+# not used. Qwen3-8B's takes four row tiles a program in batched passes: 96.9 us at 64 rows against 119.1 with one,
+# 293.5 against 464.8 at 256 (scripts/gpu/row_tiles_run.py, 2026-12-05); CONFIGS' tilings keep one (as fast or
+# faster so at 32-64 rows: the 16-wide down and fc tilings by 20-50%, their programs re-reading x per weight tile).
 GATED_CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
-    (24576, 4096): SkinnyConfig(32, 64, 1, 4, 8),
+    (24576, 4096): SkinnyConfig(32, 64, 1, 4, 8, row_tiles=4),
     (28672, 4096): SkinnyConfig(64, 128, 1, 4, 4, swap=True),
 }
 GATED_DEFAULT = SkinnyConfig(32, 64, 1, 4, 8)
@@ -160,11 +164,12 @@ def candidate_configs(n: int, k: int, wide: bool = False) -> list[SkinnyConfig]:
 SHARED_MEMORY_BYTES = 200 * 1024
 
 
-def row_tiles_for(m_tiles: int, block_m: int = BLOCK_M) -> int:
-    """Row tiles per program for a pass of m_tiles tiles of block_m rows: all of them up to 64 rows (the weights
-    read once), else 64 rows' worth (a program per 64 rows of each weight tile, side by side, the others finding
-    the tile in L2). Any choice gives every row the same bits (the kernel's ROW_TILES); this one is for speed."""
-    return max(1, min(m_tiles, 64 // block_m))
+def row_tiles_for(m_tiles: int, config: SkinnyConfig) -> int:
+    """Row tiles per program for a pass of m_tiles tiles: all of them up to the tiling's row_tiles (the weights
+    read once for them), else that many (a program per row_tiles tiles of each weight tile, side by side, the
+    others finding the tile in L2). Any choice gives every row the same bits (the kernel's ROW_TILES); the
+    tiling's is the one measured faster for its shape."""
+    return max(1, min(m_tiles, config.row_tiles))
 
 
 def stages_for(config: SkinnyConfig, row_tiles: int, element_size: int, gated: bool) -> int:
@@ -188,8 +193,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """Run the kernel: x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype, with skinny_linear's optional
     fusions (no custom-op wrapper). config None = config_for(weight's shape), or GATED_CONFIGS' when gated; norm and
     gated run any config with split_k = 1 (both need the whole K range in one program). Gated: a program covers
-    config.block_n gate rows and the same features' up rows. row_tiles: 16-row tiles per program (1 to 4; None:
-    row_tiles_for the row count). Benchmarks pass a config and row_tiles; the model path goes through
+    config.block_n gate rows and the same features' up rows. row_tiles: row tiles per program (1 to 4; None:
+    row_tiles_for the row count and the config). Benchmarks pass a config and row_tiles; the model path goes through
     skinny_linear."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = weight.shape[0]
@@ -226,7 +231,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     kern = _kernels()
     split = config.split_k
     m_tiles = -(-m // config.block_m)
-    row_tiles = row_tiles_for(m_tiles, config.block_m) if row_tiles is None else row_tiles
+    row_tiles = row_tiles_for(m_tiles, config) if row_tiles is None else row_tiles
     stages = stages_for(config, row_tiles, x.element_size(), gated)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     even_k = k % (split * config.block_k) == 0
@@ -267,10 +272,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   rms_norm_eps: float | None = None, residual: torch.Tensor | None = None,
                   gated: bool = False) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias) with the batch-invariant Triton kernel (see the module docstring):
-    each output row is bitwise independent of how many rows go through together. Meant for few rows (up to 64
-    read the weights once, a program multiplying each weight tile with up to four 16-row tiles; more rows, a
-    batched step's, take a program per four row tiles of each weight tile, side by side, so that the others mostly
-    find the weight tile in L2). Fusions, all in fp32 with one rounding:
+    each output row is bitwise independent of how many rows go through together. Meant for few rows (<= 16
+    reads the weights once; more rows, a batched step's, take a program per 16-row tile of each weight tile, or per
+    up to four where the tiling's row_tiles says so, side by side, so that the others mostly find the weight tile
+    in L2). Fusions, all in fp32 with one rounding:
 
     - rms_norm_eps: x is RMS-normalized first, without a weight: x * rsqrt(mean(x * x) + rms_norm_eps) (an RMSNorm's
       weight goes into W's columns beforehand: fold_norm_weight);

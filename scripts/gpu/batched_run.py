@@ -84,6 +84,12 @@ def start(dec, seqs, prompts: list[list[int]], oracles, params: SamplingParams) 
     synchronize(dec.device)
 
 
+def batch_graphs(engine: Engine) -> int:
+    """The batched-step graphs the decoder holds (a graph per composition of the steps' lengths and cache reads)."""
+    graphs = engine.decoder.graphs
+    return sum(1 for key in graphs.graphs if key[0] == "batch") if graphs is not None else 0
+
+
 def run_streams(engine: Engine, prompts: list[list[int]], draft: int, oracles, rounds: int, warm: int,
                 params: SamplingParams, policies: list | None = None) -> tuple[float, float, list[list[int]]]:
     """Step len(prompts) sequences together as a server's rounds do: each round every sequence launches a step
@@ -242,7 +248,7 @@ def main() -> int:
                                                       params, policies)
             identical = all(r[len(p):len(p) + len(c)] == c for r, p, c in zip(references, prompts, committed))
             row[name] = {"total_tok_s": tok_s, "per_stream_tok_s": tok_s / n, "identical": identical,
-                         "device_ms_per_batch": device_ms}
+                         "device_ms_per_batch": device_ms, "batch_graphs_held": batch_graphs(engine)}
             if policies:
                 row[name]["lengths"] = [p.length for p in policies]
         for name in ("dflash", "adaptive"):
@@ -259,7 +265,8 @@ def main() -> int:
         log(f"     adaptive DFlash (the server's policy for {n} streams, lengths now {row['adaptive']['lengths']}): "
             f"{row['adaptive']['total_tok_s']:8.1f} total ({row['adaptive_speedup_per_stream']:.2f}x plain per stream; "
             f"{row['adaptive_total_vs_one_stream']:.2f}x one pipelined stream's), tokens as alone "
-            f"{row['adaptive']['identical']}, device ms per batched step {row['adaptive']['device_ms_per_batch']:.2f}")
+            f"{row['adaptive']['identical']}, device ms per batched step {row['adaptive']['device_ms_per_batch']:.2f}, "
+            f"batch graphs held {row['adaptive']['batch_graphs_held']}")
         if dev.type == "cuda":
             log(f"     peak memory {torch.cuda.max_memory_allocated() / 2 ** 30:.1f} GiB")
         if n == args.profile:
@@ -300,7 +307,7 @@ def run_demo(args, out: Path, dev: torch.device, streams: list[int]) -> int:
                                                       params, policies)
             identical = all(alone[i % len(distinct)][:len(c)] == c for i, c in enumerate(committed))
             row[name] = {"total_tok_s": tok_s, "per_stream_tok_s": tok_s / n, "identical": identical,
-                         "device_ms_per_batch": device_ms}
+                         "device_ms_per_batch": device_ms, "batch_graphs_held": batch_graphs(engine)}
             if policies:
                 row[name]["lengths"] = [p.length for p in policies]
         for name in ("dflash", "adaptive"):

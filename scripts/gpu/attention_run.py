@@ -3,7 +3,8 @@ attention shape (32 query heads, 8 kv heads, head_dim 128; or Gemma 4's full lay
 calls it:
 - error against a float64 reference, beside SDPA's own bf16 error;
 - bitwise batch invariance: each token of a 16-token call against the same token alone (other tile places),
-  and alone over a longer kv_len (more masked key ranges: a verify step may fall in the next graph bucket);
+  and alone over a longer kv_len (more masked key ranges: a verify step may fall in the next graph bucket); for
+  tiles of more than 16 rows, also against the token alone through the same tiling's 16-row tiles;
 - time per call inside a CUDA graph, rotating over the layers' caches (as a pass meets them, not from L2);
 for each of a few tilings (AttentionConfig); OUT_DIR/attention.json names the fastest invariant one ("adopted"),
 which perf_run.py --attention-config=OUT_DIR/attention.json then uses.
@@ -105,6 +106,12 @@ def main(out: Path, long: bool = False, shape: str = "qwen") -> None:
                         same_longer += torch.equal(alone[0], ours[t])
                     rec["invariant_tokens"] = f"{same}/{T}"
                     rec["invariant_tokens_longer_kv"] = f"{same_longer}/{T}"
+                    if c.block_q != 16:  # a token alone through the 16-row twin: the same bits? (then verify
+                        # passes could take the wide tile and one-token steps the 16-row one)
+                        twin = dataclasses.replace(c, block_q=16)
+                        same_twin = sum(torch.equal(launch(q[:, t:t + 1], k, v, mask[t:t + 1], twin)[0], ours[t])
+                                        for t in range(T))
+                        rec["bits_as_16_row_tile"] = f"{same_twin}/{T}"
                     invariant[c] &= same == T and same_longer == T
                 invariant[c] &= rec["err"] < 4 * row["err_sdpa_bf16"] + 1e-3
                 if (kv_len, T) in adopt_on:

@@ -258,8 +258,8 @@ def test_a_batched_steps_cost_grows_with_its_streams(engine):
     S plain streams costs more plain steps the more streams share it (a CPU's one-row pass is cheaper than any
     multi-row one, so two streams' ratio is below one's); on a GPU the verify rows stay nearly free while a pass
     is memory-bound (up to 16 rows), then each costs its arithmetic (the H200's batched steps), so the ratio grows
-    with the streams past that. One stream's is the
-    single stream's; the engine makes each count's once and the policy it makes prices with them."""
+    with the streams past that. One stream's is the single stream's; the engine makes each count's once and the
+    policy it makes prices with them."""
     d = engine.decoder
     cpu = [estimate_cost(d.target, d.drafter, "cpu", s).ratio(engine.max_draft) for s in (1, 2, 4, 16)]
     assert cpu[1] < cpu[2] < cpu[3] and cpu[0] < cpu[3]

@@ -86,7 +86,8 @@ def test_row_tiles_give_every_row_the_bits_of_one_tile(fusion):
     rows = 2 * n if "gated" in fusion else n
     w = torch.randn(rows, k, generator=g).to(DEVICE)
     x = torch.randn(70, k, generator=g).to(DEVICE)
-    config = sg.SkinnyConfig(16, 64, split_k=3) if fusion == "split" else sg.SkinnyConfig(32, 64, swap=True)
+    config = (sg.SkinnyConfig(16, 64, split_k=3, row_tiles=4) if fusion == "split"
+              else sg.SkinnyConfig(32, 64, swap=True, row_tiles=4))  # (row_tiles: what tiles=None takes)
     kw = {"bias": torch.randn(rows, generator=g).to(DEVICE)} if fusion in ("bias", "split") else {}
     if "norm" in fusion:
         kw.update(rms_norm_eps=1e-6, gated=True)

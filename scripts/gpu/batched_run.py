@@ -135,6 +135,30 @@ def run_streams(engine: Engine, prompts: list[list[int]], draft: int, oracles, r
     return counted / elapsed, 1000 * device_s / batches, [seq.tokens[len(p):] for seq, p in zip(seqs, prompts)]
 
 
+def measure_modes(engine: Engine, prompts: list[list[int]], make_oracles, args, params: SamplingParams,
+                  single_dflash: float, identical) -> dict:
+    """One stream count's row (len(prompts) streams): each mode's total and per-stream tok/s, whether every stream's
+    tokens are as alone (identical(committed)), the device's ms per batched step, the batched-step graphs held, the
+    adaptive policies' lengths; DFlash's and the adaptive policy's speedup per stream over plain decoding and
+    total against one stream's (single_dflash). make_oracles(n): the drafting streams' oracles (None: the drafter's
+    own guesses)."""
+    n, B = len(prompts), engine.decoder.block_size
+    row = {"streams": n}
+    for name in MODES:
+        draft = 0 if name == "plain" else B - 1
+        policies = stream_policies(engine, n) if name == "adaptive" else None
+        tok_s, device_ms, committed = run_streams(engine, prompts, draft, make_oracles(n) if draft else [None] * n,
+                                                  args.rounds, args.warm, params, policies)
+        row[name] = {"total_tok_s": tok_s, "per_stream_tok_s": tok_s / n, "identical": identical(committed),
+                     "device_ms_per_batch": device_ms, "batch_graphs_held": batch_graphs(engine)}
+        if policies:
+            row[name]["lengths"] = [p.length for p in policies]
+    for name in ("dflash", "adaptive"):
+        row[f"{name}_speedup_per_stream"] = row[name]["per_stream_tok_s"] / row["plain"]["per_stream_tok_s"]
+        row[f"{name}_total_vs_one_stream"] = row[name]["total_tok_s"] / single_dflash
+    return row
+
+
 def profile_rounds(engine: Engine, prompts, draft: int, oracles, params: SamplingParams, warm: int,
                    rounds: int = 8) -> list[dict]:
     """Device time by kernel over `rounds` timed rounds (after `warm`), per round, under torch.profiler; printed
@@ -239,21 +263,9 @@ def main() -> int:
         f"({singles['dflash'] / singles['plain']:.2f}x)")
     report["single"] = singles
     for n in streams:
-        row = {"streams": n}
-        for name in MODES:
-            draft = 0 if name == "plain" else B - 1
-            policies = stream_policies(engine, n) if name == "adaptive" else None
-            tok_s, device_ms, committed = run_streams(engine, prompts[:n], draft,
-                                                      oracles(n) if draft else [None] * n, args.rounds, args.warm,
-                                                      params, policies)
-            identical = all(r[len(p):len(p) + len(c)] == c for r, p, c in zip(references, prompts, committed))
-            row[name] = {"total_tok_s": tok_s, "per_stream_tok_s": tok_s / n, "identical": identical,
-                         "device_ms_per_batch": device_ms, "batch_graphs_held": batch_graphs(engine)}
-            if policies:
-                row[name]["lengths"] = [p.length for p in policies]
-        for name in ("dflash", "adaptive"):
-            row[f"{name}_speedup_per_stream"] = row[name]["per_stream_tok_s"] / row["plain"]["per_stream_tok_s"]
-            row[f"{name}_total_vs_one_stream"] = row[name]["total_tok_s"] / singles["dflash"]
+        row = measure_modes(engine, prompts[:n], oracles, args, params, singles["dflash"],
+                            lambda committed: all(r[len(p):len(p) + len(c)] == c
+                                                  for r, p, c in zip(references, prompts, committed)))
         report["rows"].append(row)
         (out / "batched.json").write_text(json.dumps(report, indent=1))  # each row as it comes: a call may end early
         log(f"{n:3d} streams: plain {row['plain']['total_tok_s']:8.1f} tok/s total ({row['plain']['per_stream_tok_s']:7.1f}"
@@ -299,20 +311,9 @@ def run_demo(args, out: Path, dev: torch.device, streams: list[int]) -> int:
     log(f"one stream, pipelined: plain {singles['plain']:.1f} tok/s, DFlash {singles['dflash']:.1f} tok/s")
     for n in streams:
         prompts = [distinct[i % len(distinct)] for i in range(n)]
-        row = {"streams": n}
-        for name in MODES:
-            draft = 0 if name == "plain" else B - 1
-            policies = stream_policies(engine, n) if name == "adaptive" else None
-            tok_s, device_ms, committed = run_streams(engine, prompts, draft, [None] * n, args.rounds, args.warm,
-                                                      params, policies)
-            identical = all(alone[i % len(distinct)][:len(c)] == c for i, c in enumerate(committed))
-            row[name] = {"total_tok_s": tok_s, "per_stream_tok_s": tok_s / n, "identical": identical,
-                         "device_ms_per_batch": device_ms, "batch_graphs_held": batch_graphs(engine)}
-            if policies:
-                row[name]["lengths"] = [p.length for p in policies]
-        for name in ("dflash", "adaptive"):
-            row[f"{name}_speedup_per_stream"] = row[name]["per_stream_tok_s"] / row["plain"]["per_stream_tok_s"]
-            row[f"{name}_total_vs_one_stream"] = row[name]["total_tok_s"] / singles["dflash"]
+        row = measure_modes(engine, prompts, lambda k: [None] * k, args, params, singles["dflash"],
+                            lambda committed: all(alone[i % len(distinct)][:len(c)] == c
+                                                  for i, c in enumerate(committed)))
         report["rows"].append(row)
         (out / "batched_demo.json").write_text(json.dumps(report, indent=1))
         log(f"{n:3d} streams: plain {row['plain']['total_tok_s']:8.1f} tok/s total, DFlash "

@@ -459,10 +459,10 @@ def estimate_cost(target, drafter, device_type: str, streams: int = 1) -> DraftC
     if plain <= 0:
         return DraftCost()
     last = max(block - 1, 1)
-    r1, rn = drafting(1) / plain, drafting(last) / plain
+    ratios = (1.0, *(drafting(n) / plain for n in range(1, last + 1)))
+    r1, rn = ratios[1], ratios[last]
     per_token = max(0.0, (rn - r1) / (last - 1)) if last > 1 else 0.0
-    return DraftCost(fixed=max(0.0, r1 - 1.0 - per_token), per_token=per_token,
-                     ratios=(1.0, *(drafting(n) / plain for n in range(1, last + 1))))
+    return DraftCost(fixed=max(0.0, r1 - 1.0 - per_token), per_token=per_token, ratios=ratios)
 
 
 @dataclass

@@ -22,6 +22,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 SRC = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent / "src"
@@ -63,9 +64,57 @@ def fingerprint(fn, signature: dict, constexprs: dict, num_warps: int = 4, num_s
         os.unlink(f.name)
     code = [re.sub(r"/\*[0-9a-f]{4,5}\*/", "", line).strip() for line in sass.splitlines()
             if re.search(r"/\*[0-9a-f]{4,5}\*/", line)]
+    mma = Counter(m.group(0) for line in code if (m := re.search(r"\bHG?MMA\.[0-9A-Za-z.]+", line)))
     return {"instructions": len(code), "sha1": hashlib.sha1("\n".join(code).encode()).hexdigest()[:16],
-            "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+            "tensor_core": dict(sorted(mma.items())), "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
             "stack": int(re.search(r"STACK:(\d+)", usage).group(1)), "shared": kernel.metadata.shared}
+
+
+SKINNY = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "p_ptr": "*fp32", "r_ptr": "*bf16",
+          "M": "i32", "N": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "stride_rm": "i32",
+          "eps": "fp32"}
+ATTENTION = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "mask_ptr": "*u8", "m_ptr": "*fp32",
+             "l_ptr": "*fp32", "acc_ptr": "*fp32", "counter_ptr": "*i32", "out_ptr": "*bf16", "seg_ptr": "*i64",
+             "T": "i32", "KV_LEN": "i32", "N_SPLITS": "i32", "stride_qh": "i32", "stride_qt": "i32",
+             "stride_kh": "i32", "stride_kn": "i32", "stride_vh": "i32", "stride_vn": "i32", "stride_mt": "i32",
+             "stride_ot": "i32", "qk_scale": "fp32"}
+
+
+def skinny_fingerprints() -> dict:
+    """The skinny GEMM at Qwen3-8B's K, 64 x 128 tiles, 16-row tiles (one stream's step) and 64-row ones (a batched
+    pass's), the weight tile on either side: gate/up with the norm, o/down with the residual, q/k/v with the norm.
+    Pointers and the row strides 16-byte aligned, as the launch specializes them for torch's tensors."""
+    out = {}
+    aligned = tuple(a for a in SKINNY if a.endswith("_ptr") or a.startswith("stride"))
+    for swap in (False, True):
+        for block_m in (16, 64):
+            for name, gated, norm, residual in (("gate/up", True, True, False), ("o/down", False, False, True),
+                                                ("q/k/v", False, True, False)):
+                key = (f"skinny {name}" + (" swapped" if swap else "")
+                       + (f", {block_m}-row tiles" if block_m > 16 else ""))
+                out[key] = fingerprint(skinny_triton.skinny_gemm_kernel, SKINNY, dict(
+                    K=4096, STEPS=32, HAS_BIAS=False, HAS_NORM=norm, HAS_RESIDUAL=residual, GATED=gated,
+                    IEEE=False, SWAP=swap, UPCAST=False, PDL=False, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128,
+                    ROW_TILES=1, SPLIT_K=1, EVEN_N=True, EVEN_K=True, W_EVICT=""), num_stages=3, aligned=aligned)
+    return out
+
+
+def attention_fingerprints(segmented: bool) -> dict:
+    """Decode attention, each adopted tiling at its head width (Qwen3-8B's group of 4; Gemma 4's 512-wide full
+    layers, a group of 8), over a bf16 cache with a mask; one sequence's launch, or a batched pass's (segmented)."""
+    aligned = tuple(a for a in ATTENTION if a.endswith("_ptr")) + (
+        "stride_qh", "stride_qt", "stride_kh", "stride_kn", "stride_vh", "stride_vn", "stride_ot")
+    tilings = [(128, da.CONFIG)] + [(128, c) for _, c in da.LONG_CONFIGS] + [
+        (256, da.WIDE_HEAD_CONFIG), (512, da.WIDEST_HEAD_CONFIG), (512, da.WIDEST_LONG_CONFIG)]
+    out = {}
+    for hd, c in tilings:
+        out[f"attention d{hd} {c.name}" + (" segmented" if segmented else "")] = fingerprint(
+            attention_triton.attention_kernel, ATTENTION, dict(
+                GROUP=8 if hd == 512 else 4, D=hd, HAS_MASK=True, IEEE=False, BLOCK_Q=c.block_q, BLOCK_N=c.block_n,
+                SPLIT=c.split, K_FMT=0, V_FMT=0, K_ALIGN=16, V_ALIGN=16, PIPELINED=c.pipelined,
+                SEGMENTED=segmented),
+            num_warps=c.num_warps, num_stages=c.num_stages, aligned=aligned)
+    return out
 
 
 def main() -> int:
@@ -75,35 +124,9 @@ def main() -> int:
         if qtype in tk.K_QUANTS:
             out[f"{qtype} packed"] = fingerprint(tk._quant_matmul_packed_kernel, dict(POINTERS, magic="i32"),
                                                  dict(COMMON, QTYPE=code))
-    # the skinny GEMM at Qwen3-8B's K, 64 x 128 tiles: gate/up with the norm, o/down with the residual, q/k/v
-    skinny = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "p_ptr": "*fp32",
-              "r_ptr": "*bf16", "M": "i32", "N": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32",
-              "stride_rm": "i32", "eps": "fp32"}
-    for swap in (False, True):
-        for name, gated, norm, residual in (("gate/up", True, True, False), ("o/down", False, False, True),
-                                            ("q/k/v", False, True, False)):
-            key = f"skinny {name}" + (" swapped" if swap else "")
-            out[key] = fingerprint(skinny_triton.skinny_gemm_kernel, skinny, dict(
-                K=4096, STEPS=32, HAS_BIAS=False, HAS_NORM=norm, HAS_RESIDUAL=residual, GATED=gated, IEEE=False,
-                SWAP=swap, UPCAST=False, PDL=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, EVEN_N=True,
-                EVEN_K=True))
-    # decode attention, each adopted tiling at its head width (Qwen3-8B's group of 4; Gemma 4's 512-wide full
-    # layers, a group of 8), over a bf16 cache with a mask
-    attention = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "mask_ptr": "*u8", "m_ptr": "*fp32",
-                 "l_ptr": "*fp32", "acc_ptr": "*fp32", "counter_ptr": "*i32", "out_ptr": "*bf16", "T": "i32",
-                 "KV_LEN": "i32", "N_SPLITS": "i32", "stride_qh": "i32", "stride_qt": "i32", "stride_kh": "i32",
-                 "stride_kn": "i32", "stride_vh": "i32", "stride_vn": "i32", "stride_mt": "i32", "stride_ot": "i32",
-                 "qk_scale": "fp32"}
-    aligned = tuple(a for a in attention if a.endswith("_ptr")) + (
-        "stride_qh", "stride_qt", "stride_kh", "stride_kn", "stride_vh", "stride_vn", "stride_ot")
-    tilings = [(128, da.CONFIG)] + [(128, c) for _, c in da.LONG_CONFIGS] + [
-        (256, da.WIDE_HEAD_CONFIG), (512, da.WIDEST_HEAD_CONFIG), (512, da.WIDEST_LONG_CONFIG)]
-    for hd, c in tilings:
-        out[f"attention d{hd} {c.name}"] = fingerprint(
-            attention_triton.attention_kernel, attention, dict(
-                GROUP=8 if hd == 512 else 4, D=hd, HAS_MASK=True, IEEE=False, BLOCK_Q=c.block_q, BLOCK_N=c.block_n,
-                SPLIT=c.split, K_FMT=0, V_FMT=0, K_ALIGN=16, V_ALIGN=16, PIPELINED=c.pipelined),
-            num_warps=c.num_warps, num_stages=c.num_stages, aligned=aligned)
+    out.update(skinny_fingerprints())
+    out.update(attention_fingerprints(segmented=False))
+    out.update(attention_fingerprints(segmented=True))
     print(json.dumps(out, indent=1))
     return 0
 

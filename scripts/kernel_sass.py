@@ -9,8 +9,9 @@ halved them, and slowed it by a third: docs/performance.md). The attention kerne
 its pointers and strides specialized as 16-byte aligned (Triton's launch does that for torch's tensors): its
 key and value loads become cp.async copies only so.
 
-Usage: python scripts/kernel_sass.py [SRC_DIR]   (SRC_DIR: the src/ folder to import flashdraft from; default
-this checkout's). Needs Triton with its NVIDIA backend (ptxas and cuobjdump ship with it).
+Usage: python scripts/kernel_sass.py [SRC_DIR] [--row-tile-candidates]   (SRC_DIR: the src/ folder to import
+flashdraft from; default this checkout's; --row-tile-candidates: also the 64-row tilings scripts/gpu/row_tiles_run.py
+times). Needs Triton with its NVIDIA backend (ptxas and cuobjdump ship with it).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-SRC = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent / "src"
+SRC = Path(sys.argv[1]) if len(sys.argv) > 1 and not sys.argv[1].startswith("--") else Path(__file__).resolve().parent.parent / "src"
 sys.path.insert(0, str(SRC))
 
 import triton  # noqa: E402
@@ -99,6 +100,29 @@ def skinny_fingerprints() -> dict:
     return out
 
 
+def row_tile_candidate_fingerprints() -> dict:
+    """Each 64-row tiling that scripts/gpu/row_tiles_run.py times, per fusion, at the pipelining depth its launch
+    takes (skinny_gemm.stages_for): its tensor-core instructions, registers and shared memory (so programs a
+    multiprocessor) before a GPU run."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+    from row_tiles_run import CANDIDATES
+    from flashdraft.layers import skinny_gemm as sg
+
+    out = {}
+    aligned = tuple(a for a in SKINNY if a.endswith("_ptr") or a.startswith("stride"))
+    for fusion, norm, gated, residual in (("norm", True, False, False), ("norm+gated", True, True, False),
+                                          ("residual", False, False, True), ("", False, False, False)):
+        for c in CANDIDATES:
+            if norm and c.split_k > 1:
+                continue
+            out[f"skinny {fusion or 'plain'} {c.name}"] = fingerprint(skinny_triton.skinny_gemm_kernel, SKINNY, dict(
+                K=4096, STEPS=-(-(4096 // c.block_k) // c.split_k), HAS_BIAS=False, HAS_NORM=norm, HAS_RESIDUAL=residual, GATED=gated,
+                IEEE=False, SWAP=c.swap, UPCAST=False, PDL=False, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+                BLOCK_K=c.block_k, ROW_TILES=1, SPLIT_K=c.split_k, EVEN_N=True, EVEN_K=True, W_EVICT=""),
+                num_warps=c.num_warps, num_stages=sg.stages_for(c, 1, 2, gated), aligned=aligned)
+    return out
+
+
 def attention_fingerprints(segmented: bool) -> dict:
     """Decode attention, each adopted tiling at its head width (Qwen3-8B's group of 4; Gemma 4's 512-wide full
     layers, a group of 8), over a bf16 cache with a mask; one sequence's launch, or a batched pass's (segmented)."""
@@ -127,6 +151,8 @@ def main() -> int:
     out.update(skinny_fingerprints())
     out.update(attention_fingerprints(segmented=False))
     out.update(attention_fingerprints(segmented=True))
+    if "--row-tile-candidates" in sys.argv:
+        out.update(row_tile_candidate_fingerprints())
     print(json.dumps(out, indent=1))
     return 0
 

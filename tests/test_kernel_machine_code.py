@@ -1,5 +1,6 @@
 """The decode attention kernel's adopted tilings, compiled offline for the H100/H200 (sm_90) as the GPU compiles them
-(scripts/kernel_sass.py), keep the registers a thread that let two of their programs share a multiprocessor.
+(scripts/kernel_sass.py), keep the registers a thread that let two of their programs share a multiprocessor, in a
+sequence's launch and in a batched pass's (segmented).
 
 The register count is where a harmless-looking source change slows the kernel: an index computed before the key
 loop instead of after it took the 8-warp long-range tiling from 107 to 142 registers a thread, one program a
@@ -33,15 +34,17 @@ def _nvidia_tools() -> bool:
 def test_attention_tilings_fit_two_programs_a_multiprocessor():
     # a fresh process: this session's tests may have switched Triton's interpreter on, which compiles nothing
     code = ("import json, sys; sys.path.insert(0, 'scripts'); import kernel_sass; "
-            "print(json.dumps(kernel_sass.attention_fingerprints(segmented=False)))")
+            "print(json.dumps({**kernel_sass.attention_fingerprints(segmented=False), "
+            "**kernel_sass.attention_fingerprints(segmented=True)}))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
                          env=dict(env, PYTHONPATH=str(ROOT / "src")))
     assert run.returncode == 0, run.stderr[-2000:]
     prints = json.loads(run.stdout.strip().splitlines()[-1])
     for config in [da.CONFIG] + [c for _, c in da.LONG_CONFIGS]:
-        found = prints[f"attention d128 {config.name}"]
-        per_thread = -(-found["registers"] // 8) * 8  # allocated a warp at a time, 8 registers a thread at a time
-        programs = REGISTERS_PER_MULTIPROCESSOR // (per_thread * 32 * config.num_warps)
-        assert programs >= 2, (config.name, found)
-        assert found["stack"] == 0, (config.name, found)
+        for form in ("", " segmented"):  # one sequence's launch, a batched pass's
+            found = prints[f"attention d128 {config.name}{form}"]
+            per_thread = -(-found["registers"] // 8) * 8  # allocated 8 registers a thread at a time
+            programs = REGISTERS_PER_MULTIPROCESSOR // (per_thread * 32 * config.num_warps)
+            assert programs >= 2, (config.name, form, found)
+            assert found["stack"] == 0, (config.name, form, found)

@@ -48,6 +48,7 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, count
     if SEGMENTED:  # several sequences' rows, each over its own cache: axis 2 is (segment, key range)
         seg = split // N_SPLITS
         split = split % N_SPLITS
+        seg_pair = (seg * tl.num_programs(0) + kv) * tl.num_programs(1) + tile
         first = tl.load(seg_ptr + 4 * seg)  # the segment's first row, rows, and its caches' offsets from segment 0's
         T = tl.load(seg_ptr + 4 * seg + 1).to(tl.int32)
         k_ptr += tl.multiple_of(tl.load(seg_ptr + 4 * seg + 2), 16)
@@ -81,11 +82,14 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, count
             m_i, l_i, acc = _key_step(q, m_i, l_i, acc, k_ptr, v_ptr, mask_ptr, kv, split, chunk, t, row_ok, KV_LEN,
                                       stride_kh, stride_kn, stride_vh, stride_vn, stride_mt, qk_scale, D, HAS_MASK,
                                       IEEE, BLOCK_N, SPLIT, K_FMT, V_FMT, K_ALIGN, V_ALIGN)
-    # this (kv head, query tile)'s counter and partials, computed after the key loop: held across it, the index
-    # took the long-range tiling from 107 to 142 registers a thread (one program a multiprocessor, not two)
-    pair = kv * tl.num_programs(1) + tile
+    # this (kv head, query tile)'s counter and partials. Where it is computed sets the registers a thread (ptxas,
+    # sm_90), which decide whether two 8-warp programs share a multiprocessor: one sequence's after the key loop
+    # (107 registers in the 32K tiling; 142 computed before it), a batched pass's before it (128; 144 after it)
+    # (scripts/kernel_sass.py, tests/test_kernel_machine_code.py)
     if SEGMENTED:
-        pair += (tl.program_id(2) // N_SPLITS) * tl.num_programs(0) * tl.num_programs(1)
+        pair = seg_pair
+    else:
+        pair = kv * tl.num_programs(1) + tile
     slot = pair * N_SPLITS + split
     r = tl.arange(0, BLOCK_Q)
     tl.store(m_ptr + slot * BLOCK_Q + r, m_i, mask=row_ok)

@@ -103,9 +103,11 @@ def test_the_graphed_paths_draft_what_the_eager_loop_drafts(pair):
     assert _own_guesses(graphed, prompt, params) == _own_guesses(eager, prompt, params)
 
 
-def test_prefix_reuse_keeps_the_ring_only_while_it_holds_the_window(pair):
+def test_prefix_reuse_keeps_the_ring_and_hides_its_stale_rows(pair):
     """A conversation's next turn (the prompt extends the last one) reuses the ring, and drafts exactly what a fresh
-    sequence drafts; a prompt that leaves the conversation before the ring's window reuses none of it."""
+    sequence drafts. A prompt that leaves the conversation before the ring's window (its rows overwritten since)
+    still reuses the target's rows: the output is a fresh sequence's, and every ring row a draft pass can see holds
+    a position of the new sequence with the keys an unlimited drafter cache gives that position."""
     engine = _engine(pair, 6)
     dec = engine.decoder
     params = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -119,9 +121,30 @@ def test_prefix_reuse_keeps_the_ring_only_while_it_holds_the_window(pair):
     got = _own_guesses(engine, follow, params, logged, reuse_prefix=True)
     assert seq.reused > len(first) and got == want
     assert dec.reusable_rows(seq, seq.tokens) == len(seq.tokens) - 1  # all of it, the ring's window included
+
     early = len(seq.tokens) - 1 - 6 - BLOCK - 2  # its window's rows were overwritten since
-    assert seq.draft_cache.reusable(early) == 0
-    assert dec.reusable_rows(seq, seq.tokens[:early] + [1, 2, 3]) == 0
+    assert not bool((seq.draft_cache.ring_pos == early - 1).any())
+    leaves = seq.tokens[:early] + [1, 2, 3]
+    assert dec.reusable_rows(seq, leaves) == early
+    tokens, _ = _own_guesses(engine, leaves, params, logged, reuse_prefix=True)
+    assert seq.reused == early and tokens == _own_guesses(_engine(pair, 6), leaves, params)[0]
+
+    unlimited = _engine(pair, None)
+    full = unlimited.decoder.new_sequence()
+    unlimited.generate(leaves, params, draft=BLOCK - 1, sequence=full)
+    assert full.tokens == seq.tokens
+    with torch.inference_mode():  # the committed rows still waiting, projected
+        dec._flush_context(seq)
+        unlimited.decoder._flush_context(full)
+    ring, held = seq.draft_cache, seq.draft_cache.ring_pos
+    assert full.projected == seq.projected == len(seq.tokens) - 1
+    # what the next draft pass (its block at positions projected .. projected + B - 1) sees, less its own rows
+    seen = (ring.visible(ring.capacity, torch.tensor(seq.projected + BLOCK - 1))[0] & (held < seq.projected))
+    seen = seen.nonzero().flatten()
+    assert len(seen) > 6 // 2
+    for layer in range(len(ring.k)):
+        assert torch.allclose(ring.k[layer][:, seen], full.draft_cache.k[layer][:, held[seen]], atol=1e-5)
+        assert torch.allclose(ring.v[layer][:, seen], full.draft_cache.v[layer][:, held[seen]], atol=1e-5)
 
 
 def test_a_window_needs_a_drafter_and_a_positive_size(qwen3_dir, pair):
@@ -131,11 +154,24 @@ def test_a_window_needs_a_drafter_and_a_positive_size(qwen3_dir, pair):
         _engine(pair, 0)
 
 
-def test_generate_refuses_a_window_of_zero(capsys):
+def test_a_drafter_takes_the_default_window_and_zero_is_all_of_the_context(tmp_path, capsys):
     from flashdraft.cli import main
+    from flashdraft.config import DRAFT_WINDOW
+    from flashdraft.server.cli import build_parser, settings_from_args
 
+    (tmp_path / "config.json").write_text("{}")  # only the flags are parsed; no model is loaded
+
+    def window(*flags):
+        args = build_parser().parse_args(["-m", str(tmp_path), *flags])
+        return settings_from_args(args).cache_options["draft_window"]
+
+    assert window("-md", str(tmp_path)) == DRAFT_WINDOW == 1024
+    assert window("-md", str(tmp_path), "-cd", "0") is None
+    assert window("-md", str(tmp_path), "--spec-dflash-cross-ctx", "64") == 64
+    assert window() is None  # no drafter, no window
+    assert window("-cd", "0") is None
     with pytest.raises(SystemExit):
-        main(["generate", "-p", "x", "--spec-dflash-cross-ctx", "0"])
+        main(["generate", "-p", "x", "--spec-dflash-cross-ctx", "-1"])
     assert "--spec-dflash-cross-ctx" in capsys.readouterr().err
 
 

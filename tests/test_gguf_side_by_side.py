@@ -103,7 +103,7 @@ def test_measure_arguments_are_checked(tmp_path, capsys):
     gguf_file.write_bytes(b"")
     cases = {"--taus must be at least 2": ["--taus", "1,4"], "--tokens must be at least 2": ["--tokens", "1"],
              "no such GGUF file": [], "negative value": ["--depths", "0,-5"], "invalid choice": ["--drafter", "Q2_K"],
-             "--draft-window must be at least 1": ["--draft-window", "0"]}
+             "--draft-window must be at least 0": ["--draft-window", "-1"]}
     for message, extra in cases.items():
         file = tmp_path / "missing.gguf" if message == "no such GGUF file" else gguf_file
         with pytest.raises(SystemExit) as e:
@@ -185,7 +185,7 @@ def test_script_arguments_are_checked(tmp_path):
              "SBS_MODELS: 'qwen3-8b:q8_0' is not SHAPE:TYPE": ([], {"SBS_MODELS": "qwen3-8b:q8_0"}),
              "SBS_DEPTHS must be comma-separated numbers": ([], {"SBS_DEPTHS": "0,8K"}),
              "SBS_DRAFTER must be": ([], {"SBS_DRAFTER": "Q2_K"}),
-             "SBS_DRAFT_WINDOW must be a positive number": ([], {"SBS_DRAFT_WINDOW": "0"}),
+             "SBS_DRAFT_WINDOW must be a whole number": ([], {"SBS_DRAFT_WINDOW": "-1"}),
              "BUDGET must be a whole number": ([], {"SBS_BUDGET_S": "ten"}),
              "must hold make_gguf.py": ([], {"SBS_BENCH": str(tmp_path / "nowhere")})}
     for message, (args, extra) in cases.items():

@@ -106,7 +106,7 @@ def test_every_command_takes_the_pass_size(tmp_path, capsys):
     assert not getattr(args, "no_effect", [])  # no longer among the flags that do nothing
     generate = argparse.ArgumentParser()
     add_model_args(generate)  # generate's and bench's model flags
-    assert cache_args_from_args(generate.parse_args(["--ubatch-size", "64"]))["prefill_chunk"] == 64
+    assert cache_args_from_args(generate.parse_args(["--ubatch-size", "64"]), True)["prefill_chunk"] == 64
     assert bench_main(["--url", "http://127.0.0.1:1", "-ub", "64", "--spec-dflash-cross-ctx", "64"]) != 0
     assert "--spec-dflash-cross-ctx, -ub apply to in-process runs" in capsys.readouterr().err
     assert bench_main(["--synthetic", "qwen3-8b", "-ub", "64"]) != 0

@@ -28,7 +28,8 @@
 # SBS_DFLASH_PROMPT (512, prompt tokens before DFlash and its plain baseline; a list, e.g. 512,32768, for DFlash
 # after each),
 # SBS_TOKENS (128), SBS_REPS (3, llama-bench -r), SBS_FD_REPS (1, flashdraft's timed runs per test),
-# SBS_DRAFT_WINDOW (none: DFlash's drafter sees the whole context; N: the last N tokens, --spec-dflash-cross-ctx),
+# SBS_DRAFT_WINDOW (unset: flashdraft's default drafter window, 1024; N: the last N tokens, --spec-dflash-cross-ctx;
+# 0: the whole context),
 # SBS_DRAFTER (auto: bf16 for float files, Q5_K blocks for quantized ones; or Q5_K, Q8_0, Q4_K, Q6_K, bf16),
 # SBS_SERIAL (1), SBS_KEEP_GGUF (0: a file is deleted once both sides measured it),
 # SBS_JOBS (16, build jobs), SBS_NEED_FD / SBS_NEED_LLAMA (330 / 200: the seconds a model's flashdraft or llama.cpp
@@ -89,7 +90,7 @@ for spec in $MODELS; do
 done
 for v in DEPTHS PREFILL TAUS DFLASH_PROMPT; do [[ "${!v}" =~ ^[0-9]+(,[0-9]+)*$ ]] || die "SBS_$v must be comma-separated numbers, got '${!v}'"; done
 for v in BUDGET TOKENS REPS FD_REPS; do [[ "${!v}" =~ ^[0-9]+$ ]] || die "$v must be a whole number, got '${!v}'"; done
-[[ -z "$DRAFT_WINDOW" || "$DRAFT_WINDOW" =~ ^[1-9][0-9]*$ ]] || die "SBS_DRAFT_WINDOW must be a positive number, got '$DRAFT_WINDOW'"
+[[ -z "$DRAFT_WINDOW" || "$DRAFT_WINDOW" =~ ^[0-9]+$ ]] || die "SBS_DRAFT_WINDOW must be a whole number, got '$DRAFT_WINDOW'"
 case "$DRAFTER" in auto|Q5_K|Q8_0|Q4_K|Q6_K|bf16) ;; *) die "SBS_DRAFTER must be auto, Q5_K, Q8_0, Q4_K, Q6_K or bf16, got '$DRAFTER'";; esac
 drafter_for() {  # auto: a bf16 drafter for a float file, Q5_K blocks (the walkthrough drafter's type) for a quantized one
     if [ "$DRAFTER" != auto ]; then echo "$DRAFTER"; else case "${1##*:}" in bf16|f32) echo bf16;; *) echo Q5_K;; esac; fi

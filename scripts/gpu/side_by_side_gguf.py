@@ -40,6 +40,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # gguf_run's random quantized drafters
 
+from flashdraft.config import DRAFT_WINDOW  # noqa: E402
+
 SHORT_PROMPT = 16  # tokens before "depth 0" decoding (llama-bench's tg128 starts from an empty context)
 
 
@@ -355,8 +357,9 @@ def main(argv=None) -> int:
     m.add_argument("--reps", type=int, default=1, help="timed runs per test (the median is kept)")
     m.add_argument("--drafter", default="Q5_K", choices=["Q5_K", "Q8_0", "Q4_K", "Q6_K", "bf16"],
                    help="the random drafter's weights: GGUF blocks of this type, or bf16")
-    m.add_argument("--draft-window", type=int, default=None, metavar="N",
-                   help="DFlash's drafter sees only the last N tokens (--spec-dflash-cross-ctx; default: all)")
+    m.add_argument("--draft-window", type=int, default=DRAFT_WINDOW, metavar="N",
+                   help=f"DFlash's drafter sees only the last N tokens (--spec-dflash-cross-ctx; default "
+                        f"{DRAFT_WINDOW}, as flashdraft serve; 0: all of them)")
     m.add_argument("--device", default=None)
     m.add_argument("--tiny", action="store_true", help="tiny drafters, for make_gguf.py's tiny shapes (tests)")
     m.add_argument("--build-running", action="store_true", help="noted in the JSON: a build shared the CPUs")
@@ -370,8 +373,9 @@ def main(argv=None) -> int:
             ap.error("--tokens must be at least 2, --reps and --dflash-prompt at least 1")
         if any(t < 2 for t in args.taus):
             ap.error("--taus must be at least 2 (tau 1 is plain decoding)")
-        if args.draft_window is not None and args.draft_window < 1:
-            ap.error(f"--draft-window must be at least 1, got {args.draft_window}")
+        if args.draft_window < 0:
+            ap.error(f"--draft-window must be at least 0 (0: all of the context), got {args.draft_window}")
+        args.draft_window = args.draft_window or None
         if not args.file.is_file():
             ap.error(f"no such GGUF file: {args.file}")
         return measure(args)

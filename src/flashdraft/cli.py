@@ -118,19 +118,27 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _whole_number(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text}")
+    return value
+
+
 def add_cache_args(p: argparse.ArgumentParser) -> None:
     """The flags that set what memory the caches and the prompt's passes take: -ctk/-ctv/-ctkd/-ctvd, KV cache types
     (flashdraft.quant.kv_formats; an unknown type is an error naming the supported ones); --spec-dflash-cross-ctx,
     the drafter's context window; -ub/--ubatch-size, the most prompt tokens a prefill pass runs."""
-    from flashdraft.config import PREFILL_CHUNK
+    from flashdraft.config import DRAFT_WINDOW, PREFILL_CHUNK
     from flashdraft.quant.kv_formats import KV_FORMATS
     for flags, dest, whose in CACHE_TYPE_FLAGS:
         p.add_argument(*flags, dest=dest, default=None, choices=list(KV_FORMATS), metavar="TYPE",
                        help=f"KV cache type of {whose}: {', '.join(KV_FORMATS)} (default: the model's dtype)")
     p.add_argument("--spec-dflash-cross-ctx", "-cd", "--spec-draft-ctx-size", "--ctx-size-draft", dest="draft_window",
-                   type=_positive_int, default=None, metavar="N",
-                   help="the drafter sees only the last N committed tokens (its context cache a ring of N + block "
-                        "rows), so its memory and time stay constant as the context grows (default: all of them)")
+                   type=_whole_number, default=None, metavar="N",
+                   help=f"the drafter sees only the last N committed tokens (its context cache a ring of N + block "
+                        f"rows), so its memory and time stay constant as the context grows; 0: all of them "
+                        f"(default {DRAFT_WINDOW} with a drafter)")
     p.add_argument("-ub", "--ubatch-size", dest="prefill_chunk", type=_positive_int, default=None, metavar="N",
                    help=f"a prompt runs in passes of at most N tokens, which bounds the memory a long prompt's "
                         f"processing takes (default {PREFILL_CHUNK})")
@@ -143,9 +151,16 @@ def given_cache_flags(args) -> list[str]:
     return [flag for flag, dest in flags if getattr(args, dest) is not None]
 
 
-def cache_args_from_args(args) -> dict[str, str | int | None]:
-    """The cache flags as Engine.load's keyword arguments."""
-    return {**{dest: getattr(args, dest) for _, dest, _ in CACHE_TYPE_FLAGS}, "draft_window": args.draft_window,
+def cache_args_from_args(args, drafter: bool) -> dict[str, str | int | None]:
+    """The cache flags as Engine.load's keyword arguments. drafter: whether a drafter model is loaded, which takes
+    the default drafter window (config.DRAFT_WINDOW; a window without a drafter is Engine.load's error)."""
+    from flashdraft.config import DRAFT_WINDOW
+    window = args.draft_window
+    if window is None:
+        window = DRAFT_WINDOW if drafter else None
+    elif window == 0:  # all of the context
+        window = None
+    return {**{dest: getattr(args, dest) for _, dest, _ in CACHE_TYPE_FLAGS}, "draft_window": window,
             "prefill_chunk": args.prefill_chunk}
 
 
@@ -193,7 +208,8 @@ def generate_main(argv: list[str]) -> int:
         set_threads(args.threads)
         model, drafter = resolve_model_paths(args.model, args.drafter, draft=not args.no_draft)
         engine = Engine.load(model, drafter, device=args.device, context_size=args.ctx_size,
-                             adaptive=not args.no_adaptive, name=demo_name(model), **cache_args_from_args(args))
+                             adaptive=not args.no_adaptive, name=demo_name(model),
+                             **cache_args_from_args(args, drafter is not None))
         params = sampling_from_args(args)
         params.validate()
         prompt_ids = (engine.encode_prompt(messages=[{"role": "user", "content": args.prompt}]) if args.chat

@@ -29,6 +29,14 @@ GREEDY_BELOW = 1e-5
 # passes of 2048, whose 32K prompt ran in 9.1 s against 10.8; docs/performance.md).
 PREFILL_CHUNK = 512
 
+# The drafter sees the last this many committed tokens unless told otherwise (--spec-dflash-cross-ctx N; 0: all of
+# them): its context cache is a ring of DRAFT_WINDOW + block rows, so its memory and a draft pass's reads stay
+# constant however long a conversation grows (at 32K tokens the whole context would be 32x this). On the demo pair
+# with ~3800 tokens of context, no window from 64 tokens to all of them changed tau (docs/performance.md); a
+# conversation's next turn reuses the ring whatever it still holds (WindowKVCache.reusable). BeeLlama's default is
+# 512, its quickstarts' and the walkthrough's 1024.
+DRAFT_WINDOW = 1024
+
 # A pass's token count is padded with filler rows up to one of a few sizes (prefill_buckets; on CUDA by default,
 # SpeculativeDecoder's pad_prefill). On a GPU every new row count pays a first use of its GEMM and attention kernels
 # (cuBLAS's heuristics, Triton kernels specialised on sizes), so a server's first prompt of a length ran slower than

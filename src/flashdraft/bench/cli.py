@@ -173,7 +173,7 @@ def make_backend(args, params):
     model, drafter = resolve_model_paths(args.model, args.drafter, draft=args.spec_type != "ngram")
     print(f"{PROG}: loading {model}" + (f" with drafter {drafter}" if drafter else "")
           + (", n-gram drafting" if ngram else ""), file=sys.stderr)
-    cache_types = cache_args_from_args(args)
+    cache_types = cache_args_from_args(args, drafter is not None)
     engine = Engine.load(model, drafter, device=args.device, context_size=args.ctx_size,
                          adaptive=not args.no_adaptive, ngram=NgramSettings() if ngram else None,
                          name=demo_name(model), **cache_types)

@@ -131,16 +131,18 @@ class WindowKVCache(KVCache):
         return min(rows, self.capacity)
 
     def reusable(self, rows: int) -> int:
-        """All `rows` if the ring still holds the window of positions before `rows`, else none (a row a later
-        position overwrote cannot be rebuilt without the target's taps)."""
-        if rows == 0:
-            return 0
-        wanted = torch.arange(max(0, rows - self.window), rows, device=self.ring_pos.device)
-        return rows if bool((self.ring_pos[wanted % self.capacity] == wanted).all()) else 0
+        """All `rows`, whatever the ring still holds of the window before them: a row holding a position from `rows`
+        on (the old sequence's, stale) is hidden while the positions a pass ends at are before it (`visible`), and a
+        new sequence writes each position where that stale row sits before it gets there (row = position % ring),
+        so a pass sees only the shared prefix's rows and the new sequence's own. Where a later position overwrote
+        some of the window (a prompt that leaves the conversation more than a block before its end, as a template
+        that drops the last answer's reasoning does) the drafter sees fewer context rows for a while and may guess
+        worse; the target keeps its rows, so the prompt is not run again, and the output is the target's."""
+        return rows
 
     def copy_prefix(self, source: "WindowKVCache", rows: int) -> None:
-        """Take the ring of another sequence's cache for which source.reusable(rows) == rows: rows it holds at or
-        past `rows` are stale here, and hidden until overwritten."""
+        """Take the ring of another sequence's cache that shares positions [0, rows): rows it holds at or past
+        `rows` are stale here, and hidden until overwritten (reusable)."""
         check_same_types(self, source)
         for dst, src in self._runs_from(source):
             dst.copy_(src, non_blocking=True)

@@ -214,8 +214,9 @@ def settings_from_args(args) -> ServerSettings:
         adaptive_draft=args.adaptive and args.spec_dm_controller != "off", api_keys=keys,
         metrics=args.metrics, webui=args.webui, chat_template=template, device=device, threads=args.threads,
         reasoning=args.reasoning, reasoning_format=args.reasoning_format, reasoning_budget=args.reasoning_budget,
-        allow_request_template=args.allow_request_chat_template, cache_options=cache_args_from_args(args),
-        cache_ram_mib=args.cache_ram, context_shift=args.context_shift, keep=args.keep, warmup=args.warmup)
+        allow_request_template=args.allow_request_chat_template,
+        cache_options=cache_args_from_args(args, drafter is not None), cache_ram_mib=args.cache_ram,
+        context_shift=args.context_shift, keep=args.keep, warmup=args.warmup)
     return settings
 
 

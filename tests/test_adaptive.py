@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from flashdraft.config import SamplingParams
-from flashdraft.engine.generator import (AdaptiveConfig, AdaptiveDraft, DraftCost, FixedDraft, estimate_cost,
+from flashdraft.engine.generator import (AdaptiveConfig, AdaptiveDraft, DraftCost, FixedDraft, batch_length,
+                                         estimate_cost,
                                         weight_bytes)
 
 BASE = 15
@@ -348,6 +349,40 @@ def test_streams_stepping_together_draft_the_length_that_pays_best():
     assert policy.expected_tokens(BASE) > 10.0 and policy.length == BASE  # ~11 / 2.9 beats 8 / 2.1
     policy.set_streams(1)
     assert policy.length == BASE
+
+
+def test_a_batch_drafts_one_length_the_one_its_streams_gain_most_from_together():
+    """Streams stepping together draft one length (batch_length; few compositions of a batched step, few graphs):
+    the candidate of the largest summed gain E_i(n) / R(n), the full block after any stream's step had every guess
+    right at a shorter length, none before any stream drafts on its estimates; set_streams hands it to each policy,
+    whose own choice it replaces."""
+    costs = {1: DraftCost(fixed=0.3, per_token=0.004), 4: DraftCost(fixed=0.4, per_token=0.1)}  # R(n) = 1.4 + 0.1 n
+
+    def learnt(run: int) -> AdaptiveDraft:
+        policy = AdaptiveDraft(BASE, cost=costs[1], batch_cost=costs.__getitem__)
+        serve_requests(policy, 1, 64, Steady(run))
+        policy.set_streams(4)
+        return policy
+
+    assert batch_length([AdaptiveDraft(BASE, cost=costs[1], batch_cost=costs.__getitem__)]) is None
+    five, five_too, one, one_too, one_more = learnt(5), learnt(5), learnt(1), learnt(1), learnt(1)
+    assert (five.length, one.length) == (7, 1)  # alone in the batch's cost, each its own best
+    # two runs of 5 and one of 1: summed gains 4.0 / 5.88 / 6.67 / 4.83 at 1 / 3 / 7 / 15
+    assert batch_length([five, five_too, one]) == 7
+    # one run of 5 and three of 1: 5.33 / 5.88 / 5.71 / 4.14
+    assert batch_length([five, one, one_too, one_more]) == 3
+    for policy in (five, one):
+        policy.set_streams(4, 3)
+        assert policy.length == 3 and policy.state()["length"] == 3
+    off = learnt(0)
+    off.mode = "off"
+    assert batch_length([off]) is None and batch_length([off, five]) == 7
+    five.all_right = True  # its last step at a shorter length had every guess right
+    assert batch_length([five, one]) == BASE
+    with pytest.raises(ValueError, match="one of"):
+        five.set_streams(4, 5)
+    five.set_streams(1, None)
+    assert five.length == BASE
 
 
 def test_weight_bytes_counts_each_matrix_once():

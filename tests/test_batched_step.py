@@ -122,6 +122,32 @@ def test_deferred_steps_of_four_sequences_give_each_its_tokens_alone(engine, dra
         assert "batch" in dec.graphs.keys
 
 
+def test_a_requests_last_step_drafts_the_policys_length(engine, monkeypatch):
+    """A request's last steps draft the policy's length, not the tokens the request has left (those past max_tokens
+    are cut from the output): their graphs are the ones its earlier steps replayed, not a new shape at every
+    request's end; the tokens are plain decoding's, and the timings count only the guesses the output holds."""
+    dec = engine.decoder
+    monkeypatch.setattr(dec, "graphs", InlineGraphs())
+    plain = engine.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), 0).tokens
+    vocab = dec.target.config.vocab_size
+    sequences = []  # kept: a sequence's graphs go with it
+    for max_tokens in (2, 5, 11, 20):
+        for planted in (False, True):  # the drafter's guesses (mostly wrong), every guess right
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            oracle = PlantedOracle(PROMPTS[1] + plain, lambda step: 7, vocab, "cpu") if planted else None
+            sequences.append(engine.new_sequence(oracle=oracle))
+            out = engine.generate(PROMPTS[1], params, 7, sequence=sequences[-1])
+            assert out.tokens == plain[:max_tokens]
+            # the timings count what the output holds: the first token, then each step's accepted guesses and its
+            # own token
+            assert out.stats.predicted_n == max_tokens == 1 + out.stats.steps + out.stats.draft_n_accepted
+            # (two tokens: the first, then the step's own token, no guess needed)
+            assert out.stats.draft_n_accepted <= out.stats.draft_n
+            assert (out.stats.draft_n_accepted > 0) == (planted and max_tokens > 2)
+    ours = {dec.graphs.lifetime_key(seq.target_cache) for seq in sequences}
+    assert {key[4] for key in dec.graphs.graphs if key[0] == "step" and key[3] in ours} == {7}  # each step's n
+
+
 def test_batch_graphs_are_kept_to_a_limit(engine, monkeypatch):
     """More compositions than MAX_BATCH_GRAPHS: the oldest batch graphs go, the others stay (GraphCache.limit)."""
     dec = engine.decoder
@@ -241,6 +267,17 @@ def test_the_scheduler_prices_drafting_for_the_slots_stepping_together(engine, m
     alone = Scheduler(engine, 1, None, metrics=None)
     alone._price_drafts(alone.slots)
     assert alone.slots[0].policy.streams == 1
+    # policies drafting on their estimates: one length for the round's drafting steps, the batch's (batch_length)
+    from flashdraft.engine.generator import batch_length
+    from test_adaptive import Steady, serve_requests
+
+    for slot, run in zip(scheduler.slots, (6, 3, 4)):
+        serve_requests(slot.policy, 1, 48, Steady(run))
+    scheduler._price_drafts(scheduler.slots)
+    drafting = [slot.policy for slot in scheduler.slots if slot.policy.mode == "on"]
+    assert len(drafting) >= 2 and {p.length for p in drafting} == {batch_length(drafting)} != {None}
+    scheduler._price_drafts(scheduler.slots[:1])
+    assert scheduler.slots[0].policy.batch_length is None
 
 
 def test_a_stream_asks_before_each_launch_whether_to_defer(engine, monkeypatch):

@@ -164,6 +164,7 @@ class AdaptiveDraft:
         self.cost = cost or DraftCost()
         self.batch_cost = batch_cost
         self.streams = 1  # streams stepping together (set_streams)
+        self.batch_length: int | None = None  # the one length of the batch's drafting streams (set_streams)
         self.base = max_draft
         # tokens[n]: what a step drafting n guesses commits, min(run of correct guesses, n) + 1, averaged over the
         # drafting steps (index 0 unused). Greedy guesses do not depend on the length drafted, so a step of length
@@ -201,21 +202,33 @@ class AdaptiveDraft:
     @property
     def length(self) -> int:
         """The length drafted on ordinary steps: 0 while off; while on the full block, or with several streams
-        stepping together the candidate length (2^k - 1, or the block) of the best expected gain, the longer on a
-        tie, the full block after a shorter step had every guess right."""
+        stepping together the batch's length (set_streams: batch_length), else the candidate length of the best
+        expected gain, the longer on a tie, the full block after a shorter step had every guess right."""
         if self.mode != ON:
             return 0
-        if self.streams == 1 or self.all_right or not self._ready():
+        if self.streams == 1 or not self._ready():
             return self.base
-        candidates = [n for n in (2 ** k - 1 for k in range(1, self.base.bit_length() + 1)) if n < self.base]
-        return max([*candidates, self.base], key=lambda n: (self.gain(n), n))
+        if self.batch_length is not None:
+            return self.batch_length
+        if self.all_right:
+            return self.base
+        return max(self.candidates(), key=lambda n: (self.gain(n), n))
 
-    def set_streams(self, streams: int) -> None:
+    def candidates(self) -> list[int]:
+        """The lengths drafted with several streams: 2^k - 1 below the block, and the block (verify rows a power
+        of two)."""
+        return [n for n in (2 ** k - 1 for k in range(1, self.base.bit_length() + 1)) if n < self.base] + [self.base]
+
+    def set_streams(self, streams: int, length: int | None = None) -> None:
         """How many streams' steps run together from now on (a server's batched steps): the cost the decisions
-        price drafting at."""
+        price drafting at; length: the batch's length for its drafting streams (batch_length), None: this
+        policy's own choice."""
         if not isinstance(streams, int) or streams < 1:
             raise ValueError(f"streams must be an integer >= 1, got {streams!r}")
+        if length is not None and length not in self.candidates():
+            raise ValueError(f"a batch's length must be one of {self.candidates()}, got {length!r}")
         self.streams = streams
+        self.batch_length = length
 
     def step_cost(self) -> DraftCost:
         """The cost model of the steps now: one stream's, or a batched step's of the streams stepping together."""
@@ -363,6 +376,22 @@ class AdaptiveDraft:
             "probe_failures": self.probe_failures,
             "config": asdict(self.config),
         }
+
+
+def batch_length(policies: list[AdaptiveDraft]) -> int | None:
+    """One draft length for the drafting streams of a batched step (their policies, of one engine): each
+    composition of a batched step (its streams and their lengths) is a CUDA graph, and per-stream lengths made a new
+    one at most rounds (docs/performance.md). The full block after any stream's step had every guess right at a
+    shorter length (so that the longer lengths' acceptance follows the text), else the candidate length of the
+    largest summed expected gain, sum_i E_i(n) / R(n) (the streams share the step, so that is tokens per unit of
+    its cost), the longer on a tie. None where no policy is drafting on its estimates yet (each drafts the block)."""
+    deciding = [p for p in policies if p.mode == ON and p._ready()]
+    if not deciding:
+        return None
+    base = deciding[0].base
+    if any(p.all_right for p in deciding):
+        return base
+    return max(deciding[0].candidates(), key=lambda n: (sum(p.gain(n) for p in deciding), n))
 
 
 # --- the cost model -----------------------------------------------------------------------------------------------
@@ -925,12 +954,16 @@ class Engine:
                 defer = deferring()
                 depth = 2 if pipelined else 1
                 while len(queued) < depth and not (queued and queued[-1].deferred):
-                    # Room for this step's tokens after the most the queued steps can commit.
-                    max_useful = min(params.max_tokens - len(out.tokens),
-                                     self.context_size - len(sequence.tokens)) - sequence.in_flight - 1
+                    # Room for this step's tokens after the most the queued steps can commit: in the cache, and
+                    # in what the request has left to generate.
+                    room = self.context_size - len(sequence.tokens) - sequence.in_flight - 1
+                    max_useful = min(params.max_tokens - len(out.tokens) - sequence.in_flight - 1, room)
                     if queued and max_useful < longest:
                         break
-                    n = max(0, policy.next_length(min(max_useful, cap))) if self.drafts else 0
+                    # The drafted length is not cut to what the request has left (the output stops at max_tokens,
+                    # the guesses past it only verified): a step keeps one of the policy's lengths, whose graph
+                    # (a batched step's composition) is captured already, not a new one at every request's end.
+                    n = max(0, policy.next_length(min(room, cap))) if self.drafts else 0
                     # n-gram lookup beside a drafter may stand in for it, unless drafting is off for the request
                     lookup_max = 0 if drafting_off else max(0, min(max_useful, cap))
                     queued.append(self.decoder.launch(sequence, 0 if n < n_min else n, lookup_max,
@@ -953,7 +986,10 @@ class Engine:
                 policy.record(0 if looked_up_instead else step.drafted, 0 if looked_up_instead else step.accepted,
                               seconds)
                 last_collect = now
-                stats.record_step(step.drafted, step.accepted)
+                # The timings count a step past the request's end (its guesses beyond max_tokens verified, not
+                # output) as the step cut to the tokens the request had left, as if it had drafted only those.
+                drafted = min(step.drafted, max(0, params.max_tokens - len(out.tokens) - 1))
+                stats.record_step(drafted, min(step.accepted, drafted))
                 delta = out.add(step.committed, step.logprobs)
         finally:
             drop_queued()  # steps queued past the end, or the stream was closed

@@ -71,14 +71,15 @@ class FixedDraft:
 #   (losing steps are summed, so one unlucky step does not switch it off), and a probe switches it back on when
 #   G >= 1 + profit_min.
 #
-# One stream drafts only the full block (or what is left of the request): DFlash drafts the whole block in one
-# pass, so a long draft costs hardly more than a short one, and docs/adaptive.md found that searching the length
-# did not pay where switching drafting on and off did. Several streams stepping together draft the length of the
-# best G(n) among 2^k - 1 and the block (verify rows a power of two, so a batch's compositions stay few): there
-# every verify row is arithmetic on every weight (on the H200 a 64-row batched pass costs 2.5x a 16-row one), so
-# guesses past the expected run cost more than they bring. A step whose guesses were all right drafts the full
-# block next, so E(n) of the longer lengths follows the text. docs/adaptive.md describes the algorithm and its
-# evidence.
+# One stream drafts only the full block (also at a request's end: a graphed step keeps its shape): DFlash drafts
+# the whole block in one pass, so a long draft costs hardly more than a short one, and docs/adaptive.md found that
+# searching the length did not pay where switching drafting on and off did. Several streams stepping together
+# draft one length (batch_length): among 2^k - 1 and the block (verify rows a power of two), the one of the largest
+# summed gain of the batch's drafting streams; there every verify row is arithmetic on every weight (on the H200 a
+# 64-row batched pass costs 2.5x a 16-row one), so guesses past the expected run cost more than they bring. After
+# a step whose guesses were all right the batch drafts the full block, so E(n) of the longer lengths follows the
+# text. One length for all keeps a batch's compositions (each a CUDA graph) few. docs/adaptive.md describes the
+# algorithm and its evidence.
 
 adaptive_log = logging.getLogger("flashdraft.adaptive")
 
@@ -240,7 +241,7 @@ class AdaptiveDraft:
         if self.mode == ON:
             length = self.length
             n = max(0, min(length, max_useful))
-            # Fewer guesses than chosen (a request's last tokens, a request's n_max) may not pay for the drafter
+            # Fewer guesses than chosen (a request's n_max, the end of the context) may not pay for the drafter
             # pass, which costs the same: decode plainly then.
             if 0 < n < length and self._ready() and self.gain(n) < 1.0:
                 n = 0

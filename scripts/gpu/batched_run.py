@@ -27,7 +27,7 @@ from flashdraft.bench.prompts import load_prompt_set
 from flashdraft.bench.synthetic import SHAPES, build_synthetic, synchronize
 from flashdraft.config import SamplingParams
 from flashdraft.demo import demo_paths
-from flashdraft.engine.generator import Engine
+from flashdraft.engine.generator import Engine, batch_length
 from flashdraft.engine.model_prep import resolve_plan
 
 
@@ -97,8 +97,9 @@ def run_streams(engine: Engine, prompts: list[list[int]], draft: int, oracles, r
     collected after it (pipelined, the host's work beside the device's). First `warm` + `rounds` untimed rounds
     (every graph the timed rounds need is captured then: a graph per cache bucket the sequences reach), then the
     prompts again into the same sequences (the same caches, so the same graphs) and `rounds` timed rounds.
-    policies: each sequence's draft policy (the engine's adaptive one, told the stream count), which picks its
-    step's length (at most `draft`) and learns from its result, as a server's slot does; None: `draft` each step.
+    policies: each sequence's draft policy (the engine's adaptive one, told the stream count and each round the
+    batch's length, batch_length), which learns from its result, as a server's slot does; None: `draft` each
+    step.
     Returns (committed tokens per second over the timed rounds, the device's ms per batched step (CUDA; else 0),
     each sequence's tokens after its prompt in the timed rounds)."""
     dec = engine.decoder
@@ -118,6 +119,10 @@ def run_streams(engine: Engine, prompts: list[list[int]], draft: int, oracles, r
     def run(n_rounds: int) -> None:
         pending = None
         for _ in range(n_rounds):
+            if policies:  # one length for the round's drafting streams, as the server's scheduler gives them
+                length = batch_length(policies)
+                for p in policies:
+                    p.set_streams(len(policies), length)
             launched = [dec.launch(seq, policies[i].next_length(draft) if policies else draft, defer=True)
                         for i, seq in enumerate(seqs)]
             dec.flush()

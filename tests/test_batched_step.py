@@ -338,8 +338,15 @@ def test_a_servers_slots_step_batched_and_pipelined_under_graphs(engine, monkeyp
         return flush()
 
     monkeypatch.setattr(dec, "flush", watched_flush)
+
+    class Captures(_NoMetrics):  # what /metrics' graph_captures is told after each round
+        seen: dict = {}
+
+        def on_graph_captures(self, captured):
+            Captures.seen = dict(captured)
+
     posts = _Posts(3)
-    scheduler = Scheduler(engine, 3, 7, _NoMetrics())
+    scheduler = Scheduler(engine, 3, 7, Captures())
     scheduler.start()
     try:
         jobs = [Job(GenerationRequest(p, params, None, 0, True, False, "m", "", cache_prompt=False), posts)
@@ -355,6 +362,19 @@ def test_a_servers_slots_step_batched_and_pipelined_under_graphs(engine, monkeyp
                   for t in payload.token_ids]
         assert tokens == expected
     assert max(behind_in_flight) >= 2  # rounds where several slots' steps went in behind their flushed ones
+    assert Captures.seen == dict(dec.graphs.captured) and Captures.seen["batch"] > 0
+
+
+def test_metrics_count_graph_captures_by_kind():
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from flashdraft.server.app import ServerMetrics
+
+    metrics = ServerMetrics()
+    metrics.on_graph_captures({"batch": 3, "step": 1})
+    metrics.on_graph_captures({"batch": 5, "step": 1, "prefill": 2})
+    text = prometheus_client.generate_latest(metrics.registry).decode()
+    for kind, total in (("batch", 5), ("step", 1), ("prefill", 2)):
+        assert f'flashdraft:graph_captures_total{{kind="{kind}"}} {total:.1f}' in text
 
 
 def test_a_stream_whose_queued_batched_step_failed_raises_without_launching_more(engine, monkeypatch):

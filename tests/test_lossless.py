@@ -2,6 +2,8 @@
 import gc
 import random
 
+from collections import Counter
+
 import pytest
 import torch
 import transformers
@@ -178,7 +180,7 @@ class InlineGraphs(GraphCache):
     GraphCache's own."""
 
     def __init__(self):
-        self.graphs, self._tied, self.keys = {}, {}, []
+        self.graphs, self._tied, self.keys, self.captured = {}, {}, [], Counter()
 
     def run(self, key, fn, mutable=(), constants=None, **inputs):
         self.keys.append(key[0])
@@ -196,6 +198,7 @@ class InlineGraphs(GraphCache):
             for t, before in zip(mutable, saved):
                 t.copy_(before)
             self.graphs[key] = ({**{k: v.clone() for k, v in inputs.items()}, **fixed}, None)
+            self.captured[key[0]] += 1
         static, outs = self.graphs[key]
         for k, v in inputs.items():
             static[k].copy_(v)

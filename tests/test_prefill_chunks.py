@@ -138,6 +138,9 @@ class _NoMetrics:
     def on_batched_tokens(self, total):
         pass
 
+    def on_graph_captures(self, captured):
+        pass
+
     def on_result(self, result):
         pass
 

@@ -11,6 +11,7 @@ intermediates.
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 from typing import Callable
 
 import torch
@@ -28,6 +29,9 @@ class GraphCache:
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], object]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self._tied: dict[int, weakref.finalize] = {}
+        # graphs captured so far, by kind (key[0]): a server's /metrics shows them, so that steps of shapes not
+        # captured before (a batched step's new composition) show as captures in steady state
+        self.captured: Counter[str] = Counter()
 
     def lifetime_key(self, obj) -> tuple | None:
         """A key part standing for obj (a cache, an oracle) whose tensors a graph bakes in: ("tied", id(obj)), and
@@ -71,6 +75,7 @@ class GraphCache:
             with torch.cuda.graph(graph, pool=self.pool):
                 out = fn(**static)
             entry = self.graphs[key] = (graph, static, out)
+            self.captured[key[0]] += 1
         graph, static, out = entry
         for k, v in inputs.items():
             static[k].copy_(v)

@@ -56,6 +56,7 @@ class ServerMetrics:
         self._busy_sum = 0
         self._max_tokens_seen = 0
         self._batched_tokens_seen = 0
+        self._captures_seen: dict[str, int] = {}
         self._totals = {"prompt_n": 0.0, "prompt_s": 0.0, "predicted_n": 0.0, "predicted_s": 0.0}
         r = self.registry
 
@@ -83,6 +84,10 @@ class ServerMetrics:
                                           prefix=OWN_PREFIX)
         self.batched_step_tokens = counter("batched_step_tokens", "Tokens committed by batched steps.",
                                            prefix=OWN_PREFIX)
+        self.graph_captures = counter("graph_captures", "CUDA graphs captured, by kind (a step, a batched step, a "
+                                      "prompt pass): each a shape first run, or run again after its graph was evicted; "
+                                      "steady growth means the server keeps meeting new shapes.", ["kind"],
+                                      prefix=OWN_PREFIX)
         self.probe = scheduler_probe
         gauge("prompt_tokens_seconds", "Average prompt throughput in tokens/s.",
               lambda: _ratio(self._totals["prompt_n"], self._totals["prompt_s"]))
@@ -118,6 +123,14 @@ class ServerMetrics:
         tokens count once its slot collected it)."""
         self.batched_step_tokens.inc(max(0, total - self._batched_tokens_seen))
         self._batched_tokens_seen = max(total, self._batched_tokens_seen)
+
+    def on_graph_captures(self, captured: dict[str, int]) -> None:
+        """The decoder's graph cache's captures so far, by kind (after each round)."""
+        for kind, total in captured.items():
+            seen = self._captures_seen.get(kind, 0)
+            if total > seen:
+                self.graph_captures.labels(kind=kind).inc(total - seen)
+                self._captures_seen[kind] = total
 
     def on_result(self, result) -> None:
         s = result.stats

@@ -301,6 +301,8 @@ class Scheduler:
                 self.metrics.on_batch(self.engine.decoder.flush())
                 waiting = [slot for slot in waiting if self._advance(slot)]
             self.metrics.on_batched_tokens(self.engine.decoder.batched_tokens)
+            if self.engine.decoder.graphs is not None:
+                self.metrics.on_graph_captures(self.engine.decoder.graphs.captured)
         with self._cv:
             for slot in self.slots:
                 if slot.job is not None:

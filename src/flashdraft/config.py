@@ -33,8 +33,8 @@ PREFILL_CHUNK = 512
 # them): its context cache is a ring of DRAFT_WINDOW + block rows, so its memory and a draft pass's reads stay
 # constant however long a conversation grows (at 32K tokens the whole context would be 32x this). On the demo pair
 # with ~3800 tokens of context, no window from 64 tokens to all of them changed tau (docs/performance.md); a
-# conversation's next turn reuses the ring whatever it still holds (WindowKVCache.reusable). BeeLlama's default is
-# 512, its quickstarts' and the walkthrough's 1024.
+# conversation's next turn reuses the ring whatever it still holds (models.kv_cache.WindowKVCache). BeeLlama's
+# default is 512, its quickstarts' and the walkthrough's 1024.
 DRAFT_WINDOW = 1024
 
 # A pass's token count is padded with filler rows up to one of a few sizes (prefill_buckets; on CUDA by default,

@@ -104,7 +104,15 @@ class WindowKVCache(KVCache):
     the context grows. The block's own rows follow the last window context positions in the ring, so a pass
     overwrites only positions older than the window. `ring_pos` records the position each row holds (-1: none)
     and attention masks by it: rows at or past the block's end are stale (a shorter sequence's, after prefix reuse)
-    and hidden. Keys carry RoPE of their absolute positions, so where a row sits in the ring does not matter."""
+    and hidden. Keys carry RoPE of their absolute positions, so where a row sits in the ring does not matter.
+
+    A new sequence sharing a prefix keeps all its rows (KVCache.reusable), whatever the ring still holds of the
+    window before them: a row holding a position from the prefix's end on (the old sequence's) stays hidden while
+    passes end before that position, and the new sequence writes each position into that row before it gets there
+    (row = position % ring), so a pass sees only the shared prefix's rows and the new sequence's own. Where a later
+    position overwrote some of the window (a prompt that leaves the conversation more than a block before its end,
+    as a template that drops the last answer's reasoning does), the drafter sees fewer context rows for a while and
+    may guess worse; the target keeps its rows, so the prompt is not run again, and the output is the target's."""
 
     def __init__(self, cfg: ModelConfig, window: int, block: int, device: torch.device, dtype: torch.dtype,
                  k_type: str | None = None, v_type: str | None = None):
@@ -130,19 +138,9 @@ class WindowKVCache(KVCache):
     def kv_len(self, rows: int) -> int:
         return min(rows, self.capacity)
 
-    def reusable(self, rows: int) -> int:
-        """All `rows`, whatever the ring still holds of the window before them: a row holding a position from `rows`
-        on (the old sequence's, stale) is hidden while the positions a pass ends at are before it (`visible`), and a
-        new sequence writes each position where that stale row sits before it gets there (row = position % ring),
-        so a pass sees only the shared prefix's rows and the new sequence's own. Where a later position overwrote
-        some of the window (a prompt that leaves the conversation more than a block before its end, as a template
-        that drops the last answer's reasoning does) the drafter sees fewer context rows for a while and may guess
-        worse; the target keeps its rows, so the prompt is not run again, and the output is the target's."""
-        return rows
-
     def copy_prefix(self, source: "WindowKVCache", rows: int) -> None:
         """Take the ring of another sequence's cache that shares positions [0, rows): rows it holds at or past
-        `rows` are stale here, and hidden until overwritten (reusable)."""
+        `rows` are stale here, and hidden until overwritten (see the class docstring)."""
         check_same_types(self, source)
         for dst, src in self._runs_from(source):
             dst.copy_(src, non_blocking=True)

@@ -30,19 +30,21 @@ def interpret_layer_kernels() -> None:
 
 
 def generate_through(module, op_name: str, engine, prompt, params, ref, arg_shape) -> list | None:
-    """Assert that engine's greedy output, plain and drafting 7, equals ref. On the CPU, also return
-    arg_shape(first argument) of every call of module.op_name (the kernel's entry: kernels.runtime.opaque_op)
-    meanwhile; on CUDA None, since graph replays and compiled layers do not call back into Python."""
+    """Assert that engine's greedy output, plain, drafting 7 and drafting 3 (verify steps shorter than a block),
+    equals ref. On the CPU, also return arg_shape(first argument) of every call of module.op_name (the kernel's
+    entry: kernels.runtime.opaque_op) meanwhile; on CUDA None, since graph replays and compiled layers do not call
+    back into Python."""
+    drafts = (0, 7, 3)
     if torch.cuda.is_available():
-        assert engine.generate(prompt, params, 0).tokens == ref
-        assert engine.generate(prompt, params, 7).tokens == ref
+        for draft in drafts:
+            assert engine.generate(prompt, params, draft).tokens == ref
         return None
     calls = []
     real = getattr(module, op_name)
     setattr(module, op_name, lambda *a: calls.append(arg_shape(a[0])) or real(*a))
     try:
-        assert engine.generate(prompt, params, 0).tokens == ref
-        assert engine.generate(prompt, params, 7).tokens == ref
+        for draft in drafts:
+            assert engine.generate(prompt, params, draft).tokens == ref
     finally:
         setattr(module, op_name, real)
     return calls

@@ -26,7 +26,8 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-SRC = Path(sys.argv[1]) if len(sys.argv) > 1 and not sys.argv[1].startswith("--") else Path(__file__).resolve().parent.parent / "src"
+SOURCES = [a for a in sys.argv[1:] if not a.startswith("--")]
+SRC = Path(SOURCES[0]) if SOURCES else Path(__file__).resolve().parent.parent / "src"
 sys.path.insert(0, str(SRC))
 
 import triton  # noqa: E402
@@ -37,6 +38,7 @@ from flashdraft.kernels import attention_triton  # noqa: E402
 from flashdraft.kernels import gguf_triton as tk  # noqa: E402
 from flashdraft.kernels import skinny_triton  # noqa: E402
 from flashdraft.layers import decode_attention as da  # noqa: E402
+from flashdraft.layers import skinny_gemm as sg  # noqa: E402
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 POINTERS = {"x_ptr": "*bf16", "w_ptr": "*u8", "y_ptr": "*bf16", "p_ptr": "*fp32", "M": "i32", "N": "i32",
@@ -81,22 +83,31 @@ ATTENTION = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "mask_ptr": "
              "stride_ot": "i32", "qk_scale": "fp32"}
 
 
+SKINNY_ALIGNED = tuple(a for a in SKINNY if a.endswith("_ptr") or a.startswith("stride"))
+
+
+def skinny_fingerprint(c: sg.SkinnyConfig, norm: bool, gated: bool, residual: bool, num_stages: int) -> dict:
+    """The skinny GEMM at Qwen3-8B's K (4096) in tiling c with these fusions, one row tile a program; pointers and
+    row strides 16-byte aligned, as the launch specializes them for torch's tensors."""
+    return fingerprint(skinny_triton.skinny_gemm_kernel, SKINNY, dict(
+        K=4096, STEPS=-(-(4096 // c.block_k) // c.split_k), HAS_BIAS=False, HAS_NORM=norm, HAS_RESIDUAL=residual,
+        GATED=gated, IEEE=False, SWAP=c.swap, UPCAST=False, PDL=False, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+        BLOCK_K=c.block_k, ROW_TILES=1, SPLIT_K=c.split_k, EVEN_N=True, EVEN_K=True, W_EVICT=""),
+        num_warps=c.num_warps, num_stages=num_stages, aligned=SKINNY_ALIGNED)
+
+
 def skinny_fingerprints() -> dict:
-    """The skinny GEMM at Qwen3-8B's K, 64 x 128 tiles, 16-row tiles (one stream's step) and 64-row ones (a batched
-    pass's), the weight tile on either side: gate/up with the norm, o/down with the residual, q/k/v with the norm.
-    Pointers and the row strides 16-byte aligned, as the launch specializes them for torch's tensors."""
+    """64 x 128 tiles, 16-row tiles (one stream's step) and 64-row ones (a batched pass's), the weight tile on either
+    side: gate/up with the norm, o/down with the residual, q/k/v with the norm."""
     out = {}
-    aligned = tuple(a for a in SKINNY if a.endswith("_ptr") or a.startswith("stride"))
     for swap in (False, True):
         for block_m in (16, 64):
             for name, gated, norm, residual in (("gate/up", True, True, False), ("o/down", False, False, True),
                                                 ("q/k/v", False, True, False)):
                 key = (f"skinny {name}" + (" swapped" if swap else "")
                        + (f", {block_m}-row tiles" if block_m > 16 else ""))
-                out[key] = fingerprint(skinny_triton.skinny_gemm_kernel, SKINNY, dict(
-                    K=4096, STEPS=32, HAS_BIAS=False, HAS_NORM=norm, HAS_RESIDUAL=residual, GATED=gated,
-                    IEEE=False, SWAP=swap, UPCAST=False, PDL=False, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128,
-                    ROW_TILES=1, SPLIT_K=1, EVEN_N=True, EVEN_K=True, W_EVICT=""), num_stages=3, aligned=aligned)
+                out[key] = skinny_fingerprint(sg.SkinnyConfig(64, 128, swap=swap, block_m=block_m), norm, gated,
+                                              residual, num_stages=3)
     return out
 
 
@@ -106,20 +117,15 @@ def row_tile_candidate_fingerprints() -> dict:
     multiprocessor) before a GPU run."""
     sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
     from row_tiles_run import CANDIDATES
-    from flashdraft.layers import skinny_gemm as sg
 
     out = {}
-    aligned = tuple(a for a in SKINNY if a.endswith("_ptr") or a.startswith("stride"))
     for fusion, norm, gated, residual in (("norm", True, False, False), ("norm+gated", True, True, False),
                                           ("residual", False, False, True), ("", False, False, False)):
         for c in CANDIDATES:
             if norm and c.split_k > 1:
                 continue
-            out[f"skinny {fusion or 'plain'} {c.name}"] = fingerprint(skinny_triton.skinny_gemm_kernel, SKINNY, dict(
-                K=4096, STEPS=-(-(4096 // c.block_k) // c.split_k), HAS_BIAS=False, HAS_NORM=norm, HAS_RESIDUAL=residual, GATED=gated,
-                IEEE=False, SWAP=c.swap, UPCAST=False, PDL=False, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-                BLOCK_K=c.block_k, ROW_TILES=1, SPLIT_K=c.split_k, EVEN_N=True, EVEN_K=True, W_EVICT=""),
-                num_warps=c.num_warps, num_stages=sg.stages_for(c, 1, 2, gated), aligned=aligned)
+            out[f"skinny {fusion or 'plain'} {c.name}"] = skinny_fingerprint(c, norm, gated, residual,
+                                                                             sg.stages_for(c, 1, 2, gated))
     return out
 
 

@@ -27,7 +27,7 @@ from flashdraft.bench.prompts import load_prompt_set
 from flashdraft.bench.synthetic import SHAPES, build_synthetic, synchronize
 from flashdraft.config import SamplingParams
 from flashdraft.demo import demo_paths
-from flashdraft.engine.generator import Engine, batch_length
+from flashdraft.engine.generator import Engine, set_batch
 from flashdraft.engine.model_prep import resolve_plan
 
 
@@ -70,8 +70,7 @@ def stream_policies(engine: Engine, n: int) -> list:
     """A server's slots' draft policies for n streams stepping together: the engine's default (adaptive, priced
     for the pair and device), each told the stream count."""
     policies = [engine.make_policy() for _ in range(n)]
-    for p in policies:
-        p.set_streams(n)
+    set_batch(policies, n)
     return policies
 
 
@@ -120,9 +119,7 @@ def run_streams(engine: Engine, prompts: list[list[int]], draft: int, oracles, r
         pending = None
         for _ in range(n_rounds):
             if policies:  # one length for the round's drafting streams, as the server's scheduler gives them
-                length = batch_length(policies)
-                for p in policies:
-                    p.set_streams(len(policies), length)
+                set_batch(policies, len(policies))
             launched = [dec.launch(seq, policies[i].next_length(draft) if policies else draft, defer=True)
                         for i, seq in enumerate(seqs)]
             dec.flush()

@@ -389,10 +389,17 @@ def batch_length(policies: list[AdaptiveDraft]) -> int | None:
     deciding = [p for p in policies if p.mode == ON and p._ready()]
     if not deciding:
         return None
-    base = deciding[0].base
     if any(p.all_right for p in deciding):
-        return base
+        return deciding[0].base
     return max(deciding[0].candidates(), key=lambda n: (sum(p.gain(n) for p in deciding), n))
+
+
+def set_batch(policies: list[AdaptiveDraft], streams: int) -> None:
+    """Tell the policies of the streams stepping together (a server's round) their count, and with several the one
+    length their drafting steps take (batch_length)."""
+    length = batch_length(policies) if streams > 1 else None
+    for policy in policies:
+        policy.set_streams(streams, length)
 
 
 # --- the cost model -----------------------------------------------------------------------------------------------

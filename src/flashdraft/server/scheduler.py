@@ -33,7 +33,7 @@ import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from flashdraft.engine.generator import AdaptiveDraft, Delta, PromptProgress, StepLaunched, batch_length
+from flashdraft.engine.generator import AdaptiveDraft, Delta, PromptProgress, StepLaunched, set_batch
 from flashdraft.engine.speculative import Sequence, SpeculativeDecoder, shared_prefix
 from flashdraft.models.kv_cache import ArenaFull, HostArena
 from flashdraft.server.errors import APIError
@@ -321,11 +321,8 @@ class Scheduler:
         """Tell the busy slots' draft policies how many streams step together this round (their steps' batched
         pass prices drafting: AdaptiveDraft.set_streams; one where slots step in turn), and with several the one
         length their drafting steps take (batch_length: few compositions, few graphs)."""
-        streams = len(active) if self.batches else 1
-        policies = [slot.policy for slot in active if isinstance(slot.policy, AdaptiveDraft)]
-        length = batch_length(policies) if streams > 1 else None
-        for policy in policies:
-            policy.set_streams(streams, length)
+        set_batch([slot.policy for slot in active if isinstance(slot.policy, AdaptiveDraft)],
+                  len(active) if self.batches else 1)
 
     def _assign(self) -> bool:
         """Give queued jobs (oldest first) to free slots; True when any slot has work."""

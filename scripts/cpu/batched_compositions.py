@@ -1,8 +1,9 @@
 """How many new compositions a server's batched steps meet (issue #23): on a GPU each composition of a batched step
 (its sequences, each one's draft length and rows, the cache buckets it reads) is a CUDA graph, captured the first
-time it runs. This CPU has no graphs, so the server here logs the key each batched step would replay (the same
-tuple SpeculativeDecoder._run_batched keys its graph by), while `flashdraft bench --concurrency NP` runs against it;
-then it prints, for the DFlash rounds, how many had a composition not seen before, and the commonest draft lengths.
+time it runs. This CPU has no graphs, so the server here logs the key each batched step would replay (the cache
+rows it reads, SpeculativeDecoder._batch_reads, and each step's sequence, length, rows and projection), while
+`flashdraft bench --concurrency NP` runs against it; then it prints, for the DFlash rounds, how many had a
+composition not seen before, and the commonest draft lengths.
 
 Usage: python scripts/cpu/batched_compositions.py SRC_DIR PORT OUT.json [NP] [PROMPTS]
   (SRC_DIR: the src/ folder to import flashdraft from; NP 4, PROMPTS code; OUT.json: every round's key)
@@ -24,15 +25,11 @@ def serve(port: str, out: str, slots: str) -> None:
     """The server, each batched step's graph key logged (written to `out` when the server is stopped)."""
     from flashdraft.cli import main
     from flashdraft.engine import speculative
-    from flashdraft.engine.cuda_graphs import bucket
 
     log, run_batched = [], speculative.SpeculativeDecoder._run_batched
 
     def logged(self, steps):
-        kv_len = bucket(max(d.start + d.T for d in steps), self.capacity)
-        draft = max((d.seq.draft_cache.kv_len(bucket(d.start + self.block_size, self.capacity))
-                     for d in steps if d.n > 0), default=0)
-        log.append([kv_len, draft] + [[id(d.seq.target_cache), d.n, d.T, bool(d.project)] for d in steps])
+        log.append([*self._batch_reads(steps)] + [[id(d.seq.target_cache), d.n, d.T, bool(d.project)] for d in steps])
         return run_batched(self, steps)
 
     def dump():

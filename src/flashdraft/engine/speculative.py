@@ -750,10 +750,7 @@ class SpeculativeDecoder:
         by the lengths and each step's _step_key; the oldest of more than MAX_BATCH_GRAPHS such graphs goes."""
         if self.graphs is None:
             return self._batched_step(steps)
-        B = self.block_size
-        kv_len = bucket(max(d.start + d.T for d in steps), self.capacity)
-        draft_kv_len = max((d.seq.draft_cache.kv_len(bucket(d.start + B, self.capacity)) for d in steps if d.n > 0),
-                           default=0)
+        kv_len, draft_kv_len = self._batch_reads(steps)
         key = ("batch", kv_len, draft_kv_len, *(part for d in steps for part in self._step_key(d.seq, d.n, d.T,
                                                                                              d.project)))
         result = self.graphs.run(key, lambda **tables: self._batched_step(steps, kv_len, draft_kv_len, **tables),
@@ -761,6 +758,13 @@ class SpeculativeDecoder:
                                  constants=lambda: self._segment_tables(steps, kv_len, draft_kv_len))
         self.graphs.limit("batch", MAX_BATCH_GRAPHS)
         return result
+
+    def _batch_reads(self, steps: list[_DeferredStep]) -> tuple[int, int]:
+        """The cache rows a graphed batched step's target and drafter passes read: the furthest step's buckets."""
+        kv_len = bucket(max(d.start + d.T for d in steps), self.capacity)
+        draft_kv_len = max((d.seq.draft_cache.kv_len(bucket(d.start + self.block_size, self.capacity))
+                            for d in steps if d.n > 0), default=0)
+        return kv_len, draft_kv_len
 
     def _segment_tables(self, steps: list[_DeferredStep], kv_len: int, draft_kv_len: int) -> dict[str, torch.Tensor]:
         """The segment tables of a graphed batched step's target and drafter passes (forward_segments' table: one

@@ -141,8 +141,8 @@ def test_a_requests_last_step_drafts_the_policys_length(engine, monkeypatch):
             # the timings count what the output holds: the first token, then each step's accepted guesses and its
             # own token
             assert out.stats.predicted_n == max_tokens == 1 + out.stats.steps + out.stats.draft_n_accepted
-            # (two tokens: the first, then the step's own token, no guess needed)
             assert out.stats.draft_n_accepted <= out.stats.draft_n
+            # (two tokens: the first, then the step's own token, no guess needed)
             assert (out.stats.draft_n_accepted > 0) == (planted and max_tokens > 2)
     ours = {dec.graphs.lifetime_key(seq.target_cache) for seq in sequences}
     assert {key[4] for key in dec.graphs.graphs if key[0] == "step" and key[3] in ours} == {7}  # each step's n

@@ -49,6 +49,7 @@ CANDIDATES = [C(64, 128, 1, 4, 6, swap=True, block_m=64), C(64, 128, 1, 4, 4, sw
               C(16, 128, 1, 4, 4, block_m=64), C(64, 128, 2, 4, 4, swap=True, block_m=64),
               C(64, 128, 2, 4, 3, swap=True, block_m=64)]
 
+
 def call(x, w, kw: dict, m: int, config, start: int = 0):
     part = {a: (b[start:start + m] if a == "residual" else b) for a, b in kw.items()}
     return sg.launch(x[start:start + m], w, None, config, **part)

@@ -57,7 +57,14 @@ LONG_CONFIGS = [AttentionConfig(block_n=64, split=512, num_warps=4, num_stages=3
                 AttentionConfig(block_n=64, split=1024, num_warps=4, num_stages=3, pipelined=True),
                 AttentionConfig(block_n=128, split=1024, num_warps=8, pipelined=True),
                 AttentionConfig(block_n=128, split=1024, num_warps=8),
-                AttentionConfig(block_q=64, block_n=64, split=1024, num_warps=4, num_stages=3, pipelined=True)]
+                AttentionConfig(block_q=64, block_n=64, split=1024, num_warps=4, num_stages=3, pipelined=True),
+                # whole-block tiles of fewer stages or keys a step: 51-86 KB of shared memory, 237-247 registers, so
+                # two programs a multiprocessor, where the 3-stage 64-key one (119 KB) holds one (sm_90, compiled
+                # offline: docs/performance.md, "Whole-block attention tiles")
+                AttentionConfig(block_q=64, block_n=64, split=1024, num_warps=4, num_stages=2, pipelined=True),
+                AttentionConfig(block_q=64, block_n=32, split=1024, num_warps=4, num_stages=3, pipelined=True),
+                AttentionConfig(block_q=64, block_n=32, split=1024, num_warps=4, num_stages=4, pipelined=True),
+                AttentionConfig(block_q=64, block_n=64, split=512, num_warps=4, num_stages=2, pipelined=True)]
 # Gemma 4's full layers (32 query heads over 4 kv heads of 512, ten of them in the 31B): 32-key steps; the adopted
 # long tiling, and unrolled
 GEMMA_FULL_LONG_CONFIGS = [AttentionConfig(block_n=32, split=1024, num_warps=4, num_stages=3, pipelined=True),

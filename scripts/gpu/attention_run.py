@@ -68,7 +68,12 @@ LONG_CONFIGS = [AttentionConfig(block_n=64, split=512, num_warps=4, num_stages=3
 # Gemma 4's full layers (32 query heads over 4 kv heads of 512, ten of them in the 31B): 32-key steps; the adopted
 # long tiling, and unrolled
 GEMMA_FULL_LONG_CONFIGS = [AttentionConfig(block_n=32, split=1024, num_warps=4, num_stages=3, pipelined=True),
-                           AttentionConfig(block_n=32, split=1024, num_warps=4, num_stages=3)]
+                           AttentionConfig(block_n=32, split=1024, num_warps=4, num_stages=3),
+                           # 32-row tiles on 8 warps (243-250 registers, no spill; 64-row ones spill at 512 wide):
+                           # a 16-token block's 128 rows a kv head in four programs, not eight
+                           AttentionConfig(block_q=32, block_n=32, split=1024, num_warps=8, pipelined=True),
+                           AttentionConfig(block_q=32, block_n=16, split=1024, num_warps=8, num_stages=3,
+                                           pipelined=True)]
 SHAPES = {"qwen": (32, 8, 128, 36), "gemma-full": (32, 4, 512, 10)}  # heads, kv_heads, head_dim, layers
 
 

@@ -1,11 +1,13 @@
 """The decode attention kernel's adopted tilings, compiled offline for the H100/H200 (sm_90) as the GPU compiles them
-(scripts/kernel_sass.py), keep the registers a thread that let two of their programs share a multiprocessor, in a
-sequence's launch and in a batched pass's (segmented).
+(scripts/kernel_sass.py), keep the registers a thread and the shared memory that let two of their programs share a
+multiprocessor, in a sequence's launch and in a batched pass's (segmented).
 
 The register count is where a harmless-looking source change slows the kernel: an index computed before the key
 loop instead of after it took the 8-warp long-range tiling from 107 to 142 registers a thread, one program a
-multiprocessor instead of two, the form that measured 190.9 us against 126.1 for a 16-token block over 32K keys
-(docs/performance.md). The GPU is not needed: Triton's NVIDIA backend ships ptxas and cuobjdump.
+multiprocessor instead of two, the form that measured 190.9 us against 126.1 for a 16-token block over 32K keys;
+the whole-block tile with three stages of keys (116 KiB of shared memory) held one program and measured 112.7 us
+against 85.2 with two stages (docs/performance.md). The GPU is not needed: Triton's NVIDIA backend ships ptxas and
+cuobjdump.
 """
 import json
 import os
@@ -19,6 +21,7 @@ from flashdraft.layers import decode_attention as da
 
 ROOT = Path(__file__).resolve().parent.parent
 REGISTERS_PER_MULTIPROCESSOR = 65536
+SHARED_PER_MULTIPROCESSOR = 233472  # sm_90: 228 KiB, of which each program's share also holds 1 KiB reserved
 
 
 def _nvidia_tools() -> bool:
@@ -47,4 +50,5 @@ def test_attention_tilings_fit_two_programs_a_multiprocessor():
             per_thread = -(-found["registers"] // 8) * 8  # allocated 8 registers a thread at a time
             programs = REGISTERS_PER_MULTIPROCESSOR // (per_thread * 32 * config.num_warps)
             assert programs >= 2, (config.name, form, found)
+            assert SHARED_PER_MULTIPROCESSOR // (found["shared"] + 1024) >= 2, (config.name, form, found)
             assert found["stack"] == 0, (config.name, form, found)

@@ -60,9 +60,15 @@ class AttentionConfig:
 CONFIG = AttentionConfig(block_n=128, split=128, num_warps=8)
 # Caches of more rows (a 4096-token context's is 4112, a verify block over it): longer key ranges, fewer partials
 # for the last program to add, and the key loop pipelined (its next steps' loads in flight while one computes).
+# Beyond 24576 rows (32K contexts) a kv head's whole verify block in one 64-row tile, its keys read once for the
+# block where 16-row tiles read them four times: 85.2 us a layer at 32K keys and 16 tokens against 125.6, 72.4 at one
+# token against 65.7 (an H100, scripts/gpu/attention_run.py --long, 2026-12-05; two stages, so two programs a
+# multiprocessor); a short context in such a cache pays for the 64-row tile's arithmetic (20.5 us against 13.7 at
+# 512 keys).
 SHORT_CACHE_ROWS = 6144
 LONG_CONFIGS = ((24576, AttentionConfig(block_n=64, split=512, num_warps=4, num_stages=3, pipelined=True)),
-                (None, AttentionConfig(block_n=128, split=1024, num_warps=8, pipelined=True)))
+                (None, AttentionConfig(block_q=64, block_n=64, split=1024, num_warps=4, num_stages=2,
+                                       pipelined=True)))
 # Wider heads (256: Gemma-4) keep steps of 64 keys: a 128-key step would hold 64 KB of keys and 64 KB of values
 # per program at once.
 WIDE_HEAD_CONFIG = AttentionConfig()

@@ -5,6 +5,8 @@ On a CUDA machine the kernel tests run the compiled kernel instead (the interpre
 when no GPU is present); scripts/gpu/gemm_run.py checks the GPU kernel at the real shapes.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -109,13 +111,62 @@ def test_row_tiles_and_stages_choice():
     four = sg.SkinnyConfig(32, 64, row_tiles=4)
     assert [sg.row_tiles_for(t, four) for t in (1, 2, 3, 4, 5, 16)] == [1, 2, 3, 4, 4, 4]
     assert [sg.row_tiles_for(t, sg.SkinnyConfig()) for t in (1, 4, 16)] == [1, 1, 1]
-    assert sg.GATED_CONFIGS[(24576, 4096)].row_tiles == 4 and four.name == "n32k64s1w4p4r4"
+    assert four.name == "n32k64s1w4p4r4"
     qkv = sg.config_for(6144, 4096)
     assert sg.stages_for(qkv, 1, 2, False) == qkv.num_stages
     # four row tiles add 16 KiB of x to each 16 KiB stage: 6 stages of 32 KiB still fit in 200 KiB
     assert sg.stages_for(qkv, 4, 2, False) == 6
     wide = sg.SkinnyConfig(64, 256, 1, 4, 6, swap=True)
     assert sg.stages_for(wide, 4, 2, False) == 3 and sg.stages_for(wide, 4, 4, True) == 2
+
+
+def test_batched_passes_take_the_batch_tiles_past_16_rows():
+    """A tiling with batch_block_m runs its own tiles up to 16 rows and the wider ones past: the shapes measured
+    for it (Qwen3-8B's, and its gate/up's gated product) have it, others keep one tile height."""
+    wide = sg.CONFIGS[(4096, 12288)]
+    assert wide.batch_block_m == 64 and wide.block_m == 16 and wide.name == "n64k128s1w4p6xb64"
+    assert sg.tiling_for_rows(wide, 16) is wide
+    assert sg.tiling_for_rows(wide, 17) == dataclasses.replace(wide, block_m=64, batch_block_m=0)
+    assert sg.GATED_CONFIGS[(24576, 4096)].batch_block_m == 64
+    assert sg.tiling_for_rows(sg.config_for(300, 100), 64) == sg.config_for(300, 100)
+    # what the kernel runs: a 40-row pass in one 64-row tile gives the product within the rounding of bf16
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(64, 256, generator=g).to(DEVICE, torch.bfloat16)
+    x = torch.randn(40, 256, generator=g).to(DEVICE, torch.bfloat16)
+    tiled = sg.SkinnyConfig(32, 64, swap=True, batch_block_m=64)
+    y = sg.launch(x, w, None, tiled)
+    ref = x.double() @ w.double().T
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < _tol(torch.bfloat16)
+
+
+# Every tiling the tables adopt, at its shape and with the fusions the fused layers give it (name: (weight rows,
+# K, fusion)); on the GPU only (the shapes are Qwen3-8B's)
+ADOPTED = {"q/k/v + norm": (6144, 4096, "norm"), "o + residual": (4096, 4096, "residual"),
+           "gate/up + norm + SwiGLU": (24576, 4096, "norm+gated"), "down + residual": (4096, 12288, "residual"),
+           "LM head": (151936, 4096, ""), "drafter fc": (4096, 20480, "")}
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="the adopted tilings' bits are the GPU's tensor cores'")
+@pytest.mark.parametrize("name", sorted(ADOPTED))
+def test_adopted_tilings_give_each_row_its_bits_alone_at_every_row_count(name):
+    """Each row of a pass of 2 to 64 rows (the 16-row tiles of a verify step, the 64-row ones of a batched step)
+    bitwise equal to the same row alone, at the model's tiling for its shape (lossless DFlash on the GPU rests on
+    it: a verify step's rows are decode steps' rows)."""
+    rows, k, fusion = ADOPTED[name]
+    n = rows // 2 if "gated" in fusion else rows
+    g = torch.Generator(device="cuda").manual_seed(rows + k)
+    w = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    residual = torch.randn(64, n, device="cuda", dtype=torch.bfloat16, generator=g) if "residual" in fusion else None
+    kw = {"rms_norm_eps": 1e-6 if "norm" in fusion else None, "gated": "gated" in fusion}
+
+    def run(first, m):
+        return sg.launch(x[first:first + m], w, None, rms_norm_eps=kw["rms_norm_eps"], gated=kw["gated"],
+                         residual=None if residual is None else residual[first:first + m])
+
+    alone = torch.cat([run(i, 1) for i in range(64)])
+    for m in (2, 7, 16, 17, 40, 64):
+        assert torch.equal(run(0, m), alone[:m]), (name, m)
 
 
 def test_a_broken_kernel_is_caught(monkeypatch):

@@ -68,6 +68,9 @@ class SkinnyConfig:
     pdl: bool = False      # CUDA only: launch as a programmatic dependent launch (Hopper), so the launch
     #                        overlaps the end of the previous kernel; the kernel waits before reading anything
     block_m: int = BLOCK_M  # rows per tile (a tl.dot's rows; 64: a batched pass's rows in one tensor-core product)
+    batch_block_m: int = 0  # rows per tile in passes of more than BLOCK_M rows (batched steps'), 0: block_m. Only
+    #                        where the wider tiles give every row the bits block_m's give it (measured per tiling:
+    #                        scripts/gpu/row_tiles_run.py), so a row's bits still do not depend on the pass's rows
     row_tiles: int = 1     # most row tiles per program (each weight tile loaded once for all of them), where a
     #                        pass has more than one tile (batched steps); 1-4, no change to any row's bits
 
@@ -75,19 +78,26 @@ class SkinnyConfig:
     def name(self) -> str:
         return (f"n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}p{self.num_stages}"
                 + ("x" if self.swap else "") + (f"m{self.block_m}" if self.block_m != BLOCK_M else "")
+                + (f"b{self.batch_block_m}" if self.batch_block_m else "")
                 + (f"r{self.row_tiles}" if self.row_tiles > 1 else "") + ("+pdl" if self.pdl else ""))
 
 
 # (N, K) -> the tiling measured fastest (M = 1 plus M = 16) on one H200 (torch 2.11, Triton 3.6) by
 # `scripts/gpu/gemm_run.py OUT --sweep`: Qwen3-8B's fused q/k/v, o, fused gate/up, down, LM head, and its
 # DFlash drafter's fc and lone k/v projections. Other shapes get the heuristic of `config_for`.
+# Batched steps' passes (more than 16 rows) take 64-row tiles where `batch_block_m` says so: on an H100
+# (scripts/gpu/row_tiles_run.py, 2026-12-05, docs/performance.md "64-row tiles for batched passes") every 64-row
+# tiling gave each row the bits of its 16-row twin, and the weight-on-the-left 64 x 128 tiling, 6 stages, was near
+# the fastest at 64 rows for every shape (down 86.4 -> 41.6 us, LM head 722.8 -> 437.1) with its 16-row tiles within
+# 1.5 us of the tilings above at 1 and 16 rows, so the down, LM head and drafter fc shapes moved to it.
+SWAPPED_BATCH_TILED = SkinnyConfig(64, 128, 1, 4, 6, swap=True, batch_block_m=64)
 CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
-    (6144, 4096): SkinnyConfig(64, 128, 1, 4, 6, swap=True),
-    (4096, 4096): SkinnyConfig(64, 128, 1, 4, 6, swap=True),
+    (6144, 4096): SWAPPED_BATCH_TILED,
+    (4096, 4096): SWAPPED_BATCH_TILED,
     (24576, 4096): SkinnyConfig(64, 128, 1, 4, 6, swap=True),
-    (4096, 12288): SkinnyConfig(16, 128, 1, 2, 8),
-    (151936, 4096): SkinnyConfig(64, 128, 1, 4, 6),
-    (4096, 20480): SkinnyConfig(16, 128, 1, 2, 8),
+    (4096, 12288): SWAPPED_BATCH_TILED,
+    (151936, 4096): SWAPPED_BATCH_TILED,
+    (4096, 20480): SWAPPED_BATCH_TILED,
     (1024, 4096): SkinnyConfig(32, 64, 4, 4, 8),
 }
 
@@ -98,11 +108,11 @@ CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
 # Other shapes get GATED_DEFAULT, Qwen3's tiling, which the GPU lossless check also runs on its tiny float32
 # models (batch-invariant at both measured shapes; at Llama's 12 us slower than its own). The plain tiling with half its
 # stages (n64k128 p3, weight tile on the left) was about 1 us faster but gave rows that differed with M, so it is
-# not used. Qwen3-8B's takes four row tiles a program in batched passes: 96.9 us at 64 rows against 119.1 with one,
-# 293.5 against 464.8 at 256 (scripts/gpu/row_tiles_run.py, 2026-12-05); CONFIGS' tilings keep one (as fast or
-# faster so at 32-64 rows: the 16-wide down and fc tilings by 20-50%, their programs re-reading x per weight tile).
+# not used. Qwen3-8B's is CONFIGS' batched tiling since the H100's row_tiles_run.py (2026-12-05): 71.1 / 72.0 us at
+# 1 / 16 rows against 74.0 / 75.5 for the 32 x 64 tiling of four row tiles a program it replaced, 76.1 at 64 rows
+# against 99.8, 153.4 at 256 against 296.4; every row the bits alone, at 1 to 256 rows.
 GATED_CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
-    (24576, 4096): SkinnyConfig(32, 64, 1, 4, 8, row_tiles=4),
+    (24576, 4096): SWAPPED_BATCH_TILED,
     (28672, 4096): SkinnyConfig(64, 128, 1, 4, 4, swap=True),
 }
 GATED_DEFAULT = SkinnyConfig(32, 64, 1, 4, 8)
@@ -164,6 +174,14 @@ def candidate_configs(n: int, k: int, wide: bool = False) -> list[SkinnyConfig]:
 SHARED_MEMORY_BYTES = 200 * 1024
 
 
+def tiling_for_rows(config: SkinnyConfig, m: int) -> SkinnyConfig:
+    """The tiling a pass of m rows runs: config, with its batch_block_m-row tiles past BLOCK_M rows (each row the
+    bits of config's own tiles: measured per tiling before a table takes it)."""
+    if config.batch_block_m and m > BLOCK_M:
+        return dataclasses.replace(config, block_m=config.batch_block_m, batch_block_m=0)
+    return config
+
+
 def row_tiles_for(m_tiles: int, config: SkinnyConfig) -> int:
     """Row tiles per program for a pass of m_tiles tiles: all of them up to the tiling's row_tiles (the weights
     read once for them), else that many (a program per row_tiles tiles of each weight tile, side by side, the
@@ -223,6 +241,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         config = GATED_CONFIGS.get((rows, k), GATED_DEFAULT) if gated else config_for(rows, k, sms)
     if rms_norm_eps is not None or gated:
         config = dataclasses.replace(config, split_k=1)
+    config = tiling_for_rows(config, m)
     res2 = None
     if residual is not None:
         res2 = residual.reshape(m, n)

@@ -273,7 +273,7 @@ def test_a_batched_steps_cost_grows_with_its_streams(engine):
     line = [1 + four.fixed + four.per_token * n for n in range(8)]
     assert len(four.ratios) == 8 and four.ratios[0] == 1.0
     assert four.ratios[1] == pytest.approx(line[1]) and four.ratios[7] == pytest.approx(line[7])
-    assert four.ratios[3] < line[3] - 0.05 and four.ratio(3) == four.ratios[3]
+    assert four.ratios[3] < line[3] - 0.01 and four.ratio(3) == four.ratios[3]
     assert all(a < b for a, b in zip(four.ratios[1:], four.ratios[2:]))
     with pytest.raises(ValueError, match="ratios must be numbers >= 1"):
         DraftCost(ratios=(1.0, 0.5))

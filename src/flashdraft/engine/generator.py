@@ -406,10 +406,13 @@ def set_batch(policies: list[AdaptiveDraft], streams: int) -> None:
 # A decoding step is dominated by reading the weights (GPU, and a CPU's one-row matrix-vector products) or by the
 # arithmetic on them (a CPU's multi-row products, a GPU's past a block). Per weight byte, a pass of T rows costs
 # rows_factor(T) times a one-row pass: on CUDA the passes of up to a block are memory-bound (1 + 0.004 per extra row:
-# the synthetic Qwen3-8B pair's measured step cost), and each row past 16 adds 0.031 (the H200's batched steps of
-# 32-256 rows, 2026-12-05: 8.86 / 14.31 / 24.93 / 46.61 ms for 2 / 4 / 8 / 16 DFlash streams against 5.84 for one;
-# docs/performance.md); on a CPU a multi-row product costs 1.5x + 0.034x per row more (the demo pair on the 2-core
-# development machine: a 2-row target pass 1.57x a 1-row one, 16 rows 2.0-2.2x).
+# the synthetic Qwen3-8B pair's measured step cost), and each row past 16 adds 0.008 (predicted, not yet measured
+# as whole steps: with 16-row tiles the H200's batched steps of 32-256 rows cost 0.031 a row, 2026-12-05; the 64-row
+# tiles that batched passes take since then run Qwen3-8B's layer GEMMs 1.07x their 16-row time at 64 rows and 2.10x
+# at 256 on an H100, which with the attention and sampling of each stream puts a 4-stream DFlash step near 1.35x one
+# stream's and a 16-stream one near 3x: docs/performance.md, "64-row tiles for batched passes"); on a CPU a multi-row
+# product costs 1.5x + 0.034x per row more (the demo pair on the 2-core development machine: a 2-row target pass
+# 1.57x a 1-row one, 16 rows 2.0-2.2x).
 
 # A batched step's work per stream besides the weights (sampling and acceptance, each sequence's attention and
 # cache-write rows, the host's bookkeeping), in one-row target passes, by device: the demo pair's batched steps on the
@@ -423,7 +426,7 @@ STREAM_OVERHEAD = {"cpu": 0.1, "cuda": 0.02}
 def rows_factor(rows: int, device_type: str) -> float:
     if device_type == "cpu":
         return 1.0 if rows <= 1 else 1.5 + 0.034 * rows
-    return 1.0 + 0.004 * (min(rows, 16) - 1) + 0.031 * max(0, rows - 16)
+    return 1.0 + 0.004 * (min(rows, 16) - 1) + 0.008 * max(0, rows - 16)
 
 
 def weight_bytes(model) -> tuple[float, float, float]:

@@ -2,9 +2,9 @@
 
 `skinny_linear(x, weight, bias)` runs a Triton kernel (flashdraft.kernels.skinny_triton) built for M = 1..16:
 bf16 (or fp16 / fp32) in and out, fp32 accumulation, every program reading its [BLOCK_N, BLOCK_K] weight tiles
-once and using them for all rows of a 16-row tile (rows past M are zero padding; for a batched step's more rows,
-of up to four tiles where the tiling says so), so the cost is nearly flat from M = 1 to 16 and the weights stream
-at close to the memory bandwidth.
+once and using them for all rows of a 16-row tile (rows past M are zero padding; a batched step's more rows take
+64-row tiles where the tiling says so, which give each row the same bits), so the cost is nearly flat from M = 1
+to 16 (and to 64 with the 64-row tiles) and the weights stream at close to the memory bandwidth.
 
 **Bitwise batch invariance.** Row m of the output depends only on x[m] and W, never on M or on the other rows:
 the tiling, the K split and the order in which K is reduced are fixed by (N, K) alone (one config per weight
@@ -292,9 +292,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   gated: bool = False) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias) with the batch-invariant Triton kernel (see the module docstring):
     each output row is bitwise independent of how many rows go through together. Meant for few rows (<= 16
-    reads the weights once; more rows, a batched step's, take a program per 16-row tile of each weight tile, or per
-    up to four where the tiling's row_tiles says so, side by side, so that the others mostly find the weight tile
-    in L2). Fusions, all in fp32 with one rounding:
+    reads the weights once; more rows, a batched step's, take the tiling's 64-row tiles where it has them
+    (batch_block_m), else a program per 16-row tile of each weight tile, or per up to four where its row_tiles says
+    so, side by side, so that the others mostly find the weight tile in L2). Fusions, all in fp32 with one
+    rounding:
 
     - rms_norm_eps: x is RMS-normalized first, without a weight: x * rsqrt(mean(x * x) + rms_norm_eps) (an RMSNorm's
       weight goes into W's columns beforehand: fold_norm_weight);

@@ -104,13 +104,12 @@ CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
 
 # The gated (SwiGLU) product's tiling by [2I, K] weight shape, with the row norm, measured on the H200
 # (scripts/gpu/fused_gemm_run.py): the fastest tiling whose rows were bitwise batch-invariant, at Qwen3-8B's gate/up
-# (51.2 us at M = 1 against 49.4 us for the plain [2I, K] product) and Llama-3.1-8B's (59.8 us against 57.9 us).
-# Other shapes get GATED_DEFAULT, the tiling measured at Qwen3's shape then, which the GPU lossless check also runs on
-# its tiny float32 models (batch-invariant at both measured shapes; at Llama's 12 us slower than its own). The plain
-# tiling with half its
-# stages (n64k128 p3, weight tile on the left) was about 1 us faster but gave rows that differed with M, so it is
-# not used. Qwen3-8B's is CONFIGS' batched tiling since the H100's row_tiles_run.py (2026-12-05): 71.1 / 72.0 us at
-# 1 / 16 rows against 74.0 / 75.5 for the 32 x 64 tiling of four row tiles a program it replaced, 76.1 at 64 rows
+# (51.2 us at M = 1 against 49.4 us for the plain [2I, K] product) and Llama-3.1-8B's (59.8 us against 57.9 us). Other
+# shapes get GATED_DEFAULT, the tiling measured at Qwen3's shape then, which the GPU lossless check also runs on its
+# tiny float32 models (batch-invariant at both measured shapes; at Llama's 12 us slower than its own). The plain tiling
+# with half its stages (n64k128 p3, weight tile on the left) was about 1 us faster but gave rows that differed with M,
+# so it is not used. Qwen3-8B's is CONFIGS' batched tiling since the H100's row_tiles_run.py (2026-12-05): 71.1 / 72.0
+# us at 1 / 16 rows against 74.0 / 75.5 for the 32 x 64 tiling of four row tiles a program it replaced, 76.1 at 64 rows
 # against 99.8, 153.4 at 256 against 296.4; every row the bits alone, at 1 to 256 rows.
 GATED_CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
     (24576, 4096): SWAPPED_BATCH_TILED,

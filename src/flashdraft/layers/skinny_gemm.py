@@ -110,7 +110,8 @@ CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
 # with half its stages (n64k128 p3, weight tile on the left) was about 1 us faster but gave rows that differed with M,
 # so it is not used. Qwen3-8B's is CONFIGS' batched tiling since the H100's row_tiles_run.py (2026-12-05): 71.1 / 72.0
 # us at 1 / 16 rows against 74.0 / 75.5 for the 32 x 64 tiling of four row tiles a program it replaced, 76.1 at 64 rows
-# against 99.8, 153.4 at 256 against 296.4; every row the bits alone, at 1 to 256 rows.
+# against 99.8, 153.4 at 256 against 296.4; the rows it checked (0, 17, 38, 63, 200, 255) had their bits alone at 1
+# to 256 rows.
 GATED_CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
     (24576, 4096): SWAPPED_BATCH_TILED,
     (28672, 4096): SkinnyConfig(64, 128, 1, 4, 4, swap=True),

@@ -152,6 +152,16 @@ def test_long_caches_take_longer_key_ranges():
     assert torch.equal(longer, full[:1])
     assert not torch.equal(full, da.launch(q, k[:, :300].contiguous(), v[:, :300].contiguous(), mask))
     torch.testing.assert_close(full.double(), _reference(q, k[:, :300], v[:, :300], mask), rtol=1e-4, atol=1e-5)
+    # beyond 24576 rows a kv head's whole verify block in one 64-row tile (16 tokens x a group of 4), the key loop
+    # pipelined: a token alone, with the others and over a longer kv_len, the same bits
+    whole = da.config_for(128, 32912)
+    assert (whole.block_q, whole.block_n, whole.split, whole.pipelined) == (64, 64, 1024, True)
+    k, v = _cache(2, 32912, 128, seed=23)
+    q = _queries(8, 16, 128, seed=24)
+    full = da.launch(q, k[:, :300], v[:, :300], mask)
+    assert torch.equal(da.launch(q[:, :3].contiguous(), k[:, :300], v[:, :300], mask[:3]), full[:3])
+    assert torch.equal(da.launch(q[:, :1].contiguous(), k[:, :600], v[:, :600], _causal(250, 1, 600)), full[:1])
+    torch.testing.assert_close(full.double(), _reference(q, k[:, :300], v[:, :300], mask), rtol=1e-4, atol=1e-5)
 
 
 def test_another_tiling_changes_the_bits():

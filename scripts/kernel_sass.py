@@ -92,7 +92,7 @@ def skinny_fingerprint(c: sg.SkinnyConfig, norm: bool, gated: bool, residual: bo
     return fingerprint(skinny_triton.skinny_gemm_kernel, SKINNY, dict(
         K=4096, STEPS=-(-(4096 // c.block_k) // c.split_k), HAS_BIAS=False, HAS_NORM=norm, HAS_RESIDUAL=residual,
         GATED=gated, IEEE=False, SWAP=c.swap, UPCAST=False, PDL=False, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-        BLOCK_K=c.block_k, ROW_TILES=1, SPLIT_K=c.split_k, EVEN_N=True, EVEN_K=True, W_EVICT=""),
+        BLOCK_K=c.block_k, SPLIT_K=c.split_k, EVEN_N=True, EVEN_K=True, W_EVICT=""),
         num_warps=c.num_warps, num_stages=num_stages, aligned=SKINNY_ALIGNED)
 
 
@@ -125,7 +125,7 @@ def row_tile_candidate_fingerprints() -> dict:
             if norm and c.split_k > 1:
                 continue
             out[f"skinny {fusion or 'plain'} {c.name}"] = skinny_fingerprint(c, norm, gated, residual,
-                                                                             sg.stages_for(c, 1, 2, gated))
+                                                                             sg.stages_for(c, 2, gated))
     return out
 
 

@@ -76,48 +76,16 @@ def test_more_than_16_rows_and_leading_dims():
     assert sg.skinny_linear(x[:, :0], w).shape == (2, 0, 64)
 
 
-@pytest.mark.parametrize("fusion", ["bias", "norm+gated", "residual", "split"])
-def test_row_tiles_give_every_row_the_bits_of_one_tile(fusion):
-    """A program over 1-4 row tiles (batched steps' passes of up to 64 rows) multiplies each with the weight tile
-    it loaded once: every row the bits it has with one tile a program, at every ROW_TILES, with a last tile that
-    is partly or wholly padding (50 rows), and the bits of its 16-row tile run alone. (Rows are compared at the
-    same place in their tile: under the interpreter tl.dot is numpy's matmul, whose CPU kernels may round a row
-    differently at another row position; the GPU's tensor-core products do not, and gemm scripts check that.)"""
-    g = torch.Generator().manual_seed(7)
-    n, k = 48, 192
-    rows = 2 * n if "gated" in fusion else n
-    w = torch.randn(rows, k, generator=g).to(DEVICE)
-    x = torch.randn(70, k, generator=g).to(DEVICE)
-    config = (sg.SkinnyConfig(16, 64, split_k=3, row_tiles=4) if fusion == "split"
-              else sg.SkinnyConfig(32, 64, swap=True, row_tiles=4))  # (row_tiles: what tiles=None takes)
-    kw = {"bias": torch.randn(rows, generator=g).to(DEVICE)} if fusion in ("bias", "split") else {}
-    if "norm" in fusion:
-        kw.update(rms_norm_eps=1e-6, gated=True)
-    residual = torch.randn(70, n, generator=g).to(DEVICE) if fusion == "residual" else None
-
-    def run(m, tiles=None, first=0):
-        return sg.launch(x[first:first + m], w, kw.get("bias"), config, rms_norm_eps=kw.get("rms_norm_eps"),
-                         gated=kw.get("gated", False),
-                         residual=None if residual is None else residual[first:first + m], row_tiles=tiles)
-
-    ref = run(70, 1)
-    ref64 = torch.cat([run(16, first=t * 16) for t in range(4)] + [run(6, first=64)])
-    assert torch.equal(ref, ref64)  # one tile a program: each tile's rows as that tile alone
-    for m, tiles in [(70, None), (70, 2), (70, 3), (64, 4), (50, 4), (50, 3), (48, 2)]:
-        assert torch.equal(run(m, tiles), ref[:m]), (m, tiles)
-
-
-def test_row_tiles_and_stages_choice():
-    four = sg.SkinnyConfig(32, 64, row_tiles=4)
-    assert [sg.row_tiles_for(t, four) for t in (1, 2, 3, 4, 5, 16)] == [1, 2, 3, 4, 4, 4]
-    assert [sg.row_tiles_for(t, sg.SkinnyConfig()) for t in (1, 4, 16)] == [1, 1, 1]
-    assert four.name == "n32k64s1w4p4r4"
+def test_stages_fit_the_shared_memory():
+    """The pipelining depth drops where a stage's weight and x tiles would pass the shared memory: 64-row tiles
+    add four times the x of 16-row ones to every stage, and the gated product a second weight tile."""
     qkv = sg.config_for(6144, 4096)
-    assert sg.stages_for(qkv, 1, 2, False) == qkv.num_stages
-    # four row tiles add 16 KiB of x to each 16 KiB stage: 6 stages of 32 KiB still fit in 200 KiB
-    assert sg.stages_for(qkv, 4, 2, False) == 6
-    wide = sg.SkinnyConfig(64, 256, 1, 4, 6, swap=True)
-    assert sg.stages_for(wide, 4, 2, False) == 3 and sg.stages_for(wide, 4, 4, True) == 2
+    assert sg.stages_for(qkv, 2, False) == qkv.num_stages == 6
+    # 64 x 128 weight tile plus 64 x 128 of x: 32 KiB a stage, 6 still fit in 200 KiB; with the up rows 48 KiB, 4
+    assert sg.stages_for(sg.tiling_for_rows(qkv, 64), 2, False) == 6
+    assert sg.stages_for(sg.tiling_for_rows(qkv, 64), 2, True) == 4
+    wide = sg.SkinnyConfig(64, 256, 1, 4, 6, swap=True, block_m=64)
+    assert sg.stages_for(wide, 2, False) == 3 and sg.stages_for(wide, 4, True) == 2
 
 
 def test_batched_passes_take_the_batch_tiles_past_16_rows():

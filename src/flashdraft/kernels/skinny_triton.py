@@ -4,13 +4,13 @@ the split-K reduce (flashdraft.kernels.split_reduce_triton) that its launch call
 Kept apart so that importing flashdraft never needs Triton, and so that TRITON_INTERPRET (read by triton.jit
 when these functions are decorated, i.e. when this module is first imported) can still be set by a CPU test.
 
-y[M, N] = x[M, K] @ W[N, K]^T with fp32 accumulation. Every program owns BLOCK_N output features of ROW_TILES
-consecutive BLOCK_M-row tiles (BLOCK_M fixed per weight shape, 16 by default; rows past M are loaded as zeros) and
-one fixed K range, and walks that range in BLOCK_K steps from low to high K, loading each weight tile once and
-feeding it with each row tile's x to the tensor cores by the same tl.dot. Nothing in a tile's instruction sequence
-depends on M or on ROW_TILES (only which padding rows are zero), and a tensor-core product's output row depends
-only on its own input row, so row m of y is bitwise the same for every M: batch invariance. With SPLIT_K > 1 the K ranges are
-fixed by (K, SPLIT_K, BLOCK_K) alone and a second kernel adds the fp32 partials in split order 0, 1, ...
+y[M, N] = x[M, K] @ W[N, K]^T with fp32 accumulation. Every program owns BLOCK_N output features of one BLOCK_M-row
+tile (BLOCK_M fixed per tiling, 16 by default, 64 for a batched pass's rows where the tiling has them; rows past M
+are loaded as zeros) and one fixed K range, and walks that range in BLOCK_K steps from low to high K. Nothing in a
+tile's instruction sequence depends on M (only which padding rows are zero), and a tensor-core product's output row
+depends only on its own input row, so row m of y is bitwise the same for every M: batch invariance. With SPLIT_K > 1
+the K ranges are fixed by (K, SPLIT_K, BLOCK_K) alone and a second kernel adds the fp32 partials in split order 0,
+1, ...
 
 Optional fusions (constexpr switches), so that a decoder layer's norms, SwiGLU and residual adds need no kernels
 of their own: HAS_NORM (RMSNorm of x without its weight, which the caller folds into W: the loop also forms x x^T
@@ -45,8 +45,7 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 @triton.jit
 def _tile_products(x_ptrs, m_ok, k_ok, w, wu, acc, acc_up, gram, EVEN_K: tl.constexpr, HAS_NORM: tl.constexpr,
                    GATED: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr, UPCAST: tl.constexpr):
-    """One 16-row tile's share of a K step: its x tile, then the products with the weight tile(s) already loaded.
-    The same instructions for every tile of a program, whichever it is and however many the program has."""
+    """A row tile's share of a K step: its x tile, then the products with the weight tile(s) already loaded."""
     if EVEN_K:
         x = tl.load(x_ptrs, mask=m_ok, other=0.0)
     else:
@@ -70,7 +69,7 @@ def _tile_products(x_ptrs, m_ok, k_ok, w, wu, acc, acc_up, gram, EVEN_K: tl.cons
 def _store_tile(acc, acc_up, gram, rm, rn, pid_k, M, N, eps, b_ptr, y_ptr, p_ptr, r_ptr, stride_ym, stride_rm,
                 K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                 GATED: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr):
-    """One 16-row tile's epilogue: on [BLOCK_M, BLOCK_N] tiles (a swapped accumulator transposed first), all in
+    """A row tile's epilogue: on [BLOCK_M, BLOCK_N] tiles (a swapped accumulator transposed first), all in
     fp32, rounded once on the store; with SPLIT_K > 1 the fp32 partial is stored instead."""
     if SWAP:
         out = tl.trans(acc)
@@ -106,52 +105,45 @@ def _store_tile(acc, acc_up, gram, rm, rn, pid_k, M, N, eps, b_ptr, y_ptr, p_ptr
 
 
 # M is never specialized (Triton would otherwise compile separate variants for M == 1 and M % 16 == 0): one
-# compiled kernel per ROW_TILES serves every M, which batch invariance relies on.
+# compiled kernel serves every M, which batch invariance relies on.
 @triton.jit(do_not_specialize=["M"])
 def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, r_ptr, M, N, stride_xm, stride_wn, stride_ym,
                        stride_rm, eps, K: tl.constexpr, STEPS: tl.constexpr,
                        HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
                        IEEE: tl.constexpr, SWAP: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROW_TILES: tl.constexpr,
-                       SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, W_EVICT: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                       EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, W_EVICT: tl.constexpr):
     """N is the number of output features: with GATED, W has 2N rows (gate rows [0, N) over up rows [N, 2N)).
     HAS_NORM and GATED need SPLIT_K == 1 (the row norm needs all of K; silu needs the whole gate product).
-    ROW_TILES (1 to 4): consecutive 16-row tiles one program serves, each weight tile loaded once for all of them
-    and multiplied with each tile's x by the same 16-row tl.dot as with one tile (so a row's bits do not depend on
-    ROW_TILES); a batched pass of many rows then reads the weights once per ROW_TILES tiles.
     W_EVICT: the weight loads' L2 eviction policy: "evict_first" where one program reads each weight tile (the
     weights stream through L2 once), "" (the default) where several do, so that the later programs find the tile
     in L2; a cache hint, no change to the arithmetic."""
     if PDL:  # launched as a programmatic dependent: wait here for the previous kernel's writes (our input)
         tl.extra.cuda.gdc_wait()
-    # Row programs vary fastest: the programs of one weight tile for every group of row tiles run side by side,
-    # so that the weight tile comes from HBM once and from L2 for the others.
+    # Row programs vary fastest: the programs of one weight tile for every row tile run side by side, so that the
+    # weight tile comes from HBM once and from L2 for the others.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    rm0 = pid_m * (ROW_TILES * BLOCK_M) + tl.arange(0, BLOCK_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     # This split's K range: STEPS = ceil(ceil(K / BLOCK_K) / SPLIT_K) steps of BLOCK_K from k_lo, fixed by K,
     # SPLIT_K and BLOCK_K (never by M). K is a compile-time constant (a handful of weight widths per model).
     k_lo = pid_k * STEPS * BLOCK_K
-    x_ptrs = x_ptr + rm0[:, None].to(tl.int64) * stride_xm + (k_lo + rk)[None, :]
-    tile_stride = BLOCK_M * stride_xm  # from one row tile's x to the next's
+    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k_lo + rk)[None, :]
     w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]
     n_ok = rn[:, None] < N
     if SWAP:
-        acc0 = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+        acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
     else:
-        acc0 = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     # Placeholders where a fusion is off (returned untouched): the up accumulator, the up weight tile, the Gram
     # matrix x x^T over the K steps (its diagonal is each row's sum of squares).
-    up0 = acc0
-    gram0 = acc0
+    up = acc
+    gram = acc
     if HAS_NORM:
-        gram0 = tl.full((BLOCK_M, BLOCK_M), 0.0, tl.float32)
-    acc1, up1, gram1 = acc0, up0, gram0
-    acc2, up2, gram2 = acc0, up0, gram0
-    acc3, up3, gram3 = acc0, up0, gram0
+        gram = tl.full((BLOCK_M, BLOCK_M), 0.0, tl.float32)
     if GATED:  # the up rows of the same output features, N weight rows further on
         wu_ptrs = w_ptrs + N * stride_wn
     if EVEN_K:
@@ -177,29 +169,11 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, r_ptr, M, N, stride_xm
         if UPCAST:  # Triton's interpreter only: its tl.dot multiplies bf16 operands' raw bits (3.6)
             w = w.to(tl.float32)
             wu = wu.to(tl.float32)
-        acc0, up0, gram0 = _tile_products(x_ptrs, rm0[:, None] < M, k_ok, w, wu, acc0, up0, gram0,
-                                          EVEN_K, HAS_NORM, GATED, IEEE, SWAP, UPCAST)
-        if ROW_TILES >= 2:
-            acc1, up1, gram1 = _tile_products(x_ptrs + tile_stride, rm0[:, None] + BLOCK_M < M, k_ok, w, wu,
-                                              acc1, up1, gram1, EVEN_K, HAS_NORM, GATED, IEEE, SWAP, UPCAST)
-        if ROW_TILES >= 3:
-            acc2, up2, gram2 = _tile_products(x_ptrs + 2 * tile_stride, rm0[:, None] + 2 * BLOCK_M < M, k_ok, w,
-                                              wu, acc2, up2, gram2, EVEN_K, HAS_NORM, GATED, IEEE, SWAP, UPCAST)
-        if ROW_TILES >= 4:
-            acc3, up3, gram3 = _tile_products(x_ptrs + 3 * tile_stride, rm0[:, None] + 3 * BLOCK_M < M, k_ok, w,
-                                              wu, acc3, up3, gram3, EVEN_K, HAS_NORM, GATED, IEEE, SWAP, UPCAST)
+        acc, up, gram = _tile_products(x_ptrs, rm[:, None] < M, k_ok, w, wu, acc, up, gram, EVEN_K, HAS_NORM, GATED,
+                                       IEEE, SWAP, UPCAST)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         if GATED:
             wu_ptrs += BLOCK_K
-    _store_tile(acc0, up0, gram0, rm0, rn, pid_k, M, N, eps, b_ptr, y_ptr, p_ptr, r_ptr, stride_ym, stride_rm,
-                K, HAS_BIAS, HAS_NORM, HAS_RESIDUAL, GATED, SWAP, BLOCK_M, SPLIT_K)
-    if ROW_TILES >= 2:
-        _store_tile(acc1, up1, gram1, rm0 + BLOCK_M, rn, pid_k, M, N, eps, b_ptr, y_ptr, p_ptr, r_ptr, stride_ym,
-                    stride_rm, K, HAS_BIAS, HAS_NORM, HAS_RESIDUAL, GATED, SWAP, BLOCK_M, SPLIT_K)
-    if ROW_TILES >= 3:
-        _store_tile(acc2, up2, gram2, rm0 + 2 * BLOCK_M, rn, pid_k, M, N, eps, b_ptr, y_ptr, p_ptr, r_ptr,
-                    stride_ym, stride_rm, K, HAS_BIAS, HAS_NORM, HAS_RESIDUAL, GATED, SWAP, BLOCK_M, SPLIT_K)
-    if ROW_TILES >= 4:
-        _store_tile(acc3, up3, gram3, rm0 + 3 * BLOCK_M, rn, pid_k, M, N, eps, b_ptr, y_ptr, p_ptr, r_ptr,
-                    stride_ym, stride_rm, K, HAS_BIAS, HAS_NORM, HAS_RESIDUAL, GATED, SWAP, BLOCK_M, SPLIT_K)
+    _store_tile(acc, up, gram, rm, rn, pid_k, M, N, eps, b_ptr, y_ptr, p_ptr, r_ptr, stride_ym, stride_rm, K,
+                HAS_BIAS, HAS_NORM, HAS_RESIDUAL, GATED, SWAP, BLOCK_M, SPLIT_K)

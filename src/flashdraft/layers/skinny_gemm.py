@@ -71,15 +71,13 @@ class SkinnyConfig:
     batch_block_m: int = 0  # rows per tile in passes of more than BLOCK_M rows (batched steps'), 0: block_m. Only
     #                        where the wider tiles give every row the bits block_m's give it (measured per tiling:
     #                        scripts/gpu/row_tiles_run.py), so a row's bits still do not depend on the pass's rows
-    row_tiles: int = 1     # most row tiles per program (each weight tile loaded once for all of them), where a
-    #                        pass has more than one tile (batched steps); 1-4, no change to any row's bits
 
     @property
     def name(self) -> str:
         return (f"n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}p{self.num_stages}"
                 + ("x" if self.swap else "") + (f"m{self.block_m}" if self.block_m != BLOCK_M else "")
                 + (f"b{self.batch_block_m}" if self.batch_block_m else "")
-                + (f"r{self.row_tiles}" if self.row_tiles > 1 else "") + ("+pdl" if self.pdl else ""))
+                + ("+pdl" if self.pdl else ""))
 
 
 # (N, K) -> the tiling measured fastest (M = 1 plus M = 16) on one H200 (torch 2.11, Triton 3.6) by
@@ -183,19 +181,11 @@ def tiling_for_rows(config: SkinnyConfig, m: int) -> SkinnyConfig:
     return config
 
 
-def row_tiles_for(m_tiles: int, config: SkinnyConfig) -> int:
-    """Row tiles per program for a pass of m_tiles tiles: all of them up to the tiling's row_tiles (the weights
-    read once for them), else that many (a program per row_tiles tiles of each weight tile, side by side, the
-    others finding the tile in L2). Any choice gives every row the same bits (the kernel's ROW_TILES); the
-    tiling's is the one measured faster for its shape."""
-    return max(1, min(m_tiles, config.row_tiles))
-
-
-def stages_for(config: SkinnyConfig, row_tiles: int, element_size: int, gated: bool) -> int:
+def stages_for(config: SkinnyConfig, element_size: int, gated: bool) -> int:
     """config.num_stages, fewer where a stage's weight and x tiles times the stages would pass the shared memory
-    (several row tiles a program add an x tile each to every stage); at least 2. Pipelining depth only: no change
-    to the arithmetic."""
-    per_stage = (config.block_n * (2 if gated else 1) + row_tiles * config.block_m) * config.block_k * element_size
+    (64-row tiles' x takes four times the 16-row tiles'); at least 2. Pipelining depth only: no change to the
+    arithmetic."""
+    per_stage = (config.block_n * (2 if gated else 1) + config.block_m) * config.block_k * element_size
     return max(2, min(config.num_stages, SHARED_MEMORY_BYTES // per_stage))
 
 
@@ -208,12 +198,11 @@ def _kernels():
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            config: SkinnyConfig | None = None, out: torch.Tensor | None = None, *,
            rms_norm_eps: float | None = None, residual: torch.Tensor | None = None,
-           gated: bool = False, row_tiles: int | None = None) -> torch.Tensor:
+           gated: bool = False) -> torch.Tensor:
     """Run the kernel: x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in x's dtype, with skinny_linear's optional
     fusions (no custom-op wrapper). config None = config_for(weight's shape), or GATED_CONFIGS' when gated; norm and
     gated run any config with split_k = 1 (both need the whole K range in one program). Gated: a program covers
-    config.block_n gate rows and the same features' up rows. row_tiles: row tiles per program (1 to 4; None:
-    row_tiles_for the row count and the config). Benchmarks pass a config and row_tiles; the model path goes through
+    config.block_n gate rows and the same features' up rows. Benchmarks pass a config; the model path goes through
     skinny_linear."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = weight.shape[0]
@@ -251,12 +240,11 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     kern = _kernels()
     split = config.split_k
     m_tiles = -(-m // config.block_m)
-    row_tiles = row_tiles_for(m_tiles, config) if row_tiles is None else row_tiles
-    stages = stages_for(config, row_tiles, x.element_size(), gated)
+    stages = stages_for(config, x.element_size(), gated)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     even_k = k % (split * config.block_k) == 0
     pdl = {"launch_pdl": True} if config.pdl and x.device.type == "cuda" else {}
-    kern.skinny_gemm_kernel[(-(-m_tiles // row_tiles), -(-n // config.block_n), split)](
+    kern.skinny_gemm_kernel[(m_tiles, -(-n // config.block_n), split)](
         x2, weight, bias if bias is not None else y, y, part,
         res2 if res2 is not None else y, m, n, x2.stride(0), weight.stride(0), y.stride(0),
         res2.stride(0) if res2 is not None else 0, float(rms_norm_eps or 0.0), K=k,
@@ -264,8 +252,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         HAS_BIAS=bias is not None, HAS_NORM=rms_norm_eps is not None, HAS_RESIDUAL=res2 is not None, GATED=gated,
         IEEE=x.dtype == torch.float32, SWAP=config.swap,
         UPCAST=x.device.type != "cuda" and x.dtype != torch.float32, PDL=bool(pdl),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, ROW_TILES=row_tiles, SPLIT_K=split,
-        EVEN_N=n % config.block_n == 0, EVEN_K=even_k, W_EVICT="evict_first" if m_tiles <= row_tiles else "",
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split,
+        EVEN_N=n % config.block_n == 0, EVEN_K=even_k, W_EVICT="evict_first" if m_tiles == 1 else "",
         num_warps=config.num_warps, num_stages=stages, **pdl)
     if split > 1:
         block = 1024
@@ -294,9 +282,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """x [..., K] @ weight[N, K]^T (+ bias) with the batch-invariant Triton kernel (see the module docstring):
     each output row is bitwise independent of how many rows go through together. Meant for few rows (<= 16
     reads the weights once; more rows, a batched step's, take the tiling's 64-row tiles where it has them
-    (batch_block_m), else a program per 16-row tile of each weight tile, or per up to four where its row_tiles says
-    so, side by side, so that the others mostly find the weight tile in L2). Fusions, all in fp32 with one
-    rounding:
+    (batch_block_m), else a program per 16-row tile of each weight tile, side by side, so that the others mostly
+    find the weight tile in L2). Fusions, all in fp32 with one rounding:
 
     - rms_norm_eps: x is RMS-normalized first, without a weight: x * rsqrt(mean(x * x) + rms_norm_eps) (an RMSNorm's
       weight goes into W's columns beforehand: fold_norm_weight);

@@ -126,10 +126,10 @@ def test_adopted_tilings_give_each_row_its_bits_alone_at_every_row_count(name):
     w = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
     x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16, generator=g)
     residual = torch.randn(64, n, device="cuda", dtype=torch.bfloat16, generator=g) if "residual" in fusion else None
-    kw = {"rms_norm_eps": 1e-6 if "norm" in fusion else None, "gated": "gated" in fusion}
+    eps = 1e-6 if "norm" in fusion else None
 
     def run(first, m):
-        return sg.launch(x[first:first + m], w, None, rms_norm_eps=kw["rms_norm_eps"], gated=kw["gated"],
+        return sg.launch(x[first:first + m], w, None, rms_norm_eps=eps, gated="gated" in fusion,
                          residual=None if residual is None else residual[first:first + m])
 
     alone = torch.cat([run(i, 1) for i in range(64)])

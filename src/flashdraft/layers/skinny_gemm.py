@@ -92,7 +92,7 @@ SWAPPED_BATCH_TILED = SkinnyConfig(64, 128, 1, 4, 6, swap=True, batch_block_m=64
 CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
     (6144, 4096): SWAPPED_BATCH_TILED,
     (4096, 4096): SWAPPED_BATCH_TILED,
-    (24576, 4096): SkinnyConfig(64, 128, 1, 4, 6, swap=True),
+    (24576, 4096): SkinnyConfig(64, 128, 1, 4, 6, swap=True),  # unfused gate/up: its 64-row tiles not measured
     (4096, 12288): SWAPPED_BATCH_TILED,
     (151936, 4096): SWAPPED_BATCH_TILED,
     (4096, 20480): SWAPPED_BATCH_TILED,

@@ -406,11 +406,12 @@ def set_batch(policies: list[AdaptiveDraft], streams: int) -> None:
 # A decoding step is dominated by reading the weights (GPU, and a CPU's one-row matrix-vector products) or by the
 # arithmetic on them (a CPU's multi-row products, a GPU's past a block). Per weight byte, a pass of T rows costs
 # rows_factor(T) times a one-row pass: on CUDA the passes of up to a block are memory-bound (1 + 0.004 per extra row:
-# the synthetic Qwen3-8B pair's measured step cost), and each row past 16 adds 0.008 (predicted, not yet measured
-# as whole steps: with 16-row tiles the H200's batched steps of 32-256 rows cost 0.031 a row, 2026-12-05; the 64-row
-# tiles that batched passes take since then run Qwen3-8B's layer GEMMs 1.07x their 16-row time at 64 rows and 2.10x
-# at 256 on an H100, which with the attention and sampling of each stream puts a 4-stream DFlash step near 1.35x one
-# stream's and a 16-stream one near 3x: docs/performance.md, "64-row tiles for batched passes"); on a CPU a multi-row
+# the synthetic Qwen3-8B pair's measured step cost), and each row past 16 adds 0.008 (set from the 64-row tiles that
+# batched passes take since 2026-12-05: Qwen3-8B's layer GEMMs 1.07x their 16-row time at 64 rows, 2.10x at 256, on
+# an H100; the whole batched DFlash steps measured after, on an H100, 1.22x / 1.57x / 2.84x one stream's for 4 / 8 /
+# 16 streams, about 0.003-0.006 a row past 16 besides the streams' own work, so 0.008 prices long drafts somewhat
+# high: docs/performance.md, "Batched DFlash with the 64-row tiles"; with 16-row tiles the H200's steps of 32-256
+# rows cost 0.031 a row); on a CPU a multi-row
 # product costs 1.5x + 0.034x per row more (the demo pair on the 2-core development machine: a 2-row target pass
 # 1.57x a 1-row one, 16 rows 2.0-2.2x).
 

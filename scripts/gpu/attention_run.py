@@ -50,21 +50,14 @@ CONFIGS = [CONFIG, AttentionConfig(), AttentionConfig(split=64),
            AttentionConfig(block_q=64, block_n=128, split=128, num_warps=8), AttentionConfig(block_q=64, split=256)]
 # the configuration adopted is the fastest over these (kv_len, T) cases (bench and chat contexts), if invariant
 ADOPT_ON = {(512, 1), (512, 16), (2048, 1), (2048, 16)}
-# the tilings adopted for long caches (6145-24576 rows, and beyond), the 128-key, 8-warp tiling adopted beyond
-# 24576 rows before, and that one unrolled (every step of a range computed, as before the key loop stopped at
-# kv_len); the whole-block tile
+# the tiling adopted for 6145-24576 rows; the whole-block tile adopted beyond, 16-row tilings of its key steps and
+# ranges (its twins for passes of at most 16 rows: decode_attention.ROW_TWINS), and the whole-block tile on 8 warps
 LONG_CONFIGS = [AttentionConfig(block_n=64, split=512, num_warps=4, num_stages=3, pipelined=True),
-                AttentionConfig(block_n=64, split=1024, num_warps=4, num_stages=3, pipelined=True),
-                AttentionConfig(block_n=128, split=1024, num_warps=8, pipelined=True),
-                AttentionConfig(block_n=128, split=1024, num_warps=8),
-                AttentionConfig(block_q=64, block_n=64, split=1024, num_warps=4, num_stages=3, pipelined=True),
-                # whole-block tiles of fewer stages or keys a step: 51-86 KB of shared memory, 237-247 registers, so
-                # two programs a multiprocessor, where the 3-stage 64-key one (119 KB) holds one (sm_90, compiled
-                # offline: docs/performance.md, "Whole-block attention tiles")
                 AttentionConfig(block_q=64, block_n=64, split=1024, num_warps=4, num_stages=2, pipelined=True),
-                AttentionConfig(block_q=64, block_n=32, split=1024, num_warps=4, num_stages=3, pipelined=True),
-                AttentionConfig(block_q=64, block_n=32, split=1024, num_warps=4, num_stages=4, pipelined=True),
-                AttentionConfig(block_q=64, block_n=64, split=512, num_warps=4, num_stages=2, pipelined=True)]
+                AttentionConfig(block_n=64, split=1024, num_warps=4, num_stages=3, pipelined=True),
+                AttentionConfig(block_n=64, split=1024, num_warps=4, num_stages=2, pipelined=True),
+                AttentionConfig(block_n=64, split=1024, num_warps=2, num_stages=3, pipelined=True),
+                AttentionConfig(block_q=64, block_n=64, split=1024, num_warps=8, num_stages=2, pipelined=True)]
 # Gemma 4's full layers (32 query heads over 4 kv heads of 512, ten of them in the 31B): 32-key steps; the adopted
 # long tiling, and unrolled
 GEMMA_FULL_LONG_CONFIGS = [AttentionConfig(block_n=32, split=1024, num_warps=4, num_stages=3, pipelined=True),
@@ -118,12 +111,13 @@ def main(out: Path, long: bool = False, shape: str = "qwen") -> None:
                         same_longer += torch.equal(alone[0], ours[t])
                     rec["invariant_tokens"] = f"{same}/{T}"
                     rec["invariant_tokens_longer_kv"] = f"{same_longer}/{T}"
-                    if c.block_q != 16:  # a token alone through the 16-row twin: the same bits? (then verify
-                        # passes could take the wide tile and one-token steps the 16-row one)
-                        twin = dataclasses.replace(c, block_q=16)
-                        same_twin = sum(torch.equal(launch(q[:, t:t + 1], k, v, mask[t:t + 1], twin)[0], ours[t])
-                                        for t in range(T))
-                        rec["bits_as_16_row_tile"] = f"{same_twin}/{T}"
+                    if c.block_q != 16:  # a token alone through the 16-row twins: the same bits? (then verify
+                        # passes can take the wide tile and one-token steps a 16-row one: ROW_TWINS)
+                        for twin in [x for x in configs if x.block_q == 16 and (x.block_n, x.split, x.pipelined)
+                                     == (c.block_n, c.split, c.pipelined)] or [dataclasses.replace(c, block_q=16)]:
+                            same_twin = sum(torch.equal(launch(q[:, t:t + 1], k, v, mask[t:t + 1], twin)[0], ours[t])
+                                            for t in range(T))
+                            rec[f"bits_as_{twin.name}"] = f"{same_twin}/{T}"
                     invariant[c] &= same == T and same_longer == T
                 invariant[c] &= rec["err"] < 4 * row["err_sdpa_bf16"] + 1e-3
                 if (kv_len, T) in adopt_on:

@@ -130,13 +130,11 @@ def row_tile_candidate_fingerprints() -> dict:
 
 
 def attention_fingerprints(segmented: bool) -> dict:
-    """Decode attention, each adopted tiling and 16-row twin at its head width (Qwen3-8B's group of 4; Gemma 4's
-    512-wide full layers, a group of 8), over a bf16 cache with a mask; one sequence's launch, or a batched pass's
-    (segmented)."""
+    """Decode attention, each adopted tiling at its head width (Qwen3-8B's group of 4; Gemma 4's 512-wide full
+    layers, a group of 8), over a bf16 cache with a mask; one sequence's launch, or a batched pass's (segmented)."""
     aligned = tuple(a for a in ATTENTION if a.endswith("_ptr")) + (
         "stride_qh", "stride_qt", "stride_kh", "stride_kn", "stride_vh", "stride_vn", "stride_ot")
     tilings = [(128, da.CONFIG)] + [(128, c) for _, c in da.LONG_CONFIGS] + [
-        (128, c) for c in da.ROW_TWINS.values()] + [
         (256, da.WIDE_HEAD_CONFIG), (512, da.WIDEST_HEAD_CONFIG), (512, da.WIDEST_LONG_CONFIG)]
     out = {}
     for hd, c in tilings:

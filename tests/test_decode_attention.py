@@ -164,36 +164,6 @@ def test_long_caches_take_longer_key_ranges():
     torch.testing.assert_close(full.double(), _reference(q, k[:, :300], v[:, :300], mask), rtol=1e-4, atol=1e-5)
 
 
-def test_a_pass_of_16_rows_takes_the_whole_block_tiles_twin_with_its_bits():
-    """Beyond 24576 cache rows a pass of at most 16 query rows a kv head (4 tokens of a group of 4) takes the
-    whole-block tile's 16-row twin (the same key steps and ranges), which gives a row the bits the 64-row tile
-    gives it: every sum over keys is a tensor-core product (the kernel module), so a plain step and a verify step
-    agree. On the GPU, in bf16 and by launch's own choice, each token of a 16-token pass against the token alone.
-    The interpreter's products are BLAS calls that round by the tile's shape, so on the CPU (float32, for which
-    for_rows keeps the wide tile) the twin, given explicitly, is checked against the reference only."""
-    whole = da.config_for(128, 32912)
-    twin = da.ROW_TWINS[whole]
-    assert (twin.block_q, twin.block_n, twin.split) == (16, whole.block_n, whole.split)
-    assert da.for_rows(whole, 16, torch.bfloat16) is twin and da.for_rows(whole, 17, torch.bfloat16) is whole
-    assert da.for_rows(whole, 4, torch.float32) is whole and da.for_rows(da.CONFIG, 4, torch.bfloat16) is da.CONFIG
-    dtype = torch.bfloat16 if ON_CUDA else torch.float32
-    k, v = (t.to(dtype) for t in _cache(2, 32912, 128, seed=41))
-    q = _queries(8, 16, 128, seed=42).to(dtype)
-    kv_len = 2100  # three key ranges, the last one partly filled
-    mask = _causal(kv_len - 16, 16, kv_len)
-    keys, values = k[:, :kv_len], v[:, :kv_len]
-    ref = _reference(q, keys, values, mask)
-    if not ON_CUDA:
-        torch.testing.assert_close(da.launch(q[:, :4].contiguous(), keys, values, mask[:4], twin).double(), ref[:4],
-                                   rtol=1e-4, atol=1e-5)
-        return
-    full = da.launch(q, keys, values, mask)
-    for t in range(16):
-        assert torch.equal(da.launch(q[:, t:t + 1].contiguous(), keys, values, mask[t:t + 1])[0], full[t]), t
-    assert torch.equal(da.launch(q[:, :4].contiguous(), keys, values, mask[:4]), full[:4])  # 16 rows: the twin
-    torch.testing.assert_close(full.double(), ref, rtol=2e-2, atol=2e-3)
-
-
 def test_another_tiling_changes_the_bits():
     """The invariance checks can fail: a tiling chosen by T (here another key range) changes a token's bits."""
     k, v = _cache(2, 300, 64, seed=3)

@@ -51,7 +51,8 @@ CONFIGS = [CONFIG, AttentionConfig(), AttentionConfig(split=64),
 # the configuration adopted is the fastest over these (kv_len, T) cases (bench and chat contexts), if invariant
 ADOPT_ON = {(512, 1), (512, 16), (2048, 1), (2048, 16)}
 # the tiling adopted for 6145-24576 rows; the whole-block tile adopted beyond, 16-row tilings of its key steps and
-# ranges (its twins for passes of at most 16 rows: decode_attention.ROW_TWINS), and the whole-block tile on 8 warps
+# ranges (twins whose bits a one-token step could take, were they the same: they are not, docs/performance.md), and
+# the whole-block tile on 8 warps
 LONG_CONFIGS = [AttentionConfig(block_n=64, split=512, num_warps=4, num_stages=3, pipelined=True),
                 AttentionConfig(block_q=64, block_n=64, split=1024, num_warps=4, num_stages=2, pipelined=True),
                 AttentionConfig(block_n=64, split=1024, num_warps=4, num_stages=3, pipelined=True),
@@ -112,7 +113,7 @@ def main(out: Path, long: bool = False, shape: str = "qwen") -> None:
                     rec["invariant_tokens"] = f"{same}/{T}"
                     rec["invariant_tokens_longer_kv"] = f"{same_longer}/{T}"
                     if c.block_q != 16:  # a token alone through the 16-row twins: the same bits? (then verify
-                        # passes can take the wide tile and one-token steps a 16-row one: ROW_TWINS)
+                        # passes could take the wide tile and one-token steps a 16-row one)
                         for twin in [x for x in configs if x.block_q == 16 and (x.block_n, x.split, x.pipelined)
                                      == (c.block_n, c.split, c.pipelined)] or [dataclasses.replace(c, block_q=16)]:
                             same_twin = sum(torch.equal(launch(q[:, t:t + 1], k, v, mask[t:t + 1], twin)[0], ours[t])

@@ -73,7 +73,7 @@ def generations(shape: str, context: int = 0) -> None:
     dev = torch.device("cuda")
     n_prompt, n_new = (context, 128) if context else (32, 256)
     size = max(1024, n_prompt + n_new + 192)
-    target, drafter = build_synthetic(shape, dev, torch.bfloat16, size)
+    target, drafter = build_synthetic(shape, dev, torch.bfloat16, size, plan=resolve_plan(dev, block_size=16))
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(1, target.config.vocab_size - 1, (n_prompt,), generator=gen).tolist()
     params = SamplingParams(max_tokens=n_new, ignore_eos=True)

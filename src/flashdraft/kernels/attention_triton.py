@@ -19,13 +19,6 @@ the same whether 1 or 16 tokens go through (batch invariance, as the skinny GEMM
 zeros; a key range hidden from a row altogether gives it the partial (m = -inf, l = 0, acc = 0), which the combine
 weighs by exactly 0.
 
-Every sum over keys is a tensor-core product, the softmax's row sum too (p times a column of ones, on top of
-the running sum as the product's accumulator, as p v goes on top of the running output): a cross-thread reduction
-adds in the order of the tile's register layout, which the 64-row (warpgroup) and 16-row (warp) products lay out
-differently, while a product adds its k-steps in the same order in both. So tilings that differ only in BLOCK_Q
-(and the warps and stages that fit it) give a row the same bits, and `decode_attention.launch` may take the
-16-row twin for a pass of at most 16 rows (docs/performance.md).
-
 SEGMENTED (a batched step's layer, decode_attention_segments): the rows are several sequences' in turn, each over
 its own cache; axis 2 runs over (segment, key range), and each program reads its segment's first row, rows and
 caches' offsets from a table, then does what a launch of that segment alone does (its tiles start at the
@@ -39,7 +32,7 @@ block's fp16 scale once per row.
 import triton
 import triton.language as tl
 
-from flashdraft.kernels.split_reduce_triton import maximum
+from flashdraft.kernels.split_reduce_triton import add, maximum
 
 
 @triton.jit(do_not_specialize=["T", "KV_LEN", "N_SPLITS"])
@@ -55,6 +48,7 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, count
     if SEGMENTED:  # several sequences' rows, each over its own cache: axis 2 is (segment, key range)
         seg = split // N_SPLITS
         split = split % N_SPLITS
+        seg_pair = (seg * tl.num_programs(0) + kv) * tl.num_programs(1) + tile
         first = tl.load(seg_ptr + 4 * seg)  # the segment's first row, rows, and its caches' offsets from segment 0's
         T = tl.load(seg_ptr + 4 * seg + 1).to(tl.int32)
         k_ptr += tl.multiple_of(tl.load(seg_ptr + 4 * seg + 2), 16)
@@ -72,7 +66,7 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, count
     q = tl.load(q_ptr + head[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :], mask=row_ok[:, None],
                 other=0.0)
     m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
-    l_i = tl.full([BLOCK_Q, 16], 0.0, tl.float32)  # the row sums, in 16 equal columns (a product's narrowest)
+    l_i = tl.full([BLOCK_Q], 0.0, tl.float32)
     acc = tl.full([BLOCK_Q, D], 0.0, tl.float32)
     if PIPELINED:  # a loop Triton pipelines: the next steps' keys and values load while one computes
         # steps wholly past KV_LEN are skipped: they would add exact zeros (alpha 1, p 0), so a row keeps its bits
@@ -88,18 +82,18 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, count
             m_i, l_i, acc = _key_step(q, m_i, l_i, acc, k_ptr, v_ptr, mask_ptr, kv, split, chunk, t, row_ok, KV_LEN,
                                       stride_kh, stride_kn, stride_vh, stride_vn, stride_mt, qk_scale, D, HAS_MASK,
                                       IEEE, BLOCK_N, SPLIT, K_FMT, V_FMT, K_ALIGN, V_ALIGN)
-    # this (kv head, query tile)'s counter and partials, computed after the key loop: where it is computed sets
-    # the registers a thread (ptxas, sm_90), which decide whether two programs share a multiprocessor (an 8-warp
-    # tiling took 142 registers with it before the loop, 107 after; the whole-block tile's batched form spilled
-    # with the segment's pair kept over the loop) (scripts/kernel_sass.py, tests/test_kernel_machine_code.py)
+    # this (kv head, query tile)'s counter and partials. Where it is computed sets the registers a thread (ptxas,
+    # sm_90), which decide whether two 8-warp programs share a multiprocessor: one sequence's after the key loop
+    # (107 registers in the 32K tiling; 142 computed before it), a batched pass's before it (128; 144 after it)
+    # (scripts/kernel_sass.py, tests/test_kernel_machine_code.py)
     if SEGMENTED:
-        pair = ((tl.program_id(2) // N_SPLITS) * tl.num_programs(0) + kv) * tl.num_programs(1) + tile
+        pair = seg_pair
     else:
         pair = kv * tl.num_programs(1) + tile
     slot = pair * N_SPLITS + split
     r = tl.arange(0, BLOCK_Q)
     tl.store(m_ptr + slot * BLOCK_Q + r, m_i, mask=row_ok)
-    tl.store(l_ptr + slot * BLOCK_Q + r, tl.reduce(l_i, 1, maximum), mask=row_ok)  # the columns are equal
+    tl.store(l_ptr + slot * BLOCK_Q + r, l_i, mask=row_ok)
     tl.store(acc_ptr + (slot * BLOCK_Q + r)[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
     # acq_rel: this program's partial is visible before its ticket; the last one's loads see every partial
     counter = counter_ptr + pair
@@ -131,15 +125,13 @@ def _key_step(q, m_i, l_i, acc, k_ptr, v_ptr, mask_ptr, kv, split, chunk, t, row
     m_new = tl.maximum(m_i, tl.reduce(s, 1, maximum))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at zero
     alpha = tl.math.exp2(m_i - m_safe)
-    p = tl.math.exp2(s - m_safe[:, None]).to(v.dtype)
-    # the sums over this step's keys as products, on top of the rescaled running ones (module docstring)
-    ones = tl.full([BLOCK_N, 16], 1.0, v.dtype)
+    p = tl.math.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.reduce(p, 1, add)
     if IEEE:
-        l_i = tl.dot(p, ones, l_i * alpha[:, None], input_precision="ieee")
-        acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
-        l_i = tl.dot(p, ones, l_i * alpha[:, None])
-        acc = tl.dot(p, v, acc * alpha[:, None])
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
     m_i = m_new
     return m_i, l_i, acc
 

@@ -8,8 +8,7 @@ Gemma 4 uses 1.0), and returns [T, heads * head_dim], the layout o_proj reads. T
 kernel (flashdraft.kernels.attention_triton) splits the keys into fixed ranges, one program per (kv head, tile of
 query rows, key range), and the last program of each (kv head, tile) adds the ranges' partial softmaxes in a
 fixed order; `config_for` picks the tiling from the head width and the cache's capacity (longer key ranges for
-long caches), never from kv_len, and a pass of at most 16 query rows may take its 16-row twin (`ROW_TWINS`), which
-gives every row the same bits (all of the kernel's sums over keys are tensor-core products: the kernel module).
+long caches), never from T or kv_len.
 
 Why not SDPA: at T = 1..16 over a short cache, cuDNN's flash kernel costs several times the reading of its keys
 and values (docs/performance.md), plus the kernels that turn the boolean mask into its own layout. And a row of a
@@ -40,8 +39,7 @@ KERNEL_FORMATS = {"q8_0": 1, "q4_0": 2, "q4_1": 3, "q5_0": 4, "q5_1": 5}
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """One tiling of the kernel, chosen by the cache (config_for), never by kv_len; by T only between twins that
-    give a row the same bits (ROW_TWINS)."""
+    """One tiling of the kernel. Fixed for the process, never chosen by T or kv_len (batch invariance)."""
 
     block_q: int = 16    # query rows per program (tokens x group heads, token-major), at least tl.dot's 16
     block_n: int = 64    # keys per inner step
@@ -68,13 +66,9 @@ CONFIG = AttentionConfig(block_n=128, split=128, num_warps=8)
 # multiprocessor); a short context in such a cache pays for the 64-row tile's arithmetic (20.5 us against 13.7 at
 # 512 keys).
 SHORT_CACHE_ROWS = 6144
-WHOLE_BLOCK_CONFIG = AttentionConfig(block_q=64, block_n=64, split=1024, num_warps=4, num_stages=2, pipelined=True)
 LONG_CONFIGS = ((24576, AttentionConfig(block_n=64, split=512, num_warps=4, num_stages=3, pipelined=True)),
-                (None, WHOLE_BLOCK_CONFIG))
-# A tiling's 16-row twin, for passes of at most 16 query rows (a plain step's 4 rows a kv head): the same key
-# steps and ranges, so the same bits (the kernel module), without the 64-row tile's arithmetic on the 60 empty
-# rows of a one-token step (66.0 us against 72.4 at 32K keys, H100, docs/performance.md).
-ROW_TWINS = {WHOLE_BLOCK_CONFIG: AttentionConfig(block_n=64, split=1024, num_warps=4, num_stages=3, pipelined=True)}
+                (None, AttentionConfig(block_q=64, block_n=64, split=1024, num_warps=4, num_stages=2,
+                                       pipelined=True)))
 # Wider heads (256: Gemma-4) keep steps of 64 keys: a 128-key step would hold 64 KB of keys and 64 KB of values
 # per program at once.
 WIDE_HEAD_CONFIG = AttentionConfig()
@@ -84,14 +78,6 @@ WIDE_HEAD_CONFIG = AttentionConfig()
 WIDEST_HEAD_CONFIG = AttentionConfig(block_n=32, num_warps=8)
 WIDEST_LONG_CONFIG = AttentionConfig(block_n=32, split=1024, num_warps=4, num_stages=3, pipelined=True)
 WIDEST_SHORT_ROWS = 24576
-
-
-def for_rows(config: AttentionConfig, rows: int, dtype: torch.dtype) -> AttentionConfig:
-    """The tiling a pass of `rows` query rows a kv head (tokens x group) takes: config's 16-row twin where it has
-    one and the rows fit 16, for 16-bit queries (whose products the tensor cores add; the twins' bits are checked
-    on the GPU for those: scripts/gpu/attention_run.py --long, tests/test_decode_attention.py)."""
-    twin = ROW_TWINS.get(config)
-    return twin if twin is not None and rows <= twin.block_q and dtype in (torch.bfloat16, torch.float16) else config
 
 
 def config_for(head_dim: int, capacity: int = 0, element_bytes: int = 2) -> AttentionConfig:
@@ -127,16 +113,15 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     type) with unit stride along a row; mask None or bool [T or 1, kv_len]; scale: of the scores (None:
     1/sqrt(hd)). Returns [T, heads * hd] in q's dtype.
     config None = config_for(head_dim, the cache's capacity: k's rows per kv head as allocated, from its strides,
-    its element size), or its 16-row twin for a pass of at most 16 rows a kv head (for_rows).
+    its element size).
     segments (int64 [S, 4], on q's device) with segment_rows (S row counts): q's rows are S sequences' rows in
     turn, each attending over its own cache, whose keys and values start segments[j, 2] and segments[j, 3]
     elements after k's and v's (the same strides and capacity); segments[j, 0:2] = its first row, its rows; the
     mask [T, kv_len] has every row's own (segment_table). One launch for all: each segment's programs do what a
     launch of its rows alone over its cache does."""
     heads, T, hd = q.shape
+    c = config or config_for(hd, k.stride(0) // max(1, k.stride(1)), k.element_size())
     kv_heads, kv_len = k.shape[0], k.shape[1]
-    c = config or for_rows(config_for(hd, k.stride(0) // max(1, k.stride(1)), k.element_size()),
-                           max(segment_rows, default=T) * (heads // max(1, kv_heads)), q.dtype)
     if heads % kv_heads or v.shape[:2] != k.shape[:2] or k.dim() != 3 or v.dim() != 3 or not supports(hd):
         raise ValueError(f"decode_attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} "
                          f"(head_dim must be one of {HEAD_DIMS}, heads a multiple of kv_heads)")

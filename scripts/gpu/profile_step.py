@@ -5,9 +5,10 @@ Usage (GPU machine, repo root): PYTHONPATH=src python scripts/gpu/profile_step.p
 BACKENDS: cublas (default), triton (skinny GEMMs), triton+attn (and the decode attention kernels).
 --generate: instead, whole generations as the synthetic benchmark times them (the CUDA defaults: graphs, pipelined
 steps), plain decoding and DFlash at tau 6: kernel time per step against wall time per step.
---context N (with --generate): after a prompt of N tokens (the cache N + 320 rows, as a long-context benchmark
-allocates it); the profiled generation reuses the timed one's prompt rows, so its kernels are the decoding steps'
-(and a few prompt rows'), each listed with its calls and time per call.
+--context N (with --generate): 128 tokens after a prompt of N tokens (the cache N + 320 rows, as a long-context
+benchmark allocates it). The profiled generation prefills its prompt again, so its totals include the prefill's
+kernels: each kernel is listed with its calls and time per call, and the decode kernels' (attention_kernel,
+skinny_gemm_kernel) are read from those.
 """
 import sys
 from collections import defaultdict

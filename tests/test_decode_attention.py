@@ -164,6 +164,30 @@ def test_long_caches_take_longer_key_ranges():
     torch.testing.assert_close(full.double(), _reference(q, k[:, :300], v[:, :300], mask), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("config", [PIPELINED, da.AttentionConfig(block_q=64, block_n=64, split=1024, num_warps=4,
+                                                                   pipelined=True)],
+                         ids=["pipelined", "whole-block-long-ranges"])
+def test_descriptor_loads_give_the_tilings_bits(config):
+    """A tiling with tensor-descriptor loads (tma) reads the same keys and values as its loads by address, rows
+    past kv_len as zeros (here NaN in the cache: never read as such), so a token gets the same bits; over a view of
+    a larger cache (the strides as allocated), one token and a verify block. Quantized caches are refused by
+    name."""
+    k, v = _cache(2, 340, 64, seed=51)
+    k[:, 300:], v[:, 300:] = float("nan"), float("nan")
+    q = _queries(8, 16, 64, seed=52)
+    tma = replace(config, tma=True)
+    assert tma.name == config.name + "t"
+    for T, kv_len in ((16, 300), (1, 170)):
+        mask = _causal(kv_len - T, T, kv_len)
+        keys, values = k[:, :kv_len], v[:, :kv_len]
+        out = da.launch(q[:, :T].contiguous(), keys, values, mask, tma)
+        assert torch.equal(out, da.launch(q[:, :T].contiguous(), keys, values, mask, config))
+        assert not out.isnan().any()
+    packed = torch.zeros(2, 64, 64 + 4, dtype=torch.uint8, device=DEVICE)  # q8_0 rows
+    with pytest.raises(ValueError, match="tensor descriptors"):
+        da.launch(q[:, :1].contiguous(), packed, packed, None, tma)
+
+
 def test_another_tiling_changes_the_bits():
     """The invariance checks can fail: a tiling chosen by T (here another key range) changes a token's bits."""
     k, v = _cache(2, 300, 64, seed=3)

@@ -4,7 +4,8 @@ calls it:
 - error against a float64 reference, beside SDPA's own bf16 error;
 - bitwise batch invariance: each token of a 16-token call against the same token alone (other tile places),
   and alone over a longer kv_len (more masked key ranges: a verify step may fall in the next graph bucket); for
-  tiles of more than 16 rows, also against the token alone through the same tiling's 16-row tiles;
+  tiles of more than 16 rows, also against the token alone through the same tiling's 16-row tiles; for tilings
+  with tensor-descriptor (TMA) loads, against the same tiling's loads by address;
 - time per call inside a CUDA graph, rotating over the layers' caches (as a pass meets them, not from L2);
 for each of a few tilings (AttentionConfig); OUT_DIR/attention.json names the fastest invariant one ("adopted"),
 which perf_run.py --attention-config=OUT_DIR/attention.json then uses.
@@ -47,7 +48,9 @@ CONFIGS = [CONFIG, AttentionConfig(), AttentionConfig(split=64),
            AttentionConfig(block_n=128, split=128), AttentionConfig(block_n=128, split=128, num_warps=8, num_stages=1),
            AttentionConfig(block_n=64, split=512),
            # a kv head's whole 16-token verify block (64 rows) in one query tile: its keys read once (issue #20)
-           AttentionConfig(block_q=64, block_n=128, split=128, num_warps=8), AttentionConfig(block_q=64, split=256)]
+           AttentionConfig(block_q=64, block_n=128, split=128, num_warps=8), AttentionConfig(block_q=64, split=256),
+           # the adopted short-cache tiling with its keys and values by tensor descriptors (TMA)
+           dataclasses.replace(CONFIG, tma=True)]
 # the configuration adopted is the fastest over these (kv_len, T) cases (bench and chat contexts), if invariant
 ADOPT_ON = {(512, 1), (512, 16), (2048, 1), (2048, 16)}
 # the tiling adopted for 6145-24576 rows; the whole-block tile adopted beyond, 16-row tilings of its key steps and
@@ -58,7 +61,11 @@ LONG_CONFIGS = [AttentionConfig(block_n=64, split=512, num_warps=4, num_stages=3
                 AttentionConfig(block_n=64, split=1024, num_warps=4, num_stages=3, pipelined=True),
                 AttentionConfig(block_n=64, split=1024, num_warps=4, num_stages=2, pipelined=True),
                 AttentionConfig(block_n=64, split=1024, num_warps=2, num_stages=3, pipelined=True),
-                AttentionConfig(block_q=64, block_n=64, split=1024, num_warps=8, num_stages=2, pipelined=True)]
+                AttentionConfig(block_q=64, block_n=64, split=1024, num_warps=8, num_stages=2, pipelined=True),
+                # the two adopted long-cache tilings with keys and values by tensor descriptors (TMA)
+                AttentionConfig(block_n=64, split=512, num_warps=4, num_stages=3, pipelined=True, tma=True),
+                AttentionConfig(block_q=64, block_n=64, split=1024, num_warps=4, num_stages=2, pipelined=True,
+                                tma=True)]
 # Gemma 4's full layers (32 query heads over 4 kv heads of 512, ten of them in the 31B): 32-key steps; the adopted
 # long tiling, and unrolled
 GEMMA_FULL_LONG_CONFIGS = [AttentionConfig(block_n=32, split=1024, num_warps=4, num_stages=3, pipelined=True),
@@ -112,13 +119,18 @@ def main(out: Path, long: bool = False, shape: str = "qwen") -> None:
                         same_longer += torch.equal(alone[0], ours[t])
                     rec["invariant_tokens"] = f"{same}/{T}"
                     rec["invariant_tokens_longer_kv"] = f"{same_longer}/{T}"
-                    if c.block_q != 16:  # a token alone through the 16-row twins: the same bits? (then verify
-                        # passes could take the wide tile and one-token steps a 16-row one)
-                        for twin in [x for x in configs if x.block_q == 16 and (x.block_n, x.split, x.pipelined)
-                                     == (c.block_n, c.split, c.pipelined)] or [dataclasses.replace(c, block_q=16)]:
+                    if c.block_q != 16 and not c.tma:  # a token alone through the 16-row twins: the same bits?
+                        # (then verify passes could take the wide tile and one-token steps a 16-row one)
+                        for twin in [x for x in configs if x.block_q == 16 and not x.tma and (x.block_n, x.split,
+                                     x.pipelined) == (c.block_n, c.split, c.pipelined)] or [
+                                dataclasses.replace(c, block_q=16)]:
                             same_twin = sum(torch.equal(launch(q[:, t:t + 1], k, v, mask[t:t + 1], twin)[0], ours[t])
                                             for t in range(T))
                             rec[f"bits_as_{twin.name}"] = f"{same_twin}/{T}"
+                    if c.tma:  # the same values loaded another way: the loads by address' bits?
+                        by_address = launch(q, k, v, mask, dataclasses.replace(c, tma=False))
+                        rec["bits_as_loads_by_address"] = torch.equal(by_address, ours)
+                        invariant[c] &= rec["bits_as_loads_by_address"]
                     invariant[c] &= same == T and same_longer == T
                 invariant[c] &= rec["err"] < 4 * row["err_sdpa_bf16"] + 1e-3
                 if (kv_len, T) in adopt_on:

@@ -24,6 +24,11 @@ its own cache; axis 2 runs over (segment, key range), and each program reads its
 caches' offsets from a table, then does what a launch of that segment alone does (its tiles start at the
 segment's first row; a tile past its rows reads no keys).
 
+TMA (float caches, one sequence's launch): k_ptr and v_ptr are tensor descriptors over the [kv heads, kv_len,
+head_dim] views, and a step's keys and values come by the copy engine (Hopper's TMA) instead of every thread's
+address arithmetic and cp.async copies; the same values (rows past kv_len read as zeros, as the masked loads give
+them), so the same arithmetic and bits as the tiling without it.
+
 Quantized caches (KV cache types q8_0, q5_1, q5_0, q4_1, q4_0) are read as their packed blocks and dequantized in
 registers (`_load_rows`), so a step reads the cache's bytes, not a dequantized copy of it. Their rows are laid out
 by field (kv_formats): the quants load as contiguous vectors (ALIGN bytes wide, the rows' alignment) and each
@@ -41,7 +46,7 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, count
                      qk_scale, GROUP: tl.constexpr, D: tl.constexpr, HAS_MASK: tl.constexpr,
                      IEEE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                      K_FMT: tl.constexpr, V_FMT: tl.constexpr, K_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr,
-                     PIPELINED: tl.constexpr, SEGMENTED: tl.constexpr):
+                     PIPELINED: tl.constexpr, SEGMENTED: tl.constexpr, TMA: tl.constexpr = False):
     kv = tl.program_id(0)
     tile = tl.program_id(1)
     split = tl.program_id(2)
@@ -76,12 +81,12 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, count
         for chunk in range(0, steps):
             m_i, l_i, acc = _key_step(q, m_i, l_i, acc, k_ptr, v_ptr, mask_ptr, kv, split, chunk, t, row_ok, KV_LEN,
                                       stride_kh, stride_kn, stride_vh, stride_vn, stride_mt, qk_scale, D, HAS_MASK,
-                                      IEEE, BLOCK_N, SPLIT, K_FMT, V_FMT, K_ALIGN, V_ALIGN)
+                                      IEEE, BLOCK_N, SPLIT, K_FMT, V_FMT, K_ALIGN, V_ALIGN, TMA)
     else:
         for chunk in tl.static_range(SPLIT // BLOCK_N):
             m_i, l_i, acc = _key_step(q, m_i, l_i, acc, k_ptr, v_ptr, mask_ptr, kv, split, chunk, t, row_ok, KV_LEN,
                                       stride_kh, stride_kn, stride_vh, stride_vn, stride_mt, qk_scale, D, HAS_MASK,
-                                      IEEE, BLOCK_N, SPLIT, K_FMT, V_FMT, K_ALIGN, V_ALIGN)
+                                      IEEE, BLOCK_N, SPLIT, K_FMT, V_FMT, K_ALIGN, V_ALIGN, TMA)
     # this (kv head, query tile)'s counter and partials. Where it is computed sets the registers a thread (ptxas,
     # sm_90), which decide whether two 8-warp programs share a multiprocessor: one sequence's after the key loop
     # (107 registers in the 32K tiling; 142 computed before it), a batched pass's before it (128; 144 after it)
@@ -106,7 +111,7 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, count
 def _key_step(q, m_i, l_i, acc, k_ptr, v_ptr, mask_ptr, kv, split, chunk, t, row_ok, KV_LEN, stride_kh, stride_kn,
               stride_vh, stride_vn, stride_mt, qk_scale, D: tl.constexpr, HAS_MASK: tl.constexpr,
               IEEE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, K_FMT: tl.constexpr,
-              V_FMT: tl.constexpr, K_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr):
+              V_FMT: tl.constexpr, K_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr, TMA: tl.constexpr):
     """One BLOCK_N-key step of the online softmax over a program's key range: the running maximum, sum and output
     after keys chunk * BLOCK_N ... of range `split`."""
     n = split * SPLIT + chunk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -115,8 +120,13 @@ def _key_step(q, m_i, l_i, acc, k_ptr, v_ptr, mask_ptr, kv, split, chunk, t, row
     if HAS_MASK:
         visible = visible & (tl.load(mask_ptr + t[:, None] * stride_mt + n[None, :], mask=visible, other=0) != 0)
     # V's load goes out with K's (issued after the scores' softmax, it cost about 1 us more at 512 keys)
-    k = _load_rows(k_ptr, kv * stride_kh + n * stride_kn, n_ok, K_FMT, D, q.dtype, K_ALIGN)
-    v = _load_rows(v_ptr, kv * stride_vh + n * stride_vn, n_ok, V_FMT, D, q.dtype, V_ALIGN)
+    if TMA:  # tensor descriptors over [kv heads, kv_len, D]: the copy engine's loads, rows past kv_len zeros
+        first = split * SPLIT + chunk * BLOCK_N
+        k = k_ptr.load([kv, first, 0]).reshape(BLOCK_N, D).to(q.dtype)
+        v = v_ptr.load([kv, first, 0]).reshape(BLOCK_N, D).to(q.dtype)
+    else:
+        k = _load_rows(k_ptr, kv * stride_kh + n * stride_kn, n_ok, K_FMT, D, q.dtype, K_ALIGN)
+        v = _load_rows(v_ptr, kv * stride_vh + n * stride_vn, n_ok, V_FMT, D, q.dtype, V_ALIGN)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:

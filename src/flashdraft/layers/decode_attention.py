@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from flashdraft.kernels.runtime import opaque_op
-from flashdraft.quant.kv_formats import stored_format
+from flashdraft.quant.kv_formats import FLOAT_FORMATS, stored_format
 
 HEAD_DIMS = (16, 32, 64, 128, 256, 512)  # powers of two (tl.arange), at least tl.dot's 16; 512: Gemma 4's full layers
 # The kernel's codes for quantized cache rows (kernels.attention_triton._load_rows); float rows of any dtype are 0.
@@ -47,11 +47,12 @@ class AttentionConfig:
     num_warps: int = 4
     num_stages: int = 2
     pipelined: bool = False  # the key loop as one Triton software-pipelines (num_stages), else unrolled
+    tma: bool = False  # keys and values by tensor descriptors (float caches, heads up to 256 wide, one sequence)
 
     @property
     def name(self) -> str:
         return (f"q{self.block_q}n{self.block_n}s{self.split}w{self.num_warps}p{self.num_stages}"
-                + ("l" if self.pipelined else ""))
+                + ("l" if self.pipelined else "") + ("t" if self.tma else ""))
 
 
 # The tilings are the fastest measured by scripts/gpu/attention_run.py on an H200 at T = 1 and 16
@@ -152,16 +153,30 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         if mask.stride(-1) != 1:
             mask = mask.contiguous()
     stride_mt = 0 if mask is None or mask.shape[0] == 1 else mask.stride(0)
+    keys, values = k, v
+    if c.tma:
+        if k_format.name not in FLOAT_FORMATS or v_format.name != k_format.name or segments is not None or hd > 256:
+            raise ValueError(f"decode_attention: tiling {c.name} loads by tensor descriptors: float caches of heads "
+                             f"up to 256 wide, one sequence's launch (got {k_format.name} / {v_format.name} rows, "
+                             f"head_dim {hd}{', segments' if segments is not None else ''})")
+        keys, values = _descriptor(k, c.block_n), _descriptor(v, c.block_n)
     _kernels().attention_kernel[(kv_heads, tiles, splits * n_segments)](
-        q, k, v, mask if mask is not None else q, m, l_sum, acc, _tickets(q.device, n_segments * kv_heads * tiles),
+        q, keys, values, mask if mask is not None else q, m, l_sum, acc, _tickets(q.device, n_segments * kv_heads * tiles),
         out, segments if segments is not None else q, T,
         kv_len, splits, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), stride_mt,
         out.stride(0), math.log2(math.e) * (1 / math.sqrt(hd) if scale is None else scale), GROUP=group, D=hd,
         HAS_MASK=mask is not None, IEEE=q.dtype == torch.float32, BLOCK_Q=c.block_q, BLOCK_N=c.block_n, SPLIT=c.split,
         K_FMT=KERNEL_FORMATS.get(k_format.name, 0), V_FMT=KERNEL_FORMATS.get(v_format.name, 0),
         K_ALIGN=_row_alignment(k), V_ALIGN=_row_alignment(v), PIPELINED=c.pipelined, SEGMENTED=segments is not None,
-        num_warps=c.num_warps, num_stages=c.num_stages)
+        TMA=c.tma, num_warps=c.num_warps, num_stages=c.num_stages)
     return out
+
+
+def _descriptor(rows: torch.Tensor, block_n: int):
+    """A tensor descriptor over the cache view rows [kv heads, kv_len, head_dim] (strides as allocated), read in
+    boxes of one head's block_n rows; rows past kv_len read as zeros."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    return TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [1, block_n, rows.shape[2]])
 
 
 def _row_alignment(rows: torch.Tensor) -> int:

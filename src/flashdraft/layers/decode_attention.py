@@ -161,8 +161,8 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
                              f"head_dim {hd}{', segments' if segments is not None else ''})")
         keys, values = _descriptor(k, c.block_n), _descriptor(v, c.block_n)
     _kernels().attention_kernel[(kv_heads, tiles, splits * n_segments)](
-        q, keys, values, mask if mask is not None else q, m, l_sum, acc, _tickets(q.device, n_segments * kv_heads * tiles),
-        out, segments if segments is not None else q, T,
+        q, keys, values, mask if mask is not None else q, m, l_sum, acc,
+        _tickets(q.device, n_segments * kv_heads * tiles), out, segments if segments is not None else q, T,
         kv_len, splits, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), stride_mt,
         out.stride(0), math.log2(math.e) * (1 / math.sqrt(hd) if scale is None else scale), GROUP=group, D=hd,
         HAS_MASK=mask is not None, IEEE=q.dtype == torch.float32, BLOCK_Q=c.block_q, BLOCK_N=c.block_n, SPLIT=c.split,

@@ -142,6 +142,11 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         raise ValueError(f"decode_attention: segments {list(segments.shape)} ({segments.dtype}) for rows "
                          f"{list(segment_rows)} of q's {T}, mask {None if mask is None else list(mask.shape)}: "
                          f"want int64 [{n_segments}, 4] and a [{T}, kv_len] mask")
+    if c.tma and (k_format.name not in FLOAT_FORMATS or v_format.name != k_format.name or segments is not None
+                  or hd > 256):
+        raise ValueError(f"decode_attention: tiling {c.name} loads by tensor descriptors: float caches of heads "
+                         f"up to 256 wide, one sequence's launch (got {k_format.name} / {v_format.name} rows, "
+                         f"head_dim {hd}{', segments' if segments is not None else ''})")
     tiles = -(-(max(segment_rows, default=T) * group) // c.block_q)
     splits = max(1, -(-kv_len // c.split))
     out = torch.empty((T, heads * hd), dtype=q.dtype, device=q.device)
@@ -153,13 +158,7 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         if mask.stride(-1) != 1:
             mask = mask.contiguous()
     stride_mt = 0 if mask is None or mask.shape[0] == 1 else mask.stride(0)
-    keys, values = k, v
-    if c.tma:
-        if k_format.name not in FLOAT_FORMATS or v_format.name != k_format.name or segments is not None or hd > 256:
-            raise ValueError(f"decode_attention: tiling {c.name} loads by tensor descriptors: float caches of heads "
-                             f"up to 256 wide, one sequence's launch (got {k_format.name} / {v_format.name} rows, "
-                             f"head_dim {hd}{', segments' if segments is not None else ''})")
-        keys, values = _descriptor(k, c.block_n), _descriptor(v, c.block_n)
+    keys, values = (_descriptor(k, c.block_n), _descriptor(v, c.block_n)) if c.tma else (k, v)
     _kernels().attention_kernel[(kv_heads, tiles, splits * n_segments)](
         q, keys, values, mask if mask is not None else q, m, l_sum, acc,
         _tickets(q.device, n_segments * kv_heads * tiles), out, segments if segments is not None else q, T,

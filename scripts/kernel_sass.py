@@ -15,6 +15,7 @@ times). Needs Triton with its NVIDIA backend (ptxas and cuobjdump ship with it).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import json
@@ -131,19 +132,26 @@ def row_tile_candidate_fingerprints() -> dict:
 
 def attention_fingerprints(segmented: bool) -> dict:
     """Decode attention, each adopted tiling at its head width (Qwen3-8B's group of 4; Gemma 4's 512-wide full
-    layers, a group of 8), over a bf16 cache with a mask; one sequence's launch, or a batched pass's (segmented)."""
+    layers, a group of 8), over a bf16 cache with a mask; one sequence's launch, where the long tilings also take
+    their keys and values by tensor descriptors (config_for), or a batched pass's (segmented)."""
     aligned = tuple(a for a in ATTENTION if a.endswith("_ptr")) + (
         "stride_qh", "stride_qt", "stride_kh", "stride_kn", "stride_vh", "stride_vn", "stride_ot")
-    tilings = [(128, da.CONFIG)] + [(128, c) for _, c in da.LONG_CONFIGS] + [
+    long = [c for _, c in da.LONG_CONFIGS]
+    tilings = [(128, da.CONFIG)] + [(128, c) for c in long] + [
         (256, da.WIDE_HEAD_CONFIG), (512, da.WIDEST_HEAD_CONFIG), (512, da.WIDEST_LONG_CONFIG)]
+    if not segmented:
+        tilings += [(128, dataclasses.replace(c, tma=True)) for c in long]
     out = {}
     for hd, c in tilings:
+        signature = ATTENTION if not c.tma else dict(ATTENTION, **{
+            name: f"tensordesc<bf16[1,{c.block_n},{hd}]>" for name in ("k_ptr", "v_ptr")})
         out[f"attention d{hd} {c.name}" + (" segmented" if segmented else "")] = fingerprint(
-            attention_triton.attention_kernel, ATTENTION, dict(
+            attention_triton.attention_kernel, signature, dict(
                 GROUP=8 if hd == 512 else 4, D=hd, HAS_MASK=True, IEEE=False, BLOCK_Q=c.block_q, BLOCK_N=c.block_n,
                 SPLIT=c.split, K_FMT=0, V_FMT=0, K_ALIGN=16, V_ALIGN=16, PIPELINED=c.pipelined,
-                SEGMENTED=segmented),
-            num_warps=c.num_warps, num_stages=c.num_stages, aligned=aligned)
+                SEGMENTED=segmented, TMA=c.tma),
+            num_warps=c.num_warps, num_stages=c.num_stages,
+            aligned=tuple(a for a in aligned if not (c.tma and a in ("k_ptr", "v_ptr"))))
     return out
 
 

@@ -137,6 +137,10 @@ def test_long_caches_take_longer_key_ranges():
     assert da.config_for(128, 4112) is da.CONFIG and da.config_for(64, 300) is da.CONFIG
     assert da.config_for(128, 7000).split == 512 and da.config_for(128, 8208).split == 512
     assert da.config_for(128, 32912).split == 1024 and da.config_for(256, 40000) is da.WIDE_HEAD_CONFIG
+    # where the launch can take tensor descriptors the long tilings do (the same bits: the test below), short ones not
+    assert da.config_for(128, 8208, descriptors=True) == replace(da.config_for(128, 8208), tma=True)
+    assert da.config_for(128, 32912, descriptors=True).tma and not da.config_for(128, 32912).tma
+    assert not da.config_for(128, 4112, descriptors=True).tma
     # Gemma 4's 512-wide full layers: 32-key steps, 128-key ranges up to 24576 rows, 1024-key ranges beyond
     assert da.config_for(512, 4112) is da.WIDEST_HEAD_CONFIG and da.config_for(512, 8208) is da.WIDEST_HEAD_CONFIG
     assert (da.config_for(512, 24592).split, da.config_for(512, 131136).split) == (1024, 1024)
@@ -186,6 +190,9 @@ def test_descriptor_loads_give_the_tilings_bits(config):
     packed = torch.zeros(2, 64, 64 + 4, dtype=torch.uint8, device=DEVICE)  # q8_0 rows
     with pytest.raises(ValueError, match="tensor descriptors"):
         da.launch(q[:, :1].contiguous(), packed, packed, None, tma)
+    # the launch's own choice over a long cache of packed rows loads them by address, refusing nothing
+    packed = torch.zeros(2, 7000, 64 + 4, dtype=torch.uint8, device=DEVICE)
+    assert not da.launch(q[:, :1].contiguous(), packed[:, :300], packed[:, :300], None).isnan().any()
 
 
 def test_another_tiling_changes_the_bits():

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -44,11 +45,13 @@ def test_attention_tilings_fit_two_programs_a_multiprocessor():
                          env=dict(env, PYTHONPATH=str(ROOT / "src")))
     assert run.returncode == 0, run.stderr[-2000:]
     prints = json.loads(run.stdout.strip().splitlines()[-1])
-    for config in [da.CONFIG] + [c for _, c in da.LONG_CONFIGS]:
-        for form in ("", " segmented"):  # one sequence's launch, a batched pass's
-            found = prints[f"attention d128 {config.name}{form}"]
-            per_thread = -(-found["registers"] // 8) * 8  # allocated 8 registers a thread at a time
-            programs = REGISTERS_PER_MULTIPROCESSOR // (per_thread * 32 * config.num_warps)
-            assert programs >= 2, (config.name, form, found)
-            assert SHARED_PER_MULTIPROCESSOR // (found["shared"] + 1024) >= 2, (config.name, form, found)
-            assert found["stack"] == 0, (config.name, form, found)
+    long = [c for _, c in da.LONG_CONFIGS]
+    # one sequence's launch (the long tilings by tensor descriptors too), a batched pass's
+    for config, form in [(c, f) for c in [da.CONFIG] + long for f in ("", " segmented")] + [
+            (replace(c, tma=True), "") for c in long]:
+        found = prints[f"attention d128 {config.name}{form}"]
+        per_thread = -(-found["registers"] // 8) * 8  # allocated 8 registers a thread at a time
+        programs = REGISTERS_PER_MULTIPROCESSOR // (per_thread * 32 * config.num_warps)
+        assert programs >= 2, (config.name, form, found)
+        assert SHARED_PER_MULTIPROCESSOR // (found["shared"] + 1024) >= 2, (config.name, form, found)
+        assert found["stack"] == 0, (config.name, form, found)

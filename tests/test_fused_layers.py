@@ -190,7 +190,7 @@ def test_engines_keep_the_plan_their_models_were_built_with(tmp_path):
 
 def _gguf_target(tmp_path, seed):
     """A Qwen3 target (rows of whole 256-weight K-quant blocks) as a Q4_K_S-recipe GGUF: layer 0's attn_v is Q5_K,
-    so its q/k/v stay three products, layer 1's are one; and the folder it came from."""
+    so its q and k are one product and v another, layer 1's q/k/v are one; and the folder it came from."""
     from test_gguf import QUANT_CASES, target_to_gguf
 
     folder = build_target(tmp_path / "t", family="qwen3", layers=2, hidden=256, seed=seed)
@@ -200,7 +200,8 @@ def _gguf_target(tmp_path, seed):
 
 def test_quant_forward_matches_the_module_path(tmp_path):
     """Layers with GGUF projections take quant_forward under the fused plan (norms kept, not folded into blocks):
-    outputs and cache rows as the module path's, with q/k/v as three products (layer 0) and as one (layer 1)."""
+    outputs and cache rows as the module path's, with q/k/v as two products (q|k and a v of another type: layer 0)
+    and as one (layer 1); SwiGLU as one kernel and the residual added in down_proj's product."""
     from flashdraft.quant.linear import QuantLinear
 
     path, _ = _gguf_target(tmp_path, seed=9)
@@ -208,7 +209,10 @@ def test_quant_forward_matches_the_module_path(tmp_path):
     target.prepare()
     layers = target.model.layers
     assert all(layer.fused_rows == 16 and not layer.norms_folded for layer in layers)
-    assert layers[0].self_attn.qkv_proj is None and isinstance(layers[1].self_attn.qkv_proj, QuantLinear)
+    assert layers[0].self_attn.qkv_proj is None and isinstance(layers[0].self_attn.qk_proj, QuantLinear)
+    assert isinstance(layers[1].self_attn.qkv_proj, QuantLinear) and layers[1].self_attn.qk_proj is None
+    attn = layers[0].self_attn
+    assert attn.k_proj.blocks.data_ptr() == attn.qk_proj.blocks[attn.q_proj.out_features:].data_ptr()  # views
     h, cos, sin, positions, kv_len, mask, history = _layer_pass(target)
     for layer in layers:
         outs, caches = _run_paths((layer.forward, layer.module_forward), h, cos, sin, positions, kv_len, mask, history)

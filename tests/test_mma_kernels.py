@@ -135,3 +135,37 @@ def test_split_k_is_one_launch_the_same_bits_every_time_and_leaves_the_counts_at
     assert all(torch.equal(run, first[:run.shape[0]]) for run in runs)
     assert ((first.float() - whole).abs() <= 2 ** -7 * whole.abs() + 1e-3 * whole.abs().max()).all()
     assert not mma_kernels._counters(torch.cuda.current_device()).any()
+
+
+def test_quant_linear_adds_a_residual_as_the_sum_does():
+    """QuantLinear(x, residual=r) is QuantLinear(x) + r bit for bit: on a GPU the kernel adds r as it stores its
+    product (y rounded, then the sum rounded), elsewhere the add follows the product."""
+    from flashdraft.quant.linear import QuantLinear
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for qtype in mma_kernels.QTYPES:
+        blocks = torch.from_numpy(random_blocks(qtype, rows=64, blocks_per_row=2)).to(device)
+        layer = QuantLinear(blocks, qtype, 512, torch.bfloat16)
+        x = torch.randn(3, 512, generator=torch.Generator().manual_seed(3)).bfloat16().to(device)
+        r = torch.randn(3, 64, generator=torch.Generator().manual_seed(4)).mul(8).bfloat16().to(device)
+        y = layer(x)
+        assert torch.equal(layer(x, residual=r), y + r) and not torch.equal(y + r, y)
+
+
+@cuda
+@pytest.mark.parametrize("qtype", list(mma_kernels.QTYPES))
+@pytest.mark.parametrize("split", [1, 4])
+def test_the_kernel_adds_the_residual_as_torch_adds_it(qtype, split):
+    """In the store of one K range and in the last warp's sum of several: the bits of y + r for every M."""
+    n, k = 1040, 4096
+    blocks = torch.from_numpy(random_blocks(qtype, rows=n, blocks_per_row=k // 256)).cuda()
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(16, k, device="cuda", generator=gen).bfloat16()
+    r = torch.randn(16, n, device="cuda", generator=gen).mul(30).bfloat16()
+    tiling = MmaTiling(1, 2, split, 1)
+    y = mma_kernels.launch(x, blocks, n, qtype, tiling)
+    for m in (1, 5, 9, 16):
+        assert torch.equal(mma_kernels.launch(x[:m], blocks, n, qtype, tiling, residual=r[:m]), y[:m] + r[:m]), m
+    with pytest.raises(ValueError, match="residual must be bf16"):
+        mma_kernels.launch(x, blocks, n, qtype, tiling, residual=r[:, :16])
+    assert not mma_kernels._counters(torch.cuda.current_device()).any()

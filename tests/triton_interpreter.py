@@ -22,10 +22,11 @@ def interpret_without_gpu(kernel_module: str, kernels_cache) -> None:
 
 def interpret_layer_kernels() -> None:
     """interpret_without_gpu for every kernel of a decoder layer's few-row paths: the skinny GEMM, decode attention,
-    qkv_prep and the row norm."""
-    from flashdraft.layers import decode_attention, qkv_prep, rms_norm_rows, skinny_gemm
+    qkv_prep, the row norm and SwiGLU."""
+    from flashdraft.layers import decode_attention, qkv_prep, rms_norm_rows, skinny_gemm, swiglu_rows
     for kernels, layer in (("skinny_triton", skinny_gemm), ("attention_triton", decode_attention),
-                           ("qkv_prep_triton", qkv_prep), ("rms_norm_triton", rms_norm_rows)):
+                           ("qkv_prep_triton", qkv_prep), ("rms_norm_triton", rms_norm_rows),
+                           ("swiglu_triton", swiglu_rows)):
         interpret_without_gpu(f"flashdraft.kernels.{kernels}", layer._kernels)
 
 

@@ -182,19 +182,25 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.qkv_proj = None  # q, k and v as one projection, once fuse_projections() found them alike
+        self.qk_proj = None  # else q and k as one, where they are alike
 
     def fuse_projections(self) -> None:
         """q, k and v as one projection (fuse_rows: float, or GGUF blocks of one type): one GEMM per step instead
         of three; the q/k/v_proj weights become views of its own, so no memory is added and the other paths keep
-        working. Done once."""
-        if self.qkv_proj is None:
+        working. Where v is of another type (Q4_K_M files hold a Q6_K attn_v in half the layers), q and k as one.
+        Done once."""
+        if self.qkv_proj is None and self.qk_proj is None:
             attach_fused(self, "qkv_proj", [self.q_proj, self.k_proj, self.v_proj])
+            if self.qkv_proj is None:
+                attach_fused(self, "qk_proj", [self.q_proj, self.k_proj])
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.qkv_proj is None:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        return self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        if self.qkv_proj is not None:
+            return self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        if self.qk_proj is not None:
+            return *self.qk_proj(x).split([q_size, kv_size], dim=-1), self.v_proj(x)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def _rotated(self, x: torch.Tensor, heads: int, norm: RMSNorm | None, cos, sin) -> torch.Tensor:
         """[..., T, heads * head_dim] -> [..., heads, T, head_dim], per-head normed (Qwen3) and rotated."""
@@ -255,6 +261,8 @@ class Attention(nn.Module):
         (DecoderLayer.quant_forward)."""
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x)
+        elif self.qk_proj is not None:
+            qkv = torch.cat([self.qk_proj(x), self.v_proj(x)], dim=-1)
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         return self.o_proj(self._prepped_attention(qkv, cos, sin, segments, merged))

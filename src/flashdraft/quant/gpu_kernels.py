@@ -11,22 +11,27 @@ from flashdraft.kernels.runtime import opaque_op
 from flashdraft.quant import mma_kernels
 
 
-def _output_like(x, blocks, out_features, qtype):
+def _output_like(x, blocks, out_features, qtype, residual=None):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
 @opaque_op("flashdraft::quant_matmul", _output_like)
-def _quant_matmul(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str) -> torch.Tensor:
+def _quant_matmul(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T (+ residual: the CUDA kernel adds it in its store, the others after, the same bits)."""
     if mma_kernels.supported(x, blocks, out_features, qtype):
-        return mma_kernels.launch(x, blocks, out_features, qtype)
+        return mma_kernels.launch(x, blocks, out_features, qtype, residual=residual)
     if gguf_triton.dequantizes(x.numel() // max(x.shape[-1], 1), out_features, x.shape[-1], x.dtype):
-        return gguf_triton.dequantize_matmul(x, blocks, qtype)
-    return gguf_triton.launch(x, blocks, out_features, qtype)
+        y = gguf_triton.dequantize_matmul(x, blocks, qtype)
+    else:
+        y = gguf_triton.launch(x, blocks, out_features, qtype)
+    return y if residual is None else y + residual
 
 
 def _matmul(qtype: str):
-    def matmul(x: torch.Tensor, blocks: torch.Tensor, out_features: int) -> torch.Tensor:
-        return _quant_matmul(x, blocks, out_features, qtype)
+    def matmul(x: torch.Tensor, blocks: torch.Tensor, out_features: int,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+        return _quant_matmul(x, blocks, out_features, qtype, residual)
 
     matmul.qtype = qtype
     return matmul

@@ -3,7 +3,8 @@
 // R_TILES, NT, WARPS, MINB and STAGES defined in front of this text, once per type and tiling.
 //
 // W: GGUF blocks, row-major uint8 [N, K / 256 * BLOCK_BYTES]. X: bf16 [M, K], M <= 8 * NT. With one K range
-// (gridDim.y 1) the kernel rounds its sums to bf16 into Y [M, N]. With several (a split), each warp writes its
+// (gridDim.y 1) the kernel rounds its sums to bf16 into Y [M, N]; given a residual R (bf16 [M, N], has_r 1), it
+// writes y + R instead, y rounded to bf16 first and the sum rounded again: torch's bf16 add of the two, bit for bit. With several (a split), each warp writes its
 // range's sums into P, float32 [split, M, N], and counts itself in C[its warp column] (uint32, zero between
 // launches); the warp that counts last for its rows adds their split sums in range order 0, 1, ... (the same adds
 // whichever warp that is), rounds them into Y and sets its count back to zero: no reduce launch of its own.
@@ -130,11 +131,19 @@ __device__ __forceinline__ void start_sums(float (&tot)[R_TILES][NT][4], const u
     }
 }
 
+// y rounded to bf16, plus the residual's R[at] where there is one (has_r), rounded again
+__device__ __forceinline__ u16 output_bits(float y, const u16 *__restrict__ R, int has_r, size_t at) {
+    const u16 bits = f32_to_bf16_bits(y);
+    if (!has_r) return bits;
+    return f32_to_bf16_bits(__uint_as_float((u32)bits << 16) + __uint_as_float((u32)R[at] << 16));
+}
+
 // The warp's sums: rounded to bf16 into Y with one K range; else into this range's partial sums, and, from the
-// warp that finishes its rows' last range, every range's sums added in range order and rounded into Y.
+// warp that finishes its rows' last range, every range's sums added in range order and rounded into Y; the
+// residual added where there is one.
 __device__ __forceinline__ void store_sums(const float (&tot)[R_TILES][NT][4], float *__restrict__ P,
-                                           u16 *__restrict__ Y, unsigned int *__restrict__ C, int M, int N,
-                                           int tile0, int lane) {
+                                           u16 *__restrict__ Y, const u16 *__restrict__ R, int has_r,
+                                           unsigned int *__restrict__ C, int M, int N, int tile0, int lane) {
     const int g = lane >> 2, c = lane & 3;
     float *out = P + (size_t)blockIdx.y * M * N;
 #pragma unroll
@@ -148,7 +157,7 @@ __device__ __forceinline__ void store_sums(const float (&tot)[R_TILES][NT][4], f
                 if (token >= M) continue;
                 size_t at = (size_t)token * N + (tile0 + r) * 16 + g + 8 * (i >> 1);
                 if (gridDim.y == 1)
-                    Y[at] = f32_to_bf16_bits(tot[r][nt][i]);
+                    Y[at] = output_bits(tot[r][nt][i], R, has_r, at);
                 else
                     out[at] = tot[r][nt][i];
             }
@@ -169,7 +178,7 @@ __device__ __forceinline__ void store_sums(const float (&tot)[R_TILES][NT][4], f
         const size_t at = (size_t)token * N + n;
         float v = __ldcg(P + at);  // L2, not this multiprocessor's L1: other blocks wrote them
         for (int s = 1; s < gridDim.y; ++s) v += __ldcg(P + (size_t)s * M * N + at);
-        Y[at] = f32_to_bf16_bits(v);
+        Y[at] = output_bits(v, R, has_r, at);
     }
     if (lane == 0) *count = 0;  // every warp of these rows has counted: ready for the next launch
 }
@@ -205,7 +214,7 @@ __device__ __forceinline__ float sbyte_to_f32(u32 packed, int j, u32 two23) {
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)
 kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__restrict__ P, u16 *__restrict__ Y,
-       unsigned int *__restrict__ C, int M, int N, int nsb, int sb_per_split) {
+       const u16 *__restrict__ R, int has_r, unsigned int *__restrict__ C, int M, int N, int nsb, int sb_per_split) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, c = lane & 3;
     const int tile0 = (blockIdx.x * WARPS + warp) * R_TILES;
@@ -487,6 +496,6 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
         }
     }
 #endif  // QTYPE
-    store_sums(tot, P, Y, C, M, N, tile0, lane);
+    store_sums(tot, P, Y, R, has_r, C, M, N, tile0, lane);
 }
 #endif  // R_TILES

@@ -55,12 +55,17 @@ class QuantLinear(nn.Module):
         """The dequantized weight, materialized on every access (for code that needs a dense tensor)."""
         return dequantize(self.blocks, self.qtype).to(self.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ b) (+ residual): given a residual (the block's stream, after its last projection), the sum is
+        that of `y + residual`; the GPU kernel adds it as it stores y, where there is no bias."""
         kernel = gpu_matmul(self.qtype, self.blocks.device)
         if kernel is None:
-            return F.linear(x, self.weight, self.bias)
-        y = kernel(x, self.blocks, self.out_features)
-        return y + self.bias if self.bias is not None else y
+            y = F.linear(x, self.weight, self.bias)
+        elif self.bias is None:
+            return kernel(x, self.blocks, self.out_features, residual)
+        else:
+            y = kernel(x, self.blocks, self.out_features) + self.bias
+        return y if residual is None else y + residual
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}"

@@ -175,10 +175,13 @@ def _counters(device_index: int) -> torch.Tensor:
 
 
 def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str,
-           tiling: MmaTiling | tuple[MmaTiling, MmaTiling] | None = None) -> torch.Tensor:
+           tiling: MmaTiling | tuple[MmaTiling, MmaTiling] | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W^T for W [out_features, K] held as blocks of qtype (QTYPES); x bf16 [..., K] with at most MAX_ROWS
     rows.
     tiling: one for every M, or the pair for up to 8 and 9-16 rows (of one K split), or None for tilings_for's.
+    residual: bf16 [..., out_features] added to y in the kernel's store, the bits of `y + residual` (a launch
+    less a layer: the residual stream's add after down_proj).
     No host sync; allocates only the output and the fp32 partial sums: safe in CUDA graphs."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -191,6 +194,11 @@ def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str,
     if x2.data_ptr() % 16:
         x2 = x2.clone()
     m, n = x2.shape[0], out_features
+    if residual is not None:
+        if residual.shape != (*lead, n) or residual.dtype != torch.bfloat16 or residual.device != x.device:
+            raise ValueError(f"residual must be bf16 {[*lead, n]} on {x.device}, got {residual.dtype} "
+                             f"{list(residual.shape)} on {residual.device}")
+        residual = residual.reshape(m, n).contiguous()
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*lead, n)
@@ -215,6 +223,7 @@ def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str,
         raise ValueError(f"{n} output features in tiles of {16 * tiling.r_tiles} rows take more than "
                          f"{MAX_WARP_COLUMNS} split-K counts")
     matmul(grid=(blocks_n, tiling.split, 1), block=(32 * tiling.warps, 1, 1),
-           args=[blocks, x2, part, y, _counters(device_index), m, n, nsb, nsb // tiling.split],
+           args=[blocks, x2, part, y, residual if residual is not None else y, int(residual is not None),
+                 _counters(device_index), m, n, nsb, nsb // tiling.split],
            shared_mem=tiling.shared_bytes(qtype), stream=torch.cuda.current_stream(x.device))
     return y.reshape(*lead, n)

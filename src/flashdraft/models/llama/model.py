@@ -21,7 +21,9 @@ from flashdraft.layers.elementwise import RMSNorm, RotaryEmbedding
 from flashdraft.layers.plan import LayerPlan
 from flashdraft.layers.rms_norm_rows import rms_norm_rows
 from flashdraft.layers.skinny_gemm import Linear, attach_fused, fold_norm_weight, skinny_linear
+from flashdraft.layers.swiglu_rows import swiglu_rows
 from flashdraft.models.kv_cache import KVCache, WindowKVCache
+from flashdraft.quant.linear import QuantLinear
 from flashdraft.quant.kv_formats import write_rows
 
 
@@ -52,6 +54,18 @@ class GatedMLP(nn.Module):
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj((F.gelu(gate, approximate="tanh") if self.gelu_tanh else F.silu(gate)) * up)
+
+    def rows_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + forward(x) for a few-row pass x [T, hidden] of GGUF projections (DecoderLayer.quant_forward):
+        SwiGLU as one kernel where gate and up are fused (swiglu_rows, with the eager ops' roundings), and the
+        residual added as down_proj's kernel stores its product where it takes one (QuantLinear, the bits of the
+        add): two launches a layer less."""
+        if self.gate_up_proj is None or self.gelu_tanh:
+            return residual + self(x)
+        act = swiglu_rows(self.gate_up_proj(x))
+        if isinstance(self.down_proj, QuantLinear):
+            return self.down_proj(act, residual=residual)
+        return residual + self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
@@ -127,7 +141,7 @@ class DecoderLayer(nn.Module):
         h, x = rms_norm_rows(h, self.input_layernorm.weight, self.input_layernorm.eps)
         attn = self.self_attn.prepped_forward(x, cos, sin, segments, merged)
         h, x = rms_norm_rows(h, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps, attn)
-        return h + self.mlp(x)
+        return self.mlp.rows_forward(x, h)
 
     @torch.no_grad()
     def prepare(self) -> None:

@@ -45,8 +45,8 @@ SETS = {
     "qwen-q4k": ("Q4_K", {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (12288, 4096), "down": (4096, 12288),
                           "embedding": (151936, 4096)}),
     "qwen-q6k": ("Q6_K", {"v": (1024, 4096), "down": (4096, 12288), "lm head": (151936, 4096)}),
-    # Qwen3-8B Q4_K_M's fused projections (q|k|v where attn_v is Q4_K too; gate|up in every layer)
-    "qwen-q4k-fused": ("Q4_K", {"q|k|v": (6144, 4096), "gate|up": (24576, 4096)}),
+    # Qwen3-8B Q4_K_M's fused projections (q|k|v where attn_v is Q4_K too, else q|k; gate|up in every layer)
+    "qwen-q4k-fused": ("Q4_K", {"q|k|v": (6144, 4096), "q|k": (5120, 4096), "gate|up": (24576, 4096)}),
     # Qwen3-8B Q4_K_M's own Q4_K k (beside a Q6_K v) and down (half the layers)
     "qwen-q4k-rest": ("Q4_K", {"k": (1024, 4096), "down": (4096, 12288)}),
     # the Q5_K Gemma-4-31B drafter (side_by_side.sh's default for a quantized target): its block pass's fused

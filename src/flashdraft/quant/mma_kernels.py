@@ -93,6 +93,9 @@ TILINGS: dict[tuple[str, int, int], tuple[MmaTiling, MmaTiling]] = {
     ("Q6_K", 1024, 4096): (MmaTiling(1, 4, 8, 1), MmaTiling(1, 2, 8, 1)),         # Qwen Q6_K v: 7.1 / 14.6 (24.5)
     ("Q4_K", 4096, 12288): (MmaTiling(1, 4, 4, 2, 3), MmaTiling(1, 2, 4, 1, 3)),  # Qwen Q4_K down: 15.5 / 25.9 (40.5)
     ("Q4_K", 1024, 4096): (MmaTiling(1, 4, 4, 1, 3), MmaTiling(1, 2, 4, 1, 3)),   # Qwen Q4_K k: 6.0 / 11.6 (23.2)
+    # Qwen3-8B Q4_K_M's q|k beside a Q6_K v (Attention.fuse_projections): measured on an H100, 2026-12-05
+    # (docs/perf/h100-2026-12-05d)
+    ("Q4_K", 5120, 4096): (MmaTiling(1, 2, 4, 1), MmaTiling(1, 2, 4, 6)),         # Qwen q|k: 10.3 / 16.7 (34.8)
 }
 MAX_SPLIT = 16
 BLOCKS_PER_SM = 12   # enough warps in flight to cover the loads' latency (the measured tilings give 10-18)

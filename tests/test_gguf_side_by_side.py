@@ -248,8 +248,11 @@ def test_whole_script_on_tiny_files_and_a_stand_in_llama_bench(tmp_path):
         ours = json.loads((out / "results.json").read_text())[model]["flashdraft"]
         assert ours["errors"] == [] and not ours["build_running"]
         assert [d["depth"] for d in ours["plain"]] == [0, 64]
+        # each test in a cache of its own size (prompt + tokens + 64 rows), as llama-bench sizes its contexts
+        assert [d["context"] for d in ours["plain"]] == [16 + 8 + 64, 64 + 8 + 64] and ours["context"] == 136
         # DFlash's base: plain decoding by the drafting engine after each prompt, whose tokens it must give
         assert [b["prompt_n"] for b in ours["dflash_baselines"]] == [24, 64]
+        assert [b["context"] for b in ours["dflash_baselines"]] == [24 + 8 + 64, 64 + 8 + 64]
         assert [d["prompt_n"] for d in ours["dflash"]] == [24, 64]  # DFlash after each prompt length
         assert all(d["identical"] and d["tau"] > 1 for d in ours["dflash"])
         assert "warm_up_s" in ours  # warmed up as the server's slots are

@@ -9,7 +9,10 @@ measure: the GGUF file llama-bench reads, loaded by Engine.load (tokenizer, quan
 `flashdraft serve` warms each slot at load (Engine.warm_up: among others the CUDA graphs of prompt passes of up to
 512 tokens, which a request never captures), measured as llama-bench measures: plain greedy decode of --tokens
 tokens after a prompt of each depth (depth 0: a 16-token prompt), prefill of each --prefill length, each after an
-untimed warm-up run of the same prompt (llama-bench warms up too). Prompts are random token ids. Then DFlash at each
+untimed warm-up run of the same prompt (llama-bench warms up too). Each decode test runs in a KV cache sized for it
+(its prompt, its tokens and a margin: context_for), as llama-bench sizes each test's context (prompt + generated +
+depth): the decode attention's tiling follows the cache's capacity (decode_attention.config_for), so a short test
+in the longest test's cache would measure the long caches' tiling. Prompts are random token ids. Then DFlash at each
 tau with a random drafter of the target's shape (z-lab's Qwen3-8B drafter layout for Llama/Qwen3 targets, its
 Gemma-4-31B drafter for Gemma 4; Q5_K blocks, the walkthrough drafter's type, or bf16) in oracle mode
 (bench/oracle.py: the drafter runs, its guesses are replaced by the target's own continuation with a planted miss,
@@ -43,6 +46,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # gguf_run's random qu
 from flashdraft.config import DRAFT_WINDOW  # noqa: E402
 
 SHORT_PROMPT = 16  # tokens before "depth 0" decoding (llama-bench's tg128 starts from an empty context)
+
+
+def context_for(prompt_n: int, tokens: int) -> int:
+    """The KV cache rows of a test of prompt_n tokens and `tokens` more, with room for a verify block past them."""
+    return prompt_n + tokens + 64
 
 
 def log(msg: str) -> None:
@@ -142,7 +150,7 @@ def measure(args) -> int:
                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), build_running=args.build_running,
                  depths=args.depths, prefill_lengths=args.prefill, taus=args.taus, draft_window=args.draft_window)
     longest = max([*args.depths, *args.prefill, *args.dflash_prompt, SHORT_PROMPT])
-    context = longest + args.tokens + 64
+    context = context_for(longest, args.tokens)
     t = time.time()
     try:
         engine = Engine.load(args.file, device=dev, context_size=context)
@@ -170,16 +178,24 @@ def measure(args) -> int:
     plain_runs = {}
     for depth in sorted(set(args.depths)):
         n = depth or SHORT_PROMPT
+        runner, slot = engine, sequence
         try:
-            out = timed_generate(engine, prompt_of(n, vocab, seed=n), args.tokens, args.reps, sequence=sequence)
+            if context_for(n, args.tokens) < engine.context_size:  # a cache of this test's size, warmed up alike
+                runner = Engine(engine.decoder.target, engine.tokenizer, None,
+                                context_size=context_for(n, args.tokens))
+                slot = runner.new_sequence()
+                runner.warm_up(slot)
+            out = timed_generate(runner, prompt_of(n, vocab, seed=n), args.tokens, args.reps, sequence=slot)
             plain_runs[depth] = out
             row = {"depth": depth, "prompt_n": out.stats.prompt_n, "tokens": len(out.tokens),
-                   "tok_s": decode_tok_s(out), "prefill_tok_s": out.stats.prompt_n / (out.stats.prompt_ms / 1000)}
+                   "tok_s": decode_tok_s(out), "prefill_tok_s": out.stats.prompt_n / (out.stats.prompt_ms / 1000),
+                   "context": runner.context_size}
             rec.data["plain"].append(row)
-            log(f"  plain at depth {depth}: {row['tok_s']:.1f} tok/s "
+            log(f"  plain at depth {depth} (a {runner.context_size}-row cache): {row['tok_s']:.1f} tok/s "
                 f"(prefill of {n}: {row['prefill_tok_s']:.0f} tok/s)")
         except Exception as e:  # noqa: BLE001
             rec.error(f"plain depth {depth}", e)
+        del runner, slot
         rec.save()
     for n in args.prefill:
         try:
@@ -209,8 +225,9 @@ def measure(args) -> int:
 
 
 def dflash(target, tokenizer, rec: Record, args, dev, context: int) -> None:
-    """Plain decoding and DFlash at each tau after each --dflash-prompt length, in one engine; a sequence (its
-    caches, its oracle) per run of the baseline and per prompt length of DFlash, each freed before the next."""
+    """Plain decoding and DFlash at each tau after each --dflash-prompt length, in an engine whose cache is sized for
+    that length (context_for, as the plain tests'); a sequence (its caches, its oracle) per run of the baseline and
+    per prompt length of DFlash, each freed before the next."""
     from flashdraft.engine.generator import Engine
     from flashdraft.bench.oracle import PlantedOracle
 
@@ -220,9 +237,10 @@ def dflash(target, tokenizer, rec: Record, args, dev, context: int) -> None:
     drafter = build_drafter(target, context + 64, args.drafter, args.tiny, dev, ref.dtype, gen)
     rec.data["drafter"] = {"weights": args.drafter, "block_size": drafter.block_size,
                            "layers": drafter.config.layers.num_hidden_layers, "build_s": round(time.time() - t, 1)}
-    spec = Engine(target, tokenizer, drafter, context_size=context, draft_window=args.draft_window)
     B = drafter.block_size
     for n in sorted(set(args.dflash_prompt)):
+        spec = Engine(target, tokenizer, drafter, context_size=context_for(n, args.tokens),
+                      draft_window=args.draft_window)
         prompt = prompt_of(n, target.config.vocab_size, seed=n)
         try:
             base = timed_generate(spec, prompt, args.tokens, args.reps, draft=0, sequence=spec.new_sequence())
@@ -230,7 +248,7 @@ def dflash(target, tokenizer, rec: Record, args, dev, context: int) -> None:
             rec.error(f"dflash {n} plain baseline", e)
             continue
         base_tok_s = decode_tok_s(base)
-        rec.data["dflash_baselines"].append({"prompt_n": n, "tok_s": base_tok_s})
+        rec.data["dflash_baselines"].append({"prompt_n": n, "tok_s": base_tok_s, "context": spec.context_size})
         log(f"  plain after {n} tokens, drafter loaded: {base_tok_s:.1f} tok/s")
         oracle = PlantedOracle(prompt + base.tokens, lambda s: B - 1, target.config.vocab_size, dev)
         planted = spec.new_sequence(oracle=oracle)
@@ -247,7 +265,7 @@ def dflash(target, tokenizer, rec: Record, args, dev, context: int) -> None:
             except Exception as e:  # noqa: BLE001
                 rec.error(f"dflash {n} tau {tau}", e)
             rec.save()
-        del planted, oracle
+        del planted, oracle, spec
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()

@@ -201,7 +201,7 @@ def _gguf_target(tmp_path, seed):
 def test_quant_forward_matches_the_module_path(tmp_path):
     """Layers with GGUF projections take quant_forward under the fused plan (norms kept, not folded into blocks):
     outputs and cache rows as the module path's, with q/k/v as two products (q|k and a v of another type: layer 0)
-    and as one (layer 1); SwiGLU as one kernel and the residual added in down_proj's product."""
+    and as one (layer 1); SwiGLU as one kernel, the residual with down_proj's product."""
     from flashdraft.quant.linear import QuantLinear
 
     path, _ = _gguf_target(tmp_path, seed=9)

@@ -23,8 +23,8 @@ from flashdraft.layers.rms_norm_rows import rms_norm_rows
 from flashdraft.layers.skinny_gemm import Linear, attach_fused, fold_norm_weight, skinny_linear
 from flashdraft.layers.swiglu_rows import swiglu_rows
 from flashdraft.models.kv_cache import KVCache, WindowKVCache
-from flashdraft.quant.linear import QuantLinear
 from flashdraft.quant.kv_formats import write_rows
+from flashdraft.quant.linear import QuantLinear
 
 
 class GatedMLP(nn.Module):
@@ -135,7 +135,8 @@ class DecoderLayer(nn.Module):
     def quant_forward(self, h, cos, sin, segments: list[AttentionSegment], merged: MergedSegments | None = None):
         """The same block for projections held as GGUF blocks, whose kernels cannot take a norm or an epilogue:
         the quantized products, each RMSNorm one kernel (the second with the residual add before it), q/k norm,
-        RoPE and the cache writes one kernel (qkv_prep), attention, and eager SwiGLU and residual add. Every
+        RoPE and the cache writes one kernel (qkv_prep), attention, SwiGLU one kernel and the last residual add in
+        down_proj's product (GatedMLP.rows_forward). Every
         kernel computes a row from that row alone, so a token's bits are the same in a verify block as alone,
         which the compiled module path did not give (rms_norm_rows)."""
         h, x = rms_norm_rows(h, self.input_layernorm.weight, self.input_layernorm.eps)

@@ -259,12 +259,7 @@ class Attention(nn.Module):
         turn, each segment over its own cache): the q/k/v products over all rows (one where they are fused), per
         segment qkv_prep (q/k norm, RoPE, cache writes: one kernel) and decode_attention, o_proj over all rows
         (DecoderLayer.quant_forward)."""
-        if self.qkv_proj is not None:
-            qkv = self.qkv_proj(x)
-        elif self.qk_proj is not None:
-            qkv = torch.cat([self.qk_proj(x), self.v_proj(x)], dim=-1)
-        else:
-            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        qkv = self.qkv_proj(x) if self.qkv_proj is not None else torch.cat(self._qkv(x), dim=-1)
         return self.o_proj(self._prepped_attention(qkv, cos, sin, segments, merged))
 
     def fused_forward(self, h, norm_eps: float, cos, sin, segments: list[AttentionSegment],

@@ -136,9 +136,8 @@ class DecoderLayer(nn.Module):
         """The same block for projections held as GGUF blocks, whose kernels cannot take a norm or an epilogue:
         the quantized products, each RMSNorm one kernel (the second with the residual add before it), q/k norm,
         RoPE and the cache writes one kernel (qkv_prep), attention, SwiGLU one kernel and the last residual add in
-        down_proj's product (GatedMLP.rows_forward). Every
-        kernel computes a row from that row alone, so a token's bits are the same in a verify block as alone,
-        which the compiled module path did not give (rms_norm_rows)."""
+        down_proj's product (GatedMLP.rows_forward). Every kernel computes a row from that row alone, so a token's
+        bits are the same in a verify block as alone, which the compiled module path did not give (rms_norm_rows)."""
         h, x = rms_norm_rows(h, self.input_layernorm.weight, self.input_layernorm.eps)
         attn = self.self_attn.prepped_forward(x, cos, sin, segments, merged)
         h, x = rms_norm_rows(h, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps, attn)

@@ -46,7 +46,11 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, count
                      qk_scale, GROUP: tl.constexpr, D: tl.constexpr, HAS_MASK: tl.constexpr,
                      IEEE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                      K_FMT: tl.constexpr, V_FMT: tl.constexpr, K_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr,
-                     PIPELINED: tl.constexpr, SEGMENTED: tl.constexpr, TMA: tl.constexpr = False):
+                     PIPELINED: tl.constexpr, SEGMENTED: tl.constexpr, TMA: tl.constexpr = False,
+                     PDL: tl.constexpr = False):
+    if PDL:  # a programmatic dependent launch (kernels.programmatic): let the next kernel launch, and wait for the
+        tl.extra.cuda.gdc_launch_dependents()  # earlier ones' writes before the first load
+        tl.extra.cuda.gdc_wait()
     kv = tl.program_id(0)
     tile = tl.program_id(1)
     split = tl.program_id(2)

@@ -27,7 +27,11 @@ from flashdraft.kernels.split_reduce_triton import add, round_to
 def qkv_prep_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_norm_ptr, k_norm_ptr, q_ptr, cache_k_ptr, cache_v_ptr,
                     offsets_ptr, stride_qkv, stride_cos, stride_sin, stride_kh, stride_kn, stride_vh, stride_vn,
                     capacity, eps, N_HEADS: tl.constexpr, N_KV: tl.constexpr, D: tl.constexpr,
-                    HAS_NORM: tl.constexpr, EMULATE: tl.constexpr, HAS_OFFSETS: tl.constexpr):
+                    HAS_NORM: tl.constexpr, EMULATE: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    if PDL:  # a programmatic dependent launch (kernels.programmatic): let the next kernel launch, and wait for the
+        tl.extra.cuda.gdc_launch_dependents()  # earlier ones' writes before the first load
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     slot = tl.program_id(1)
     dtype = q_ptr.dtype.element_ty

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from flashdraft.kernels import programmatic
 from flashdraft.kernels.runtime import opaque_op
 from flashdraft.quant.kv_formats import FLOAT_FORMATS, stored_format
 
@@ -168,7 +169,8 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
             mask = mask.contiguous()
     stride_mt = 0 if mask is None or mask.shape[0] == 1 else mask.stride(0)
     keys, values = (_descriptor(k, c.block_n), _descriptor(v, c.block_n)) if c.tma else (k, v)
-    _kernels().attention_kernel[(kv_heads, tiles, splits * n_segments)](
+    kernel = _kernels().attention_kernel
+    kernel[(kv_heads, tiles, splits * n_segments)](
         q, keys, values, mask if mask is not None else q, m, l_sum, acc,
         _tickets(q.device, n_segments * kv_heads * tiles), out, segments if segments is not None else q, T,
         kv_len, splits, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), stride_mt,
@@ -176,7 +178,7 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         HAS_MASK=mask is not None, IEEE=q.dtype == torch.float32, BLOCK_Q=c.block_q, BLOCK_N=c.block_n, SPLIT=c.split,
         K_FMT=KERNEL_FORMATS.get(k_format.name, 0), V_FMT=KERNEL_FORMATS.get(v_format.name, 0),
         K_ALIGN=_row_alignment(k), V_ALIGN=_row_alignment(v), PIPELINED=c.pipelined, SEGMENTED=segments is not None,
-        TMA=c.tma, num_warps=c.num_warps, num_stages=c.num_stages)
+        TMA=c.tma, num_warps=c.num_warps, num_stages=c.num_stages, **programmatic.triton_options(kernel, q.device))
     return out
 
 

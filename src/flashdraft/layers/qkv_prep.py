@@ -39,6 +39,7 @@ import functools
 
 import torch
 
+from flashdraft.kernels import programmatic
 from flashdraft.kernels.runtime import opaque_op
 from flashdraft.layers import elementwise
 
@@ -104,14 +105,16 @@ def launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: t
     has_norm = q_norm_weight is not None
     if has_norm:
         q_norm_weight, k_norm_weight = q_norm_weight.contiguous(), k_norm_weight.contiguous()
-    _kernels().qkv_prep_kernel[(T, n_heads + n_kv)](
+    kernel = _kernels().qkv_prep_kernel
+    kernel[(T, n_heads + n_kv)](
         qkv, cos, sin, positions, q_norm_weight if has_norm else qkv, k_norm_weight if has_norm else qkv,
         q if n_heads else qkv,  # no query heads: nothing is stored there (an empty tensor may have no address)
         cache_k, cache_v, cache_offsets if cache_offsets is not None else positions, qkv.stride(0), cos.stride(0),
         sin.stride(0), cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), cache_k.shape[1],
         eps, N_HEADS=n_heads, N_KV=n_kv, D=hd, HAS_NORM=has_norm, EMULATE=qkv.device.type != "cuda",
         HAS_OFFSETS=cache_offsets is not None, num_warps=1,
-        enable_fp_fusion=False)  # no FMA: the eager path rounds the RoPE products before adding them
+        enable_fp_fusion=False,  # no FMA: the eager path rounds the RoPE products before adding them
+        **programmatic.triton_options(kernel, qkv.device))
     return q
 
 

@@ -15,6 +15,8 @@ import functools
 
 import torch
 
+from flashdraft.kernels import programmatic
+
 MAX_WIDTH = 1 << 15  # one block spans a row
 
 
@@ -44,8 +46,10 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float,
         return s, y
     block = 1 << max(N - 1, 0).bit_length()
     r = residual if residual is not None else x
-    _kernels().rms_norm_kernel[(T,)](
+    kernel = _kernels().rms_norm_kernel
+    kernel[(T,)](
         x, r, weight.contiguous(), s, y, x.stride(0), r.stride(0), s.stride(0), y.stride(0), N, eps, BLOCK=block,
         HAS_RESIDUAL=residual is not None, EMULATE=x.device.type != "cuda", num_warps=min(8, max(1, block // 512)),
-        enable_fp_fusion=False)  # no FMA: the eager path rounds the sum of squares' products one by one
+        enable_fp_fusion=False,  # no FMA: the eager path rounds the sum of squares' products one by one
+        **programmatic.triton_options(kernel, x.device))
     return s, y

@@ -11,6 +11,8 @@ import functools
 
 import torch
 
+from flashdraft.kernels import programmatic
+
 BLOCK = 1024  # features per program
 
 
@@ -29,6 +31,8 @@ def swiglu_rows(gate_up: torch.Tensor) -> torch.Tensor:
     T, N = gate_up.shape[0], gate_up.shape[1] // 2
     y = torch.empty((T, N), dtype=gate_up.dtype, device=gate_up.device)
     if T and N:
-        _kernels().swiglu_kernel[(T, -(-N // BLOCK))](gate_up, y, gate_up.stride(0), y.stride(0), N, BLOCK=BLOCK,
-                                                       EMULATE=gate_up.device.type != "cuda")
+        kernel = _kernels().swiglu_kernel
+        kernel[(T, -(-N // BLOCK))](gate_up, y, gate_up.stride(0), y.stride(0), N, BLOCK=BLOCK,
+                                    EMULATE=gate_up.device.type != "cuda",
+                                    **programmatic.triton_options(kernel, gate_up.device))
     return y

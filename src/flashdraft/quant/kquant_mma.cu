@@ -39,6 +39,14 @@
 // Batch invariance: a token's output depends only on its own x row and the fixed K ranges; the NT = 1 and NT = 2
 // builds run the same instructions for tokens 0-7 (the second 8-token tile is separate MMAs), so rows are bitwise
 // the same for every M <= 16.
+//
+// Programmatic dependent launch (compute capability 9.0 and newer, where mma_kernels launches the kernel so): the
+// grid may start while the kernel before it in the stream still runs. Until griddepcontrol.wait it reads only the
+// weights, which no kernel writes: its rows' first prefetch_sb super-blocks of its K range into L2 (the host
+// chooses how many), and with a ring its first stages into shared memory; x, the residual, the partial sums and
+// the counts come after the wait. Once its last super-block is done it lets the next kernel launch
+// (griddepcontrol.launch_dependents), which then prepares beside this one's stores and split sums. Launched
+// plainly, both instructions do nothing.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -100,6 +108,26 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], u32 a0, u32 a1, u3
         "{%0,%1,%2,%3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// griddepcontrol (the header's last paragraph): wait for the kernels before this one, and let the next one launch
+__device__ __forceinline__ void wait_for_earlier_kernels() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void let_next_kernel_launch() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// bytes [p, p + n) into L2, widened to 16-byte bounds (a bulk prefetch: one instruction, no registers, no wait)
+__device__ __forceinline__ void prefetch_l2(const unsigned char *p, size_t n) {
+#if __CUDA_ARCH__ >= 900
+    const size_t lo = (size_t)p & ~(size_t)15, hi = ((size_t)p + n + 15) & ~(size_t)15;
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(lo), "r"((u32)(hi - lo)) : "memory");
+#endif
 }
 
 #ifdef R_TILES
@@ -215,13 +243,17 @@ __device__ __forceinline__ float sbyte_to_f32(u32 packed, int j, u32 two23) {
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)
 kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__restrict__ P, u16 *__restrict__ Y,
-       const u16 *__restrict__ R, int has_r, unsigned int *__restrict__ C, int M, int N, int nsb, int sb_per_split) {
+       const u16 *__restrict__ R, int has_r, unsigned int *__restrict__ C, int M, int N, int nsb, int sb_per_split,
+       int prefetch_sb) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, c = lane & 3;
     const int tile0 = (blockIdx.x * WARPS + warp) * R_TILES;
     if (tile0 * 16 >= N) return;
     const int sb0 = blockIdx.y * sb_per_split;
     const int K = nsb * 256;
+    for (int i = lane; i < R_TILES * 16 && prefetch_sb > 0; i += 32)  // a lane a row, while earlier kernels run
+        prefetch_l2(W + ((size_t)min(tile0 * 16 + i, N - 1) * nsb + sb0) * BLOCK_BYTES,
+                    (size_t)prefetch_sb * BLOCK_BYTES);
 
     float tot[R_TILES][NT][4];
     const u16 *xrow[NT];
@@ -236,6 +268,7 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
         for (int hh = 0; hh < 2; ++hh)
             rowp[r][hh] = (const u16 *)(W + (size_t)min((tile0 + r) * 16 + g + 8 * hh, N - 1) * nsb * BLOCK_BYTES);
 
+    wait_for_earlier_kernels();
     for (int sb = sb0; sb < sb0 + sb_per_split; ++sb) {
         // Of half n (128 weights) and group gg, this lane's bytes: ql at 64n + 16gg + 4c (runs 0 and 2, low and
         // high nibbles) and at 64n + 32 + 16gg + 4c (runs 1 and 3), qh at 128 + 32n + 16gg + 4c (run qq: bits 2qq)
@@ -336,6 +369,7 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
         cp_async_commit();
     }
 #endif
+    wait_for_earlier_kernels();
     for (int sb = sb0; sb < sb0 + sb_per_split; ++sb) {
         uint4 hdr[R_TILES][2];
         uint2 q[R_TILES][2][4];
@@ -497,6 +531,7 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
         }
     }
 #endif  // QTYPE
+    let_next_kernel_launch();
     store_sums(tot, P, Y, R, has_r, C, M, N, tile0, lane);
 }
 #endif  // R_TILES

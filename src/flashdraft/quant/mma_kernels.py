@@ -14,6 +14,10 @@ of 16, on a GPU of compute capability 8.0 or newer; anything else, or a failed c
 Triton kernels. Q5_K and Q6_K do the arithmetic of Q4_K's kernel with their own bit unpacking (the kernel's
 header). Rows are bitwise the same for every M <= 16 (batch invariance: the kernel's header says why; the tilings
 for up to 8 and for 9-16 rows of a shape split K alike).
+
+On compute capability 9.0 and newer every product is a programmatic dependent launch (kernels.programmatic): it
+prefetches its first weights into L2 while the kernel before it ends, and lets the next kernel launch once its
+own last weights are read, so that a decode step's short products do not each start on an idle memory bus.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from flashdraft.kernels import programmatic
 from flashdraft.kernels.runtime import gpu_sm_count
 
 MAX_ROWS = 16
@@ -98,6 +103,9 @@ TILINGS: dict[tuple[str, int, int], tuple[MmaTiling, MmaTiling]] = {
     ("Q4_K", 5120, 4096): (MmaTiling(1, 2, 4, 1), MmaTiling(1, 2, 4, 6)),         # Qwen q|k: 10.3 / 16.7 (34.8)
 }
 MAX_SPLIT = 16
+# Launched as a programmatic dependent (kernels.programmatic), a product prefetches into L2 up to this many bytes
+# of its weights (the first super-blocks of each warp's K range) while the kernel before it ends
+PREFETCH_BYTES = 8 << 20
 BLOCKS_PER_SM = 12   # enough warps in flight to cover the loads' latency (the measured tilings give 10-18)
 
 
@@ -225,8 +233,14 @@ def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str,
     if blocks_n * tiling.warps > MAX_WARP_COLUMNS:
         raise ValueError(f"{n} output features in tiles of {16 * tiling.r_tiles} rows take more than "
                          f"{MAX_WARP_COLUMNS} split-K counts")
-    matmul(grid=(blocks_n, tiling.split, 1), block=(32 * tiling.warps, 1, 1),
-           args=[blocks, x2, part, y, residual if residual is not None else y, int(residual is not None),
-                 _counters(device_index), m, n, nsb, nsb // tiling.split],
-           shared_mem=tiling.shared_bytes(qtype), stream=torch.cuda.current_stream(x.device))
+    sb_per_split = nsb // tiling.split
+    prefetch_sb = min(sb_per_split, PREFETCH_BYTES // (n * tiling.split * BLOCK_BYTES[qtype]))
+    call = dict(grid=(blocks_n, tiling.split, 1), block=(32 * tiling.warps, 1, 1),
+                args=[blocks, x2, part, y, residual if residual is not None else y, int(residual is not None),
+                      _counters(device_index), m, n, nsb, sb_per_split, prefetch_sb],
+                shared_mem=tiling.shared_bytes(qtype), stream=torch.cuda.current_stream(x.device))
+    if programmatic.supported(device_index):
+        programmatic.launch(matmul, **call)
+    else:
+        matmul(**call)
     return y.reshape(*lead, n)

@@ -73,3 +73,59 @@ def test_a_graph_of_programmatic_launches_keeps_the_streams_order(m):
         expected = layer(True)
         assert torch.equal(y, expected)
     assert not mma_kernels._counters(torch.cuda.current_device()).any()
+
+
+def test_skinny_products_prefetch_aligned_rows_within_their_k_range():
+    from flashdraft.layers.skinny_gemm import PREFETCH_BYTES, prefetch_bytes
+
+    w = torch.empty(4096, 4096, dtype=torch.bfloat16)
+    assert prefetch_bytes(w, 1, True) == PREFETCH_BYTES // 4096  # 2 KB a row of 8 KB
+    assert prefetch_bytes(w, 4, True) == PREFETCH_BYTES // (4096 * 4)  # four programs a row
+    assert prefetch_bytes(torch.empty(64, 256, dtype=torch.bfloat16), 2, True) == 256  # a split's whole range
+    assert prefetch_bytes(torch.empty(151936, 4096, dtype=torch.bfloat16), 1, True) == 0  # 48 bytes a row: none
+    assert prefetch_bytes(w, 1, False) == 0  # an uneven K split: a program's range may end past the row
+    assert prefetch_bytes(torch.empty(4096, 4100, dtype=torch.bfloat16)[:, :4096], 1, True) == 0  # 8200-byte rows
+    assert prefetch_bytes(torch.empty(4096 * 4096 + 1, dtype=torch.bfloat16)[1:].view(4096, 4096), 1, True) == 0
+
+
+@hopper
+@pytest.mark.parametrize("m", [1, 16])
+def test_a_graph_of_programmatic_skinny_products_keeps_the_streams_order(m):
+    """The bf16 layer's products (norm and q/k/v, a residual product, norm and gate/up, a split-K product and its
+    reduce) launched as programmatic dependents, each prefetching weights before its wait."""
+    from flashdraft.layers import skinny_gemm as sg
+    from flashdraft.layers.rms_norm_rows import rms_norm_rows
+
+    k, inter = 1024, 2048
+    gen = torch.Generator(device="cuda").manual_seed(11)
+
+    def weight(rows, cols):
+        return (torch.randn(rows, cols, device="cuda", generator=gen) * 0.02).bfloat16()
+    qkv, o, gate_up, down = weight(2048, k), weight(k, 1024), weight(2 * inter, k), weight(k, inter)
+    norm_w = torch.randn(k, device="cuda", generator=gen).bfloat16()
+    h = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    split = sg.SkinnyConfig(32, 128, 4, 4, 4)
+    assert sg.prefetch_bytes(down, split.split_k, True) > 0 and sg.prefetch_bytes(gate_up, 1, True) > 0
+
+    def layer(stepwise: bool) -> torch.Tensor:
+        out = [h]
+
+        def then(fn):
+            out.append(fn(out[-1]))
+            if stepwise:
+                torch.cuda.synchronize()
+        then(lambda x: sg.launch(x, qkv, rms_norm_eps=1e-6)[:, :k])
+        then(lambda x: sg.launch(x, o, residual=h))
+        then(lambda x: sg.launch(x, gate_up, rms_norm_eps=1e-6, gated=True))
+        then(lambda x: sg.launch(x, down, config=split, residual=h))
+        then(lambda x: rms_norm_rows(x, norm_w, 1e-6, residual=h)[1])
+        return out[-1]
+
+    layer(False)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = layer(False)
+    for _ in range(3):
+        h.copy_(torch.randn(m, k, device="cuda", generator=gen).bfloat16())
+        graph.replay()
+        assert torch.equal(y, layer(True))

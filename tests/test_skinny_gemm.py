@@ -157,7 +157,7 @@ def test_config_is_chosen_by_shape_not_rows():
                  (1024, 4096), (28672, 4096), (4096, 14336), (2048, 6144), (300, 100)]:
         c = sg.config_for(n, k)
         assert c == sg.config_for(n, k)  # deterministic
-        assert c.block_n in (16, 32, 64) and c.split_k in (1, 2, 4)
+        assert c.block_n in (16, 32, 64) and c.split_k in (1, 2, 4) and not c.pdl
         assert c in sg.candidate_configs(n, k)
     assert sg.config_for(4096, 4096) == sg.CONFIGS[(4096, 4096)]
 

@@ -104,32 +104,22 @@ def _store_tile(acc, acc_up, gram, rm, rn, pid_k, M, N, eps, b_ptr, y_ptr, p_ptr
         tl.store(base + rm[:, None].to(tl.int64) * N + rn[None, :], out, mask=mask)
 
 
-@triton.jit
-def _prefetch_l2(ptrs, NBYTES: tl.constexpr):
-    """A bulk L2 prefetch of NBYTES from each 16-byte-aligned address (one instruction, no registers, no wait)."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                              [ptrs, tl.full(ptrs.shape, NBYTES, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
 # M is never specialized (Triton would otherwise compile separate variants for M == 1 and M % 16 == 0): one
 # compiled kernel serves every M, which batch invariance relies on.
 @triton.jit(do_not_specialize=["M"])
 def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, r_ptr, M, N, stride_xm, stride_wn, stride_ym,
                        stride_rm, eps, K: tl.constexpr, STEPS: tl.constexpr,
                        HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr,
-                       IEEE: tl.constexpr, SWAP: tl.constexpr, UPCAST: tl.constexpr,
+                       IEEE: tl.constexpr, SWAP: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                       EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, W_EVICT: tl.constexpr,
-                       PREFETCH: tl.constexpr = 0, PDL: tl.constexpr = False):
+                       EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, W_EVICT: tl.constexpr):
     """N is the number of output features: with GATED, W has 2N rows (gate rows [0, N) over up rows [N, 2N)).
     HAS_NORM and GATED need SPLIT_K == 1 (the row norm needs all of K; silu needs the whole gate product).
     W_EVICT: the weight loads' L2 eviction policy: "evict_first" where one program reads each weight tile (the
     weights stream through L2 once), "" (the default) where several do, so that the later programs find the tile
-    in L2; a cache hint, no change to the arithmetic.
-    PDL (a programmatic dependent launch, kernels.programmatic): the program may start while the kernel before it
-    runs; it prefetches PREFETCH bytes (a multiple of 16, 0: none) of each of its weight rows' K range into L2 (the
-    weights, which no kernel writes), then waits for the earlier kernels' writes before reading anything else, and
-    lets the next kernel launch once its K loop is done."""
+    in L2; a cache hint, no change to the arithmetic."""
+    if PDL:  # launched as a programmatic dependent: wait here for the previous kernel's writes (our input)
+        tl.extra.cuda.gdc_wait()
     # Row programs vary fastest: the programs of one weight tile for every row tile run side by side, so that the
     # weight tile comes from HBM once and from L2 for the others.
     pid_m = tl.program_id(0)
@@ -141,13 +131,6 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, r_ptr, M, N, stride_xm
     # This split's K range: STEPS = ceil(ceil(K / BLOCK_K) / SPLIT_K) steps of BLOCK_K from k_lo, fixed by K,
     # SPLIT_K and BLOCK_K (never by M). K is a compile-time constant (a handful of weight widths per model).
     k_lo = pid_k * STEPS * BLOCK_K
-    if PDL:
-        if PREFETCH > 0:
-            rows = tl.minimum(rn, N - 1).to(tl.int64)
-            _prefetch_l2(w_ptr + rows * stride_wn + k_lo, PREFETCH)
-            if GATED:
-                _prefetch_l2(w_ptr + (rows + N) * stride_wn + k_lo, PREFETCH)
-        tl.extra.cuda.gdc_wait()
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k_lo + rk)[None, :]
     w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]
     n_ok = rn[:, None] < N
@@ -192,7 +175,5 @@ def skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, p_ptr, r_ptr, M, N, stride_xm
         w_ptrs += BLOCK_K
         if GATED:
             wu_ptrs += BLOCK_K
-    if PDL:  # the next kernel may launch (and prefetch its weights) while this one stores
-        tl.extra.cuda.gdc_launch_dependents()
     _store_tile(acc, up, gram, rm, rn, pid_k, M, N, eps, b_ptr, y_ptr, p_ptr, r_ptr, stride_ym, stride_rm, K,
                 HAS_BIAS, HAS_NORM, HAS_RESIDUAL, GATED, SWAP, BLOCK_M, SPLIT_K)

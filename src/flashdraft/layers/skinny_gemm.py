@@ -48,7 +48,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashdraft.kernels import programmatic
 from flashdraft.kernels.runtime import gpu_sm_count, opaque_op
 from flashdraft.quant.linear import QuantLinear
 
@@ -66,6 +65,8 @@ class SkinnyConfig:
     num_warps: int = 4
     num_stages: int = 4    # software-pipelining depth of the weight loads
     swap: bool = False     # compute (W x^T)^T: the weight tile is the left tl.dot operand
+    pdl: bool = False      # CUDA only: launch as a programmatic dependent launch (Hopper), so the launch
+    #                        overlaps the end of the previous kernel; the kernel waits before reading anything
     block_m: int = BLOCK_M  # rows per tile (a tl.dot's rows; 64: a batched pass's rows in one tensor-core product)
     batch_block_m: int = 0  # rows per tile in passes of more than BLOCK_M rows (batched steps'), 0: block_m. Only
     #                        where the wider tiles give every row the bits block_m's give it (measured per tiling:
@@ -75,7 +76,8 @@ class SkinnyConfig:
     def name(self) -> str:
         return (f"n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}p{self.num_stages}"
                 + ("x" if self.swap else "") + (f"m{self.block_m}" if self.block_m != BLOCK_M else "")
-                + (f"b{self.batch_block_m}" if self.batch_block_m else ""))
+                + (f"b{self.batch_block_m}" if self.batch_block_m else "")
+                + ("+pdl" if self.pdl else ""))
 
 
 # (N, K) -> the tiling measured fastest (M = 1 plus M = 16) on one H200 (torch 2.11, Triton 3.6) by
@@ -115,24 +117,6 @@ GATED_CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
 GATED_DEFAULT = SkinnyConfig(32, 64, 1, 4, 8)
 
 
-# Launched as a programmatic dependent (Hopper), a product prefetches at most this many bytes of its weights into
-# L2 before it waits for the kernel before it (as the k-quant products, quant.mma_kernels.PREFETCH_BYTES): each
-# program its rows' first bytes of its K range.
-PREFETCH_BYTES = 8 << 20
-MIN_PREFETCH_ROW = 256  # bytes a row; fewer (the LM head's 151,936 rows) are not worth the instructions
-
-
-def prefetch_bytes(weight: torch.Tensor, split: int, even_k: bool) -> int:
-    """Bytes of each weight row the kernel prefetches into L2 before its wait: a multiple of 16 within every
-    program's K range, from 16-byte-aligned rows (a bulk prefetch's terms), else 0."""
-    row_bytes = weight.stride(0) * weight.element_size()
-    if not even_k or weight.data_ptr() % 16 or row_bytes % 16:
-        return 0
-    k_range = weight.shape[1] // split * weight.element_size()
-    per_row = min(k_range, PREFETCH_BYTES // (weight.shape[0] * split)) // 16 * 16
-    return per_row if per_row >= MIN_PREFETCH_ROW else 0
-
-
 # Triton's interpreter runs programs one after another: tile as for one multiprocessor (the fewest, largest tiles)
 INTERPRETER_SMS = 1
 
@@ -161,10 +145,10 @@ def config_for(n: int, k: int, sms: int = 132) -> SkinnyConfig:
 
 
 def candidate_configs(n: int, k: int, wide: bool = False) -> list[SkinnyConfig]:
-    """Tilings worth timing for one shape, config_for's first (the GPU script times each and prints them; wide: a
-    larger sweep)."""
+    """Tilings worth timing for one shape, config_for's first and its PDL twin second (the GPU script times
+    each and prints them; wide: a larger sweep)."""
     first = config_for(n, k)
-    out = [first,
+    out = [first, dataclasses.replace(first, pdl=True),
            SkinnyConfig(64, 128, 1, 4, 6, swap=True), SkinnyConfig(16, 128, 1, 2, 8), SkinnyConfig(64, 128, 1, 4, 6),
            SkinnyConfig(32, 64, 2, 4, 8), SkinnyConfig(64, 256, 1, 4, 4, swap=True), SkinnyConfig(32, 128, 1, 4, 6)]
     loops = [(256, 4, 4, False), (128, 4, 6, False), (512, 8, 3, False), (256, 4, 4, True)]
@@ -259,8 +243,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     stages = stages_for(config, x.element_size(), gated)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     even_k = k % (split * config.block_k) == 0
-    programmatic_launch = programmatic.triton_options(kern.skinny_gemm_kernel, x.device)
-    prefetch = prefetch_bytes(weight, split, even_k) if programmatic_launch else 0
+    pdl = {"launch_pdl": True} if config.pdl and x.device.type == "cuda" else {}
     kern.skinny_gemm_kernel[(m_tiles, -(-n // config.block_n), split)](
         x2, weight, bias if bias is not None else y, y, part,
         res2 if res2 is not None else y, m, n, x2.stride(0), weight.stride(0), y.stride(0),
@@ -268,10 +251,10 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         STEPS=-(-(-(-k // config.block_k)) // split),
         HAS_BIAS=bias is not None, HAS_NORM=rms_norm_eps is not None, HAS_RESIDUAL=res2 is not None, GATED=gated,
         IEEE=x.dtype == torch.float32, SWAP=config.swap,
-        UPCAST=x.device.type != "cuda" and x.dtype != torch.float32, PREFETCH=prefetch,
+        UPCAST=x.device.type != "cuda" and x.dtype != torch.float32, PDL=bool(pdl),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split,
         EVEN_N=n % config.block_n == 0, EVEN_K=even_k, W_EVICT="evict_first" if m_tiles == 1 else "",
-        num_warps=config.num_warps, num_stages=stages, **programmatic_launch)
+        num_warps=config.num_warps, num_stages=stages, **pdl)
     if split > 1:
         block = 1024
         kern.split_reduce_kernel[(-(-n // block), m)](

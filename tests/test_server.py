@@ -278,13 +278,17 @@ def test_body_over_the_limit_gets_413_and_server_keeps_serving(server, client):
     assert client.completions.create(model="m", prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
 
 
-def stream_lines(server, body: dict, arrivals: list, results: dict, key: str, health_seconds: list) -> None:
-    """One streamed completion; stream "a" also times /health at its chunks 2, 4 and 6, mid-generation."""
+def stream_lines(server, body: dict, arrivals: list, results: dict, key: str, health_seconds: list,
+                 first_chunk: threading.Event | None = None) -> None:
+    """One streamed completion; stream "a" also times /health at its chunks 2, 4 and 6, mid-generation.
+    first_chunk: set once the first chunk has come."""
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=120) as r:
         text = []
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 arrivals.append((time.monotonic(), key))
+                if first_chunk is not None:
+                    first_chunk.set()
                 chunk = json.loads(line[6:])
                 text += [c["text"] for c in chunk["choices"]]
                 if key == "a" and len(text) in (2, 4, 6):
@@ -317,16 +321,20 @@ def test_concurrent_clients_share_slots_fairly(server, engine):
     """Three streams on two slots: all finish with the engine's greedy text, the first two interleave, and
     /health answers at once while they run."""
     prompts = {"a": PROMPT, "b": "The quick brown fox", "c": "class Stack:"}
-    # enough tokens that a stream outlasts the 50 ms between two clients' starts (24 did not on a quiet machine)
-    tokens = 160
-    expected = {k: greedy(engine, tokens, prompt=p, ignore_eos=True) for k, p in prompts.items()}
+    # b and c join once a is generating, and a runs to nearly the slot's 256-token context: b started 50 ms after
+    # a's request once came after a's last token on a loaded 2-core machine
+    tokens = {"a": 240, "b": 160, "c": 160}
+    expected = {k: greedy(engine, tokens[k], prompt=p, ignore_eos=True) for k, p in prompts.items()}
     arrivals, results, health_seconds = [], {}, []
-    body = {"max_tokens": tokens, "stream": True, "ignore_eos": True}
-    threads = [threading.Thread(target=stream_lines, args=(server, {**body, "prompt": p}, arrivals, results, k,
-                                                           health_seconds))
-               for k, p in prompts.items()]
+    a_generating = threading.Event()
+    threads = {k: threading.Thread(target=stream_lines, args=(
+        server, {"max_tokens": tokens[k], "stream": True, "ignore_eos": True, "prompt": p}, arrivals, results, k,
+        health_seconds, a_generating if k == "a" else None)) for k, p in prompts.items()}
     batched = {name: metric(server, "flashdraft:batched_step" + name + "_total") for name in ("s", "_slots", "_tokens")}
-    run_staggered(threads, 0.05)
+    threads["a"].start()
+    assert a_generating.wait(60), "stream a sent no chunk"
+    run_staggered([threads["b"], threads["c"]], 0.05)
+    threads["a"].join(120)
     assert results == expected
     # the slots' steps ran as batched steps (the CPU's), two slots at a time while two streams ran
     steps, slots, step_tokens = (metric(server, "flashdraft:batched_step" + name + "_total") - batched[name]

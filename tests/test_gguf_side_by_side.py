@@ -196,6 +196,19 @@ def test_script_arguments_are_checked(tmp_path):
     assert proc.returncode == 0 and "PHASE: build | files | flashdraft | llama | table" in proc.stdout
 
 
+def test_the_gguf_py_folder_is_printed_for_other_scripts(tmp_path):
+    """ab_run.sh reads the gguf-py folder from here: printed alone, extracted from the bench folder's tarball."""
+    bench = fake_bench(tmp_path / "bench")
+    env = {"SBS_BENCH": str(bench), "SBS_WORK": str(tmp_path / "w"), "OUT": str(tmp_path / "out")}
+    for _ in range(2):  # extracted, then found
+        proc = run_script(["--print-gguf-py"], env)
+        assert proc.returncode == 0, proc.stderr
+        assert (Path(proc.stdout.strip()) / "gguf" / "__init__.py").is_file() and len(proc.stdout.splitlines()) == 1
+    proc = run_script(["--print-gguf-py"], {**env, "SBS_BENCH": str(tmp_path / "nowhere")})
+    assert proc.returncode == 2 and "must hold beellama-src.tar.gz" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_dry_run_prints_the_plan(tmp_path):
     bench = fake_bench(tmp_path / "bench")
     env = {"SBS_BENCH": str(bench), "SBS_WORK": str(tmp_path / "w"), "OUT": str(tmp_path / "out"),

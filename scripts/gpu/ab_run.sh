@@ -51,7 +51,7 @@ say "ab_run.sh: models $MODELS; rounds $ROUNDS; baseline $BASE"
 # load them with (carry .llamacpp-bench's beellama-src.tar.gz and make_gguf.py)
 SBS_MODELS="$MODELS" SBS_KEEP_GGUF=1 SBS_BUDGET_S=$(( $(left) - 30 )) OUT="$OUT/files" \
     bash "$ROOT/scripts/gpu/side_by_side.sh" files >> "$LOG" 2>&1 || { say "files: failed"; exit 4; }
-SITE="${SBS_WORK:-/tmp/sbs-work}/gguf-py/beellama/gguf-py"
+SITE=$(bash "$ROOT/scripts/gpu/side_by_side.sh" --print-gguf-py)
 if [ -n "${AB_TESTS:-}" ]; then
     say "tests: $AB_TESTS"
     # shellcheck disable=SC2086

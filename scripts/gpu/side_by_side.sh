@@ -5,6 +5,8 @@
 #
 # Usage, from the repository root on the GPU machine (results and logs go to $OUT):
 #     bash scripts/gpu/side_by_side.sh [--dry-run] [PHASE ...]
+#     bash scripts/gpu/side_by_side.sh --print-gguf-py   (the gguf-py folder the files are written and read with,
+#                                                         extracted from the bench folder's tarball if need be)
 # PHASE: build | files | flashdraft | llama | table | all (the default: all five, in that order, except that
 # with SBS_SERIAL=0 flashdraft runs while llama.cpp builds, which saves device time but not for a claim: the build
 # on the same CPUs took 10% off flashdraft's plain decoding, 80.1 against 89.6-91.3 tok/s, docs/performance.md).
@@ -68,14 +70,16 @@ PENDING=0  # models skipped in this call for want of disk room
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 die() { echo "side_by_side.sh: $*" >&2; exit 2; }
 
-DRY=0 PHASES=()
+DRY=0 PHASES=() PRINT_GGUF_PY=0
 for a in "$@"; do
     case "$a" in
         --dry-run) DRY=1;;
+        --print-gguf-py) PRINT_GGUF_PY=1;;
         -h|--help) usage; exit 0;;
         build|files|flashdraft|llama|table) PHASES+=("$a");;
         all) PHASES+=(build files flashdraft llama table);;
-        *) die "unknown phase or option '$a' (phases: build files flashdraft llama table all; option --dry-run)";;
+        *) die "unknown phase or option '$a' (phases: build files flashdraft llama table all; options --dry-run," \
+               "--print-gguf-py)";;
     esac
 done
 [ ${#PHASES[@]} -gt 0 ] || PHASES=(build files flashdraft llama table)
@@ -132,6 +136,12 @@ gguf_py() {  # gguf-py (llama.cpp's, from the tarball) for make_gguf.py and flas
     fi
     echo "$dir"
 }
+if [ $PRINT_GGUF_PY = 1 ]; then
+    [ -f "$BENCH/beellama-src.tar.gz" ] || die "$BENCH must hold beellama-src.tar.gz (copy ../shared/llamacpp-bench)"
+    mkdir -p "$WORK"
+    gguf_py
+    exit 0
+fi
 
 phase_build_start() {
     if [ -n "$(llama_bench)" ] && ! build_running; then say "llama-bench built: $(llama_bench)"; return 0; fi

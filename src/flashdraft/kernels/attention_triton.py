@@ -37,7 +37,7 @@ block's fp16 scale once per row.
 import triton
 import triton.language as tl
 
-from flashdraft.kernels.split_reduce_triton import add, maximum
+from flashdraft.kernels.split_reduce_triton import add, maximum, start_programmatic
 
 
 @triton.jit(do_not_specialize=["T", "KV_LEN", "N_SPLITS"])
@@ -48,9 +48,7 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, count
                      K_FMT: tl.constexpr, V_FMT: tl.constexpr, K_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr,
                      PIPELINED: tl.constexpr, SEGMENTED: tl.constexpr, TMA: tl.constexpr = False,
                      PDL: tl.constexpr = False):
-    if PDL:  # a programmatic dependent launch (kernels.programmatic): let the next kernel launch, and wait for the
-        tl.extra.cuda.gdc_launch_dependents()  # earlier ones' writes before the first load
-        tl.extra.cuda.gdc_wait()
+    start_programmatic(PDL)
     kv = tl.program_id(0)
     tile = tl.program_id(1)
     split = tl.program_id(2)

@@ -20,7 +20,7 @@ its rsqrt is the hardware approximation, as torch's is).
 import triton
 import triton.language as tl
 
-from flashdraft.kernels.split_reduce_triton import add, round_to
+from flashdraft.kernels.split_reduce_triton import add, round_to, start_programmatic
 
 
 @triton.jit
@@ -29,9 +29,7 @@ def qkv_prep_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_norm_ptr, k_norm_ptr, 
                     capacity, eps, N_HEADS: tl.constexpr, N_KV: tl.constexpr, D: tl.constexpr,
                     HAS_NORM: tl.constexpr, EMULATE: tl.constexpr, HAS_OFFSETS: tl.constexpr,
                     PDL: tl.constexpr = False):
-    if PDL:  # a programmatic dependent launch (kernels.programmatic): let the next kernel launch, and wait for the
-        tl.extra.cuda.gdc_launch_dependents()  # earlier ones' writes before the first load
-        tl.extra.cuda.gdc_wait()
+    start_programmatic(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.program_id(1)
     dtype = q_ptr.dtype.element_ty

@@ -10,15 +10,13 @@ of squares can differ from torch's in its last bits (its own summation order).
 import triton
 import triton.language as tl
 
-from flashdraft.kernels.split_reduce_triton import add, round_to
+from flashdraft.kernels.split_reduce_triton import add, round_to, start_programmatic
 
 
 @triton.jit
 def rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, stride_x, stride_r, stride_s, stride_y, N, eps,
                     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # a programmatic dependent launch (kernels.programmatic): let the next kernel launch, and wait for the
-        tl.extra.cuda.gdc_launch_dependents()  # earlier ones' writes before the first load
-        tl.extra.cuda.gdc_wait()
+    start_programmatic(PDL)
     row = tl.program_id(0).to(tl.int64)
     dtype = y_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK)

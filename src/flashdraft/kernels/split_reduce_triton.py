@@ -1,5 +1,5 @@
 """Triton pieces shared by the other kernels here: the split-K reduce that adds fp32 partials in a fixed order, the
-interpreter's rounding, and tl.reduce's combine functions (triton.language's own jit reductions, tl.max and tl.sum
+interpreter's rounding, the start of a programmatic dependent launch, and tl.reduce's combine functions (triton.language's own jit reductions, tl.max and tl.sum
 among them, break under an interpreter switched on after Triton's import, as the CPU tests do; Triton builtins and
 these do not).
 
@@ -23,6 +23,15 @@ def maximum(a, b):
 @triton.jit
 def minimum(a, b):
     return tl.minimum(a, b)
+
+
+@triton.jit
+def start_programmatic(PDL: tl.constexpr):
+    """With PDL (launched as a programmatic dependent, kernels.programmatic): let the next kernel launch, and wait
+    for the earlier kernels' writes; before the kernel's first load."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit

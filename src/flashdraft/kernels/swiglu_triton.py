@@ -7,15 +7,13 @@ from its own row's gate and up alone (batch invariance). Float32 arithmetic roun
 import triton
 import triton.language as tl
 
-from flashdraft.kernels.split_reduce_triton import round_to
+from flashdraft.kernels.split_reduce_triton import round_to, start_programmatic
 
 
 @triton.jit
 def swiglu_kernel(gu_ptr, y_ptr, stride_gu, stride_y, N, BLOCK: tl.constexpr, EMULATE: tl.constexpr,
                   PDL: tl.constexpr = False):
-    if PDL:  # a programmatic dependent launch (kernels.programmatic): let the next kernel launch, and wait for the
-        tl.extra.cuda.gdc_launch_dependents()  # earlier ones' writes before the first load
-        tl.extra.cuda.gdc_wait()
+    start_programmatic(PDL)
     row = tl.program_id(0).to(tl.int64)
     dtype = y_ptr.dtype.element_ty
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

@@ -113,7 +113,8 @@ run() {  # a command, or its printout under --dry-run
 collect() {  # what this call returns, whatever happened
     [ $DRY = 1 ] && return 0
     mkdir -p "$OUT"
-    PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" "$PY" "$HELPER" table "$RESULTS" --md "$OUT/table.md" --json "$OUT/results.json" 2>&1 | tee -a "$LOG" || true
+    PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" "$PY" "$HELPER" table "$RESULTS" --md "$OUT/table.md" \
+        --json "$OUT/results.json" 2>&1 | tee -a "$LOG" || true
     cp -f "$LOG" "$OUT/side_by_side.log"
     [ -s "$WORK/bee-out/build.log" ] && tail -c 4000000 "$WORK/bee-out/build.log" > "$OUT/build.log"
     return 0

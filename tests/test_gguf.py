@@ -16,7 +16,7 @@ from flashdraft.config import ConfigError, ModelConfig, SamplingParams
 from flashdraft.engine.generator import Engine
 from flashdraft.models import load_model, load_target
 from flashdraft.loading.checkpoint import CheckpointError
-from flashdraft.quant import QuantEmbedding, QuantLinear, UnsupportedQuantType
+from flashdraft.quant import QuantEmbedding, QuantLinear, UnsupportedQuantType, q6k_lanes
 from tiny_models import build_drafter, build_target
 
 LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -330,7 +330,8 @@ def test_quantized_gguf_is_the_dequantized_model(request, tmp_path, case, ids):
     model = load_model(path, device="cpu", context_size=64).target
     # The weights stay in their blocks.
     q = model.model.layers[0].self_attn.q_proj
-    assert isinstance(q, QuantLinear) and q.blocks.dtype == torch.uint8 and q.qtype == qtype_of("blk.1.attn_q.weight")
+    kept = q6k_lanes.kept_qtype(qtype_of("blk.1.attn_q.weight"))  # Q6_K: in lane order
+    assert isinstance(q, QuantLinear) and q.blocks.dtype == torch.uint8 and q.qtype == kept
     assert isinstance(model.model.embed_tokens, QuantEmbedding) and isinstance(model.lm_head, QuantLinear)
     ours = _logits(model, ids)
     deq = load_target(dequantized_folder(path, folder, tmp_path / "deq"), 128, "cpu", torch.float32)
@@ -363,15 +364,16 @@ def test_fused_quantized_projections_compute_what_the_separate_ones_do(tmp_path,
     assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
-@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
-def test_tied_output_shares_the_embedding(tmp_path, qwen3_dir, qtype, ids):
-    model = load_model(target_to_gguf(qwen3_dir, tmp_path / "t.gguf", lambda n: qtype, tied=True),
-                       device="cpu", context_size=64).target
+@pytest.mark.parametrize("qtype,folder", [("F32", "qwen3_dir"), ("Q8_0", "qwen3_dir"), ("Q6_K", "wide_dir")])
+def test_tied_output_shares_the_embedding(request, tmp_path, qtype, folder, ids):
+    """Q6_K too: the embedding keeps its rows in lane order and the head takes those rows, not a second copy."""
+    model = load_model(target_to_gguf(request.getfixturevalue(folder), tmp_path / "t.gguf", lambda n: qtype,
+                                      tied=True), device="cpu", context_size=64).target
     emb, head = model.model.embed_tokens, model.lm_head
     if qtype == "F32":
         assert head.weight is emb.weight
     else:
-        assert head.blocks.data_ptr() == emb.blocks.data_ptr()
+        assert head.blocks.data_ptr() == emb.blocks.data_ptr() and head.qtype == emb.qtype
     assert model.config.tie_word_embeddings and torch.equal(head.weight, emb.weight)
     assert torch.isfinite(_logits(model, ids)).all()
 

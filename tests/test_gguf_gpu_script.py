@@ -44,7 +44,7 @@ def test_runs_without_errors_and_prints_the_table(report):
 @pytest.mark.skipif(not _has_triton(), reason="the kernel stage needs Triton (its interpreter on the CPU)")
 def test_kernels_are_correct_and_batch_invariant(report):
     kernels = report["kernels"]
-    assert {k["qtype"] for k in kernels} == {"Q4_K", "Q5_K", "Q6_K", "Q8_0"}
+    assert {k["qtype"] for k in kernels} == {"Q4_K", "Q5_K", "Q6_K_LANES", "Q8_0"}
     assert any(k["config"] != kernels[0]["config"] and "s1" not in k["config"] for k in kernels), \
         "no split-K case ran"
     for k in kernels:
@@ -61,7 +61,7 @@ def test_kernels_are_correct_and_batch_invariant(report):
 
 def test_model_decodes_plain_and_with_dflash(report):
     m = report["model"]
-    assert m["qtypes"] == ["Q4_K", "Q5_K", "Q6_K"]
+    assert m["qtypes"] == ["Q4_K", "Q5_K", "Q6_K_LANES"]
     # Q4_K_S: Q5_K for attn_v of layers 0-3 (the tiny model's first 4 v_proj are in layers 0, 1, 3, 4: layer 2 is
     # full, with k_eq_v) and for ffn_down of the first n_layer / 8 layers (none of 6)
     assert m["q5_k_tensors"] == [f"model.layers.{i}.self_attn.v_proj" for i in (0, 1, 3, 4)]
@@ -93,10 +93,10 @@ from test_gguf_quant import random_blocks
 
 assert tk._interpreting()
 failures = []
-for qtype in ["Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]:
-    fmt = QUANT_FORMATS[qtype]
+for qtype in ["Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K_LANES"]:
+    elems = 256 if qtype in tk.K_QUANTS else QUANT_FORMATS[qtype].block_elems
     n, k = 40, 2 * 256  # 40 rows: a partial N-tile
-    blocks = torch.from_numpy(random_blocks(qtype, rows=n, blocks_per_row=k // fmt.block_elems, seed=3))
+    blocks = torch.from_numpy(random_blocks(qtype, rows=n, blocks_per_row=k // elems, seed=3))
     w = dequantize(blocks, qtype)
     x = torch.randn(17, k, generator=torch.Generator().manual_seed(0))  # 17 rows: two M-tiles
     base = tk.QuantConfig(64, 128, 1, 4, 3)
@@ -110,9 +110,9 @@ for qtype in ["Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]:
         # each packed weight bitwise the dequantized one: one-hot fp32 rows pick single weights out of the first
         # super-block, at K positions covering every (byte, nibble, group) field
         idx = torch.arange(16) * 17 % 256
-        one = tk.launch(torch.eye(256)[idx], blocks[:, :fmt.block_bytes], n, qtype,
-                        tk.QuantConfig(32, 256, packed=True))
-        if not torch.equal(one, w[:, idx].T):
+        first = torch.from_numpy(random_blocks(qtype, rows=n, blocks_per_row=1, seed=5))
+        one = tk.launch(torch.eye(256)[idx], first, n, qtype, tk.QuantConfig(32, 256, packed=True))
+        if not torch.equal(one, dequantize(first, qtype)[:, idx].T):
             failures.append((qtype, "packed weights not bitwise the dequantized ones"))
         # the x permutation the packed kernel reads: a permutation of range(K), the same one within every
         # super-block, cached (the one-hot check above shows it matches the kernel's field order)
@@ -141,7 +141,7 @@ for qtype in ["Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]:
                 failures.append((qtype, cfg.name, "strided x not bitwise"))
     if tuple(gpu_kernels.KERNELS[qtype](xb[:3], blocks, n).shape) != (3, n):
         failures.append((qtype, "KERNELS shape"))
-packed = tk.heuristic_config("Q6_K", 40, 512, packed=True)
+packed = tk.heuristic_config("Q6_K_LANES", 40, 512, packed=True)
 if not (packed.packed and packed.block_k == 256 and packed.name.endswith("q")):
     failures.append(("heuristic packed config", packed))
 if tk.heuristic_config("Q8_0", 40, 512, packed=True).packed or tk.heuristic_config("Q4_K", 40, 512).packed:
@@ -163,10 +163,10 @@ if tk.config_for("Q8_0", 40, 512) != tk.heuristic_config("Q8_0", 40, 512):
     failures.append(("legacy default changed",))
 # the dequantized copy for passes of many rows: bitwise the fp32 values of dequantize, rounded once to the dtype,
 # and the op takes it from DEQUANT_MIN_ROWS rows on
-for qtype in ["Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]:
-    fmt = QUANT_FORMATS[qtype]
+for qtype in ["Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K_LANES"]:
+    elems = 256 if qtype in tk.K_QUANTS else QUANT_FORMATS[qtype].block_elems
     n, k = 40, 2 * 256 if qtype in tk.K_QUANTS else 288  # a ragged N-tile; 288: a ragged K-tile of 32-blocks
-    blocks = torch.from_numpy(random_blocks(qtype, rows=n, blocks_per_row=k // fmt.block_elems, seed=4))
+    blocks = torch.from_numpy(random_blocks(qtype, rows=n, blocks_per_row=k // elems, seed=4))
     w = dequantize(blocks, qtype)
     for dtype in (torch.float32, torch.bfloat16):
         got = tk.dequantize(blocks, qtype, k, dtype)

@@ -16,7 +16,7 @@ import torch
 from flashdraft.config import SamplingParams
 from flashdraft.engine.generator import Engine
 from flashdraft.loading.gguf import GGUFFile
-from flashdraft.quant import QuantEmbedding, QuantLinear, dequantize
+from flashdraft.quant import QuantEmbedding, QuantLinear, dequantize, q6k_lanes
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = Path(os.environ.get("FLASHDRAFT_LLAMACPP_BENCH", ROOT.parent / "shared" / "llamacpp-bench"))
@@ -78,13 +78,14 @@ def test_make_gguf_files_load_and_generate(mg, files, shape, ftype):
     g = GGUFFile(path)
     quant = {m.blocks.data_ptr(): m for m in target.modules() if isinstance(m, (QuantLinear, QuantEmbedding))}
     want = {q for q in plan.values() if q not in ("F32", "BF16")}
-    assert {m.qtype for m in quant.values()} == want
+    assert {m.qtype for m in quant.values()} == {q6k_lanes.kept_qtype(q) for q in want}  # Q6_K: in lane order
     emb = target.model.embed_tokens
     if plan["token_embd.weight"] in ("F32", "BF16"):
         assert not quant and emb.weight.dtype == torch.float32
     else:
-        assert isinstance(emb, QuantEmbedding) and emb.qtype == plan["token_embd.weight"]
-        ref = gguf.quants.dequantize(g.tensors["token_embd.weight"].data[:4], gguf.GGMLQuantizationType[emb.qtype])
+        assert isinstance(emb, QuantEmbedding) and emb.qtype == q6k_lanes.kept_qtype(plan["token_embd.weight"])
+        ref = gguf.quants.dequantize(g.tensors["token_embd.weight"].data[:4],
+                                     gguf.GGMLQuantizationType[plan["token_embd.weight"]])
         assert np.array_equal(dequantize(emb.blocks[:4], emb.qtype).numpy(), ref)
     counts = {}
     for q in plan.values():
@@ -93,7 +94,7 @@ def test_make_gguf_files_load_and_generate(mg, files, shape, ftype):
     for m in quant.values():
         blocks[m.qtype] = blocks.get(m.qtype, 0) + 1
     for q in want:  # a tied head shares the embedding's blocks: one tensor in the file, one set of blocks here
-        assert blocks[q] == counts[q], (q, blocks, counts)
+        assert blocks[q6k_lanes.kept_qtype(q)] == counts[q], (q, blocks, counts)
 
     # the synthetic SentencePiece vocabulary has no piece a text can form: BOS, then the bytes of the space prefix
     # (U+2581) and of every character; byte tokens decode to their bytes (the prefix too, as in llama.cpp)

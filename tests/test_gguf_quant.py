@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashdraft.quant import QUANT_FORMATS, QuantEmbedding, QuantLinear, UnsupportedQuantType, dequantize
+from flashdraft.quant import QUANT_FORMATS, QuantEmbedding, QuantLinear, UnsupportedQuantType, dequantize, q6k_lanes
 from flashdraft.quant.linear import gpu_matmul
 
 # Byte offsets of each format's fp16 scales: random bytes there could be inf/NaN, so they get finite values.
@@ -14,6 +14,10 @@ FP16_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0"
 
 
 def random_blocks(qtype: str, rows: int, blocks_per_row: int, seed: int = 0) -> np.ndarray:
+    """Random rows of a GGUF type (finite scales), or of Q6_K_LANES: random Q6_K rows in lane order."""
+    if qtype == q6k_lanes.QTYPE:
+        gguf_rows = torch.from_numpy(random_blocks(q6k_lanes.GGUF_QTYPE, rows, blocks_per_row, seed))
+        return q6k_lanes.from_gguf(gguf_rows).numpy()
     fmt = QUANT_FORMATS[qtype]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(rows * blocks_per_row, fmt.block_bytes), dtype=np.uint8)
@@ -142,11 +146,13 @@ def test_triton_kernel_matches_dequantized_matmul_and_is_batch_invariant(qtype):
 
     fmt = QUANT_FORMATS[qtype]
     n, k = 200, 512  # n is not a multiple of the N-tile, so the edge masking runs too
-    blocks = torch.from_numpy(random_blocks(qtype, rows=n, blocks_per_row=k // fmt.block_elems)).cuda()
-    w = dequantize(blocks, qtype)
+    layer = QuantLinear(torch.from_numpy(random_blocks(qtype, rows=n, blocks_per_row=k // fmt.block_elems)).cuda(),
+                        qtype, k, torch.bfloat16)
+    blocks = layer.blocks  # Q6_K: in lane order
+    w = dequantize(blocks, layer.qtype)
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(16, k, device="cuda", generator=g)
-    kernel = KERNELS[qtype]
+    kernel = KERNELS[layer.qtype]
     ref = x.double() @ w.double().T
     exact = kernel(x, blocks, n)
     assert ((exact.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
@@ -156,5 +162,4 @@ def test_triton_kernel_matches_dequantized_matmul_and_is_batch_invariant(qtype):
     assert ((y16.double() - ref_b).abs().max() / ref_b.abs().max()).item() < 1e-2
     for m in (1, 2, 4, 8):
         assert torch.equal(kernel(xb[:m], blocks, n), y16[:m])
-    layer = QuantLinear(blocks, qtype, k, torch.bfloat16)
-    assert gpu_matmul(qtype, blocks.device) is kernel and torch.equal(layer(xb), y16)
+    assert gpu_matmul(layer.qtype, blocks.device) is kernel and torch.equal(layer(xb), y16)

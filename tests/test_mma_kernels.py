@@ -1,4 +1,4 @@
-"""The CUDA tensor-core k-quant kernel (flashdraft.quant.mma_kernels; Q4_K, Q5_K, Q6_K): which products it takes,
+"""The CUDA tensor-core k-quant kernel (flashdraft.quant.mma_kernels; Q4_K, Q5_K, Q6_K in lane order): which products it takes,
 its tilings, and on a GPU its results (against dequantize + matmul in float64) and bitwise batch invariance over
 every M <= 16."""
 import pytest
@@ -40,7 +40,7 @@ def test_measured_tilings_take_precedence_divide_their_k_and_split_it_alike_for_
         for tiling in pair:
             tiling.shared_bytes(qtype)  # a ring only for a type that takes one
     assert tilings_for("Q4_K", 4096, 2048) == (default_tiling(4096, 2048),) * 2  # a shape not measured
-    assert tilings_for("Q6_K", 21504, 5376) == (default_tiling(21504, 5376),) * 2  # measured for Q4_K only
+    assert tilings_for("Q6_K_LANES", 21504, 5376) == (default_tiling(21504, 5376),) * 2  # measured for Q4_K only
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernel needs a GPU")
@@ -50,11 +50,11 @@ def test_a_ring_of_one_stage_is_refused_and_rings_take_shared_memory_per_warp():
     for stages in (1, -2):
         with pytest.raises(ValueError, match="stages"):
             MmaTiling(1, 2, 3, 1, stages)
-    assert MmaTiling(1, 2, 3, 1).shared_bytes("Q4_K") == MmaTiling(1, 2, 3, 1).shared_bytes("Q6_K") == 0
+    assert MmaTiling(1, 2, 3, 1).shared_bytes("Q4_K") == MmaTiling(1, 2, 3, 1).shared_bytes("Q6_K_LANES") == 0
     assert MmaTiling(2, 4, 3, 1, 4).shared_bytes("Q4_K") == 4 * 4 * 2 * 16 * 160  # warps x stages x rows x padded row
     assert MmaTiling(2, 4, 3, 1, 4).shared_bytes("Q5_K") == 4 * 4 * 2 * 16 * 224
-    with pytest.raises(ValueError, match="Q6_K weights take no shared-memory ring"):
-        MmaTiling(2, 4, 3, 1, 4).shared_bytes("Q6_K")
+    with pytest.raises(ValueError, match="Q6_K_LANES weights take no shared-memory ring"):
+        MmaTiling(2, 4, 3, 1, 4).shared_bytes("Q6_K_LANES")
 
 
 SHAPES = [(64, 512, None), (4096, 5376, None), (21504, 5376, None), (5376, 21504, None),
@@ -65,7 +65,8 @@ RINGS = [(1040, 2048, MmaTiling(2, 4, 2, 1, 3)), (4096, 5376, MmaTiling(1, 2, 3,
 
 @cuda
 @pytest.mark.parametrize("qtype,n,k,tiling", [(q, *s) for q in ("Q4_K", "Q5_K") for s in SHAPES + RINGS]
-                         + [("Q6_K", *s) for s in SHAPES + [(65536, 5376, None), (1024, 4096, MmaTiling(1, 4, 16, 1))]])
+                         + [("Q6_K_LANES", *s)
+                            for s in SHAPES + [(65536, 5376, None), (1024, 4096, MmaTiling(1, 4, 16, 1))]])
 def test_mma_kernel_matches_dequantized_matmul_and_is_batch_invariant(qtype, n, k, tiling):
     blocks = torch.from_numpy(random_blocks(qtype, rows=n, blocks_per_row=k // 256)).cuda()
     x = torch.randn(16, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0)).bfloat16()

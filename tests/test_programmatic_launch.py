@@ -45,7 +45,7 @@ def test_a_graph_of_programmatic_launches_keeps_the_streams_order(m):
     k, inter = 1024, 2048
     gen = torch.Generator(device="cuda").manual_seed(7)
     gate_up = torch.from_numpy(random_blocks("Q4_K", rows=2 * inter, blocks_per_row=k // 256)).cuda()
-    down = torch.from_numpy(random_blocks("Q6_K", rows=k, blocks_per_row=inter // 256)).cuda()
+    down = torch.from_numpy(random_blocks("Q6_K_LANES", rows=k, blocks_per_row=inter // 256)).cuda()
     norm_w = torch.randn(k, device="cuda", generator=gen).bfloat16()
     h = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
 
@@ -59,7 +59,7 @@ def test_a_graph_of_programmatic_launches_keeps_the_streams_order(m):
         then(lambda x: rms_norm_rows(x, norm_w, 1e-6)[1])
         then(lambda x: mma_kernels.launch(x, gate_up, 2 * inter, "Q4_K"))
         then(swiglu_rows)
-        then(lambda x: mma_kernels.launch(x, down, k, "Q6_K", residual=h))
+        then(lambda x: mma_kernels.launch(x, down, k, "Q6_K_LANES", residual=h))
         then(lambda x: rms_norm_rows(x, norm_w, 1e-6, residual=h)[1])
         return out[-1]
 

@@ -90,12 +90,13 @@ TARGET_SHAPES = ("q_sliding", "kv_sliding", "o_sliding", "q_full", "k_full", "o_
 DRAFTER_SHAPES = ("d_q", "d_kv", "d_o", "d_gate_up", "d_down", "d_fc")
 # Most important first: stage (b) stops adding cases when its time is up.
 CASES = ([("Q4_K", s) for s in ("gate_up", "down", "q_sliding", "kv_sliding", "o_sliding")]
-         + [("Q6_K", "lm_head"), ("Q5_K", "down"), ("Q5_K", "kv_sliding")]
+         + [("Q6_K_LANES", "lm_head"), ("Q5_K", "down"), ("Q5_K", "kv_sliding")]
          + [("Q4_K", s) for s in ("q_full", "k_full", "o_full")]
          + [("Q8_0", s) for s in DRAFTER_SHAPES]
-         + [("Q5_K", "gate_up"), ("Q6_K", "gate_up")])
+         + [("Q5_K", "gate_up"), ("Q6_K_LANES", "gate_up")])
 # --tiny: one case per quant type, plus a split-K shape (interpreted kernels are slow)
-CASES_TINY = [("Q4_K", "gate_up"), ("Q4_K", "down"), ("Q5_K", "kv_sliding"), ("Q6_K", "lm_head"), ("Q8_0", "d_fc")]
+CASES_TINY = [("Q4_K", "gate_up"), ("Q4_K", "down"), ("Q5_K", "kv_sliding"), ("Q6_K_LANES", "lm_head"),
+              ("Q8_0", "d_fc")]
 M_VALUES = (1, 2, 4, 8, 16)
 VARIANT_CASES = 7  # the first cases also time tk_variants' tilings (the fastest correct one is adopted)
 
@@ -147,10 +148,16 @@ class Run:
 
 def random_blocks(qtype: str, rows: int, k: int, gen, device, weight_std: float = 0.02):
     """Random valid GGUF blocks uint8 [rows, row_bytes], made on `device`: random quant bytes, fp16 scales small,
-    positive (dmin too) and spread over x0.5..x1.5, so weights have about `weight_std` standard deviation."""
+    positive (dmin too) and spread over x0.5..x1.5, so weights have about `weight_std` standard deviation.
+    Q6_K_LANES: random Q6_K blocks in lane order, as QuantLinear keeps them (the kernels' type)."""
     import torch
 
     from flashdraft.quant import block_format
+
+    if qtype == "Q6_K_LANES":  # (imported here only: ab_run.sh's baseline trees may predate the layout)
+        from flashdraft.quant import q6k_lanes
+
+        return q6k_lanes.from_gguf(random_blocks("Q6_K", rows, k, gen, device, weight_std))
 
     fmt = block_format(qtype)
     nb = k // fmt.block_elems
@@ -485,7 +492,8 @@ def build_models(run: Run, dev, dtype, gen, capacity: int, drafter_bf16: bool, d
     quantize_linears(target.model, lambda name: plan("model." + name), dev, dtype, gen)
     emb = random_blocks("Q6_K", cfg.vocab_size, H, gen, dev, weight_std=1.0)
     target.model.embed_tokens = QuantEmbedding(emb, "Q6_K", H, dtype)
-    target.lm_head = QuantLinear(emb, "Q6_K", H, dtype)  # tied: the same blocks
+    embed = target.model.embed_tokens  # tied: the same blocks (in lane order, flashdraft.quant.q6k_lanes)
+    target.lm_head = QuantLinear(embed.blocks, embed.qtype, H, dtype)
     # tiny post-branch norms: the embedding dominates the residual; the final norm puts the token's own logit at ~20
     rms = float(dequantize(emb[:256], "Q6_K").pow(2).mean().sqrt())
     materialize(target, dev, dtype, gen, {"post_attention_layernorm.weight": 1e-3,

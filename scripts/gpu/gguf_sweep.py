@@ -22,7 +22,7 @@ from gguf_run import GB, SHAPES_31B, bench_ms, copies_for, random_blocks, rel_er
 
 # Most important first (the sweep stops at its time budget).
 CASES = [("Q4_K", "gate_up"), ("Q4_K", "down"), ("Q4_K", "q_sliding"), ("Q4_K", "kv_sliding"), ("Q4_K", "o_sliding"),
-         ("Q6_K", "lm_head"), ("Q4_K", "q_full"), ("Q4_K", "o_full"), ("Q4_K", "k_full"), ("Q5_K", "down"),
+         ("Q6_K_LANES", "lm_head"), ("Q4_K", "q_full"), ("Q4_K", "o_full"), ("Q4_K", "k_full"), ("Q5_K", "down"),
          ("Q5_K", "kv_sliding"), ("Q8_0", "d_gate_up"), ("Q8_0", "d_down"), ("Q8_0", "d_q"), ("Q8_0", "d_o"),
          ("Q8_0", "d_fc"), ("Q8_0", "d_kv")]
 

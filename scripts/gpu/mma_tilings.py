@@ -41,10 +41,10 @@ SETS = {
     # the fused projections of Gemma4LM.prepare (sliding q|k|v is 16384 x 5376, full q's shape)
     "gemma-q4k-fused": ("Q4_K", {"full q|k": (18432, 5376), "gate|up": (43008, 5376)}),
     "gemma-q5k": ("Q5_K", {"sliding v": (4096, 5376), "down": (5376, 21504)}),
-    "gemma-q6k": ("Q6_K", {"lm head": (262144, 5376)}),
+    "gemma-q6k": ("Q6_K_LANES", {"lm head": (262144, 5376)}),
     "qwen-q4k": ("Q4_K", {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (12288, 4096), "down": (4096, 12288),
                           "embedding": (151936, 4096)}),
-    "qwen-q6k": ("Q6_K", {"v": (1024, 4096), "down": (4096, 12288), "lm head": (151936, 4096)}),
+    "qwen-q6k": ("Q6_K_LANES", {"v": (1024, 4096), "down": (4096, 12288), "lm head": (151936, 4096)}),
     # Qwen3-8B Q4_K_M's fused projections (q|k|v where attn_v is Q4_K too, else q|k; gate|up in every layer)
     "qwen-q4k-fused": ("Q4_K", {"q|k|v": (6144, 4096), "q|k": (5120, 4096), "gate|up": (24576, 4096)}),
     # Qwen3-8B Q4_K_M's own Q4_K k (beside a Q6_K v) and down (half the layers)

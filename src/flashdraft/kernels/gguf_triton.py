@@ -6,19 +6,19 @@ BLOCK_N output features of one BLOCK_M = 16 row tile and one fixed K range. Per 
 a [BLOCK_N, BLOCK_K] weight tile once, decodes it to float32 (the formulas of flashdraft.quant.dequant), casts it
 to the activation dtype and multiplies with tl.dot, accumulating in fp32. The weights are decoded per element on
 the 2-D tile (`_decode_tile_2d`: each element finds its own quant bits and scales, repeated loads served by L1);
-the prefill's dequantized copy (`dequantize`) uses the same formulas.
+the prefill's dequantized copy (`dequantize`) uses the same formulas. Q6_K weights come as QuantLinear keeps them, in
+lane order (Q6_K_LANES, flashdraft.quant.q6k_lanes): the GGUF byte offsets below go through _lane_ql / _lane_qh.
 
 The K-quants' matmul has its own formulation, QuantConfig.packed (`_quant_matmul_packed_kernel`), which works a
-super-block (256 weights) at a time and reads the quant bytes as packed words: per super-block and row, the header
-once (Q4_K/Q5_K: 4 int32 words holding d, dmin and the 12 scale bytes; Q6_K: d and 16 int8 scales), then the quants
-as contiguous words ([BLOCK_N, 4, 8] int32 words for Q4_K/Q5_K, uint16 half-words for Q6_K, whose 210-byte
-super-blocks are only 2-byte aligned). The weights are not put back in K order: each dot takes the weights that one
-bit field (byte p of a word, nibble h) of the loaded words holds, [BLOCK_N, 32] in word order, against x at the
-matching K indices, so the decode is shifts and masks on the loaded words, with the sub-block scales decoded once
-per super-block ([BLOCK_N, 4, 1]) and broadcast. Those K indices are strided, so `launch` permutes x once per call
-(`_packed_perm`, the same permutation within every super-block): the 32 x values of dot d of super-block sb lie at
-256 sb + 32 d + 0..31, and the kernel loads them as contiguous vectors. Eight dots of K = 32 per super-block; the
-order (super-blocks low to high, then the fixed field order) never depends on M. Same weights and the same fp32
+super-block (256 weights) at a time and reads the quant bytes as packed words: per super-block and row, the header once
+(Q4_K/Q5_K: 4 int32 words holding d, dmin and the 12 scale bytes; Q6_K: d and 16 int8 scales), then the quants as words
+([BLOCK_N, 4, 8] int32 words for Q4_K/Q5_K, uint16 half-words for Q6_K). The weights are not put back in K order: each
+dot takes the weights that one bit field (byte p of a word, nibble h) of the loaded words holds, [BLOCK_N, 32] in word
+order, against x at the matching K indices, so the decode is shifts and masks on the loaded words, with the sub-block
+scales decoded once per super-block ([BLOCK_N, 4, 1]) and broadcast. Those K indices are strided, so `launch` permutes x
+once per call (`_packed_perm`, the same permutation within every super-block): the 32 x values of dot d of super-block
+sb lie at 256 sb + 32 d + 0..31, and the kernel loads them as contiguous vectors. Eight dots of K = 32 per super-block;
+the order (super-blocks low to high, then the fixed field order) never depends on M. Same weights and the same fp32
 formulas as the per-element decode, but another summation order, so not bitwise equal to it.
 
 Cost nearly flat in M: a 16-row tile holds a whole DFlash verify block, so the weight bytes are read once for
@@ -45,10 +45,10 @@ import triton.language as tl
 
 from flashdraft.kernels.runtime import gpu_sm_count, interpreted
 from flashdraft.kernels.split_reduce_triton import round_to, split_reduce_kernel
+from flashdraft.quant import formats
 
-QTYPE_CODES = {"Q4_0": 0, "Q5_0": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5, "Q4_1": 6, "Q5_1": 7}
-K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # 256-weight super-blocks; the others have 32-weight blocks
-BLOCK_BYTES = {"Q4_0": 18, "Q5_0": 22, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q4_1": 20, "Q5_1": 24}
+QTYPE_CODES = {"Q4_0": 0, "Q5_0": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K_LANES": 5, "Q4_1": 6, "Q5_1": 7}
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K_LANES")  # 256-weight super-blocks; the others have 32-weight blocks
 BLOCK_M = 16           # rows per tile: tl.dot's minimum, and a whole 16-token verify block
 PROGRAMS_PER_SM = 2    # the K split aims at about this many programs per multiprocessor
 MAX_SPLIT = 8
@@ -85,7 +85,7 @@ CONFIGS: dict[tuple[str, int, int], QuantConfig] = {
     ("Q4_K", 4096, 5376): QuantConfig(64, 256, 7, 4, 1, packed=True),    # sliding k/v: 21 / 23 us
     ("Q4_K", 5376, 8192): QuantConfig(64, 256, 4, 4, 1, packed=True),    # sliding o: 36 / 39 us
     ("Q5_K", 5376, 21504): QuantConfig(64, 256, 4, 4, 3, packed=True),   # down, first layers: 100 / 99 us
-    ("Q6_K", 262144, 5376): QuantConfig(64, 256, 1, 4, 3, packed=True),  # tied LM head: 1133 / 1147 us
+    ("Q6_K_LANES", 262144, 5376): QuantConfig(64, 256, 1, 4, 3, packed=True),  # tied LM head: 1133 / 1147 us
 }
 
 
@@ -203,22 +203,36 @@ def _q45_k_weight(row, sb, j, i, mask, FIVE_BIT: tl.constexpr):
 
 
 @triton.jit
-def _decode_tile_2d(row, k0, mask, QTYPE: tl.constexpr, BLOCK_K: tl.constexpr):
+def _lane_ql(o):
+    """Where GGUF's Q6_K ql byte o = 64n + 32h + 16g + 4c + b lies in a lane-order super-block (q6k_lanes)."""
+    return 64 * ((o >> 5) & 1) + 16 * ((o >> 2) & 3) + 8 * (o >> 6) + 4 * ((o >> 4) & 1) + (o & 3)
+
+
+@triton.jit
+def _lane_qh(o):
+    """Where GGUF's Q6_K qh byte 128 + o (o = 32n + 16g + 4c + b) lies in a lane-order super-block."""
+    return 128 + 16 * ((o >> 2) & 3) + 8 * (o >> 5) + 4 * ((o >> 4) & 1) + (o & 3)
+
+
+@triton.jit
+def _decode_tile_2d(row, k0, mask, QTYPE: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr):
     """Weights W[rows, k0:k0+BLOCK_K] as float32 [BLOCK_N, BLOCK_K], per element (row: [BLOCK_N, 1] row
     pointers): each element finds its own quant bits and scales (repeated loads are served by L1). Q6_K
-    super-block: ql[128] (weight 128h+64t+c: byte 64h+c, nibble t), qh[64] (weight 128h+32u+c: byte 32h+c, bits
-    2u..2u+1), int8 scales[16], fp16 d; weight = (d*s_j)*(q-32)."""
+    super-block (GGUF's offsets, put in lane order): ql[128] (weight 128h+64t+c: byte 64h+c, nibble t), qh[64]
+    (weight 128h+32u+c: byte 32h+c, bits 2u..2u+1), int8 scales[16]; its fp16 d at the row's end; weight =
+    (d*s_j)*(q-32)."""
     k = k0 + tl.arange(0, BLOCK_K)[None, :]
     if QTYPE == 3 or QTYPE == 4:
         w = _q45_k_weight(row, k // 256, (k % 256) // 32, k % 32, mask, QTYPE == 4)
     elif QTYPE == 5:
-        base = row + (k // 256) * 210
+        base = row + (k // 256) * 208
         e = k % 256
         h = e // 128
         r = e % 128
-        lo = (_byte_at(base + h * 64 + r % 64, mask) >> (4 * (r // 64))) & 0x0F
-        hi = (_byte_at(base + 128 + h * 32 + r % 32, mask) >> (2 * (r // 32))) & 0x03
-        w = (_fp16_at(base + 208, mask) * _int8_at(base + 192 + e // 16, mask)) * ((lo | (hi << 4)) - 32).to(tl.float32)
+        lo = (_byte_at(base + _lane_ql(h * 64 + r % 64), mask) >> (4 * (r // 64))) & 0x0F
+        hi = (_byte_at(base + _lane_qh(h * 32 + r % 32), mask) >> (2 * (r // 32))) & 0x03
+        d = _fp16_at(row + (K // 256) * 208 + 2 * (k // 256), mask)
+        w = (d * _int8_at(base + 192 + e // 16, mask)) * ((lo | (hi << 4)) - 32).to(tl.float32)
     else:
         w = _legacy_weight(row, k // 32, k % 32, mask, QTYPE)
     return w
@@ -285,7 +299,7 @@ def _quant_matmul_kernel(x_ptr, w_ptr, y_ptr, p_ptr, M, N, row_bytes, stride_xm,
             x_mask = m_ok & ((k0 + rk)[None, :] < K)
             w_mask = n_ok & ((k0 + rk)[None, :] < K)
         x = tl.load(x_rows + (k0 + rk)[None, :], mask=x_mask, other=0.0)
-        w = _decode_tile_2d(row, k0, w_mask, QTYPE, BLOCK_K)
+        w = _decode_tile_2d(row, k0, w_mask, QTYPE, K, BLOCK_K)
         acc = _dot_acc(acc, x, w, IEEE, UPCAST)
     _store_tile(acc, y_ptr, p_ptr, rm, rn, m_ok, M, N, stride_ym, pid_k, SPLIT_K, UPCAST)
 
@@ -372,28 +386,30 @@ def _q45_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, FIVE_BIT: tl.cons
 
 
 @triton.jit
-def _q6_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                 UPCAST: tl.constexpr):
-    """acc += x[:, super-block sb] @ W[:, super-block sb]^T for Q6_K; row: [BLOCK_N, 1, 1] uint8 row pointers.
+def _q6_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, NSB: tl.constexpr, BLOCK_N: tl.constexpr,
+                 IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """acc += x[:, super-block sb] @ W[:, super-block sb]^T for lane-order Q6_K rows of NSB super-blocks; row:
+    [BLOCK_N, 1, 1] uint8 row pointers.
 
-    210-byte super-blocks are only 2-byte aligned, so the quants are read as uint16 half-words, on a
-    [BLOCK_N, 4 (s), 8 (half-word)] grid with s = 2hh + b (hh: the 128-weight half, b: which 16 bytes of a 32):
-    ql half-words 32hh + 16(u % 2) + 8b + w, qh half-words 64 + 8s + w. Byte r of those holds weight
-    e = 128hh + 32u + 16b + 2w + r: low nibbles (u < 2) or high nibbles of ql, bits 2u, 2u + 1 of qh; its scale is
-    int8 byte 192 + e // 16 = 192 + 8hh + 2u + b ([BLOCK_N, 4, 1] per u). One dot per (u, r), dot d = 2u + r: a
+    The quants are read as uint16 half-words, on a [BLOCK_N, 4 (s), 8 (half-word)] grid with s = 2hh + b (hh: the
+    128-weight half, b: which 16 bytes of a 32): GGUF's ql half-words 32hh + 16(u % 2) + 8b + w, qh half-words 64 + 8s +
+    w, found in lane order by _lane_ql / _lane_qh (a half-word's two bytes stay side by side). Byte r of those holds
+    weight e = 128hh + 32u + 16b + 2w + r: low nibbles (u < 2) or high nibbles of ql, bits 2u, 2u + 1 of qh; its scale
+    is int8 byte 192 + e // 16 = 192 + 8hh + 2u + b ([BLOCK_N, 4, 1] per u). One dot per (u, r), dot d = 2u + r: a
     [BLOCK_N, 32] tile, column 8s + w, against x at K = 256 sb + 128hh + 32u + 16b + 2w + r, which the permuted x
-    (`_packed_perm`) holds at 256 sb + 32d + 8s + w, so x_rows points into the permuted x. The 6-bit value is
-    assembled where its low nibble lies (bit B = 8r + 4 (u // 2)), the qh bits shifted up to B + 4 (by 4 or 2),
-    and converted by _field_to_f32, its scale times 2**-B."""
-    base = row + sb * 210
+    (`_packed_perm`) holds at 256 sb + 32d + 8s + w, so x_rows points into the permuted x. The 6-bit value is assembled
+    where its low nibble lies (bit B = 8r + 4 (u // 2)), the qh bits shifted up to B + 4 (by 4 or 2), and converted by
+    _field_to_f32, its scale times 2**-B."""
+    base = row + sb * 208
     hw = base.to(tl.pointer_type(tl.uint16))
     s = tl.arange(0, 4)[None, :, None]
     wd = tl.arange(0, 8)[None, None, :]
-    d = tl.load(hw + 104, mask=w_mask, other=0).to(tl.float16, bitcast=True).to(tl.float32)   # [BLOCK_N, 1, 1]
-    ql_off = 32 * (s // 2) + 8 * (s % 2) + wd
-    ql0 = tl.load(hw + ql_off, mask=w_mask, other=0).to(tl.int32)                # ql bytes 64hh + 0..31
-    ql1 = tl.load(hw + ql_off + 16, mask=w_mask, other=0).to(tl.int32)           # ql bytes 64hh + 32..63
-    qh = tl.load(hw + 64 + 8 * s + wd, mask=w_mask, other=0).to(tl.int32)
+    d_at = (row + NSB * 208).to(tl.pointer_type(tl.uint16)) + sb
+    d = tl.load(d_at, mask=w_mask, other=0).to(tl.float16, bitcast=True).to(tl.float32)   # [BLOCK_N, 1, 1]
+    ql_off = 2 * (32 * (s // 2) + 8 * (s % 2) + wd)                               # GGUF byte offsets
+    ql0 = tl.load(hw + _lane_ql(ql_off) // 2, mask=w_mask, other=0).to(tl.int32)       # ql bytes 64hh + 0..31
+    ql1 = tl.load(hw + _lane_ql(ql_off + 32) // 2, mask=w_mask, other=0).to(tl.int32)  # ql bytes 64hh + 32..63
+    qh = tl.load(hw + _lane_qh(2 * (8 * s + wd)) // 2, mask=w_mask, other=0).to(tl.int32)
     qh4 = qh << 4    # bits 2u, 2u + 1 of byte r moved to B + 4, B + 5: u even
     qh2 = qh << 2    # u odd
     c = tl.arange(0, 32)
@@ -446,7 +462,7 @@ def _quant_matmul_packed_kernel(x_ptr, w_ptr, y_ptr, p_ptr, M, N, row_bytes, str
                 w_mask = w_mask & (sb < K // 256)
                 x_mask = x_mask & (sb < K // 256)
             if QTYPE == 5:
-                acc = _q6_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, BLOCK_N, IEEE, UPCAST)
+                acc = _q6_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, K // 256, BLOCK_N, IEEE, UPCAST)
             else:
                 acc = _q45_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, QTYPE == 4, BLOCK_N, IEEE, UPCAST)
     _store_tile(acc, y_ptr, p_ptr, rm, rn, m_ok, M, N, stride_ym, pid_k, SPLIT_K, UPCAST)
@@ -459,7 +475,7 @@ def _dequantize_kernel(w_ptr, out_ptr, N, row_bytes, K: tl.constexpr, QTYPE: tl.
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     ok = (rn < N)[:, None] & (k < K)[None, :]  # K a multiple of 32: whole blocks are in or out
-    w = _decode_tile_2d(w_ptr + (rn.to(tl.int64) * row_bytes)[:, None], tl.program_id(1) * BLOCK_K, ok, QTYPE,
+    w = _decode_tile_2d(w_ptr + (rn.to(tl.int64) * row_bytes)[:, None], tl.program_id(1) * BLOCK_K, ok, QTYPE, K,
                         BLOCK_K)
     if UPCAST:  # the interpreter's own casts truncate
         w = round_to(w, out_ptr.dtype.element_ty, True)
@@ -492,7 +508,7 @@ def _packed_perm(qtype: str, k: int, device: torch.device) -> torch.Tensor:
         return perm
     c = torch.arange(32, device=device)
     dot = torch.arange(8, device=device)
-    if qtype == "Q6_K":
+    if qtype == "Q6_K_LANES":
         col = 128 * (c // 16) + 16 * ((c // 8) % 2) + 2 * (c % 8)
         off = 32 * (dot // 2) + dot % 2
     else:
@@ -517,7 +533,7 @@ def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str,
         raise ValueError(f"{qtype} blocks must be uint8 [{out_features}, row_bytes], got {blocks.dtype} "
                          f"{list(blocks.shape)}")
     elems = 256 if qtype in K_QUANTS else 32
-    if k % elems or blocks.shape[1] != k // elems * BLOCK_BYTES[qtype]:
+    if k % elems or blocks.shape[1] != formats.row_bytes(qtype, k):
         raise ValueError(f"{qtype}: x has {k} features, which does not match blocks of {blocks.shape[1]} bytes a row")
     if blocks.stride(1) != 1 or blocks.stride(0) != blocks.shape[1]:
         blocks = blocks.contiguous()
@@ -537,7 +553,7 @@ def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str,
     if config.packed:
         if qtype not in K_QUANTS or bk % 256:
             raise ValueError(f"packed decode is for K-quants with block_k a multiple of 256, not {qtype} / {bk}")
-        if blocks.data_ptr() % (2 if qtype == "Q6_K" else 4):  # words are read whole: an aligned copy
+        if blocks.data_ptr() % (2 if qtype == "Q6_K_LANES" else 4):  # words are read whole: an aligned copy
             blocks = blocks.clone()
         # x in the kernel's order: each dot's 32 values contiguous (one gather here instead of strided loads in
         # every program); per row, so independent of M; contiguous, row stride k
@@ -578,10 +594,9 @@ def dequantize(blocks: torch.Tensor, qtype: str, k: int, dtype: torch.dtype) -> 
     """The weights [N, k] of `qtype` blocks (uint8 [N, row_bytes]) in dtype: the fp32 values of
     flashdraft.quant.dequant, rounded once to dtype (as QuantLinear.weight). One kernel, no host sync."""
     n = blocks.shape[0]
-    elems = 256 if qtype in K_QUANTS else 32
-    row_bytes = k // elems * BLOCK_BYTES[qtype]
-    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or k % elems or blocks.shape[1] != row_bytes:
-        raise ValueError(f"{qtype} blocks of {k} weights a row must be uint8 [N, {row_bytes}], "
+    nbytes = formats.row_bytes(qtype, k)
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != nbytes:
+        raise ValueError(f"{qtype} blocks of {k} weights a row must be uint8 [N, {nbytes}], "
                          f"got {blocks.dtype} {list(blocks.shape)}")
     if blocks.stride(1) != 1 or blocks.stride(0) != blocks.shape[1]:
         blocks = blocks.contiguous()

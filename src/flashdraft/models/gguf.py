@@ -151,9 +151,11 @@ class TensorInstaller:
         if qtype in FLOAT_TYPES:
             setattr(module, attr, nn.Parameter(data.to(self.device, self.dtype), requires_grad=False))
         else:
-            self._quantized(gguf_name, module_path, module, attr, data.to(self.device), qtype)
+            self._quantized(gguf_name, module_path, module, attr, data, qtype)
 
     def _quantized(self, gguf_name, module_path, module, attr, blocks, qtype):
+        """The module holding these blocks, built where they were read (a re-layout, Q6_K's, then takes no device
+        memory beside the tensor), then moved to the device."""
         if attr != "weight" or not isinstance(module, (nn.Linear, nn.Embedding)):
             raise CheckpointError(f"{self.g.path}: tensor {gguf_name!r} is {qtype}-quantized, but only "
                                   f"matrix weights may be (not {module_path}.{attr})")
@@ -163,7 +165,7 @@ class TensorInstaller:
             bias = module.bias if module.bias is not None and not module.bias.is_meta else None
             replacement = QuantLinear(blocks, qtype, module.in_features, self.dtype, bias)
         parent, name = _submodule(self.model, module_path)
-        setattr(parent, name, replacement)
+        setattr(parent, name, replacement.to(self.device))
 
     def layer(self, prefix: str, i: int, cfg: ModelConfig, permute_qk: bool, renames: dict) -> None:
         heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads} if permute_qk else {}

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flashdraft.quant import q6k_lanes
+
 
 class UnsupportedQuantType(ValueError):
     """A tensor type we cannot dequantize; the message names it."""
@@ -42,3 +44,8 @@ def block_format(name: str) -> BlockFormat:
         raise UnsupportedQuantType(
             f"unsupported GGUF quantization type {name} (supported: F32, F16, BF16, "
             f"{', '.join(QUANT_FORMATS)})") from None
+
+
+def row_bytes(qtype: str, k: int) -> int:
+    """Bytes of a row of k weights held as qtype: GGUF's blocks, or the lane-order rows of Q6_K_LANES."""
+    return q6k_lanes.row_bytes(k) if qtype == q6k_lanes.QTYPE else block_format(qtype).row_bytes(k)

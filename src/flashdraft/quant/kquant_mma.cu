@@ -2,7 +2,7 @@
 // (no block barriers). Compiled at first use by NVRTC (flashdraft.quant.mma_kernels): kq_mma with QTYPE (4, 5 or 6),
 // R_TILES, NT, WARPS, MINB and STAGES defined in front of this text, once per type and tiling.
 //
-// W: GGUF blocks, row-major uint8 [N, K / 256 * BLOCK_BYTES]. X: bf16 [M, K], M <= 8 * NT. With one K range
+// W: GGUF blocks, row-major uint8 [N, K / 256 * BLOCK_BYTES] (Q6_K: lane-order rows, row_stride bytes apart). X: bf16 [M, K], M <= 8 * NT. With one K range
 // (gridDim.y 1) the kernel rounds its sums to bf16 into Y [M, N]. With several (a split), each warp writes its
 // range's sums into P, float32 [split, M, N], and counts itself in C[its warp column] (uint32, zero between
 // launches); the warp that counts last for its rows adds their split sums in range order 0, 1, ... (the same adds
@@ -33,8 +33,10 @@
 //
 // Q6_K (its own part of the kernel): weights d sc q - 32 d sc with a signed scale per 16 weights and no minimum, so
 // one MMA k-step is one 16-weight group: lane c holds the group's positions 4c .. 4c + 3, 128 + q is again exact in
-// bf16 (q < 64) and the group adds d sc (s - 160 sum(x)). Q6_K blocks are 210 bytes, so only 2-byte aligned: the
-// bytes are read as 16-bit words and there is no shared-memory ring.
+// bf16 (q < 64) and the group adds d sc (s - 160 sum(x)). The weights come in lane order (Q6_K_LANES,
+// flashdraft.quant.q6k_lanes: GGUF's 210-byte blocks are only 2-byte aligned): per super-block and row, lane c's
+// low-nibble, high-nibble and high-bit words are three aligned 16-byte loads, the scales a fourth, and d a 16-bit
+// load from the row's end. No shared-memory ring for it (yet).
 //
 // Batch invariance: a token's output depends only on its own x row and the fixed K ranges; the NT = 1 and NT = 2
 // builds run the same instructions for tokens 0-7 (the second 8-token tile is separate MMAs), so rows are bitwise
@@ -138,10 +140,19 @@ __device__ __forceinline__ void prefetch_l2(const unsigned char *p, size_t n) {
 #define BLOCK_BYTES 176  // d, dmin, scales and mins, 32 bytes of fifth bits (qh), 128 of nibbles
 #define QS 48
 #elif QTYPE == 6
-#define BLOCK_BYTES 210  // 128 bytes of low nibbles (ql), 64 of high bit pairs (qh), 16 int8 scales, d
+#define BLOCK_BYTES 208  // lane order: ql and qh as the lanes read them, 16 int8 scales (d at the row's end)
 #else
 #error "QTYPE must be 4 (Q4_K), 5 (Q5_K) or 6 (Q6_K)"
 #endif
+
+// bytes from one weight row to the next: lane-order Q6_K rows hold their d values too, padded to 16 bytes
+__device__ __forceinline__ size_t row_stride(int nsb) {
+#if QTYPE == 6
+    return ((size_t)nsb * 210 + 15) & ~(size_t)15;
+#else
+    return (size_t)nsb * BLOCK_BYTES;
+#endif
+}
 
 // The warp's sums at zero, and where this lane reads x: token g + 8 nt's row (a row of zeros past M), from `col`.
 __device__ __forceinline__ void start_sums(float (&tot)[R_TILES][NT][4], const u16 *(&xrow)[NT], bool (&xok)[NT],
@@ -230,11 +241,8 @@ __device__ __forceinline__ void cp_async_wait_ahead() { asm volatile("cp.async.w
 
 #if QTYPE == 6
 #if STAGES > 0
-#error "Q6_K blocks are 2-byte aligned: no shared-memory ring (STAGES 0)"
+#error "Q6_K takes no shared-memory ring (STAGES 0)"
 #endif
-// 4 bytes from a 2-byte aligned address
-__device__ __forceinline__ u32 ld_u32(const u16 *p) { return __byte_perm(__ldg(p), __ldg(p + 1), 0x5410); }
-
 // float of the signed byte j % 4 of `packed`, exactly: the byte plus 128 under the bits of 2**23
 __device__ __forceinline__ float sbyte_to_f32(u32 packed, int j, u32 two23) {
     return __uint_as_float(__byte_perm(packed ^ 0x80808080u, two23, 0x7440u | (j & 3))) - 8388736.0f;
@@ -252,7 +260,7 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
     const int sb0 = blockIdx.y * sb_per_split;
     const int K = nsb * 256;
     for (int i = lane; i < R_TILES * 16 && prefetch_sb > 0; i += 32)  // a lane a row, while earlier kernels run
-        prefetch_l2(W + ((size_t)min(tile0 * 16 + i, N - 1) * nsb + sb0) * BLOCK_BYTES,
+        prefetch_l2(W + (size_t)min(tile0 * 16 + i, N - 1) * row_stride(nsb) + (size_t)sb0 * BLOCK_BYTES,
                     (size_t)prefetch_sb * BLOCK_BYTES);
 
     float tot[R_TILES][NT][4];
@@ -261,35 +269,40 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
     start_sums(tot, xrow, xok, X, M, K, g, QTYPE == 6 ? 4 * c : 8 * c);
     const u32 bf16_128 = opaque(0x43434343u), two23 = opaque(0x4B000000u);  // bytes of bf16 128.0, float 2**23
 #if QTYPE == 6
-    const u16 *rowp[R_TILES][2];  // the rows' blocks as 16-bit words (105 a block)
+    const unsigned char *rowp[R_TILES][2];
 #pragma unroll
     for (int r = 0; r < R_TILES; ++r)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
-            rowp[r][hh] = (const u16 *)(W + (size_t)min((tile0 + r) * 16 + g + 8 * hh, N - 1) * nsb * BLOCK_BYTES);
+            rowp[r][hh] = W + (size_t)min((tile0 + r) * 16 + g + 8 * hh, N - 1) * row_stride(nsb);
 
     wait_for_earlier_kernels();
     for (int sb = sb0; sb < sb0 + sb_per_split; ++sb) {
-        // Of half n (128 weights) and group gg, this lane's bytes: ql at 64n + 16gg + 4c (runs 0 and 2, low and
-        // high nibbles) and at 64n + 32 + 16gg + 4c (runs 1 and 3), qh at 128 + 32n + 16gg + 4c (run qq: bits 2qq)
+        // Of half n (128 weights) and group gg, this lane's GGUF bytes: ql at 64n + 16gg + 4c (runs 0 and 2, low
+        // and high nibbles) and at 64n + 32 + 16gg + 4c (runs 1 and 3), qh at 128 + 32n + 16gg + 4c (run qq: bits
+        // 2qq); in lane order word 2n + gg of the 16 bytes at 16c, 64 + 16c and 128 + 16c
         u32 qlo[R_TILES][2][2][2], qhi[R_TILES][2][2][2], qhb[R_TILES][2][2][2], scw[R_TILES][2][4];
         float d[R_TILES][2];
 #pragma unroll
         for (int r = 0; r < R_TILES; ++r)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
-                const u16 *blk = rowp[r][hh] + (size_t)sb * (BLOCK_BYTES / 2);
+                const unsigned char *blk = rowp[r][hh] + (size_t)sb * BLOCK_BYTES;
+                const uint4 lo = __ldg((const uint4 *)(blk + 16 * c)), hi = __ldg((const uint4 *)(blk + 64 + 16 * c));
+                const uint4 qh = __ldg((const uint4 *)(blk + 128 + 16 * c)), sc = __ldg((const uint4 *)(blk + 192));
+                const u32 low[4] = {lo.x, lo.y, lo.z, lo.w}, high[4] = {hi.x, hi.y, hi.z, hi.w};
+                const u32 bits[4] = {qh.x, qh.y, qh.z, qh.w};
 #pragma unroll
-                for (int n = 0; n < 2; ++n)
-#pragma unroll
-                    for (int gg = 0; gg < 2; ++gg) {
-                        qlo[r][hh][n][gg] = ld_u32(blk + 32 * n + 8 * gg + 2 * c);
-                        qhi[r][hh][n][gg] = ld_u32(blk + 32 * n + 16 + 8 * gg + 2 * c);
-                        qhb[r][hh][n][gg] = ld_u32(blk + 64 + 16 * n + 8 * gg + 2 * c);
-                    }
-#pragma unroll
-                for (int i = 0; i < 4; ++i) scw[r][hh][i] = ld_u32(blk + 96 + 2 * i);  // scales 4i .. 4i + 3
-                d[r][hh] = f16_bits_to_f32(__ldg(blk + 104));
+                for (int w = 0; w < 4; ++w) {
+                    qlo[r][hh][w >> 1][w & 1] = low[w];
+                    qhi[r][hh][w >> 1][w & 1] = high[w];
+                    qhb[r][hh][w >> 1][w & 1] = bits[w];
+                }
+                scw[r][hh][0] = sc.x;  // scales 4i .. 4i + 3
+                scw[r][hh][1] = sc.y;
+                scw[r][hh][2] = sc.z;
+                scw[r][hh][3] = sc.w;
+                d[r][hh] = f16_bits_to_f32(__ldg((const u16 *)(rowp[r][hh] + (size_t)nsb * BLOCK_BYTES) + sb));
             }
 #pragma unroll
         for (int n = 0; n < 2; ++n)
@@ -340,7 +353,7 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
     for (int r = 0; r < R_TILES; ++r)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
-            rowp[r][hh] = W + (size_t)min((tile0 + r) * 16 + g + 8 * hh, N - 1) * nsb * BLOCK_BYTES;
+            rowp[r][hh] = W + (size_t)min((tile0 + r) * 16 + g + 8 * hh, N - 1) * row_stride(nsb);
 #endif
 
 #if STAGES > 0
@@ -356,7 +369,7 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
     for (int t = 0; t < CHUNKS; ++t) {
         const int i = lane + 32 * t, row = i / ROW_CHUNKS, col = i % ROW_CHUNKS;
         con[t] = i < R_TILES * 16 * ROW_CHUNKS;
-        csrc[t] = W + (size_t)min(tile0 * 16 + (con[t] ? row : 0), N - 1) * nsb * BLOCK_BYTES + 16 * col;
+        csrc[t] = W + (size_t)min(tile0 * 16 + (con[t] ? row : 0), N - 1) * row_stride(nsb) + 16 * col;
         cdst[t] = ring_addr + row * ROWB + 16 * col;
     }
     const int sb_end = sb0 + sb_per_split;

@@ -1,6 +1,8 @@
 """Linear and Embedding layers whose weights stay in their GGUF blocks (uint8), bit-faithful to the file.
 
-The blocks are the only copy of a weight. A forward dequantizes them per call (CPU, and any type without a
+The blocks are the only copy of a weight. GGUF's Q6_K blocks are re-laid out as they come in (Q6_K_LANES,
+flashdraft.quant.q6k_lanes: the same bytes in the order the GPU kernels load them); the other types stay as the
+file has them. A forward dequantizes them per call (CPU, and any type without a
 GPU kernel) and runs an ordinary matmul, so the result is exactly that of an nn.Linear holding the
 dequantized weight. On CUDA, `gpu_matmul` may supply a kernel that reads the blocks directly; it must
 compute the same product, batch-invariantly, for plain decoding and speculative verify to agree.
@@ -11,8 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashdraft.quant import q6k_lanes
 from flashdraft.quant.dequant import dequantize
-from flashdraft.quant.formats import block_format
+from flashdraft.quant.formats import row_bytes
 
 
 _NO_GPU_KERNELS: list[ImportError] = []  # the kernels' import failed once (no Triton): not tried on every call
@@ -32,22 +35,27 @@ def gpu_matmul(qtype: str, device: torch.device):
     return gpu_kernels.KERNELS.get(qtype)
 
 
-def _checked_blocks(blocks: torch.Tensor, qtype: str, rows: int, row_elems: int) -> torch.Tensor:
-    expected = (rows, block_format(qtype).row_bytes(row_elems))
-    if blocks.dtype != torch.uint8 or tuple(blocks.shape) != expected:
+def _stored_blocks(blocks: torch.Tensor, qtype: str, row_elems: int) -> tuple[torch.Tensor, str]:
+    """The blocks as a module keeps them, and their type: checked, and Q6_K put in lane order."""
+    expected = (blocks.shape[0], row_bytes(qtype, row_elems))
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or tuple(blocks.shape) != expected:
         raise ValueError(f"{qtype} blocks must be uint8 {list(expected)}, got {blocks.dtype} {list(blocks.shape)}")
-    return blocks
+    if q6k_lanes.kept_qtype(qtype) != qtype:
+        return q6k_lanes.from_gguf(blocks), q6k_lanes.kept_qtype(qtype)
+    return blocks, qtype
 
 
 class QuantLinear(nn.Module):
-    """y = x W^T (+ b) with W [out_features, in_features] held as GGUF blocks uint8 [out_features, row_bytes]."""
+    """y = x W^T (+ b) with W [out_features, in_features] held as GGUF blocks uint8 [out_features, row_bytes]
+    (qtype: the file's type, or Q6_K_LANES for rows already in lane order; self.qtype is the type kept)."""
 
     def __init__(self, blocks: torch.Tensor, qtype: str, in_features: int, dtype: torch.dtype,
                  bias: torch.Tensor | None = None):
         super().__init__()
-        self.qtype, self.in_features, self.out_features = qtype, in_features, blocks.shape[0]
+        blocks, self.qtype = _stored_blocks(blocks, qtype, in_features)
+        self.in_features, self.out_features = in_features, blocks.shape[0]
         self.dtype = dtype  # the compute dtype: activations and the dequantized weight
-        self.register_buffer("blocks", _checked_blocks(blocks, qtype, blocks.shape[0], in_features))
+        self.register_buffer("blocks", blocks)
         self.bias = nn.Parameter(bias.to(dtype), requires_grad=False) if bias is not None else None
 
     @property
@@ -76,9 +84,10 @@ class QuantEmbedding(nn.Module):
 
     def __init__(self, blocks: torch.Tensor, qtype: str, embedding_dim: int, dtype: torch.dtype):
         super().__init__()
-        self.qtype, self.num_embeddings, self.embedding_dim = qtype, blocks.shape[0], embedding_dim
+        blocks, self.qtype = _stored_blocks(blocks, qtype, embedding_dim)
+        self.num_embeddings, self.embedding_dim = blocks.shape[0], embedding_dim
         self.dtype = dtype
-        self.register_buffer("blocks", _checked_blocks(blocks, qtype, blocks.shape[0], embedding_dim))
+        self.register_buffer("blocks", blocks)
 
     @property
     def weight(self) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""GGUF k-quant weights (Q4_K, Q5_K, Q6_K) times 1-16 rows of bf16 x with a CUDA kernel written against the tensor
-cores' register fragments (kquant_mma.cu), compiled at first use by NVRTC through torch.cuda._compile_kernel: no
-build step and no nvcc.
+"""GGUF k-quant weights (Q4_K, Q5_K, Q6_K in lane order) times 1-16 rows of bf16 x with a CUDA kernel written
+against the tensor cores' register fragments (kquant_mma.cu), compiled at first use by NVRTC through
+torch.cuda._compile_kernel: no build step and no nvcc.
 
 Why a hand-written kernel: Triton's tl.dot takes decoded weights through shared memory (2-byte reads, byte
 permutes and barriers per K step; scripts/gpu/q4k_lab.py measured every formulation at 16-24% of the bandwidth
@@ -11,9 +11,10 @@ products, so it runs about twice as fast as the Triton kernel at one row, and th
 
 Used by flashdraft.quant.linear for these types when x is bf16 with at most MAX_ROWS rows, K a multiple of 256 and N
 of 16, on a GPU of compute capability 8.0 or newer; anything else, or a failed compile (warned once), goes to the
-Triton kernels. Q5_K and Q6_K do the arithmetic of Q4_K's kernel with their own bit unpacking (the kernel's
-header). Rows are bitwise the same for every M <= 16 (batch invariance: the kernel's header says why; the tilings
-for up to 8 and for 9-16 rows of a shape split K alike).
+Triton kernels. Q6_K comes as QuantLinear keeps it, in lane order (flashdraft.quant.q6k_lanes: 16-byte loads where
+GGUF's 210-byte blocks allow 2-byte ones). Q5_K and Q6_K do the arithmetic of Q4_K's kernel with their own bit
+unpacking (the kernel's header). Rows are bitwise the same for every M <= 16 (batch invariance: the kernel's header
+says why; the tilings for up to 8 and for 9-16 rows of a shape split K alike).
 
 On compute capability 9.0 and newer every product is a programmatic dependent launch (kernels.programmatic): it
 prefetches its first weights into L2 while the kernel before it ends, and lets the next kernel launch once its
@@ -31,13 +32,14 @@ import torch
 
 from flashdraft.kernels import programmatic
 from flashdraft.kernels.runtime import gpu_sm_count
+from flashdraft.quant.formats import row_bytes
 
 MAX_ROWS = 16
 SOURCE = Path(__file__).with_name("kquant_mma.cu")
-QTYPES = {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6}              # the kernel's QTYPE per GGUF type
-BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # per super-block of 256 weights
+QTYPES = {"Q4_K": 4, "Q5_K": 5, "Q6_K_LANES": 6}              # the kernel's QTYPE per type
+BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K_LANES": 208}  # per super-block of 256 weights (Q6_K: d apart)
 # bytes a row of a super-block takes in a shared-memory ring stage (the block padded to 8 or 24 mod 32 words: the
-# kernel's header says why); Q6_K blocks are 2-byte aligned, too little for cp.async: no ring
+# kernel's header says why); none for Q6_K
 RING_ROW_BYTES = {"Q4_K": 160, "Q5_K": 224}
 
 
@@ -84,7 +86,7 @@ TILINGS: dict[tuple[str, int, int], tuple[MmaTiling, MmaTiling]] = {
     ("Q4_K", 6144, 4096): (MmaTiling(1, 4, 4, 1), MmaTiling(1, 2, 4, 6)),        # Qwen q|k|v: 10.2 / 17.0 us
     ("Q4_K", 24576, 4096): (MmaTiling(1, 4, 1, 1, 3), MmaTiling(1, 2, 1, 6)),     # Qwen gate|up: 23.9 / 36.6 us
     ("Q4_K", 4096, 4096): (MmaTiling(1, 2, 2, 1, 3), MmaTiling(1, 2, 2, 1, 3)),   # Qwen q, o: 8.8 / 13.8 us
-    # the Q5_K Gemma-4-31B drafter, the Q6_K LM heads, and Qwen3-8B Q4_K_M's other shapes: the same sweep,
+    # the Q5_K Gemma-4-31B drafter and Qwen3-8B Q4_K_M's other shapes: the same sweep,
     # 2026-12-04 (docs/perf/h200-2026-12-04; the default tiling's M = 16 time in brackets)
     ("Q5_K", 21504, 5376): (MmaTiling(1, 2, 1, 1, 3), MmaTiling(1, 2, 1, 6)),     # drafter gate|up: 33.9 / 50.4 (71.5)
     ("Q5_K", 5376, 10752): (MmaTiling(1, 4, 3, 1, 3), MmaTiling(1, 4, 3, 1, 3)),  # drafter down: 19.3 / 30.0 (47.1)
@@ -92,15 +94,17 @@ TILINGS: dict[tuple[str, int, int], tuple[MmaTiling, MmaTiling]] = {
     ("Q5_K", 5376, 8192): (MmaTiling(1, 2, 4, 1, 3), MmaTiling(1, 2, 4, 6)),      # drafter o: 17.0 / 26.5 (43.9)
     ("Q5_K", 5376, 32256): (MmaTiling(2, 2, 6, 1, 3), MmaTiling(2, 4, 6, 1, 3)),  # drafter fc: 46.5 / 71.2 (100.1)
     ("Q5_K", 1024, 5376): (MmaTiling(1, 4, 7, 2, 3), MmaTiling(1, 2, 7, 1, 3)),   # drafter k, v: 6.2 / 13.8 (22.6)
-    ("Q6_K", 262144, 5376): (MmaTiling(2, 2, 1, 6), MmaTiling(2, 2, 1, 6)),       # Gemma LM head: 568 / 739 (825)
-    ("Q6_K", 151936, 4096): (MmaTiling(2, 2, 1, 6), MmaTiling(2, 2, 1, 6)),       # Qwen LM head: 249 / 319 (387)
-    ("Q6_K", 4096, 12288): (MmaTiling(1, 2, 6, 6), MmaTiling(1, 2, 6, 6)),        # Qwen Q6_K down: 29.0 / 44.1 (55.5)
-    ("Q6_K", 1024, 4096): (MmaTiling(1, 4, 8, 1), MmaTiling(1, 2, 8, 1)),         # Qwen Q6_K v: 7.1 / 14.6 (24.5)
     ("Q4_K", 4096, 12288): (MmaTiling(1, 4, 4, 2, 3), MmaTiling(1, 2, 4, 1, 3)),  # Qwen Q4_K down: 15.5 / 25.9 (40.5)
     ("Q4_K", 1024, 4096): (MmaTiling(1, 4, 4, 1, 3), MmaTiling(1, 2, 4, 1, 3)),   # Qwen Q4_K k: 6.0 / 11.6 (23.2)
     # Qwen3-8B Q4_K_M's q|k beside a Q6_K v (Attention.fuse_projections): measured on an H100, 2026-12-05
     # (docs/perf/h100-2026-12-05d)
     ("Q4_K", 5120, 4096): (MmaTiling(1, 2, 4, 1), MmaTiling(1, 2, 4, 6)),         # Qwen q|k: 10.3 / 16.7 (34.8)
+    # the Q6_K shapes in lane order (Qwen3-8B Q4_K_M's, the LM heads): the same sweep on an H100, 2026-12-06
+    # (docs/perf/h100-2026-12-06b; the default tiling's M = 16 time in brackets)
+    ("Q6_K_LANES", 151936, 4096): (MmaTiling(1, 2, 1, 6), MmaTiling(2, 2, 1, 6)),  # LM head: 194.7 / 288.7 (352.1)
+    ("Q6_K_LANES", 4096, 12288): (MmaTiling(1, 4, 6, 1), MmaTiling(1, 2, 6, 6)),   # down: 20.5 / 33.4 (51.8)
+    ("Q6_K_LANES", 1024, 4096): (MmaTiling(1, 2, 4, 1), MmaTiling(1, 4, 4, 1)),    # v: 6.3 / 12.2 (24.0)
+    ("Q6_K_LANES", 262144, 5376): (MmaTiling(1, 2, 1, 6), MmaTiling(2, 2, 1, 6)),  # Gemma's: 440.1 / 683.2 (765.1)
 }
 MAX_SPLIT = 16
 # Launched as a programmatic dependent (kernels.programmatic), a product prefetches into L2 up to this many bytes
@@ -130,7 +134,7 @@ def supported(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: s
     k = x.shape[-1]
     if not (qtype in QTYPES and x.is_cuda and x.dtype == torch.bfloat16 and x.numel() // max(k, 1) <= MAX_ROWS
             and k % 256 == 0 and out_features % 16 == 0
-            and blocks.shape == (out_features, k // 256 * BLOCK_BYTES[qtype])):
+            and blocks.shape == (out_features, row_bytes(qtype, k))):
         return False
     device_index = _device_index(x)
     return _builds(tilings_for(qtype, out_features, k, gpu_sm_count(device_index)), qtype, device_index)

@@ -89,6 +89,7 @@ sys.path.insert(0, sys.argv[1])
 from flashdraft.quant import QUANT_FORMATS, dequantize
 from flashdraft.kernels import gguf_triton as tk
 from flashdraft.quant import gpu_kernels
+from flashdraft.quant.formats import row_bytes
 from test_gguf_quant import random_blocks
 
 assert tk._interpreting()
@@ -181,6 +182,10 @@ try:
 except ValueError as e:
     if "Q4_K blocks of 256 weights a row must be uint8 [N, 144]" not in str(e):
         failures.append(("dequantize's error", str(e)))
+for qtype in tk.QTYPE_CODES:  # the kernels' row sizes are the modules' (quant.formats, above the kernels package)
+    for k in (256, 512, 2048, 5376):
+        if tk.row_bytes(qtype, k) != row_bytes(qtype, k):
+            failures.append(("row_bytes", qtype, k, tk.row_bytes(qtype, k), row_bytes(qtype, k)))
 rule = tk.dequantizes
 if not (rule(tk.DEQUANT_MIN_ROWS, 4096, 4096, torch.bfloat16) and not rule(tk.DEQUANT_MIN_ROWS - 1, 4096, 4096,
         torch.bfloat16) and not rule(512, 262144, 5376, torch.bfloat16)):

@@ -45,10 +45,12 @@ import triton.language as tl
 
 from flashdraft.kernels.runtime import gpu_sm_count, interpreted
 from flashdraft.kernels.split_reduce_triton import round_to, split_reduce_kernel
-from flashdraft.quant import formats
 
 QTYPE_CODES = {"Q4_0": 0, "Q5_0": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K_LANES": 5, "Q4_1": 6, "Q5_1": 7}
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K_LANES")  # 256-weight super-blocks; the others have 32-weight blocks
+# bytes a block (Q6_K_LANES: a super-block, its d at the row's end included)
+BLOCK_BYTES = {"Q4_0": 18, "Q5_0": 22, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K_LANES": 210, "Q4_1": 20,
+               "Q5_1": 24}
 BLOCK_M = 16           # rows per tile: tl.dot's minimum, and a whole 16-token verify block
 PROGRAMS_PER_SM = 2    # the K split aims at about this many programs per multiprocessor
 MAX_SPLIT = 8
@@ -482,6 +484,13 @@ def _dequantize_kernel(w_ptr, out_ptr, N, row_bytes, K: tl.constexpr, QTYPE: tl.
     tl.store(out_ptr + rn.to(tl.int64)[:, None] * K + k[None, :], w, mask=ok)
 
 
+def row_bytes(qtype: str, k: int) -> int:
+    """Bytes of a row of k weights (k a whole number of blocks): lane-order Q6_K rows are padded to 16 bytes
+    (quant.q6k_lanes, which this package sits below; a test holds the two equal)."""
+    nbytes = k // (256 if qtype in K_QUANTS else 32) * BLOCK_BYTES[qtype]
+    return -(-nbytes // 16) * 16 if qtype == "Q6_K_LANES" else nbytes
+
+
 def _interpreting() -> bool:
     return interpreted(_quant_matmul_kernel)
 
@@ -533,7 +542,7 @@ def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str,
         raise ValueError(f"{qtype} blocks must be uint8 [{out_features}, row_bytes], got {blocks.dtype} "
                          f"{list(blocks.shape)}")
     elems = 256 if qtype in K_QUANTS else 32
-    if k % elems or blocks.shape[1] != formats.row_bytes(qtype, k):
+    if k % elems or blocks.shape[1] != row_bytes(qtype, k):
         raise ValueError(f"{qtype}: x has {k} features, which does not match blocks of {blocks.shape[1]} bytes a row")
     if blocks.stride(1) != 1 or blocks.stride(0) != blocks.shape[1]:
         blocks = blocks.contiguous()
@@ -594,8 +603,9 @@ def dequantize(blocks: torch.Tensor, qtype: str, k: int, dtype: torch.dtype) -> 
     """The weights [N, k] of `qtype` blocks (uint8 [N, row_bytes]) in dtype: the fp32 values of
     flashdraft.quant.dequant, rounded once to dtype (as QuantLinear.weight). One kernel, no host sync."""
     n = blocks.shape[0]
-    nbytes = formats.row_bytes(qtype, k)
-    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != nbytes:
+    elems = 256 if qtype in K_QUANTS else 32
+    nbytes = row_bytes(qtype, k)
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or k % elems or blocks.shape[1] != nbytes:
         raise ValueError(f"{qtype} blocks of {k} weights a row must be uint8 [N, {nbytes}], "
                          f"got {blocks.dtype} {list(blocks.shape)}")
     if blocks.stride(1) != 1 or blocks.stride(0) != blocks.shape[1]:

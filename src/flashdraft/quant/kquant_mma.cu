@@ -2,13 +2,13 @@
 // (no block barriers). Compiled at first use by NVRTC (flashdraft.quant.mma_kernels): kq_mma with QTYPE (4, 5 or 6),
 // R_TILES, NT, WARPS, MINB and STAGES defined in front of this text, once per type and tiling.
 //
-// W: GGUF blocks, row-major uint8 [N, K / 256 * BLOCK_BYTES] (Q6_K: lane-order rows, row_stride bytes apart). X: bf16 [M, K], M <= 8 * NT. With one K range
-// (gridDim.y 1) the kernel rounds its sums to bf16 into Y [M, N]. With several (a split), each warp writes its
-// range's sums into P, float32 [split, M, N], and counts itself in C[its warp column] (uint32, zero between
-// launches); the warp that counts last for its rows adds their split sums in range order 0, 1, ... (the same adds
-// whichever warp that is), rounds them into Y and sets its count back to zero: no reduce launch of its own.
-// Given a residual R (bf16 [M, N], has_r 1), Y gets y + R instead: y rounded to bf16, then the sum rounded again,
-// torch's bf16 add of the two bit for bit.
+// W: GGUF blocks, row-major uint8 [N, K / 256 * BLOCK_BYTES] (Q6_K: lane-order rows, row_stride bytes apart). X: bf16
+// [M, K], M <= 8 * NT. With one K range (gridDim.y 1) the kernel rounds its sums to bf16 into Y [M, N]. With several (a
+// split), each warp writes its range's sums into P, float32 [split, M, N], and counts itself in C[its warp column]
+// (uint32, zero between launches); the warp that counts last for its rows adds their split sums in range order 0, 1,
+// ... (the same adds whichever warp that is), rounds them into Y and sets its count back to zero: no reduce launch of
+// its own. Given a residual R (bf16 [M, N], has_r 1), Y gets y + R instead: y rounded to bf16, then the sum rounded
+// again, torch's bf16 add of the two bit for bit.
 //
 // Q4_K and Q5_K (one part of the kernel). Each warp owns R_TILES tiles of 16 weight rows and one K range. Per 32-weight
 // sub-block j of a super-block the tensor cores form s_j = x . (128 + q) for NT tiles of 8 tokens (bf16 128 + q is

@@ -2,10 +2,10 @@
 
 The blocks are the only copy of a weight. GGUF's Q6_K blocks are re-laid out as they come in (Q6_K_LANES,
 flashdraft.quant.q6k_lanes: the same bytes in the order the GPU kernels load them); the other types stay as the
-file has them. A forward dequantizes them per call (CPU, and any type without a
-GPU kernel) and runs an ordinary matmul, so the result is exactly that of an nn.Linear holding the
-dequantized weight. On CUDA, `gpu_matmul` may supply a kernel that reads the blocks directly; it must
-compute the same product, batch-invariantly, for plain decoding and speculative verify to agree.
+file has them. A forward dequantizes them per call (CPU, and any type without a GPU kernel) and runs an ordinary
+matmul, so the result is exactly that of an nn.Linear holding the dequantized weight. On CUDA, `gpu_matmul` may
+supply a kernel that reads the blocks directly; it must compute the same product, batch-invariantly, for plain
+decoding and speculative verify to agree.
 """
 from __future__ import annotations
 

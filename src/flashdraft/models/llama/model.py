@@ -128,8 +128,8 @@ class DecoderLayer(nn.Module):
         kernels and the gaps between launches cost a sixth of a step otherwise."""
         mlp = self.mlp
         h = self.self_attn.fused_forward(h, self.input_layernorm.eps, cos, sin, segments, merged)
-        act = skinny_linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, rms_norm_eps=self.post_attention_layernorm.eps,
-                            gated=True)
+        act = skinny_linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
+                            rms_norm_eps=self.post_attention_layernorm.eps, gated=True)
         return skinny_linear(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)
 
     def quant_forward(self, h, cos, sin, segments: list[AttentionSegment], merged: MergedSegments | None = None):

@@ -208,3 +208,35 @@ def test_every_kernel_matches_dequantize_and_is_batch_invariant():
     proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK, str(ROOT / "tests")], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+ABLATE_CHECK = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import kquant_ablate as ka
+from flashdraft.quant import mma_kernels
+
+text = mma_kernels.SOURCE.read_text()
+for name in ka.VARIANTS:
+    out = ka.variant_source(name, text)
+    assert ("skip_mma(" in out or "xor_mma(" in out) and out != text, name
+    for old, _, _ in ka.VARIANTS[name]:
+        assert old not in out, (name, old)
+assert ka.variant_source("as is", text).replace(ka.HELPERS, "") == text
+try:
+    ka.variant_source("x sums", text.replace("mma_bf16_16816(ones,", "mma_bf16_16816(ones ,", 1))
+    sys.exit("a patch that no longer fits the kernel was applied")
+except ValueError as e:
+    assert "occurs 1 times in the kernel, not 2" in str(e), e
+print("OK")
+"""
+
+
+@pytest.mark.skipif(not _has_triton(), reason="the script imports the Triton kernels (run under the interpreter)")
+def test_ablation_variants_fit_the_kernel():
+    """scripts/gpu/kquant_ablate.py's text patches (each stage of the k-quant kernel left out) apply to
+    kquant_mma.cu as written, exactly as often as listed, and a patch that no longer fits stops the script."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", ABLATE_CHECK, str(ROOT / "scripts" / "gpu")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -166,14 +166,14 @@ def _code_of(tiling: MmaTiling) -> MmaTiling:
 
 
 @functools.cache
-def _matmul_kernel(tiling: MmaTiling, nt: int, qtype: str, device_index: int):
+def _matmul_kernel(tiling: MmaTiling, nt: int, qtype: str, device_index: int, source: str | None = None):
     """kq_mma for this type, tiling and NT 8-token tiles, compiled by NVRTC for and loaded on that GPU (a module is
-    loaded per device)."""
+    loaded per device), from kquant_mma.cu or the given source text."""
     shared = tiling.shared_bytes(qtype)  # refuses a ring for a type that takes none
     head = (f"#define QTYPE {QTYPES[qtype]}\n#define R_TILES {tiling.r_tiles}\n#define NT {nt}\n"
             f"#define WARPS {tiling.warps}\n#define MINB {tiling.min_blocks}\n#define STAGES {tiling.stages}\n")
     with torch.cuda.device(device_index):
-        kernel = torch.cuda._compile_kernel(head + SOURCE.read_text(), "kq_mma")
+        kernel = torch.cuda._compile_kernel(head + (source or SOURCE.read_text()), "kq_mma")
         kernel.set_shared_memory_config(shared)  # past 48 KB a kernel must ask for it
     return kernel
 
@@ -191,12 +191,13 @@ def _counters(device_index: int) -> torch.Tensor:
 
 def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str,
            tiling: MmaTiling | tuple[MmaTiling, MmaTiling] | None = None,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None, source: str | None = None) -> torch.Tensor:
     """y = x @ W^T for W [out_features, K] held as blocks of qtype (QTYPES); x bf16 [..., K] with at most MAX_ROWS
     rows.
     tiling: one for every M, or the pair for up to 8 and 9-16 rows (of one K split), or None for tilings_for's.
     residual: bf16 [..., out_features] added to y in the kernel's store, the bits of `y + residual` (a launch
     less a layer: the residual stream's add after down_proj).
+    source: the kernel's text instead of kquant_mma.cu's (scripts/gpu/kquant_ablate.py times variants of it).
     No host sync; allocates only the output and the fp32 partial sums: safe in CUDA graphs."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -228,7 +229,7 @@ def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str,
     if nsb % tilings[0].split:
         raise ValueError(f"split {tilings[0].split} does not divide the {nsb} super-blocks of K = {k}")
     # both builds at the first call, so that a later M never compiles during CUDA-graph capture
-    builds = [_matmul_kernel(_code_of(t), nt, qtype, device_index) for nt, t in enumerate(tilings, 1)]
+    builds = [_matmul_kernel(_code_of(t), nt, qtype, device_index, source) for nt, t in enumerate(tilings, 1)]
     matmul, tiling = (builds[0], tilings[0]) if m <= 8 else (builds[1], tilings[1])
     # one K range: the kernel writes y itself (the partial sums and counts are then never read or written)
     part = torch.empty((tiling.split, m, n), dtype=torch.float32, device=x.device) if tiling.split > 1 else y

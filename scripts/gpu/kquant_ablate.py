@@ -1,0 +1,114 @@
+"""Where the k-quant kernel's time goes, by leaving one stage out: kquant_mma.cu with a part of its arithmetic
+removed (the results are then wrong: only timed), against the kernel as it is, at 1 and 16 rows of x, on the
+adopted tilings of real shapes (issue #18: the 16-row build costs ~1.56x the one-row one for the same bytes, and
+DFlash's verify runs it; Gemma's one-row products stream at ~60% of the copy bandwidth). The differences bound what
+removing or moving each stage could give. No hardware counters needed (H200.md: time variants that leave one
+stage out and take differences).
+
+Variants (text patches of the kernel; each must apply exactly as many times as listed, or the script stops):
+- "x sums": the ones-MMAs that sum x over each 32- (Q6_K: 16-) weight group, which every warp recomputes for the
+  same x;
+- "group scales": the per-group scale-and-add of each MMA's sums (an add instead);
+- "super-block correction" (Q4_K / Q5_K): the MMAs that subtract the minimums' and the 128 offset's terms, and
+  the transposes feeding them;
+- "weight MMAs": the tensor-core products of the weights (their A fragments folded into the sums by XOR instead,
+  so the loads and byte permutes stay).
+A variant also frees registers (offline, nvcc 13, sm_90, Q4_K at 1 tile and 2 token tiles: 182 as is, 156 without
+the x sums, 144 without the correction), so where a tiling's min_blocks does not cap them, a difference includes
+more warps resident.
+
+Usage (GPU machine, repo root):
+    PYTHONPATH=src python scripts/gpu/kquant_ablate.py OUT [--only qwen-q4k-fused,qwen-q6k,...] [--budget-s S]
+--only: mma_tilings.py's shape sets (default: qwen-q4k-fused, qwen-q6k, gemma-q4k-fused); OUT/kquant_ablate.json
+gets every time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gguf_run import bench_ms, copies_for, random_blocks  # noqa: E402
+from mma_tilings import SETS  # noqa: E402
+
+from flashdraft.quant import mma_kernels  # noqa: E402
+
+HELPERS = """
+__device__ __forceinline__ void skip_mma(float (&d)[4], u32, u32, u32, u32, u32, u32) {}
+__device__ __forceinline__ void xor_mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    d[0] = __uint_as_float(__float_as_uint(d[0]) ^ a0 ^ a1 ^ a2 ^ a3 ^ b0 ^ b1);
+}
+"""
+# variant -> (old text, new text, times it occurs in kquant_mma.cu)
+VARIANTS = {
+    "as is": [],
+    "x sums": [("mma_bf16_16816(ones,", "skip_mma(ones,", 2)],
+    "group scales": [("tot[r][nt][i] = fmaf(acc[nt][i], dl[i >> 1], tot[r][nt][i]);",
+                      "tot[r][nt][i] += acc[nt][i];", 1),
+                     ("tot[r][nt][i] = fmaf(dl[i >> 1], fmaf(-160.0f, xs[nt][i & 1], acc[i]), tot[r][nt][i]);",
+                      "tot[r][nt][i] += acc[i];", 1)],
+    "super-block correction": [("mma_bf16_16816(cm,", "skip_mma(cm,", 2), ("mma_bf16_16816(cs,", "skip_mma(cs,", 2),
+                               ("xs3[nt][part] = transpose8x8(xs3[nt][part]);", ";", 1)],
+    "weight MMAs": [("mma_bf16_16816(acc[nt],", "xor_mma(acc[nt],", 1), ("mma_bf16_16816(acc, ", "xor_mma(acc, ", 1)],
+}
+DEFAULT_SETS = "qwen-q4k-fused,qwen-q6k,gemma-q4k-fused"
+
+
+def variant_source(name: str, source: str) -> str:
+    """kquant_mma.cu's text with variant `name` applied (ValueError where a patch does not fit the text)."""
+    for old, new, times in VARIANTS[name]:
+        if source.count(old) != times:
+            raise ValueError(f"variant {name!r}: {old!r} occurs {source.count(old)} times in the kernel, not {times}")
+        source = source.replace(old, new)
+    anchor = "typedef unsigned short u16;\n"
+    if source.count(anchor) != 1:
+        raise ValueError(f"the kernel has no single {anchor.strip()!r} to put the variants' helpers after")
+    return source.replace(anchor, anchor + HELPERS)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--only", default=DEFAULT_SETS, help="comma-separated shape sets of mma_tilings.py")
+    ap.add_argument("--budget-s", type=float, default=float("inf"))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    text = mma_kernels.SOURCE.read_text()
+    sources = {name: variant_source(name, text) for name in VARIANTS}  # every patch checked before any GPU work
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows, t0 = [], time.time()
+    for set_name in args.only.split(","):
+        qtype, shapes = SETS[set_name]
+        for shape, (n, k) in shapes.items():
+            if time.time() - t0 > args.budget_s:
+                print(f"budget spent: {set_name} {shape} and later shapes not measured", flush=True)
+                break
+            tilings = mma_kernels.tilings_for(qtype, n, k)
+            ws = [random_blocks(qtype, n, k, gen, dev)
+                  for _ in range(copies_for(n * k // 256 * mma_kernels.BLOCK_BYTES[qtype], False))]
+            x = torch.randn(16, k, device=dev, dtype=torch.bfloat16, generator=gen)
+            base = None
+            for name, source in sources.items():
+                us = [1000 * bench_ms([lambda w=w, m=m: mma_kernels.launch(x[:m], w, n, qtype, tilings,
+                                                                           source=source) for w in ws], False)
+                      for m in (1, 16)]
+                base = base or us
+                rows.append({"set": set_name, "shape": shape, "qtype": qtype, "n": n, "k": k, "variant": name,
+                             "us_m1": us[0], "us_m16": us[1]})
+                print(f"{set_name} {shape:10s} {n}x{k} {name:24s} M=1 {us[0]:7.1f} us ({us[0] - base[0]:+6.1f})  "
+                      f"M=16 {us[1]:7.1f} us ({us[1] - base[1]:+6.1f})", flush=True)
+            del ws
+            torch.cuda.empty_cache()
+            (args.out / "kquant_ablate.json").write_text(json.dumps({"rows": rows, "elapsed_s": time.time() - t0},
+                                                                    indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
-"""The CUDA tensor-core k-quant kernel (flashdraft.quant.mma_kernels; Q4_K, Q5_K, Q6_K in lane order): which products it takes,
-its tilings, and on a GPU its results (against dequantize + matmul in float64) and bitwise batch invariance over
-every M <= 16."""
+"""The CUDA tensor-core k-quant kernel (flashdraft.quant.mma_kernels; Q4_K, Q5_K, Q6_K in lane order): which products
+it takes, its tilings, and on a GPU its results (against dequantize + matmul in float64) and bitwise batch invariance
+over every M <= 16."""
 import pytest
 import torch
 

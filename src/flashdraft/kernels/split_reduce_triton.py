@@ -1,7 +1,7 @@
 """Triton pieces shared by the other kernels here: the split-K reduce that adds fp32 partials in a fixed order, the
-interpreter's rounding, the start of a programmatic dependent launch, and tl.reduce's combine functions (triton.language's own jit reductions, tl.max and tl.sum
-among them, break under an interpreter switched on after Triton's import, as the CPU tests do; Triton builtins and
-these do not).
+interpreter's rounding, the start of a programmatic dependent launch, and tl.reduce's combine functions
+(triton.language's own jit reductions, tl.max and tl.sum among them, break under an interpreter switched on after
+Triton's import, as the CPU tests do; Triton builtins and these do not).
 
 Imported only by those kernel modules, on first use (see flashdraft.kernels.skinny_triton for why kernels are
 decorated late), so importing flashdraft never needs Triton.

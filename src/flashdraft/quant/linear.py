@@ -40,9 +40,8 @@ def _stored_blocks(blocks: torch.Tensor, qtype: str, row_elems: int) -> tuple[to
     expected = (blocks.shape[0], row_bytes(qtype, row_elems))
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or tuple(blocks.shape) != expected:
         raise ValueError(f"{qtype} blocks must be uint8 {list(expected)}, got {blocks.dtype} {list(blocks.shape)}")
-    if q6k_lanes.kept_qtype(qtype) != qtype:
-        return q6k_lanes.from_gguf(blocks), q6k_lanes.kept_qtype(qtype)
-    return blocks, qtype
+    kept = q6k_lanes.kept_qtype(qtype)
+    return (blocks if kept == qtype else q6k_lanes.from_gguf(blocks)), kept
 
 
 class QuantLinear(nn.Module):

@@ -205,7 +205,7 @@ def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str,
         x2 = x2.contiguous()
     if blocks.stride(1) != 1 or blocks.stride(0) != blocks.shape[1]:
         blocks = blocks.contiguous()
-    if blocks.data_ptr() % 16:  # 16-byte loads of Q4_K / Q5_K headers
+    if blocks.data_ptr() % 16:  # 16-byte loads (Q4_K / Q5_K headers, lane-order Q6_K)
         blocks = blocks.clone()
     if x2.data_ptr() % 16:
         x2 = x2.clone()

@@ -428,6 +428,22 @@ def _q6_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, NSB: tl.constexpr,
     (`_packed_perm`) holds at 256 sb + 32d + 8s + w, so x_rows points into the permuted x. The 6-bit value is assembled
     where its low nibble lies (bit B = 8r + 4 (u // 2)), the qh bits shifted up to B + 4 (by 4 or 2), and converted by
     _field_to_f32, its scale times 2**-B."""
+    base, d, ql0, ql1, qh4, qh2 = _q6_k_words(row, sb, w_mask, NSB)
+    c = tl.arange(0, 32)
+    for u in tl.static_range(4):
+        dl = _q6_k_scale(base, d, w_mask, u)
+        for r in tl.static_range(2):
+            w = _q6_k_field(ql0, ql1, qh4, qh2, dl, magic, u, r)
+            x = tl.load(x_rows + (sb * 256 + 32 * (2 * u + r) + c)[None, :], mask=x_mask, other=0.0)  # dot 2u + r
+            acc = _dot_acc(acc, x, tl.reshape(w, (BLOCK_N, 32)), IEEE, UPCAST)
+    return acc
+
+
+@triton.jit
+def _q6_k_words(row, sb, w_mask, NSB: tl.constexpr):
+    """Super-block sb of lane-order Q6_K rows of NSB super-blocks, as _q6_k_packed reads it: the super-block's
+    address, d as float32, the ql half-words of runs 0/2 and 1/3, and the qh half-words shifted up by 4 and by 2,
+    each [BLOCK_N, 4 (s), 8 (half-word)] int32."""
     base = row + sb * 208
     hw = base.to(tl.pointer_type(tl.uint16))
     s = tl.arange(0, 4)[None, :, None]
@@ -438,25 +454,30 @@ def _q6_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, NSB: tl.constexpr,
     ql0 = tl.load(hw + _lane_ql(ql_off) // 2, mask=w_mask, other=0).to(tl.int32)       # ql bytes 64hh + 0..31
     ql1 = tl.load(hw + _lane_ql(ql_off + 32) // 2, mask=w_mask, other=0).to(tl.int32)  # ql bytes 64hh + 32..63
     qh = tl.load(hw + _lane_qh(2 * (8 * s + wd)) // 2, mask=w_mask, other=0).to(tl.int32)
-    qh4 = qh << 4    # bits 2u, 2u + 1 of byte r moved to B + 4, B + 5: u even
-    qh2 = qh << 2    # u odd
-    c = tl.arange(0, 32)
-    for u in tl.static_range(4):
-        sc = tl.load(base + 192 + 8 * (s // 2) + 2 * u + s % 2, mask=w_mask, other=0)
-        dl = d * sc.to(tl.int8, bitcast=True).to(tl.float32)                      # [BLOCK_N, 4, 1]
-        if u % 2 == 0:
-            ql = ql0
-            qhs = qh4
-        else:
-            ql = ql1
-            qhs = qh2
-        for r in tl.static_range(2):
-            B = 8 * r + 4 * (u // 2)
-            bits = (ql & (0x0F << B)) | ((qhs & (0x30 << B)) | magic)
-            w = (dl * (1.0 / (1 << B))) * _field_to_f32(bits, 32, B)
-            x = tl.load(x_rows + (sb * 256 + 32 * (2 * u + r) + c)[None, :], mask=x_mask, other=0.0)  # dot 2u + r
-            acc = _dot_acc(acc, x, tl.reshape(w, (BLOCK_N, 32)), IEEE, UPCAST)
-    return acc
+    return base, d, ql0, ql1, qh << 4, qh << 2  # qh: bits 2u, 2u + 1 of byte r moved to B + 4, B + 5 (u even, odd)
+
+
+@triton.jit
+def _q6_k_scale(base, d, w_mask, u: tl.constexpr):
+    """d sc of the groups of run u, [BLOCK_N, 4 (s), 1]: int8 scale byte 192 + 8hh + 2u + b (s = 2hh + b)."""
+    s = tl.arange(0, 4)[None, :, None]
+    sc = tl.load(base + 192 + 8 * (s // 2) + 2 * u + s % 2, mask=w_mask, other=0)
+    return d * sc.to(tl.int8, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _q6_k_field(ql0, ql1, qh4, qh2, dl, magic, u: tl.constexpr, r: tl.constexpr):
+    """The weights of (run u, byte r) of the half-words, [BLOCK_N, 4 (s), 8 (w)] float32: weight
+    128hh + 32u + 16b + 2w + r of the super-block."""
+    if u % 2 == 0:
+        ql = ql0
+        qhs = qh4
+    else:
+        ql = ql1
+        qhs = qh2
+    B = 8 * r + 4 * (u // 2)
+    bits = (ql & (0x0F << B)) | ((qhs & (0x30 << B)) | magic)
+    return (dl * (1.0 / (1 << B))) * _field_to_f32(bits, 32, B)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -544,6 +565,29 @@ def _dequantize_q45_kernel(w_ptr, out_ptr, N, row_bytes, magic, FIVE_BIT: tl.con
         if UPCAST:  # the interpreter's own casts truncate
             w = round_to(w, out_ptr.dtype.element_ty, True)
         tl.store(out_rows + sb * 256 + 32 * h + col, w, mask=n_ok)
+
+
+@triton.jit
+def _dequantize_q6_kernel(w_ptr, out_ptr, N, row_bytes, magic, NSB: tl.constexpr, BLOCK_N: tl.constexpr,
+                          UPCAST: tl.constexpr):
+    """_dequantize_q45_kernel for lane-order Q6_K rows: the half-words of the packed decode, the two bytes r of
+    each joined into [BLOCK_N, 4 (s), 16] runs at K = 128hh + 32u + 16b + 0..15 (s = 2hh + b)."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    sb = tl.program_id(1)
+    n_ok = (rn < N)[:, None, None]
+    row = w_ptr + (rn.to(tl.int64) * row_bytes)[:, None, None]
+    base, d, ql0, ql1, qh4, qh2 = _q6_k_words(row, sb, n_ok, NSB)
+    s = tl.arange(0, 4)[None, :, None]
+    col = 128 * (s // 2) + 16 * (s % 2) + tl.arange(0, 16)[None, None, :]            # [1, 4, 16]
+    out_rows = out_ptr + (rn.to(tl.int64) * (NSB * 256))[:, None, None]
+    for u in tl.static_range(4):
+        dl = _q6_k_scale(base, d, n_ok, u)
+        w0 = _q6_k_field(ql0, ql1, qh4, qh2, dl, magic, u, 0)
+        w1 = _q6_k_field(ql0, ql1, qh4, qh2, dl, magic, u, 1)
+        w = tl.reshape(tl.join(w0, w1), (BLOCK_N, 4, 16))  # [.., w, r]: K 2w + r
+        if UPCAST:  # the interpreter's own casts truncate
+            w = round_to(w, out_ptr.dtype.element_ty, True)
+        tl.store(out_rows + sb * 256 + 32 * u + col, w, mask=n_ok)
 
 
 def _interpreting() -> bool:
@@ -673,6 +717,13 @@ def dequantize(blocks: torch.Tensor, qtype: str, k: int, dtype: torch.dtype) -> 
         _dequantize_q45_kernel[(triton.cdiv(n, block_n), k // 256)](
             blocks, out, n, blocks.shape[1], 0x4B000000, FIVE_BIT=qtype == "Q5_K", BLOCK_N=block_n,
             UPCAST=_interpreting(), num_warps=4)
+        return out
+    if qtype == "Q6_K_LANES":  # the half-words of the packed decode, written in K order
+        if blocks.data_ptr() % 2:
+            blocks = blocks.clone()
+        _dequantize_q6_kernel[(triton.cdiv(n, block_n), k // 256)](
+            blocks, out, n, blocks.shape[1], 0x4B000000, NSB=k // 256, BLOCK_N=block_n, UPCAST=_interpreting(),
+            num_warps=4)
         return out
     _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         blocks, out, n, blocks.shape[1], K=k, QTYPE=QTYPE_CODES[qtype], BLOCK_N=block_n, BLOCK_K=block_k,

@@ -6,7 +6,8 @@ BLOCK_N output features of one BLOCK_M = 16 row tile and one fixed K range. Per 
 a [BLOCK_N, BLOCK_K] weight tile once, decodes it to float32 (the formulas of flashdraft.quant.dequant), casts it
 to the activation dtype and multiplies with tl.dot, accumulating in fp32. The weights are decoded per element on
 the 2-D tile (`_decode_tile_2d`: each element finds its own quant bits and scales, repeated loads served by L1);
-the prefill's dequantized copy (`dequantize`) uses the same formulas. Q6_K weights come as QuantLinear keeps them, in
+the prefill's dequantized copy (`dequantize`) uses the same formulas (Q4_K / Q5_K: read as the packed decode reads
+them, `_dequantize_q45_kernel`). Q6_K weights come as QuantLinear keeps them, in
 lane order (Q6_K_LANES, flashdraft.quant.q6k_lanes): the GGUF byte offsets below go through _lane_ql / _lane_qh.
 
 The K-quants' matmul has its own formulation, QuantConfig.packed (`_quant_matmul_packed_kernel`), which works a
@@ -319,20 +320,11 @@ def _field_to_f32(bits, offset: tl.constexpr, B: tl.constexpr):
 
 
 @triton.jit
-def _q45_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, FIVE_BIT: tl.constexpr, BLOCK_N: tl.constexpr,
-                  IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """acc += x[:, super-block sb] @ W[:, super-block sb]^T for Q4_K/Q5_K; row: [BLOCK_N, 1, 1] uint8 row pointers.
-
-    Super-blocks are 144/176 bytes, so with 16-byte aligned rows (row_bytes is a multiple of 144/176, a multiple of
-    16) every field is 16-byte aligned and read as int32 words: the header (d | dmin << 16, then the scale bytes
-    4-7, 8-11, 12-15) and the 128 nibble bytes as [BLOCK_N, 4 (g), 8 (word)] words. Byte p of word 8g + w is byte
-    32g + 4w + p, whose low nibble is weight 64g + 4w + p (sub-block 2g) and high nibble weight 64g + 32 + 4w + p
-    (sub-block 2g + 1). Q5_K: 32 bytes of 5th bits (8 words, the same for every g): byte 4w + p, bit j -> weight
-    32j + 4w + p. One dot per (nibble h, byte p), dot d = 4h + p: a [BLOCK_N, 32] tile in word order (column
-    8g + w) against x at K = 256 sb + 64g + 32h + 4w + p, which the permuted x (`_packed_perm`) holds at
-    256 sb + 32d + 8g + w, so x_rows points into the permuted x. Bytes 2 and 3 are taken from the words shifted
-    down by 16, so every nibble is masked where it lies (bit B = 8 (p % 2) + 4h, <= 12) and converted by
-    _field_to_f32, its scale times 2**-B."""
+def _q45_k_words(row, sb, w_mask, FIVE_BIT: tl.constexpr):
+    """Super-block sb of Q4_K/Q5_K rows (row: [BLOCK_N, 1, 1] uint8 row pointers) as int32 words, as _q45_k_packed
+    describes: d and dmin as float32, the three scale words, the nibble words [BLOCK_N, 4 (g), 8 (word)] and the
+    same shifted down by 16 (bytes 2, 3), and for Q5_K the fifth bits put where each (byte p, nibble h) finds
+    them (qh, and shifted down by 16: qh_hi; zeros for Q4_K)."""
     if FIVE_BIT:
         base = row + sb * 176
         qs = (base + 48).to(tl.pointer_type(tl.int32))
@@ -354,34 +346,68 @@ def _q45_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, FIVE_BIT: tl.cons
         qh = tl.load((base + 16).to(tl.pointer_type(tl.int32)) + wd, mask=w_mask, other=0)  # [BLOCK_N, 1, 8]
         qh = qh >> (2 * g)           # [BLOCK_N, 4, 8]: the bit of (byte p, nibble h) at 8p + h
         qh_hi = qh >> 16
+    else:
+        qh = words & 0
+        qh_hi = qh
+    return d, dmin, sc_w, mn_w, hi_w, words, words_hi, qh, qh_hi
+
+
+@triton.jit
+def _q45_k_scales(d, dmin, sc_w, mn_w, hi_w, h: tl.constexpr):
+    """d sc_j and dmin m_j of sub-blocks j = 2g + h ([BLOCK_N, 4, 1]) from the header's scale words."""
+    j = 2 * tl.arange(0, 4)[None, :, None] + h                                  # [1, 4, 1] sub-blocks
+    sh = 8 * (j % 4)
+    a = (sc_w >> sh) & 0xFF
+    b = (mn_w >> sh) & 0xFF
+    e = (hi_w >> sh) & 0xFF
+    sc = tl.where(j < 4, a & 0x3F, (e & 0x0F) | ((a >> 6) << 4))
+    mn = tl.where(j < 4, b & 0x3F, (e >> 4) | ((b >> 6) << 4))
+    return d * sc.to(tl.float32), dmin * mn.to(tl.float32)
+
+
+@triton.jit
+def _q45_k_field(words, words_hi, t_lo, t_hi, dl, ml, magic, h: tl.constexpr, p: tl.constexpr,
+                 FIVE_BIT: tl.constexpr):
+    """The weights of (nibble h, byte p) of the nibble words, [BLOCK_N, 4 (g), 8 (word)] float32: weight
+    64g + 32h + 4w + p of the super-block. Q5_K: t_lo / t_hi, qh / qh_hi shifted up by 3h + 4."""
+    B = 8 * (p % 2) + 4 * h
+    if p < 2:
+        src = words
+    else:
+        src = words_hi
+    if FIVE_BIT:  # 5th bits moved to bit B + 4 (B = 8 (p % 2) + 4h)
+        if p < 2:
+            bits = (src & (0x0F << B)) | ((t_lo & (0x10 << B)) | magic)
+        else:
+            bits = (src & (0x0F << B)) | ((t_hi & (0x10 << B)) | magic)
+    else:
+        bits = (src & (0x0F << B)) | magic
+    return (dl * (1.0 / (1 << B))) * _field_to_f32(bits, 0, B) - ml
+
+
+@triton.jit
+def _q45_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, FIVE_BIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                  IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """acc += x[:, super-block sb] @ W[:, super-block sb]^T for Q4_K/Q5_K; row: [BLOCK_N, 1, 1] uint8 row pointers.
+
+    Super-blocks are 144/176 bytes, so with 16-byte aligned rows (row_bytes is a multiple of 144/176, a multiple of
+    16) every field is 16-byte aligned and read as int32 words: the header (d | dmin << 16, then the scale bytes
+    4-7, 8-11, 12-15) and the 128 nibble bytes as [BLOCK_N, 4 (g), 8 (word)] words. Byte p of word 8g + w is byte
+    32g + 4w + p, whose low nibble is weight 64g + 4w + p (sub-block 2g) and high nibble weight 64g + 32 + 4w + p
+    (sub-block 2g + 1). Q5_K: 32 bytes of 5th bits (8 words, the same for every g): byte 4w + p, bit j -> weight
+    32j + 4w + p. One dot per (nibble h, byte p), dot d = 4h + p: a [BLOCK_N, 32] tile in word order (column
+    8g + w) against x at K = 256 sb + 64g + 32h + 4w + p, which the permuted x (`_packed_perm`) holds at
+    256 sb + 32d + 8g + w, so x_rows points into the permuted x. Bytes 2 and 3 are taken from the words shifted
+    down by 16, so every nibble is masked where it lies (bit B = 8 (p % 2) + 4h, <= 12) and converted by
+    _field_to_f32, its scale times 2**-B."""
+    d, dmin, sc_w, mn_w, hi_w, words, words_hi, qh, qh_hi = _q45_k_words(row, sb, w_mask, FIVE_BIT)
     c = tl.arange(0, 32)
     for h in tl.static_range(2):
-        j = 2 * g + h                                                             # [1, 4, 1] sub-blocks
-        sh = 8 * (j % 4)
-        a = (sc_w >> sh) & 0xFF
-        b = (mn_w >> sh) & 0xFF
-        e = (hi_w >> sh) & 0xFF
-        sc = tl.where(j < 4, a & 0x3F, (e & 0x0F) | ((a >> 6) << 4))
-        mn = tl.where(j < 4, b & 0x3F, (e >> 4) | ((b >> 6) << 4))
-        dl = d * sc.to(tl.float32)                                                # [BLOCK_N, 4, 1]
-        ml = dmin * mn.to(tl.float32)
-        if FIVE_BIT:  # 5th bits moved to bit B + 4 (B = 8 (p % 2) + 4h)
-            t_lo = qh << (3 * h + 4)
-            t_hi = qh_hi << (3 * h + 4)
+        dl, ml = _q45_k_scales(d, dmin, sc_w, mn_w, hi_w, h)
+        t_lo = qh << (3 * h + 4)
+        t_hi = qh_hi << (3 * h + 4)
         for p in tl.static_range(4):
-            B = 8 * (p % 2) + 4 * h
-            if p < 2:
-                src = words
-            else:
-                src = words_hi
-            if FIVE_BIT:
-                if p < 2:
-                    bits = (src & (0x0F << B)) | ((t_lo & (0x10 << B)) | magic)
-                else:
-                    bits = (src & (0x0F << B)) | ((t_hi & (0x10 << B)) | magic)
-            else:
-                bits = (src & (0x0F << B)) | magic
-            w = (dl * (1.0 / (1 << B))) * _field_to_f32(bits, 0, B) - ml
+            w = _q45_k_field(words, words_hi, t_lo, t_hi, dl, ml, magic, h, p, FIVE_BIT)
             x = tl.load(x_rows + (sb * 256 + 32 * (4 * h + p) + c)[None, :], mask=x_mask, other=0.0)  # dot 4h + p
             acc = _dot_acc(acc, x, tl.reshape(w, (BLOCK_N, 32)), IEEE, UPCAST)
     return acc
@@ -402,6 +428,22 @@ def _q6_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, NSB: tl.constexpr,
     (`_packed_perm`) holds at 256 sb + 32d + 8s + w, so x_rows points into the permuted x. The 6-bit value is assembled
     where its low nibble lies (bit B = 8r + 4 (u // 2)), the qh bits shifted up to B + 4 (by 4 or 2), and converted by
     _field_to_f32, its scale times 2**-B."""
+    base, d, ql0, ql1, qh4, qh2 = _q6_k_words(row, sb, w_mask, NSB)
+    c = tl.arange(0, 32)
+    for u in tl.static_range(4):
+        dl = _q6_k_scale(base, d, w_mask, u)
+        for r in tl.static_range(2):
+            w = _q6_k_field(ql0, ql1, qh4, qh2, dl, magic, u, r)
+            x = tl.load(x_rows + (sb * 256 + 32 * (2 * u + r) + c)[None, :], mask=x_mask, other=0.0)  # dot 2u + r
+            acc = _dot_acc(acc, x, tl.reshape(w, (BLOCK_N, 32)), IEEE, UPCAST)
+    return acc
+
+
+@triton.jit
+def _q6_k_words(row, sb, w_mask, NSB: tl.constexpr):
+    """Super-block sb of lane-order Q6_K rows of NSB super-blocks, as _q6_k_packed reads it: the super-block's
+    address, d as float32, the ql half-words of runs 0/2 and 1/3, and the qh half-words shifted up by 4 and by 2,
+    each [BLOCK_N, 4 (s), 8 (half-word)] int32."""
     base = row + sb * 208
     hw = base.to(tl.pointer_type(tl.uint16))
     s = tl.arange(0, 4)[None, :, None]
@@ -412,25 +454,30 @@ def _q6_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, NSB: tl.constexpr,
     ql0 = tl.load(hw + _lane_ql(ql_off) // 2, mask=w_mask, other=0).to(tl.int32)       # ql bytes 64hh + 0..31
     ql1 = tl.load(hw + _lane_ql(ql_off + 32) // 2, mask=w_mask, other=0).to(tl.int32)  # ql bytes 64hh + 32..63
     qh = tl.load(hw + _lane_qh(2 * (8 * s + wd)) // 2, mask=w_mask, other=0).to(tl.int32)
-    qh4 = qh << 4    # bits 2u, 2u + 1 of byte r moved to B + 4, B + 5: u even
-    qh2 = qh << 2    # u odd
-    c = tl.arange(0, 32)
-    for u in tl.static_range(4):
-        sc = tl.load(base + 192 + 8 * (s // 2) + 2 * u + s % 2, mask=w_mask, other=0)
-        dl = d * sc.to(tl.int8, bitcast=True).to(tl.float32)                      # [BLOCK_N, 4, 1]
-        if u % 2 == 0:
-            ql = ql0
-            qhs = qh4
-        else:
-            ql = ql1
-            qhs = qh2
-        for r in tl.static_range(2):
-            B = 8 * r + 4 * (u // 2)
-            bits = (ql & (0x0F << B)) | ((qhs & (0x30 << B)) | magic)
-            w = (dl * (1.0 / (1 << B))) * _field_to_f32(bits, 32, B)
-            x = tl.load(x_rows + (sb * 256 + 32 * (2 * u + r) + c)[None, :], mask=x_mask, other=0.0)  # dot 2u + r
-            acc = _dot_acc(acc, x, tl.reshape(w, (BLOCK_N, 32)), IEEE, UPCAST)
-    return acc
+    return base, d, ql0, ql1, qh << 4, qh << 2  # qh: bits 2u, 2u + 1 of byte r moved to B + 4, B + 5 (u even, odd)
+
+
+@triton.jit
+def _q6_k_scale(base, d, w_mask, u: tl.constexpr):
+    """d sc of the groups of run u, [BLOCK_N, 4 (s), 1]: int8 scale byte 192 + 8hh + 2u + b (s = 2hh + b)."""
+    s = tl.arange(0, 4)[None, :, None]
+    sc = tl.load(base + 192 + 8 * (s // 2) + 2 * u + s % 2, mask=w_mask, other=0)
+    return d * sc.to(tl.int8, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _q6_k_field(ql0, ql1, qh4, qh2, dl, magic, u: tl.constexpr, r: tl.constexpr):
+    """The weights of (run u, byte r) of the half-words, [BLOCK_N, 4 (s), 8 (w)] float32: weight
+    128hh + 32u + 16b + 2w + r of the super-block."""
+    if u % 2 == 0:
+        ql = ql0
+        qhs = qh4
+    else:
+        ql = ql1
+        qhs = qh2
+    B = 8 * r + 4 * (u // 2)
+    bits = (ql & (0x0F << B)) | ((qhs & (0x30 << B)) | magic)
+    return (dl * (1.0 / (1 << B))) * _field_to_f32(bits, 32, B)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -489,6 +536,58 @@ def row_bytes(qtype: str, k: int) -> int:
     (quant.q6k_lanes, which this package sits below; a test holds the two equal)."""
     nbytes = k // (256 if qtype in K_QUANTS else 32) * BLOCK_BYTES[qtype]
     return -(-nbytes // 16) * 16 if qtype == "Q6_K_LANES" else nbytes
+
+
+@triton.jit
+def _dequantize_q45_kernel(w_ptr, out_ptr, N, row_bytes, magic, FIVE_BIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                           UPCAST: tl.constexpr):
+    """out[rows, super-block] = the Q4_K/Q5_K weights of BLOCK_N rows and one super-block (program axis 1), read as
+    the packed kernel reads them (words: no byte loads) and written in K order: the four bytes p of each word
+    (nibble h) are joined into [BLOCK_N, 4 (g), 32] runs at K = 64g + 32h + 0..31. The same fp32 formulas as
+    _decode_tile_2d, cast to out's dtype."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    sb = tl.program_id(1)
+    n_ok = (rn < N)[:, None, None]
+    row = w_ptr + (rn.to(tl.int64) * row_bytes)[:, None, None]
+    d, dmin, sc_w, mn_w, hi_w, words, words_hi, qh, qh_hi = _q45_k_words(row, sb, n_ok, FIVE_BIT)
+    col = 64 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 32)[None, None, :]    # [1, 4, 32]
+    out_rows = out_ptr + (rn.to(tl.int64) * (row_bytes // (176 if FIVE_BIT else 144) * 256))[:, None, None]
+    for h in tl.static_range(2):
+        dl, ml = _q45_k_scales(d, dmin, sc_w, mn_w, hi_w, h)
+        t_lo = qh << (3 * h + 4)
+        t_hi = qh_hi << (3 * h + 4)
+        w0 = _q45_k_field(words, words_hi, t_lo, t_hi, dl, ml, magic, h, 0, FIVE_BIT)
+        w1 = _q45_k_field(words, words_hi, t_lo, t_hi, dl, ml, magic, h, 1, FIVE_BIT)
+        w2 = _q45_k_field(words, words_hi, t_lo, t_hi, dl, ml, magic, h, 2, FIVE_BIT)
+        w3 = _q45_k_field(words, words_hi, t_lo, t_hi, dl, ml, magic, h, 3, FIVE_BIT)
+        # join stacks along a new last axis: [.., w, p // 2, p % 2] is join(join(w0, w2), join(w1, w3)), K 4w + p
+        w = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (BLOCK_N, 4, 32))
+        if UPCAST:  # the interpreter's own casts truncate
+            w = round_to(w, out_ptr.dtype.element_ty, True)
+        tl.store(out_rows + sb * 256 + 32 * h + col, w, mask=n_ok)
+
+
+@triton.jit
+def _dequantize_q6_kernel(w_ptr, out_ptr, N, row_bytes, magic, NSB: tl.constexpr, BLOCK_N: tl.constexpr,
+                          UPCAST: tl.constexpr):
+    """_dequantize_q45_kernel for lane-order Q6_K rows: the half-words of the packed decode, the two bytes r of
+    each joined into [BLOCK_N, 4 (s), 16] runs at K = 128hh + 32u + 16b + 0..15 (s = 2hh + b)."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    sb = tl.program_id(1)
+    n_ok = (rn < N)[:, None, None]
+    row = w_ptr + (rn.to(tl.int64) * row_bytes)[:, None, None]
+    base, d, ql0, ql1, qh4, qh2 = _q6_k_words(row, sb, n_ok, NSB)
+    s = tl.arange(0, 4)[None, :, None]
+    col = 128 * (s // 2) + 16 * (s % 2) + tl.arange(0, 16)[None, None, :]            # [1, 4, 16]
+    out_rows = out_ptr + (rn.to(tl.int64) * (NSB * 256))[:, None, None]
+    for u in tl.static_range(4):
+        dl = _q6_k_scale(base, d, n_ok, u)
+        w0 = _q6_k_field(ql0, ql1, qh4, qh2, dl, magic, u, 0)
+        w1 = _q6_k_field(ql0, ql1, qh4, qh2, dl, magic, u, 1)
+        w = tl.reshape(tl.join(w0, w1), (BLOCK_N, 4, 16))  # [.., w, r]: K 2w + r
+        if UPCAST:  # the interpreter's own casts truncate
+            w = round_to(w, out_ptr.dtype.element_ty, True)
+        tl.store(out_rows + sb * 256 + 32 * u + col, w, mask=n_ok)
 
 
 def _interpreting() -> bool:
@@ -612,6 +711,20 @@ def dequantize(blocks: torch.Tensor, qtype: str, k: int, dtype: torch.dtype) -> 
         blocks = blocks.contiguous()
     out = torch.empty((n, k), dtype=dtype, device=blocks.device)
     block_n, block_k = 32, 256
+    if qtype in ("Q4_K", "Q5_K"):  # the words of the packed decode, written in K order
+        if blocks.data_ptr() % 4:
+            blocks = blocks.clone()
+        _dequantize_q45_kernel[(triton.cdiv(n, block_n), k // 256)](
+            blocks, out, n, blocks.shape[1], 0x4B000000, FIVE_BIT=qtype == "Q5_K", BLOCK_N=block_n,
+            UPCAST=_interpreting(), num_warps=4)
+        return out
+    if qtype == "Q6_K_LANES":  # the half-words of the packed decode, written in K order
+        if blocks.data_ptr() % 2:
+            blocks = blocks.clone()
+        _dequantize_q6_kernel[(triton.cdiv(n, block_n), k // 256)](
+            blocks, out, n, blocks.shape[1], 0x4B000000, NSB=k // 256, BLOCK_N=block_n, UPCAST=_interpreting(),
+            num_warps=4)
+        return out
     _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         blocks, out, n, blocks.shape[1], K=k, QTYPE=QTYPE_CODES[qtype], BLOCK_N=block_n, BLOCK_K=block_k,
         UPCAST=_interpreting(), num_warps=4)

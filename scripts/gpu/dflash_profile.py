@@ -3,7 +3,8 @@ Qwen3-8B Q4_K_M step is ~7.0 ms at tau 5.77, of which the 16-row verify is ~5.0)
 128 tokens after a 512-token prompt, as side_by_side_gguf.py's DFlash row runs it (the same random drafter, the
 planted oracle at tau 6, graphs and pipelined steps), and the same for plain decoding with the drafter loaded.
 For each: wall time a step, the GPU's kernel time a step (the union of kernel intervals in the decode window, so
-overlap is not counted twice), the idle time between, and the kernel time by family and by kernel.
+overlap is not counted twice), the idle time between, each kernel's own time (what the kernels that started
+before it do not cover) by family and by kernel, and two steps' kernels in order.
 
 Usage (GPU machine, repo root): PYTHONPATH=src:$SITE python scripts/gpu/dflash_profile.py FILE.gguf OUT
 [--prompt 512] [--tokens 128] [--drafter Q5_K|bf16]. OUT/dflash_profile.json gets the figures.
@@ -41,6 +42,17 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def exclusive_us(spans: list[tuple[float, float]]) -> list[float]:
+    """Each interval's time not covered by intervals that started before it (spans sorted by start): with
+    programmatic launches a kernel starts while its predecessor runs and waits for it, so that time is the
+    predecessor's."""
+    out, covered = [], float("-inf")
+    for s, e in spans:
+        out.append(max(0.0, e - max(s, covered)))
+        covered = max(covered, e)
+    return out
+
+
 def profiled(engine: Engine, prompt: list[int], tokens: int, draft: int, sequence) -> dict:
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     engine.generate(prompt, params, draft, sequence)  # warm-up: every capture this length meets
@@ -59,14 +71,19 @@ def profiled(engine: Engine, prompt: list[int], tokens: int, draft: int, sequenc
     fams: dict = defaultdict(float)
     names: dict = defaultdict(float)
     counts: dict = defaultdict(int)
-    for ev, (s, e) in zip(kernels, spans):
-        if e <= decode_from:
+    own = exclusive_us(spans)
+    for ev, (s, e), us in zip(kernels, spans, own):
+        if s < decode_from:
             continue
-        us = e - max(s, decode_from)
         fams[family(ev.name)] += us / steps
         names[ev.name[:100]] += us / steps
         counts[ev.name[:100]] += 1
     busy = busy_us(window)
+    # two steps' kernels in order from the middle of the decode window: start offset, duration, own time, name
+    mid = (decode_from + t1) / 2
+    wall = out.stats.predicted_ms * 1000 / steps
+    timeline = [(round(s - mid, 1), round(e - s, 1), round(us, 1), ev.name[:70])
+                for ev, (s, e), us in zip(kernels, spans, own) if mid <= s < mid + 2 * wall]
     return {"tok_s": decode_tok_s(out), "tok_s_unprofiled": decode_tok_s(unprofiled),
             "tau": out.stats.tau if draft else 1.0, "steps": steps,
             "decode_ms": out.stats.predicted_ms, "prompt_ms": out.stats.prompt_ms,
@@ -76,7 +93,7 @@ def profiled(engine: Engine, prompt: list[int], tokens: int, draft: int, sequenc
             "families_us_per_step": dict(sorted(fams.items(), key=lambda kv: -kv[1])),
             "top_us_per_step": dict(sorted(names.items(), key=lambda kv: -kv[1])[:40]),
             "calls_per_step": {k: counts[k] / steps for k in sorted(names, key=lambda k: -names[k])[:40]},
-            "span_ms": (t1 - t0) / 1000, "tokens": out.tokens}
+            "span_ms": (t1 - t0) / 1000, "timeline": timeline, "tokens": out.tokens}
 
 
 def main() -> int:

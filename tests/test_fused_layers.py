@@ -239,15 +239,52 @@ def test_engine_quant_path_is_lossless(tmp_path):
     engine = Engine.load(path, drafter_dir, gemm="triton", attention="triton", **load)
     decoder = engine.decoder
     assert decoder.fused_target and decoder._plain_rows() == 1
-    # the drafter's GGUF layers take quant_forward too; its context rows keep the module path (no float weights)
-    assert all(layer.fused_rows == 16 and not layer.norms_folded for layer in decoder.drafter.layers)
-    assert decoder.drafter.context_fused_rows == 0
+    # the drafter's GGUF layers take quant_forward too, and its context rows the [k; v] rows of their blocks
+    drafter = decoder.drafter
+    assert all(layer.fused_rows == 16 and not layer.norms_folded for layer in drafter.layers)
+    assert drafter.context_fused_rows == 16 and len(drafter.context_kv_blocks) == len(drafter.layers)
     assert not any(getattr(m, "_compiled_call_impl", None) for m in decoder.target.modules())
     assert engine.generate(prompt, params, 0).tokens == ref
     if not ON_CUDA:
         decoder.graphs = InlineGraphs()
     assert engine.generate(prompt, params, 3).tokens == ref
     assert ON_CUDA or "step" in decoder.graphs.keys  # pipelined
+
+
+def test_drafter_context_projection_quantized(tmp_path):
+    """A GGUF drafter's context rows on the quantized path (fc, hidden_norm as one kernel, per layer one product of
+    the [k; v] rows of its fused q/k/v blocks, a view of them, and qkv_prep without query heads) write the keys and
+    values the module path writes, at the same rows only."""
+    from test_gguf import drafter_to_gguf
+
+    _, folder = _gguf_target(tmp_path, seed=12)
+    drafter_dir = build_drafter(tmp_path / "d", folder, block_size=4, seed=12)
+    _randomize_norms(drafter_dir)
+    path = drafter_to_gguf(drafter_dir, tmp_path / "d.gguf", "upstream", lambda name: "Q8_0")
+    load = dict(device=DEVICE, dtype=torch.float32, context_size=64)
+    quantized = Engine.load(folder, path, gemm="triton", attention="triton", **load).decoder.drafter
+    module_path = load_model(folder, path, **load).drafter
+    assert quantized.context_fused_rows == 16 and not quantized.context_kv
+    assert module_path.context_fused_rows == 0
+    for layer, project in zip(quantized.layers, quantized.context_kv_blocks):
+        attn = layer.self_attn
+        assert project.blocks.data_ptr() == attn.k_proj.blocks.data_ptr()  # k's rows, then v's: a view
+        assert project.out_features == attn.k_proj.out_features + attn.v_proj.out_features
+    g = torch.Generator().manual_seed(0)
+    taps = torch.randn(5, quantized.fc.in_features, generator=g).to(DEVICE)
+    positions = torch.tensor([9, 3, 4, 20, 11], device=DEVICE)
+    caches = []
+    for drafter in (quantized, module_path):
+        cache = drafter.new_cache(32)
+        for t in (*cache.k, *cache.v):
+            t.fill_(float("nan"))
+        drafter.add_context(taps, positions, cache)
+        caches.append(cache)
+    written = torch.zeros(32, dtype=torch.bool, device=DEVICE)
+    written[positions] = True
+    for quant, module in zip((*caches[0].k, *caches[0].v), (*caches[1].k, *caches[1].v)):
+        assert quant[:, ~written].isnan().all()
+        torch.testing.assert_close(quant[:, written], module[:, written], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="bitwise batch invariance is the GPU kernels' property")

@@ -269,13 +269,18 @@ class DecoderLM(nn.Module):
                 taps[i] = h
         if logits_row is not None:  # a [1] index on the device: a graphed pass's varies from replay to replay
             h = h.index_select(0, logits_row)
-        logits = self.logits(_norm_segments(self.model.norm, h, segment_rows))
+        logits = self.logits(_final_norm(self.model.norm, h, self.model.layers, segment_rows))
         tap_out = torch.cat([taps[i] for i in tap_ids], dim=-1) if tap_ids else None
         return logits, tap_out
 
 
-def _norm_segments(norm: nn.Module, h: torch.Tensor, segment_rows: list[int] | None) -> torch.Tensor:
-    """norm(h), over each segment's rows apart where segment_rows is given (more than one)."""
+def _final_norm(norm: RMSNorm, h: torch.Tensor, layers, segment_rows: list[int] | None = None) -> torch.Tensor:
+    """norm(h): one kernel that computes a row from that row alone (rms_norm_rows) where the layers take their
+    few-row path for h's rows, so a token's bits are the same in a verify block as alone, in one launch instead of
+    the module's seven; else the module, over each segment's rows apart where segment_rows is given (more than
+    one: a reduction kernel's tiling may follow the row count)."""
+    if h.shape[0] <= min(layer.fused_rows for layer in layers):
+        return rms_norm_rows(h, norm.weight, norm.eps)[1]
     if segment_rows is None or len(segment_rows) == 1:
         return norm(h)
     return torch.cat([norm(part) for part in h.split(segment_rows)])
@@ -294,6 +299,15 @@ def _merged(layers, rows: int, segments: list[tuple[AttentionSegment, KVCache]],
     if table is None:
         table = _segment_table([s.rows for s, _ in segments], [cache for _, cache in segments])
     return None if table is None else merge_segments([s for s, _ in segments], table)
+
+
+def _kv_rows(attn: Attention) -> QuantLinear | None:
+    """The [k; v] rows of an attention's fused q/k/v GGUF blocks as a projection of its own (a view: no memory
+    added), or None where q, k and v are not one QuantLinear."""
+    fused = attn.qkv_proj
+    if type(fused) is not QuantLinear:
+        return None
+    return QuantLinear(fused.blocks[attn.q_proj.out_features:], fused.qtype, fused.in_features, fused.dtype)
 
 
 def _in_window(taps: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -328,8 +342,10 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rope = RotaryEmbedding(c, max_positions)
         # prepare(), on the fused path: per layer, [k; v] context weights with hidden_norm's weight folded in, and
-        # bias; add_context calls of up to context_fused_rows rows take them
+        # bias; on the quantized path (GGUF layers), per layer, the [k; v] rows of its fused q/k/v blocks as one
+        # product; add_context calls of up to context_fused_rows rows take them
         self.context_kv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.context_kv_blocks: list[QuantLinear] = []
         self.context_fused_rows = 0
 
     @property
@@ -386,12 +402,22 @@ class DFlashDrafter(nn.Module):
         """Lay the loaded weights out for the plan (DecoderLayer.prepare), once. Where every layer takes the fused
         path, add_context calls of up to max_rows rows (a step's accepted tokens) go through two kernels per layer:
         a skinny GEMM of the fc output with the [k; v] weights, hidden_norm in it (its weight folded into theirs),
-        and qkv_prep with no query heads (k_norm, RoPE, both cache writes). The module path costs about 15 small
+        and qkv_prep with no query heads (k_norm, RoPE, both cache writes). Where every layer takes quant_forward
+        with q/k/v as one product (GGUF blocks of one type), the same two a layer after hidden_norm as one kernel:
+        the product of the [k; v] rows of its blocks (a view), and qkv_prep. The module path costs about 15 small
         kernels per layer there, most of the extra kernel time of a DFlash step over its two passes on an H200
         (docs/performance.md)."""
         for layer in self.layers:
             layer.prepare()
-        if self.context_fused_rows or not all(layer.norms_folded for layer in self.layers):
+        if self.context_fused_rows:
+            return
+        if all(layer.fused_rows and not layer.norms_folded for layer in self.layers):
+            projections = [_kv_rows(layer.self_attn) for layer in self.layers]
+            if all(p is not None for p in projections):
+                self.context_kv_blocks = projections
+                self.context_fused_rows = self.plan.max_rows
+            return
+        if not all(layer.norms_folded for layer in self.layers):
             return
         for layer in self.layers:
             attn = layer.self_attn
@@ -402,14 +428,20 @@ class DFlashDrafter(nn.Module):
         self.context_fused_rows = self.plan.max_rows
 
     def _add_context_fused(self, parts: list[tuple[torch.Tensor, torch.Tensor, KVCache]]) -> None:
-        """The fused context projection of (taps, positions, cache) parts: fc and each layer's [k; v] GEMM over all
-        their rows, each part's keys and values into its own cache (qkv_prep)."""
+        """The fused context projection of (taps, positions, cache) parts: fc and each layer's [k; v] GEMM (or
+        quantized product, after hidden_norm) over all their rows, each part's keys and values into its own cache
+        (qkv_prep)."""
         taps = parts[0][0] if len(parts) == 1 else torch.cat([taps for taps, _, _ in parts])
         fc_out = self.fc(taps)
+        if self.context_kv_blocks:
+            _, ctx = rms_norm_rows(fc_out, self.hidden_norm.weight, self.hidden_norm.eps)
+            kvs = (project(ctx) for project in self.context_kv_blocks)
+        else:
+            kvs = (skinny_linear(fc_out, weight, bias, rms_norm_eps=self.hidden_norm.eps)
+                   for weight, bias in self.context_kv)
         cos, sin = self.rope(parts[0][1] if len(parts) == 1 else torch.cat([p for _, p, _ in parts]))
         cache_rows = [cache.rows(positions) for _, positions, cache in parts]
-        for i, (layer, (weight, bias)) in enumerate(zip(self.layers, self.context_kv)):
-            kv = skinny_linear(fc_out, weight, bias, rms_norm_eps=self.hidden_norm.eps)
+        for i, (layer, kv) in enumerate(zip(self.layers, kvs)):
             at = 0
             for (part_taps, _, cache), rows in zip(parts, cache_rows):
                 span = slice(at, at + part_taps.shape[0])
@@ -430,7 +462,7 @@ class DFlashDrafter(nn.Module):
         h = block_embeds
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, cache.k[i], cache.v[i], rows, kv_len, mask)
-        return self.norm(h)
+        return _final_norm(self.norm, h, self.layers)
 
     def forward_segments(self, block_embeds: torch.Tensor, positions: torch.Tensor,
                          segments: list[tuple[KVCache, int, torch.Tensor | None]],
@@ -449,7 +481,7 @@ class DFlashDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             h = layer.segments_forward(h, cos, sin, [AttentionSegment(B, cache.k[i], cache.v[i], rows, kv_len, mask)
                                                      for cache, rows, mask, kv_len in parts], merged)
-        return _norm_segments(self.norm, h, [B] * len(segments))
+        return _final_norm(self.norm, h, self.layers, [B] * len(segments))
 
     def segment_table(self, segments: list[tuple[KVCache, int, torch.Tensor | None]]) -> torch.Tensor | None:
         """The segment table of forward_segments' segments (None where one launch cannot serve their caches)."""

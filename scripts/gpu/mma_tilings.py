@@ -52,7 +52,12 @@ SETS = {
     # the Q5_K Gemma-4-31B drafter (side_by_side.sh's default for a quantized target): its block pass's fused
     # q|k|v, o, gate|up and down (16 rows), and its context projection's fc and k/v (a step's accepted rows)
     "gemma-drafter-q5k": ("Q5_K", {"gate|up": (21504, 5376), "down": (5376, 10752), "q|k|v": (10240, 5376),
-                                   "o": (5376, 8192), "fc": (5376, 32256), "k/v": (1024, 5376)}),
+                                   "o": (5376, 8192), "fc": (5376, 32256), "k/v": (1024, 5376),
+                                   "k|v": (2048, 5376)}),
+    # a Q5_K drafter of Qwen3-8B's shape (side_by_side_gguf.py's for a Qwen3 target: 5 layers, 5 taps): its block
+    # pass's products and its context projection's fc and [k; v] rows (DFlashDrafter.context_kv_blocks)
+    "qwen-drafter-q5k": ("Q5_K", {"q|k|v": (6144, 4096), "o": (4096, 4096), "gate|up": (24576, 4096),
+                                  "down": (4096, 12288), "fc": (4096, 20480), "k|v": (2048, 4096)}),
 }
 
 

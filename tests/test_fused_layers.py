@@ -140,6 +140,26 @@ def test_engine_fused_path_is_lossless(tmp_path):
     assert ON_CUDA or "step" in decoder.graphs.keys  # pipelined
 
 
+def _assert_same_context_rows(drafter, module_path, tol: float) -> None:
+    """The same five context rows (taps at scattered positions) through both drafters' add_context: each writes the
+    same keys and values (within tol) at those cache rows and nothing elsewhere."""
+    g = torch.Generator().manual_seed(0)
+    taps = torch.randn(5, drafter.fc.in_features, generator=g).to(DEVICE)
+    positions = torch.tensor([9, 3, 4, 20, 11], device=DEVICE)
+    caches = []
+    for d in (drafter, module_path):
+        cache = d.new_cache(32)
+        for t in (*cache.k, *cache.v):
+            t.fill_(float("nan"))
+        d.add_context(taps, positions, cache)
+        caches.append(cache)
+    written = torch.zeros(32, dtype=torch.bool, device=DEVICE)
+    written[positions] = True
+    for rows, module in zip((*caches[0].k, *caches[0].v), (*caches[1].k, *caches[1].v)):
+        assert rows[:, ~written].isnan().all()
+        torch.testing.assert_close(rows[:, written], module[:, written], rtol=tol, atol=tol)
+
+
 def test_drafter_context_projection_fused(tmp_path):
     """A step's context rows through the drafter's fused projection (fc, then per layer one GEMM with hidden_norm
     folded into the [k; v] weights and qkv_prep without query heads) write the keys and values the module path
@@ -153,21 +173,7 @@ def test_drafter_context_projection_fused(tmp_path):
     fused = engine.decoder.drafter
     assert fused.context_fused_rows == 16 and len(fused.context_kv) == len(fused.layers)
     assert module_path.context_fused_rows == 0
-    g = torch.Generator().manual_seed(0)
-    taps = torch.randn(5, fused.fc.in_features, generator=g).to(DEVICE)
-    positions = torch.tensor([9, 3, 4, 20, 11], device=DEVICE)
-    caches = []
-    for drafter in (fused, module_path):
-        cache = drafter.new_cache(32)
-        for t in (*cache.k, *cache.v):
-            t.fill_(float("nan"))
-        drafter.add_context(taps, positions, cache)
-        caches.append(cache)
-    written = torch.zeros(32, dtype=torch.bool, device=DEVICE)
-    written[positions] = True
-    for fused, module in zip((*caches[0].k, *caches[0].v), (*caches[1].k, *caches[1].v)):
-        assert fused[:, ~written].isnan().all()
-        torch.testing.assert_close(fused[:, written], module[:, written], rtol=1e-5, atol=1e-5)
+    _assert_same_context_rows(fused, module_path, tol=1e-5)
 
 
 def test_engines_keep_the_plan_their_models_were_built_with(tmp_path):
@@ -270,21 +276,7 @@ def test_drafter_context_projection_quantized(tmp_path):
         attn = layer.self_attn
         assert project.blocks.data_ptr() == attn.k_proj.blocks.data_ptr()  # k's rows, then v's: a view
         assert project.out_features == attn.k_proj.out_features + attn.v_proj.out_features
-    g = torch.Generator().manual_seed(0)
-    taps = torch.randn(5, quantized.fc.in_features, generator=g).to(DEVICE)
-    positions = torch.tensor([9, 3, 4, 20, 11], device=DEVICE)
-    caches = []
-    for drafter in (quantized, module_path):
-        cache = drafter.new_cache(32)
-        for t in (*cache.k, *cache.v):
-            t.fill_(float("nan"))
-        drafter.add_context(taps, positions, cache)
-        caches.append(cache)
-    written = torch.zeros(32, dtype=torch.bool, device=DEVICE)
-    written[positions] = True
-    for quant, module in zip((*caches[0].k, *caches[0].v), (*caches[1].k, *caches[1].v)):
-        assert quant[:, ~written].isnan().all()
-        torch.testing.assert_close(quant[:, written], module[:, written], rtol=1e-4, atol=1e-4)
+    _assert_same_context_rows(quantized, module_path, tol=1e-4)
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="bitwise batch invariance is the GPU kernels' property")

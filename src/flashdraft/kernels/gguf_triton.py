@@ -6,9 +6,10 @@ BLOCK_N output features of one BLOCK_M = 16 row tile and one fixed K range. Per 
 a [BLOCK_N, BLOCK_K] weight tile once, decodes it to float32 (the formulas of flashdraft.quant.dequant), casts it
 to the activation dtype and multiplies with tl.dot, accumulating in fp32. The weights are decoded per element on
 the 2-D tile (`_decode_tile_2d`: each element finds its own quant bits and scales, repeated loads served by L1);
-the prefill's dequantized copy (`dequantize`) uses the same formulas (Q4_K / Q5_K: read as the packed decode reads
-them, `_dequantize_q45_kernel`). Q6_K weights come as QuantLinear keeps them, in
-lane order (Q6_K_LANES, flashdraft.quant.q6k_lanes): the GGUF byte offsets below go through _lane_ql / _lane_qh.
+the prefill's dequantized copy (`dequantize`) uses the same formulas (Q4_K / Q5_K and lane-order Q6_K read as the
+packed decode reads them: `_dequantize_q45_kernel`, `_dequantize_q6_kernel`). Q6_K weights come as QuantLinear keeps
+them, in lane order (Q6_K_LANES, flashdraft.quant.q6k_lanes): the GGUF byte offsets below go through _lane_ql /
+_lane_qh.
 
 The K-quants' matmul has its own formulation, QuantConfig.packed (`_quant_matmul_packed_kernel`), which works a
 super-block (256 weights) at a time and reads the quant bytes as packed words: per super-block and row, the header once

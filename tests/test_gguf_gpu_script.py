@@ -240,3 +240,26 @@ def test_ablation_variants_fit_the_kernel():
     proc = subprocess.run([sys.executable, "-c", ABLATE_CHECK, str(ROOT / "scripts" / "gpu")], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+PROFILE_CHECK = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import gguf_profile as gp
+
+spans = [(0.0, 5.0), (3.0, 8.0), (10.0, 12.0), (11.0, 11.5), (11.0, 14.0)]
+assert gp.exclusive_us(spans) == [5.0, 3.0, 2.0, 0.0, 2.0], gp.exclusive_us(spans)
+assert gp.busy_us(list(reversed(spans))) == 12.0
+print("OK")
+"""
+
+
+@pytest.mark.skipif(not _has_triton(), reason="the scripts import the Triton kernels (run under the interpreter)")
+def test_profile_scripts_count_an_overlap_once():
+    """gguf_profile.py / dflash_profile.py's attribution: a kernel launched while the one before it runs (a
+    programmatic launch waiting for it) owns only the time past that one's end, and the GPU's busy time counts an
+    overlap once."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", PROFILE_CHECK, str(ROOT / "scripts" / "gpu")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -21,36 +21,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gguf_profile import family  # noqa: E402
+from gguf_profile import busy_us, exclusive_us, family  # noqa: E402
 from side_by_side_gguf import build_drafter, context_for, decode_tok_s, prompt_of  # noqa: E402
 
 from flashdraft.bench.oracle import PlantedOracle  # noqa: E402
 from flashdraft.config import SamplingParams  # noqa: E402
 from flashdraft.engine.generator import Engine  # noqa: E402
-
-
-def busy_us(intervals: list[tuple[float, float]]) -> float:
-    """The length of the union of [start, end) intervals."""
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(intervals):
-        if s > end:
-            total += e - s
-            end = e
-        elif e > end:
-            total += e - end
-            end = e
-    return total
-
-
-def exclusive_us(spans: list[tuple[float, float]]) -> list[float]:
-    """Each interval's time not covered by intervals that started before it (spans sorted by start): with
-    programmatic launches a kernel starts while its predecessor runs and waits for it, so that time is the
-    predecessor's."""
-    out, covered = [], float("-inf")
-    for s, e in spans:
-        out.append(max(0.0, e - max(s, covered)))
-        covered = max(covered, e)
-    return out
 
 
 def profiled(engine: Engine, prompt: list[int], tokens: int, draft: int, sequence) -> dict:

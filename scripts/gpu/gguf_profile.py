@@ -1,6 +1,7 @@
 """Where the Q4_K_S-shaped Gemma-4-31B's decode step spends its time (issue #18, item 2): per-kernel CUDA time of
 one plain step (T = 1), one verify step (T = 16) and one pass of the Q5_K drafter (its DFlash step's draft), eager
-(no graphs, so every kernel is its own record), grouped by kernel family, next to the graphed passes' wall time
+(no graphs, so every kernel is its own record; each kernel's own time: a programmatic launch's wait on the kernel
+before it is that kernel's), grouped by kernel family, next to the graphed passes' wall time
 and the eager passes' own (a wall time well above the kernel time: the host is the bound);
 and a 512-token prefill pass (eager), where pp512 reached half of its prediction with the dequantized copy
 (docs/performance.md).
@@ -30,6 +31,22 @@ FAMILIES = (("k-quant mma", ("kq_mma",)), ("compiled layer ops", ("triton_poi", 
             ("norm", ("norm", "rms")), ("gemm (float)", ("gemm", "gemv", "nvjet", "cutlass", "sm90")),
             ("copy / cat / index", ("copy", "cat", "index", "gather", "scatter")),
             ("elementwise", ("elementwise", "vectorized", "unrolled", "reduce")))
+
+
+def exclusive_us(spans: list[tuple[float, float]]) -> list[float]:
+    """Each interval's time not covered by intervals that started before it (spans sorted by start): with
+    programmatic launches a kernel starts while its predecessor runs and waits for it, so that time is the
+    predecessor's."""
+    out, covered = [], float("-inf")
+    for s, e in spans:
+        out.append(max(0.0, e - max(s, covered)))
+        covered = max(covered, e)
+    return out
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of [start, end) intervals."""
+    return sum(exclusive_us(sorted(intervals)))
 
 
 def family(name: str) -> str:
@@ -106,12 +123,13 @@ def main() -> int:
             fams: dict = defaultdict(float)
             names: dict = defaultdict(float)
             counts: dict = defaultdict(int)
-            for ev in prof.events():
-                if ev.device_type == torch.autograd.DeviceType.CUDA:
-                    us = ev.device_time_total / 3
-                    fams[family(ev.name)] += us
-                    names[ev.name[:90]] += us
-                    counts[family(ev.name)] += 1
+            kernels = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                             key=lambda ev: ev.time_range.start)
+            own = exclusive_us([(ev.time_range.start, ev.time_range.end) for ev in kernels])
+            for ev, us in zip(kernels, own):  # each kernel's own time (a programmatic launch's wait is not)
+                fams[family(ev.name)] += us / 3
+                names[ev.name[:90]] += us / 3
+                counts[family(ev.name)] += 1
             total = sum(fams.values())
             print(f"eager {name}: kernel time {total / 1000:.2f} ms in {sum(counts.values()) // 3} kernels",
                   flush=True)
@@ -120,9 +138,10 @@ def main() -> int:
             print("  top kernels:", flush=True)
             for kernel, us in sorted(names.items(), key=lambda kv: -kv[1])[:14]:
                 print(f"    {us / 1000:7.3f} ms  {kernel}", flush=True)
+            top = sorted(names.items(), key=lambda kv: -kv[1])[:30]
             result[f"eager {name}"] = {"kernel_ms": total / 1000, "families_ms": {k: v / 1000 for k, v in fams.items()},
                                          "kernels": {k: v // 3 for k, v in counts.items()},
-                                         "top": {k: v / 1000 for k, v in sorted(names.items(), key=lambda kv: -kv[1])[:30]}}
+                                         "top": {k: v / 1000 for k, v in top}}
         del engine, seq
         torch.cuda.empty_cache()
     (out / "gguf_profile.json").write_text(json.dumps(result, indent=2))

@@ -38,7 +38,7 @@ def profiled(engine: Engine, prompt: list[int], tokens: int, draft: int, sequenc
         torch.cuda.synchronize()
     kernels = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
     kernels.sort(key=lambda ev: ev.time_range.start)
-    # the decode window: after the prefill's last long kernel run; the prefill is the first prompt_ms of the run
+    # the decode window: the last predicted_ms of the kernels' span (the decode phase ends the run)
     spans = [(ev.time_range.start, ev.time_range.end) for ev in kernels]
     t0, t1 = spans[0][0], max(e for _, e in spans)
     decode_from = t1 - out.stats.predicted_ms * 1000

@@ -37,6 +37,7 @@ from gguf_run import bench_ms, copies_for, random_blocks  # noqa: E402
 from mma_tilings import SETS  # noqa: E402
 
 from flashdraft.quant import mma_kernels  # noqa: E402
+from flashdraft.quant.formats import row_bytes  # noqa: E402
 
 HELPERS = """
 __device__ __forceinline__ void skip_mma(float (&d)[4], u32, u32, u32, u32, u32, u32) {}
@@ -91,7 +92,7 @@ def main() -> int:
                 break
             tilings = mma_kernels.tilings_for(qtype, n, k)
             ws = [random_blocks(qtype, n, k, gen, dev)
-                  for _ in range(copies_for(n * k // 256 * mma_kernels.BLOCK_BYTES[qtype], False))]
+                  for _ in range(copies_for(n * row_bytes(qtype, k), False))]
             x = torch.randn(16, k, device=dev, dtype=torch.bfloat16, generator=gen)
             base = None
             for name, source in sources.items():

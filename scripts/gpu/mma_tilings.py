@@ -27,6 +27,7 @@ from gguf_run import bench_ms, copies_for, random_blocks, rel_err  # noqa: E402
 
 from flashdraft.kernels import gguf_triton  # noqa: E402
 from flashdraft.quant import dequantize, mma_kernels  # noqa: E402
+from flashdraft.quant.formats import row_bytes  # noqa: E402
 from flashdraft.quant.mma_kernels import MmaTiling  # noqa: E402
 
 STAGES = (3, 4)  # shared-memory ring depths tried beside the direct loads
@@ -85,7 +86,7 @@ def main() -> int:
             break
         nsb = k // 256
         ws = [random_blocks(qtype, n, k, gen, dev)
-              for _ in range(copies_for(n * nsb * mma_kernels.BLOCK_BYTES[qtype], False))]
+              for _ in range(copies_for(n * row_bytes(qtype, k), False))]
         x = torch.randn(16, k, device=dev, dtype=torch.bfloat16, generator=gen)
         ref = x.double() @ dequantize(ws[0], qtype).double().T
         default = mma_kernels.default_tiling(n, k)

@@ -44,6 +44,9 @@ __device__ __forceinline__ void skip_mma(float (&d)[4], u32, u32, u32, u32, u32,
 __device__ __forceinline__ void xor_mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     d[0] = __uint_as_float(__float_as_uint(d[0]) ^ a0 ^ a1 ^ a2 ^ a3 ^ b0 ^ b1);
 }
+__device__ __forceinline__ void skip_mma_c(float (&d)[4], u32, u32, u32, u32, u32, u32, const float (&c)[4]) {
+    for (int i = 0; i < 4; ++i) d[i] = c[i];
+}
 __device__ __forceinline__ void xor_mma_c(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1,
                                           const float (&c)[4]) {
     for (int i = 0; i < 4; ++i) d[i] = c[i];
@@ -53,7 +56,8 @@ __device__ __forceinline__ void xor_mma_c(float (&d)[4], u32 a0, u32 a1, u32 a2,
 # variant -> (old text, new text, times it occurs in kquant_mma.cu)
 VARIANTS = {
     "as is": [],
-    "x sums": [("mma_bf16_16816(ones,", "skip_mma(ones,", 1), ("mma_bf16_16816(offs[nt],", "skip_mma(offs[nt],", 1)],
+    "x sums": [("mma_bf16_16816(ones,", "skip_mma(ones,", 1),
+               ("mma_bf16_16816_c(offs[nt],", "skip_mma_c(offs[nt],", 1)],
     "group scales": [("tot[r][nt][i] = fmaf(acc[nt][i], dl[i >> 1], tot[r][nt][i]);",
                       "tot[r][nt][i] += acc[nt][i];", 1),
                      ("tot[r][nt][i] = fmaf(dl[i >> 1], acc[i], tot[r][nt][i]);", "tot[r][nt][i] += acc[i];", 1)],

@@ -44,18 +44,27 @@ __device__ __forceinline__ void skip_mma(float (&d)[4], u32, u32, u32, u32, u32,
 __device__ __forceinline__ void xor_mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     d[0] = __uint_as_float(__float_as_uint(d[0]) ^ a0 ^ a1 ^ a2 ^ a3 ^ b0 ^ b1);
 }
+__device__ __forceinline__ void skip_mma_c(float (&d)[4], u32, u32, u32, u32, u32, u32, const float (&c)[4]) {
+    for (int i = 0; i < 4; ++i) d[i] = c[i];
+}
+__device__ __forceinline__ void xor_mma_c(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1,
+                                          const float (&c)[4]) {
+    for (int i = 0; i < 4; ++i) d[i] = c[i];
+    xor_mma(d, a0, a1, a2, a3, b0, b1);
+}
 """
 # variant -> (old text, new text, times it occurs in kquant_mma.cu)
 VARIANTS = {
     "as is": [],
-    "x sums": [("mma_bf16_16816(ones,", "skip_mma(ones,", 2)],
+    "x sums": [("mma_bf16_16816(ones,", "skip_mma(ones,", 1),
+               ("mma_bf16_16816_c(offs[nt],", "skip_mma_c(offs[nt],", 1)],
     "group scales": [("tot[r][nt][i] = fmaf(acc[nt][i], dl[i >> 1], tot[r][nt][i]);",
                       "tot[r][nt][i] += acc[nt][i];", 1),
-                     ("tot[r][nt][i] = fmaf(dl[i >> 1], fmaf(-160.0f, xs[nt][i & 1], acc[i]), tot[r][nt][i]);",
-                      "tot[r][nt][i] += acc[i];", 1)],
+                     ("tot[r][nt][i] = fmaf(dl[i >> 1], acc[i], tot[r][nt][i]);", "tot[r][nt][i] += acc[i];", 1)],
     "super-block correction": [("mma_bf16_16816(cm,", "skip_mma(cm,", 2), ("mma_bf16_16816(cs,", "skip_mma(cs,", 2),
                                ("xs3[nt][part] = transpose8x8(xs3[nt][part]);", ";", 1)],
-    "weight MMAs": [("mma_bf16_16816(acc[nt],", "xor_mma(acc[nt],", 1), ("mma_bf16_16816(acc, ", "xor_mma(acc, ", 1)],
+    "weight MMAs": [("mma_bf16_16816(acc[nt],", "xor_mma(acc[nt],", 1),
+                    ("mma_bf16_16816_c(acc, ", "xor_mma_c(acc, ", 1)],
 }
 DEFAULT_SETS = "qwen-q4k-fused,qwen-q6k,gemma-q4k-fused"
 

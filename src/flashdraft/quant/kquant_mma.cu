@@ -33,10 +33,11 @@
 //
 // Q6_K (its own part of the kernel): weights d sc q - 32 d sc with a signed scale per 16 weights and no minimum, so
 // one MMA k-step is one 16-weight group: lane c holds the group's positions 4c .. 4c + 3, 128 + q is again exact in
-// bf16 (q < 64) and the group adds d sc (s - 160 sum(x)). The weights come in lane order (Q6_K_LANES,
-// flashdraft.quant.q6k_lanes: GGUF's 210-byte blocks are only 2-byte aligned): per super-block and row, lane c's
-// low-nibble, high-nibble and high-bit words are three aligned 16-byte loads, the scales a fourth, and d a 16-bit
-// load from the row's end. No shared-memory ring for it (yet).
+// bf16 (q < 64) and the group adds d sc (s - 160 sum(x)), the -160 sum(x) as the C of the weights' MMAs (an MMA
+// of x with an A of -160s gives it in their C layout, so a group's scale is one fma a sum). The weights come in lane
+// order (Q6_K_LANES, flashdraft.quant.q6k_lanes: GGUF's 210-byte blocks are only 2-byte aligned): per super-block
+// and row, lane c's low-nibble, high-nibble and high-bit words are three aligned 16-byte loads, the scales a
+// fourth, and d a 16-bit load from the row's end. No shared-memory ring for it (yet).
 //
 // Batch invariance: a token's output depends only on its own x row and the fixed K ranges; the NT = 1 and NT = 2
 // builds run the same instructions for tokens 0-7 (the second 8-token tile is separate MMAs), so rows are bitwise
@@ -110,6 +111,16 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], u32 a0, u32 a1, u3
         "{%0,%1,%2,%3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// d = A B + c with c left as it is (one C fragment added to several products without copies)
+__device__ __forceinline__ void mma_bf16_16816_c(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1,
+                                                 const float (&c)[4]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%11,%12,%13};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 }
 
 // griddepcontrol (the header's last paragraph): wait for the kernels before this one, and let the next one launch
@@ -312,14 +323,15 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
                 for (int gg = 0; gg < 2; ++gg) {  // one MMA k-step: the 16 weights of group 8n + 2qq + gg
                     const int grp = 8 * n + 2 * qq + gg;
                     uint2 xv[NT];
-                    float xs[NT][2];  // sum(x) over the group for tokens 8nt + 2c + i
+                    // -160 sum(x) over the group (products exact, fp32 sums) for tokens 8nt + 2c + (i & 1), in the
+                    // C layout of the weights' MMAs (A all -160: every row alike), which add it as their C
+                    float offs[NT][4];
+                    const float zeros[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) {
                         xv[nt] = xok[nt] ? __ldg((const uint2 *)(xrow[nt] + sb * 256 + 16 * grp)) : make_uint2(0, 0);
-                        float ones[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                        mma_bf16_16816(ones, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u, xv[nt].x, xv[nt].y);
-                        xs[nt][0] = ones[0];
-                        xs[nt][1] = ones[1];
+                        mma_bf16_16816_c(offs[nt], 0xC320C320u, 0xC320C320u, 0xC320C320u, 0xC320C320u, xv[nt].x,
+                                         xv[nt].y, zeros);
                     }
 #pragma unroll
                     for (int r = 0; r < R_TILES; ++r) {
@@ -334,14 +346,14 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
                         }
 #pragma unroll
                         for (int nt = 0; nt < NT; ++nt) {
-                            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                            mma_bf16_16816(acc, __byte_perm(t[0], bf16_128, 0x4140),
-                                           __byte_perm(t[1], bf16_128, 0x4140),
-                                           __byte_perm(t[0], bf16_128, 0x4342),
-                                           __byte_perm(t[1], bf16_128, 0x4342), xv[nt].x, xv[nt].y);
+                            float acc[4];  // sum(x (128 + q)) - 160 sum(x) = sum(x (q - 32))
+                            mma_bf16_16816_c(acc, __byte_perm(t[0], bf16_128, 0x4140),
+                                             __byte_perm(t[1], bf16_128, 0x4140),
+                                             __byte_perm(t[0], bf16_128, 0x4342),
+                                             __byte_perm(t[1], bf16_128, 0x4342), xv[nt].x, xv[nt].y, offs[nt]);
 #pragma unroll
-                            for (int i = 0; i < 4; ++i)  // d sc sum(x (128 + q - 160)) = d sc sum(x (q - 32))
-                                tot[r][nt][i] = fmaf(dl[i >> 1], fmaf(-160.0f, xs[nt][i & 1], acc[i]), tot[r][nt][i]);
+                            for (int i = 0; i < 4; ++i)  // d sc sum(x (q - 32))
+                                tot[r][nt][i] = fmaf(dl[i >> 1], acc[i], tot[r][nt][i]);
                         }
                     }
                 }

@@ -105,6 +105,13 @@ TILINGS: dict[tuple[str, int, int], tuple[MmaTiling, MmaTiling]] = {
     ("Q6_K_LANES", 4096, 12288): (MmaTiling(1, 4, 6, 1), MmaTiling(1, 2, 6, 6)),   # down: 20.5 / 33.4 (51.8)
     ("Q6_K_LANES", 1024, 4096): (MmaTiling(1, 2, 4, 1), MmaTiling(1, 4, 4, 1)),    # v: 6.3 / 12.2 (24.0)
     ("Q6_K_LANES", 262144, 5376): (MmaTiling(1, 2, 1, 6), MmaTiling(2, 2, 1, 6)),  # Gemma's: 440.1 / 683.2 (765.1)
+    # a Q5_K drafter of Qwen3-8B's shape: the same sweep on an H100, 2026-12-06 (docs/perf/h100-2026-12-06d)
+    ("Q5_K", 6144, 4096): (MmaTiling(1, 2, 4, 1), MmaTiling(1, 2, 4, 6)),         # drafter q|k|v: 11.3 / 17.4 (36.6)
+    ("Q5_K", 4096, 4096): (MmaTiling(1, 2, 4, 1), MmaTiling(1, 4, 4, 1)),         # drafter o: 9.7 / 14.3 (30.5)
+    ("Q5_K", 24576, 4096): (MmaTiling(1, 2, 1, 1), MmaTiling(1, 2, 1, 6)),        # drafter gate|up: 32.5 / 43.0 (71.1)
+    ("Q5_K", 4096, 12288): (MmaTiling(1, 2, 6, 1), MmaTiling(1, 2, 6, 6)),        # drafter down: 19.4 / 29.0 (44.3)
+    ("Q5_K", 4096, 20480): (MmaTiling(1, 2, 4, 1, 3), MmaTiling(1, 4, 4, 1, 3)),  # drafter fc: 30.2 / 41.9 (60.6)
+    ("Q5_K", 2048, 4096): (MmaTiling(1, 2, 4, 1, 4), MmaTiling(1, 2, 4, 6)),      # drafter k|v: 6.8 / 12.8 (25.1)
 }
 MAX_SPLIT = 16
 # Launched as a programmatic dependent (kernels.programmatic), a product prefetches into L2 up to this many bytes

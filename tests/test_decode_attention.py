@@ -294,36 +294,49 @@ def _gemma4_decode(model, ids, block):
     return torch.cat(parts)
 
 
-def test_gemma4_routes_to_the_kernel(tmp_path):
+@pytest.mark.parametrize("fused", [False, True], ids=["modules", "fused-qkv"])
+def test_gemma4_routes_to_the_kernel(tmp_path, fused):
     """Gemma 4's sliding (ring read in place) and full layers take decode_attention for few-row passes, with the
-    logits of the SDPA path; longer passes stay on SDPA."""
+    logits of the SDPA path; longer passes stay on SDPA. With q/k/v as one projection (the GPU's plan), the
+    few-row passes' norms, RoPE and cache writes are one qkv_prep launch a layer, with the same logits."""
     from test_gemma4_target import LONG, WINDOW
     from test_gemma4_tiny import build_gemma4_target
 
     from flashdraft.layers import LayerPlan
+    from flashdraft.layers import qkv_prep as qp
     from flashdraft.models import load_target
 
+    interpret_without_gpu("flashdraft.kernels.qkv_prep_triton", qp._kernels)
     folder, _ = build_gemma4_target(tmp_path, window=WINDOW)
     sdpa = load_target(folder, 0, device=DEVICE, dtype=torch.float32)
-    routed = load_target(folder, 0, device=DEVICE, dtype=torch.float32, plan=LayerPlan(attention="triton"))
+    routed = load_target(folder, 0, device=DEVICE, dtype=torch.float32,
+                         plan=LayerPlan(attention="triton", fuse_projections=fused))
+    routed.prepare()
     assert all(layer.self_attn.attention_rows == 16 for layer in routed.model.layers)
     ids = torch.randint(0, routed.config.vocab_size, (LONG,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    calls = []
-    real = da.launch
+    calls, preps = [], []
+    real, real_prep = da.launch, qp.launch
     da.launch = lambda *a, **kw: calls.append(a[0].shape[1]) or real(*a, **kw)
+    qp.launch = lambda *a, **kw: preps.append((a[0].shape[0], kw["value_is_key"], kw["wrap"])) or real_prep(*a, **kw)
     try:
         got = _gemma4_decode(routed, ids, 7)
     finally:
-        da.launch = real
+        da.launch, qp.launch = real, real_prep
     assert (got - _gemma4_decode(sdpa, ids, 7)).abs().max().item() < 1e-4
     assert set(calls) == {7, (LONG - 20) % 7 or 7}  # the 20-token prefill went to SDPA (more than max_t rows)
+    # one launch a layer and few-row pass: sliding layers write a ring with their own values, full layers' values
+    # are their keys (attention_k_eq_v in the tiny model)
+    kinds = [(not layer.self_attn.sliding, layer.self_attn.sliding) for layer in routed.model.layers]
+    assert preps == ([(T, *kind) for T in [7] * ((LONG - 20) // 7) + [(LONG - 20) % 7] * bool((LONG - 20) % 7)
+                      for kind in kinds] if fused else [])
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="bitwise batch invariance is the GPU kernels' property")
-def test_gemma4_target_rows_are_bitwise_independent_of_the_block(tmp_path):
+@pytest.mark.parametrize("fused", [False, True], ids=["modules", "fused-qkv"])
+def test_gemma4_target_rows_are_bitwise_independent_of_the_block(tmp_path, fused):
     """What lossless greedy DFlash rests on for Gemma 4: a token's logits are the same bits verified inside a
     16-token block as decoded alone, in bf16 with the engine's CUDA settings (Triton GEMMs and attention, compiled
-    layers)."""
+    layers; fused: q/k/v as one projection, the few-row passes through qkv_prep)."""
     from test_gemma4_target import WINDOW
     from test_gemma4_tiny import build_gemma4_target
 
@@ -333,7 +346,8 @@ def test_gemma4_target_rows_are_bitwise_independent_of_the_block(tmp_path):
 
     folder, _ = build_gemma4_target(tmp_path, window=WINDOW)
     model = load_target(folder, 0, device="cuda", dtype=torch.bfloat16,
-                        plan=LayerPlan(gemm="triton", attention="triton"))
+                        plan=LayerPlan(gemm="triton", attention="triton", fuse_projections=fused))
+    model.prepare()
     compile_layers(model)
     vocab, start = model.config.vocab_size, 3 * WINDOW + 5  # past the window and around the ring
     ids = torch.randint(0, vocab, (start + 16,), generator=torch.Generator().manual_seed(2)).cuda()

@@ -371,11 +371,13 @@ def test_gemma_drafter_gguf_loads_as_safetensors(tmp_path, dense_dir, tok_dir, d
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
-@pytest.mark.parametrize("layout,fuse", [("dense", False), ("moe", False), ("dense", True)])
-def test_gemma4_gguf_target_and_drafter_decode_losslessly(request, tmp_path, tok_dir, layout, fuse):
+@pytest.mark.parametrize("layout,fuse,attention", [("dense", False, "sdpa"), ("moe", False, "sdpa"),
+                                                   ("dense", True, "sdpa"), ("dense", True, "triton")])
+def test_gemma4_gguf_target_and_drafter_decode_losslessly(request, tmp_path, tok_dir, layout, fuse, attention):
     """Q8_0 target and drafter; guesses partly replaced by the target's own tokens so that every acceptance
     length, and so every rollback depth, occurs, past both windows and the target's ring. fuse: both built with
-    the GPU's fused projections (one q/k/v and one gate/up product per layer)."""
+    the GPU's fused projections (one q/k/v and one gate/up product per layer); attention "triton": also the GPU's
+    few-row attention (decode_attention), the target's norms, RoPE and cache writes then one qkv_prep a layer."""
     from flashdraft.engine.generator import MAX_BLOCK_SIZE
     from flashdraft.layers.plan import LayerPlan
 
@@ -383,11 +385,17 @@ def test_gemma4_gguf_target_and_drafter_decode_losslessly(request, tmp_path, tok
     drafter = build_gemma_drafter(tmp_path / "src", folder, window=DRAFT_WINDOW, block_size=6, seed=9)
     files = (gemma4_to_gguf(folder, tok_dir, tmp_path / "t.gguf", q8_0),
              gemma_drafter_to_gguf(drafter, tmp_path / "d.gguf", "legacy", lambda n: "Q8_0"))
+    if attention == "triton":
+        pytest.importorskip("triton")
+        from triton_interpreter import interpret_layer_kernels
+        interpret_layer_kernels()
     if fuse:
         loaded = load_model(*files, device="cpu", context_size=256, overhang=MAX_BLOCK_SIZE,
-                            plan=LayerPlan(fuse_projections=True))
+                            plan=LayerPlan(attention=attention, fuse_projections=True))
         engine = Engine(loaded.target, loaded.tokenizer, loaded.drafter, loaded.context_size)
         assert all(layer.mlp.gate_up_proj is not None for layer in engine.decoder.target.model.layers)
+        assert all((layer.self_attn.prep_rows > 0) == (attention == "triton")
+                   for layer in engine.decoder.target.model.layers)
     else:
         engine = Engine.load(*files, device="cpu", context_size=256)
     assert isinstance(engine.decoder.drafter.fc, QuantLinear)

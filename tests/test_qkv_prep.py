@@ -238,3 +238,65 @@ def test_one_launch_writes_each_rows_own_sequences_caches():
     with pytest.raises(ValueError, match="cache_offsets"):
         qp.qkv_prep_segments(cache_k=pool["merged"][0][0], cache_v=pool["merged"][1][0],
                              cache_offsets=torch.tensor(offsets[:-1], device=DEVICE), **args)
+
+
+def _gemma_module_path(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight,
+                       eps, value_is_key, wrap):
+    """What Gemma4Attention.forward does before attention when it does not take qkv_prep: Gemma4RMSNorm on the
+    query and key heads (and, without a weight, on the values), apply_rope, index_copy_ at position % ring on a
+    sliding layer."""
+    from flashdraft.models.gemma4.model import Gemma4RMSNorm, apply_rope
+
+    hd = cos.shape[1]
+    T = qkv.shape[0]
+    norms = [Gemma4RMSNorm(hd, eps).to(DEVICE) for _ in range(2)]
+    for norm, weight in zip(norms, (q_norm_weight, k_norm_weight)):
+        norm.weight = torch.nn.Parameter(weight, requires_grad=False)
+    parts = qkv.split([n_heads * hd, n_kv * hd] + [n_kv * hd] * (not value_is_key), dim=-1)
+    raw_k = parts[1].view(T, n_kv, hd)
+    v = Gemma4RMSNorm(hd, eps, with_weight=False)(raw_k if value_is_key else parts[2].view(T, n_kv, hd))
+    rows = positions % cache_k.shape[1] if wrap else positions
+    cache_k.index_copy_(1, rows, apply_rope(norms[1](raw_k), cos, sin).transpose(0, 1))
+    cache_v.index_copy_(1, rows, v.transpose(0, 1))
+    return apply_rope(norms[0](parts[0].view(T, n_heads, hd)), cos, sin)
+
+
+def _mostly_same_bits(out, ref):
+    """Close, and bitwise equal but for rare last-place differences: the kernel's rsqrt and its order of the mean
+    of squares against torch's pow(..., -0.5) and reduction. Rounding at another step (the weight product after
+    a rounding, as Qwen3's norm does) changes far more elements."""
+    torch.testing.assert_close(out, ref)
+    assert (out != ref).float().mean().item() < 0.01
+
+
+# (T, head_dim, value_is_key, wrap): Gemma 4's sliding layers (their own value heads, a ring) and full layers
+# (values from the keys, rows at their positions), 512-wide heads included
+GEMMA_CASES = [(3, 32, False, True), (2, 64, True, False), (1, 512, True, False), (2, 256, False, True)]
+
+
+@pytest.mark.parametrize("T,hd,value_is_key,wrap", GEMMA_CASES)
+def test_gemma_matches_the_module_path(T, hd, value_is_key, wrap):
+    """gemma=True: queries and cache rows as Gemma4Attention's module path gives them; value_is_key reads no value
+    heads; wrap writes position % capacity (positions past the ring here); no other cache row is touched."""
+    args = _inputs(T, 4, 2, hd, torch.bfloat16, True, seed=T * hd + wrap)
+    if value_is_key:
+        args["qkv"] = args["qkv"][:, :6 * hd].contiguous()
+    if wrap:
+        args["positions"] = args["positions"] + 2 * CAPACITY
+    cache_k, cache_v = _caches(2, hd, torch.bfloat16)
+    ref_k, ref_v = _caches(2, hd, torch.bfloat16)
+    q = qp.qkv_prep(**args, cache_k=cache_k, cache_v=cache_v, gemma=True, value_is_key=value_is_key, wrap=wrap)
+    ref_q = _gemma_module_path(**args, cache_k=ref_k, cache_v=ref_v, value_is_key=value_is_key, wrap=wrap)
+    assert q.shape == (T, 4, hd)
+    for out, ref in ((q, ref_q), (cache_k, ref_k), (cache_v, ref_v)):
+        _mostly_same_bits(out, ref)
+    written = args["positions"] % CAPACITY
+    assert not (cache_k[:, written] == UNWRITTEN).any() and (cache_k == UNWRITTEN).sum() == 2 * (CAPACITY - T) * hd
+    if not value_is_key:  # the values are normalized, not copied
+        assert not torch.equal(cache_v[:, written], args["qkv"][:, 6 * hd:].unflatten(-1, (2, hd)).transpose(0, 1))
+    with pytest.raises(ValueError, match="qkv width"):
+        qp.qkv_prep(**{**args, "qkv": args["qkv"][:, :-1]}, cache_k=cache_k, cache_v=cache_v, gemma=True,
+                    value_is_key=value_is_key, wrap=wrap)
+    with pytest.raises(ValueError, match="gemma=True needs"):
+        qp.qkv_prep(**{**args, "q_norm_weight": None, "k_norm_weight": None}, cache_k=cache_k, cache_v=cache_v,
+                    gemma=True, value_is_key=value_is_key, wrap=wrap)

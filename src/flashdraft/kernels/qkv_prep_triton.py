@@ -16,6 +16,12 @@ rounds exactly as torch's bf16/fp16 op does. The launcher switches off FMA contr
 and a sum into one rounding that the eager path does not make (the float32 case's RoPE, the mean of squares).
 Only the mean of squares can differ in its last bits: its summation order is this kernel's own (and on the GPU
 its rsqrt is the hardware approximation, as torch's is).
+
+GEMMA: Gemma 4's attention (models.gemma4.model): its RMSNorm multiplies by the weight in float32 and rounds once
+(weight * x * rsqrt(...), not weight * round(x * rsqrt(...))), and the values are RMS-normalized without a weight
+(v_norm) before they are stored. V_IS_K: the row holds no value heads; value head j is key head j before its norm
+and RoPE (Gemma 4's full layers, attention_k_eq_v). WRAP: the cache is a ring, row = position % capacity (Gemma
+4's sliding layers).
 """
 import triton
 import triton.language as tl
@@ -28,6 +34,7 @@ def qkv_prep_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_norm_ptr, k_norm_ptr, 
                     offsets_ptr, stride_qkv, stride_cos, stride_sin, stride_kh, stride_kn, stride_vh, stride_vn,
                     capacity, eps, N_HEADS: tl.constexpr, N_KV: tl.constexpr, D: tl.constexpr,
                     HAS_NORM: tl.constexpr, EMULATE: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+                    GEMMA: tl.constexpr = False, V_IS_K: tl.constexpr = False, WRAP: tl.constexpr = False,
                     PDL: tl.constexpr = False):
     start_programmatic(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -39,6 +46,8 @@ def qkv_prep_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_norm_ptr, k_norm_ptr, 
     head = qkv_ptr + t * stride_qkv + slot * D
     x = tl.load(head + d).to(tl.float32)
     x_swapped = tl.load(head + swapped).to(tl.float32)
+    raw = x
+    inv_rms = 1.0
     if HAS_NORM:
         # weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(dtype), rounded to dtype (the mean as torch's:
         # the sum times 1 / D, exact for a power of two); the swapped copy takes the same per-element steps
@@ -47,9 +56,14 @@ def qkv_prep_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_norm_ptr, k_norm_ptr, 
             norm_ptr = q_norm_ptr
         else:
             norm_ptr = k_norm_ptr
-        x = round_to(tl.load(norm_ptr + d).to(tl.float32) * round_to(x * inv_rms, dtype, EMULATE), dtype, EMULATE)
-        x_swapped = round_to(tl.load(norm_ptr + swapped).to(tl.float32)
-                             * round_to(x_swapped * inv_rms, dtype, EMULATE), dtype, EMULATE)
+        if GEMMA:  # (x.float() * rsqrt(...) * weight.float()).to(dtype): one rounding
+            x = round_to(x * inv_rms * tl.load(norm_ptr + d).to(tl.float32), dtype, EMULATE)
+            x_swapped = round_to(x_swapped * inv_rms * tl.load(norm_ptr + swapped).to(tl.float32), dtype, EMULATE)
+        else:
+            x = round_to(tl.load(norm_ptr + d).to(tl.float32) * round_to(x * inv_rms, dtype, EMULATE), dtype,
+                         EMULATE)
+            x_swapped = round_to(tl.load(norm_ptr + swapped).to(tl.float32)
+                                 * round_to(x_swapped * inv_rms, dtype, EMULATE), dtype, EMULATE)
     rotated = tl.where(d < half, -x_swapped, x_swapped)
     # x * cos + rotate_half(x) * sin with cos and sin cast to dtype, each product and the sum rounded to dtype
     cos = round_to(tl.load(cos_ptr + t * stride_cos + d).to(tl.float32), dtype, EMULATE)
@@ -61,10 +75,19 @@ def qkv_prep_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_norm_ptr, k_norm_ptr, 
     else:
         kv = (slot - N_HEADS).to(tl.int64)
         pos = tl.load(pos_ptr + t).to(tl.int64)
+        if WRAP:
+            pos = pos % capacity
         if HAS_OFFSETS:  # the token's sequence's caches, these many elements from the given ones
             cache_k_ptr += tl.multiple_of(tl.load(offsets_ptr + 2 * t), 16)
             cache_v_ptr += tl.multiple_of(tl.load(offsets_ptr + 2 * t + 1), 16)
         if (pos >= 0) & (pos < capacity):  # an out-of-range position writes nothing rather than past the cache
             tl.store(cache_k_ptr + kv * stride_kh + pos * stride_kn + d, out)
-            value = tl.load(head + N_KV * D + d)  # value head j sits N_KV heads after key head j
-            tl.store(cache_v_ptr + kv * stride_vh + pos * stride_vn + d, value)
+            if V_IS_K:  # the key head as loaded, before its norm (its mean of squares is the value's)
+                value = raw
+            else:  # value head j sits N_KV heads after key head j
+                value = tl.load(head + N_KV * D + d).to(tl.float32)
+                if GEMMA:
+                    inv_rms = tl.math.rsqrt(tl.reduce(value * value, 0, add) * (1.0 / D) + eps)
+            if GEMMA:  # v_norm: (v.float() * rsqrt(mean(v^2) + eps)).to(dtype)
+                value = value * inv_rms
+            tl.store(cache_v_ptr + kv * stride_vh + pos * stride_vn + d, round_to(value, dtype, EMULATE).to(dtype))

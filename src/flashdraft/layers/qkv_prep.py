@@ -43,7 +43,7 @@ from flashdraft.kernels import programmatic
 from flashdraft.kernels.runtime import opaque_op
 from flashdraft.layers import elementwise
 
-HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two (one tl.arange spans a head)
+HEAD_DIMS = (16, 32, 64, 128, 256, 512)  # powers of two (one tl.arange spans a head); 512: Gemma 4's full layers
 
 
 @functools.cache
@@ -54,12 +54,14 @@ def _kernels():
 
 def _head_dim(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
               cache_k: torch.Tensor, cache_v: torch.Tensor, n_heads: int, n_kv: int,
-              q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None) -> int:
+              q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
+              value_is_key: bool = False) -> int:
     """Check the arguments' shapes, dtypes and devices (shapes only: no host sync); return head_dim."""
-    if qkv.dim() != 2 or n_heads < 0 or n_kv < 1 or qkv.shape[1] % (n_heads + 2 * n_kv):
-        raise ValueError(f"qkv_prep: qkv width: qkv {list(qkv.shape)} is not [T, (n_heads + 2 * n_kv) * head_dim] "
-                         f"with n_heads = {n_heads}, n_kv = {n_kv}")
-    T, hd = qkv.shape[0], qkv.shape[1] // (n_heads + 2 * n_kv)
+    heads = n_heads + (1 if value_is_key else 2) * n_kv
+    if qkv.dim() != 2 or n_heads < 0 or n_kv < 1 or qkv.shape[1] % heads:
+        raise ValueError(f"qkv_prep: qkv width: qkv {list(qkv.shape)} is not [T, (n_heads + "
+                         f"{1 if value_is_key else 2} * n_kv) * head_dim] with n_heads = {n_heads}, n_kv = {n_kv}")
+    T, hd = qkv.shape[0], qkv.shape[1] // heads
     if hd not in HEAD_DIMS:
         raise ValueError(f"qkv_prep: head_dim {hd} is not one of {HEAD_DIMS}")
     if cache_k.dim() != 3 or cache_k.shape != cache_v.shape or cache_k.shape[0] != n_kv or cache_k.shape[2] != hd:
@@ -88,10 +90,14 @@ def _head_dim(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions
 def launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
            cache_k: torch.Tensor, cache_v: torch.Tensor, n_heads: int, n_kv: int,
            q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-           eps: float = 1e-6, cache_offsets: torch.Tensor | None = None) -> torch.Tensor:
+           eps: float = 1e-6, cache_offsets: torch.Tensor | None = None, gemma: bool = False,
+           value_is_key: bool = False, wrap: bool = False) -> torch.Tensor:
     """Run the kernel (no custom-op wrapper); arguments and result as qkv_prep (cache_offsets: as
     qkv_prep_segments')."""
-    hd = _head_dim(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight)
+    hd = _head_dim(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight,
+                   value_is_key)
+    if gemma and q_norm_weight is None:
+        raise ValueError("qkv_prep: gemma=True needs the q and k norm weights (Gemma 4 normalizes both)")
     T = qkv.shape[0]
     if cache_offsets is not None and (cache_offsets.shape != (T, 2) or cache_offsets.dtype != torch.int64
                                       or not cache_offsets.is_contiguous()):
@@ -112,34 +118,44 @@ def launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: t
         cache_k, cache_v, cache_offsets if cache_offsets is not None else positions, qkv.stride(0), cos.stride(0),
         sin.stride(0), cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), cache_k.shape[1],
         eps, N_HEADS=n_heads, N_KV=n_kv, D=hd, HAS_NORM=has_norm, EMULATE=qkv.device.type != "cuda",
-        HAS_OFFSETS=cache_offsets is not None, num_warps=1,
+        HAS_OFFSETS=cache_offsets is not None, GEMMA=gemma, V_IS_K=value_is_key, WRAP=wrap, num_warps=1,
         enable_fp_fusion=False,  # no FMA: the eager path rounds the RoPE products before adding them
         **programmatic.triton_options(kernel, qkv.device))
     return q
 
 
-def _queries_like(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight, eps):
-    hd = _head_dim(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight)
+def _queries_like(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight, eps,
+                  gemma=False, value_is_key=False, wrap=False):
+    hd = _head_dim(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight,
+                   value_is_key)
     return qkv.new_empty((qkv.shape[0], n_heads, hd))
 
 
 @opaque_op("flashdraft::qkv_prep", _queries_like, mutates_args=("cache_k", "cache_v"))
 def _qkv_prep(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
               cache_k: torch.Tensor, cache_v: torch.Tensor, n_heads: int, n_kv: int,
-              q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    return launch(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight, eps)
+              q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float,
+              gemma: bool = False, value_is_key: bool = False, wrap: bool = False) -> torch.Tensor:
+    return launch(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight, eps,
+                  gemma=gemma, value_is_key=value_is_key, wrap=wrap)
 
 
 def qkv_prep(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
              cache_k: torch.Tensor, cache_v: torch.Tensor, n_heads: int, n_kv: int,
              q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-             eps: float = 1e-6) -> torch.Tensor:
+             eps: float = 1e-6, gemma: bool = False, value_is_key: bool = False, wrap: bool = False) -> torch.Tensor:
     """Split qkv [T, (n_heads + 2 * n_kv) * hd] (unit stride along a row), RMS-normalize (both weights [hd] given)
     and rotate the query and key heads with cos / sin [T, hd], write the keys and the raw values into cache_k /
     cache_v [n_kv, capacity, hd] at rows positions [T] (int64), and return the queries [T, n_heads, hd], one
     kernel launch (module docstring: numerics, batch invariance). n_heads = 0: keys and values only (a drafter's
-    context rows); both norm weights are then the key norm's."""
-    return _qkv_prep(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight, eps)
+    context rows); both norm weights are then the key norm's.
+
+    Gemma 4's attention (models.gemma4.model.Gemma4Attention's module path): gemma=True, its norms (the weight
+    product in float32 before one rounding; the values RMS-normalized without a weight); value_is_key=True, qkv
+    [T, (n_heads + n_kv) * hd] without value heads, the values being the keys before their norm and RoPE (the full
+    layers); wrap=True, the cache a ring, row = position % capacity (the sliding layers)."""
+    return _qkv_prep(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight, eps,
+                     gemma, value_is_key, wrap)
 
 
 def _segment_queries_like(qkv, cos, sin, positions, cache_k, cache_v, cache_offsets, n_heads, n_kv, q_norm_weight,
@@ -172,7 +188,8 @@ def qkv_prep_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
                        cache_k: torch.Tensor, cache_v: torch.Tensor, n_heads: int, n_kv: int,
                        q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
                        eps: float = 1e-6) -> torch.Tensor:
-    """qkv_prep in plain torch, the steps of Attention.forward's module path (the tests' reference): split, per-head elementwise.rms_norm, elementwise.rope, index_copy_ into the caches."""
+    """qkv_prep in plain torch, the steps of Attention.forward's module path (the tests' reference): split,
+    per-head elementwise.rms_norm, elementwise.rope, index_copy_ into the caches."""
     hd = _head_dim(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight)
     q, k, v = qkv.split([n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
 

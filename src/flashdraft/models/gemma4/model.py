@@ -34,6 +34,7 @@ from flashdraft.layers import decode_attention as attention_kernel
 from flashdraft.layers.attention import grouped_attention
 from flashdraft.layers.decode_attention import decode_attention
 from flashdraft.layers.plan import LayerPlan
+from flashdraft.layers.qkv_prep import HEAD_DIMS as PREP_HEAD_DIMS, qkv_prep
 from flashdraft.layers.skinny_gemm import Linear, attach_fused
 from flashdraft.loading.checkpoint import CheckpointError, assign_tensors, default_device_dtype, safetensors_files
 from flashdraft.quant.kv_formats import as_stored, bytes_per_token, cache_format, new_rows, read_rows, write_rows
@@ -179,6 +180,11 @@ class Gemma4Attention(nn.Module):
         self.n_kv, self.head_dim = cfg.layer_kv_heads[layer], cfg.layer_head_dims[layer]
         # passes of up to this many tokens run decode_attention (where it takes the head size)
         self.attention_rows = plan.attention_rows if attention_kernel.supports(self.head_dim) else 0
+        # ... and of those, the ones that write the ring in place (every one over a full layer's cache) take the
+        # norms, RoPE and cache writes as one kernel (qkv_prep) where q/k/v are one product and the cache holds the
+        # compute dtype: compiled, they were five kernels a layer, one of them 11 us (docs/performance.md)
+        self.prep_rows = 0 if self.head_dim not in PREP_HEAD_DIMS else (
+            min(self.attention_rows, RING_IN_PLACE_MAX_T) if self.sliding else self.attention_rows)
         h, bias, rows = cfg.hidden_size, cfg.attention_bias, plan.gemm_rows
         self.q_proj = Linear(h, self.n_heads * self.head_dim, bias=bias, max_rows=rows)
         self.k_proj = Linear(h, self.n_kv * self.head_dim, bias=bias, max_rows=rows)
@@ -208,6 +214,11 @@ class Gemma4Attention(nn.Module):
         """cache_k / cache_v: this layer's rows of the cache (a ring of `ring` rows on a sliding layer). The layer's
         own tensors, not the cache and an index, so that one compiled graph serves every layer of a kind."""
         T = x.shape[0]
+        if T <= self.prep_rows and self.qkv_proj is not None and cache_k.dtype == cache_v.dtype == x.dtype:
+            q = qkv_prep(self.qkv_proj(x), cos, sin, positions, cache_k, cache_v, self.n_heads, self.n_kv,
+                         self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, gemma=True,
+                         value_is_key=self.v_proj is None, wrap=self.sliding)
+            return self._attend_in_place(q.transpose(0, 1), cache_k, cache_v, ring, kv_len, mask)
         q, k, v = self._qkv(x)
         q = apply_rope(self.q_norm(q.view(T, self.n_heads, self.head_dim)), cos, sin)
         raw_k = k.view(T, self.n_kv, self.head_dim)
@@ -232,17 +243,22 @@ class Gemma4Attention(nn.Module):
             rows = positions % ring if self.sliding else positions
             write_rows(cache_k, rows, k)
             write_rows(cache_v, rows, v)
-            # Every position is below kv_len, so a ring longer than kv_len holds rows only below kv_len: the
-            # sliding layers of a short context read that many.
-            n = min(kv_len, ring) if self.sliding else kv_len
-            keys, values = cache_k[:, :n], cache_v[:, :n]
-            mask = mask if isinstance(mask, CausalBias) else mask[:, :n]  # a causal bias spans kv_len already
             if T <= self.attention_rows:  # the kernel reads every cache type itself
-                return self.o_proj(decode_attention(q.transpose(0, 1), keys, values, mask, scale=1.0))
-            keys, values = read_rows(keys, hd, dtype), read_rows(values, hd, dtype)
+                return self._attend_in_place(q.transpose(0, 1), cache_k, cache_v, ring, kv_len, mask)
+            n = min(kv_len, ring) if self.sliding else kv_len
+            keys, values = read_rows(cache_k[:, :n], hd, dtype), read_rows(cache_v[:, :n], hd, dtype)
+            mask = mask if isinstance(mask, CausalBias) else mask[:, :n]  # a causal bias spans kv_len already
         # grouped_attention: a boolean mask with grouped heads took SDPA's math kernel, every score in float32
         out = grouped_attention(q.transpose(0, 1)[None], keys[None], values[None], mask, scale=1.0)
         return self.o_proj(out[0].transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
+
+    def _attend_in_place(self, q, cache_k, cache_v, ring: int, kv_len: int, mask) -> torch.Tensor:
+        """decode_attention of q [heads, T, head_dim] over the cache as written (the call's rows in it), then o_proj.
+        Every position is below kv_len, so a ring longer than kv_len holds rows only below kv_len: the sliding
+        layers of a short context read that many."""
+        n = min(kv_len, ring) if self.sliding else kv_len
+        mask = mask if isinstance(mask, CausalBias) else mask[:, :n]  # a causal bias spans kv_len already
+        return self.o_proj(decode_attention(q, cache_k[:, :n], cache_v[:, :n], mask, scale=1.0))
 
 
 class Gemma4Router(nn.Module):

@@ -11,10 +11,11 @@ for each of a few tilings (AttentionConfig); OUT_DIR/attention.json names the fa
 which perf_run.py --attention-config=OUT_DIR/attention.json then uses.
 
 Usage (GPU machine, repo root): PYTHONPATH=src python scripts/gpu/attention_run.py OUT_DIR [--long]
-    [--shape qwen|gemma-full]
+    [--shape qwen|gemma-full|gemma-sliding]
 --long: long contexts instead (8K and 32K keys, and 512 as a short context in a long cache) and tilings with
-longer key ranges per program, the fastest at 32K named. --shape gemma-full (with --long): Gemma-4-31B's full
-layers (32 heads over 4 kv heads of 512).
+longer key ranges per program, the fastest at 32K named. --shape gemma-full: Gemma-4-31B's full layers (32 heads
+over 4 kv heads of 512); gemma-sliding: its sliding layers (32 heads over 16 kv heads of 256; short caches only,
+512 and 1088 keys, the ring's most).
 """
 import argparse
 import dataclasses
@@ -51,8 +52,6 @@ CONFIGS = [CONFIG, AttentionConfig(), AttentionConfig(split=64),
            AttentionConfig(block_q=64, block_n=128, split=128, num_warps=8), AttentionConfig(block_q=64, split=256),
            # the adopted short-cache tiling with its keys and values by tensor descriptors (TMA)
            dataclasses.replace(CONFIG, tma=True)]
-# the configuration adopted is the fastest over these (kv_len, T) cases (bench and chat contexts), if invariant
-ADOPT_ON = {(512, 1), (512, 16), (2048, 1), (2048, 16)}
 # the tiling adopted for 6145-24576 rows; the whole-block tile adopted beyond, 16-row tilings of its key steps and
 # ranges (twins whose bits a one-token step could take, were they the same: they are not, docs/performance.md), and
 # the whole-block tile on 8 warps
@@ -75,15 +74,28 @@ GEMMA_FULL_LONG_CONFIGS = [AttentionConfig(block_n=32, split=1024, num_warps=4, 
                            AttentionConfig(block_q=32, block_n=32, split=1024, num_warps=8, pipelined=True),
                            AttentionConfig(block_q=32, block_n=16, split=1024, num_warps=8, num_stages=3,
                                            pipelined=True)]
-SHAPES = {"qwen": (32, 8, 128, 36), "gemma-full": (32, 4, 512, 10)}  # heads, kv_heads, head_dim, layers
+# Gemma 4's short caches (the sliding layers' ring of 1088 rows at most, the full layers' first few thousand
+# rows): the adopted tilings (WIDE_HEAD_CONFIG, WIDEST_HEAD_CONFIG) against shorter key ranges, more programs a
+# layer for a one-token step (16 kv heads of 256, or 4 of 512, in 128-key ranges: few programs on 132
+# multiprocessors)
+GEMMA_SLIDING_CONFIGS = [AttentionConfig(), AttentionConfig(split=64), AttentionConfig(block_n=32, split=64),
+                         AttentionConfig(block_n=32, split=32), AttentionConfig(split=64, num_warps=8),
+                         AttentionConfig(block_n=32, split=128), AttentionConfig(block_n=32, split=64, num_warps=2)]
+GEMMA_FULL_CONFIGS = [AttentionConfig(block_n=32, num_warps=8), AttentionConfig(block_n=32, split=64, num_warps=8),
+                      AttentionConfig(block_n=32, split=32, num_warps=8), AttentionConfig(block_n=16, split=64),
+                      AttentionConfig(block_n=32, split=64), AttentionConfig(block_n=16, split=32)]
+# heads, kv_heads, head_dim, layers
+SHAPES = {"qwen": (32, 8, 128, 36), "gemma-full": (32, 4, 512, 10), "gemma-sliding": (32, 16, 256, 50)}
 
 
 def main(out: Path, long: bool = False, shape: str = "qwen") -> None:
     heads, kv_heads, hd, layers = SHAPES[shape]
-    if shape == "gemma-full" and not long:
-        raise SystemExit("attention_run.py: --shape gemma-full is measured with --long only")
-    configs = (GEMMA_FULL_LONG_CONFIGS if shape == "gemma-full" else LONG_CONFIGS) if long else CONFIGS
-    adopt_on = {(32768, 1), (32768, 16)} if long else ADOPT_ON
+    if shape == "gemma-sliding" and long:
+        raise SystemExit("attention_run.py: --shape gemma-sliding has no long caches (its ring is 1088 rows)")
+    short = {"qwen": CONFIGS, "gemma-full": GEMMA_FULL_CONFIGS, "gemma-sliding": GEMMA_SLIDING_CONFIGS}[shape]
+    configs = (GEMMA_FULL_LONG_CONFIGS if shape == "gemma-full" else LONG_CONFIGS) if long else short
+    kv_lens = (512, 8192, 32768) if long else (512, 1088) if shape == "gemma-sliding" else (512, 2048, 8192)
+    adopt_on = {(32768, 1), (32768, 16)} if long else {(kv, t) for kv in kv_lens[:2] for t in (1, 16)}
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -91,7 +103,7 @@ def main(out: Path, long: bool = False, shape: str = "qwen") -> None:
                "shape": {"heads": heads, "kv_heads": kv_heads, "head_dim": hd, "layers": layers}, "rows": []}
     score = {c: 0.0 for c in configs}
     invariant = {c: True for c in configs}
-    for kv_len in ((512, 8192, 32768) if long else (512, 2048, 8192)):  # long: 512 as a short chat in a long cache
+    for kv_len in kv_lens:  # long: 512 as a short chat in a long cache
         cap = kv_len + 256
         ks = [torch.randn(kv_heads, cap, hd, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(layers)]
         vs = [torch.randn(kv_heads, cap, hd, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(layers)]

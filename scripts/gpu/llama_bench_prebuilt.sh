@@ -2,9 +2,9 @@
 # llama-bench built on the CPU machine and carried to the GPU machine in parts, so that a side-by-side run
 # (scripts/gpu/side_by_side.sh) spends no device time on the 8-minute build. The build is the bench folder's
 # (../shared/llamacpp-bench, copied to ./.llamacpp-bench): its source tarball and device_cmd.sh's cmake flags.
-# A device call carries at most 64 MiB with the checkout (about 45 MB of it), so the packed bin/ folder (68 MB of
-# llama-bench, libllama and the ggml libraries; the CUDA one is 93 MB unpacked) goes in 20 MB parts, one a call, on
-# one machine held warm (call again within its idle release).
+# A device call carries at most 64 MiB with the checkout (about 47 MB of it: 20 MB parts no longer fit beside it),
+# so the packed bin/ folder (68 MB of llama-bench, libllama and the ggml libraries; the CUDA one is 93 MB unpacked)
+# goes in 15 MB parts, one a call, on one machine held warm (call again within its idle release).
 #
 #   build   (CPU machine, about 60 min with -j 2) build llama-bench with CUDA for sm_90, pack bin/ as tar.xz and
 #           split it into .llamacpp-bench/prebuilt-partNN (ignored) with its sha256 in .llamacpp-bench/prebuilt.sha256.
@@ -18,15 +18,15 @@
 #           `llama-bench --help` there; exit 1 when it does not run (then build on the machine: side_by_side.sh build).
 #
 # Device calls (carry the parts one by one, then the bench folder's files with the last):
-#     bash scripts/gpu/llama_bench_prebuilt.sh stash        carry [".llamacpp-bench/prebuilt-part00"], then 01, 02
+#     bash scripts/gpu/llama_bench_prebuilt.sh stash        carry [".llamacpp-bench/prebuilt-part00"], then 01-03
 #     bash scripts/gpu/llama_bench_prebuilt.sh unpack && bash scripts/gpu/side_by_side.sh
-#         carry [".llamacpp-bench/prebuilt-part03", ".llamacpp-bench/prebuilt.sha256",
+#         carry [".llamacpp-bench/prebuilt-part04", ".llamacpp-bench/prebuilt.sha256",
 #                ".llamacpp-bench/beellama-src.tar.gz", ".llamacpp-bench/make_gguf.py", ".llamacpp-bench/device_cmd.sh"]
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 BENCH="${SBS_BENCH:-$ROOT/.llamacpp-bench}"
 STASH="${STASH:-/tmp/llama-bench-parts}"
-PART_BYTES=20000000
+PART_BYTES=15000000
 
 build() {
   local work="${BUILD_WORK:-/tmp/llama-bench-cpu}" cuda

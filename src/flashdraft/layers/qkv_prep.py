@@ -8,6 +8,8 @@ cached pass's fused projection qkv [T, (n_heads + 2 * n_kv) * head_dim] and
 - writes the keys and the unchanged values into the layer's static cache, cache_k / cache_v [n_kv, capacity,
   head_dim], at rows positions[t], and
 - returns the queries as [T, n_heads, head_dim] (Attention hands q.transpose(0, 1) to decode_attention).
+Gemma 4's attention takes it too, with keywords for its own steps: its norms, values normalized or taken from the
+keys, a sliding layer's ring rows (qkv_prep's docstring).
 
 Why: compiled, these steps are about four kernels per layer, whose launches cost more than their work. Here they
 are one launch of T * (n_heads + n_kv) small programs, one per (token, query head) and per (token, key/value head

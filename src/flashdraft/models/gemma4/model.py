@@ -182,7 +182,7 @@ class Gemma4Attention(nn.Module):
         self.attention_rows = plan.attention_rows if attention_kernel.supports(self.head_dim) else 0
         # ... and of those, the ones that write the ring in place (every one over a full layer's cache) take the
         # norms, RoPE and cache writes as one kernel (qkv_prep) where q/k/v are one product and the cache holds the
-        # compute dtype: compiled, they were five kernels a layer, one of them 11 us (docs/performance.md)
+        # compute dtype: compiled, they were five kernels a layer (docs/performance.md)
         self.prep_rows = 0 if self.head_dim not in PREP_HEAD_DIMS else (
             min(self.attention_rows, RING_IN_PLACE_MAX_T) if self.sliding else self.attention_rows)
         h, bias, rows = cfg.hidden_size, cfg.attention_bias, plan.gemm_rows

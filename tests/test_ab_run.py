@@ -35,12 +35,13 @@ def test_both_trees_measured_on_the_same_tiny_file(tmp_path):
     env = {"OUT": str(out), "AB_BASE": str(base), "SBS_BENCH": str(bench),
            "SBS_WORK": str(tmp_path / "w"), "SBS_GGUF_DIR": str(tmp_path / "g"), "AB_MODELS": "tiny-gemma4:q4_k_s",
            "AB_ROUNDS": "1", "AB_NEED_S": "0", "AB_PREFILL": "32", "AB_TAUS": "4", "AB_TOKENS": "8",
-           "AB_DFLASH_PROMPT": "24"}
+           "AB_DFLASH_PROMPT": "24", "AB_CACHE_TYPES": "q5_0,q4_1"}
     proc = run_ab(env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = {tree: json.loads((out / f"{tree}-1-tiny-gemma4__q4_k_s.json").read_text()) for tree in ("base", "new")}
     for tree, run in runs.items():
         assert run["errors"] == [] and [r["depth"] for r in run["plain"]] == [0], tree
+        assert run["cache_types"] == "q5_0,q4_1"  # the walkthrough's KV cache types, for both trees
         assert [r["prompt_n"] for r in run["prefill"]] == [32]
         assert [(r["prompt_n"], r["identical"]) for r in run["dflash"]] == [(24, True)]
     lines = (out / "ab_summary.txt").read_text().splitlines()

@@ -11,7 +11,8 @@
 # as side_by_side.sh's SBS_MODELS), AB_ROUNDS (2), AB_BUDGET_S (540), AB_NEED_S (150: the seconds a measurement
 # must have left to start), AB_TESTS (pytest arguments run first on the working tree, e.g.
 # "tests/test_mma_kernels.py"; none by default), and the measurement's: AB_DEPTHS (0), AB_PREFILL (512), AB_TAUS
-# (6; empty: no DFlash), AB_DFLASH_PROMPT (512), AB_TOKENS (128); side_by_side.sh's SBS_BENCH, SBS_WORK and
+# (6; empty: no DFlash), AB_DFLASH_PROMPT (512), AB_TOKENS (128), AB_CACHE_TYPES (K,V: the target's KV cache
+# types, e.g. q5_0,q4_1; empty: the compute dtype); side_by_side.sh's SBS_BENCH, SBS_WORK and
 # SBS_GGUF_DIR say where the files come from and go. Exit codes: 0 done; 2 no baseline; 3 out of time (what was
 # measured is in $OUT); 4 the files could not be written.
 set -uo pipefail
@@ -69,7 +70,8 @@ for round in $(seq 1 "$ROUNDS"); do
             PYTHONPATH="$src:$SITE" timeout $(( $(left) - 10 )) "$PY" "$ROOT/scripts/gpu/side_by_side_gguf.py" \
                 measure "${SBS_GGUF_DIR:-/tmp/sbs-gguf}/$nm.gguf" "$OUT/$tree-$round-$nm.json" \
                 --depths "${AB_DEPTHS:-0}" --prefill "${AB_PREFILL:-512}" --taus "${AB_TAUS-6}" \
-                --dflash-prompt "${AB_DFLASH_PROMPT:-512}" --tokens "${AB_TOKENS:-128}" "${tiny[@]}" 2>&1 \
+                --dflash-prompt "${AB_DFLASH_PROMPT:-512}" --tokens "${AB_TOKENS:-128}" \
+                --cache-types "${AB_CACHE_TYPES:-}" "${tiny[@]}" 2>&1 \
                 | tee -a "$LOG"
         done
     done

@@ -141,6 +141,14 @@ def build_drafter(target, capacity: int, qtype: str, tiny: bool, dev, dtype, gen
     return drafter.eval().requires_grad_(False)
 
 
+def cache_types(args) -> dict:
+    """The engines' KV cache types from --cache-types K,V (the drafter's cache keeps the compute dtype)."""
+    if not args.cache_types:
+        return {}
+    k, v = args.cache_types.split(",")
+    return {"cache_type_k": k, "cache_type_v": v}
+
+
 def measure(args) -> int:
     from flashdraft.engine.generator import Engine
 
@@ -153,7 +161,7 @@ def measure(args) -> int:
     context = context_for(longest, args.tokens)
     t = time.time()
     try:
-        engine = Engine.load(args.file, device=dev, context_size=context)
+        engine = Engine.load(args.file, device=dev, context_size=context, **cache_types(args))
     except Exception as e:  # noqa: BLE001
         rec.error("load", e)
         rec.save()
@@ -167,6 +175,8 @@ def measure(args) -> int:
     log(f"[{args.file.name}] loaded in {rec.data['load_s']} s, context {engine.context_size}")
     rec.save()
     sequence = engine.new_sequence()  # the server's slot: warmed up, then every plain run in it
+    cache = sequence.target_cache
+    rec.data["cache_types"] = f"{cache.k_format.name},{cache.v_format.name}"  # as the engine made them
     try:
         warm = engine.warm_up(sequence)
         rec.data["warm_up_s"] = round(warm, 1) if warm is not None else None
@@ -182,7 +192,7 @@ def measure(args) -> int:
         try:
             if context_for(n, args.tokens) < engine.context_size:  # a cache of this test's size, warmed up alike
                 runner = Engine(engine.decoder.target, engine.tokenizer, None,
-                                context_size=context_for(n, args.tokens))
+                                context_size=context_for(n, args.tokens), **cache_types(args))
                 slot = runner.new_sequence()
                 runner.warm_up(slot)
             out = timed_generate(runner, prompt_of(n, vocab, seed=n), args.tokens, args.reps, sequence=slot)
@@ -240,7 +250,7 @@ def dflash(target, tokenizer, rec: Record, args, dev, context: int) -> None:
     B = drafter.block_size
     for n in sorted(set(args.dflash_prompt)):
         spec = Engine(target, tokenizer, drafter, context_size=context_for(n, args.tokens),
-                      draft_window=args.draft_window)
+                      draft_window=args.draft_window, **cache_types(args))
         prompt = prompt_of(n, target.config.vocab_size, seed=n)
         try:
             base = timed_generate(spec, prompt, args.tokens, args.reps, draft=0, sequence=spec.new_sequence())
@@ -378,6 +388,8 @@ def main(argv=None) -> int:
     m.add_argument("--draft-window", type=int, default=DRAFT_WINDOW, metavar="N",
                    help=f"DFlash's drafter sees only the last N tokens (--spec-dflash-cross-ctx; default "
                         f"{DRAFT_WINDOW}, as flashdraft serve; 0: all of them)")
+    m.add_argument("--cache-types", default="", metavar="K,V",
+                   help="the target's KV cache types, e.g. q5_0,q4_1 (default: the compute dtype)")
     m.add_argument("--device", default=None)
     m.add_argument("--tiny", action="store_true", help="tiny drafters, for make_gguf.py's tiny shapes (tests)")
     m.add_argument("--build-running", action="store_true", help="noted in the JSON: a build shared the CPUs")

@@ -235,11 +235,16 @@ print("OK")
 @pytest.mark.skipif(not _has_triton(), reason="the script imports the Triton kernels (run under the interpreter)")
 def test_ablation_variants_fit_the_kernel():
     """scripts/gpu/kquant_ablate.py's text patches (each stage of the k-quant kernel left out) apply to
-    kquant_mma.cu as written, exactly as often as listed, and a patch that no longer fits stops the script."""
+    kquant_mma.cu as written, exactly as often as listed, and a patch that no longer fits stops the script; an
+    unknown shape set is refused by name before any GPU work."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "-c", ABLATE_CHECK, str(ROOT / "scripts" / "gpu")], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stdout[-3000:] + proc.stderr[-3000:]
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu" / "kquant_ablate.py"), "out",
+                          "--only", "qwen-q6k,qwen-q6", "--budget-s", "1"], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=os.environ.get("TMPDIR", "/tmp"))
+    assert bad.returncode == 2 and "unknown shape sets ['qwen-q6']" in bad.stderr, bad.stderr[-3000:]
 
 
 PROFILE_CHECK = r"""

@@ -87,36 +87,40 @@ def main() -> int:
     ap.add_argument("--only", default=DEFAULT_SETS, help="comma-separated shape sets of mma_tilings.py")
     ap.add_argument("--budget-s", type=float, default=float("inf"))
     args = ap.parse_args()
+    unknown = [name for name in args.only.split(",") if name not in SETS]
+    if unknown:
+        ap.error(f"unknown shape sets {unknown}; choose from {', '.join(SETS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     text = mma_kernels.SOURCE.read_text()
     sources = {name: variant_source(name, text) for name in VARIANTS}  # every patch checked before any GPU work
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     rows, t0 = [], time.time()
-    for set_name in args.only.split(","):
-        qtype, shapes = SETS[set_name]
-        for shape, (n, k) in shapes.items():
-            if time.time() - t0 > args.budget_s:
-                print(f"budget spent: {set_name} {shape} and later shapes not measured", flush=True)
-                break
-            tilings = mma_kernels.tilings_for(qtype, n, k)
-            ws = [random_blocks(qtype, n, k, gen, dev)
-                  for _ in range(copies_for(n * row_bytes(qtype, k), False))]
-            x = torch.randn(16, k, device=dev, dtype=torch.bfloat16, generator=gen)
-            base = None
-            for name, source in sources.items():
-                us = [1000 * bench_ms([lambda w=w, m=m: mma_kernels.launch(x[:m], w, n, qtype, tilings,
-                                                                           source=source) for w in ws], False)
-                      for m in (1, 16)]
-                base = base or us
-                rows.append({"set": set_name, "shape": shape, "qtype": qtype, "n": n, "k": k, "variant": name,
-                             "us_m1": us[0], "us_m16": us[1]})
-                print(f"{set_name} {shape:10s} {n}x{k} {name:24s} M=1 {us[0]:7.1f} us ({us[0] - base[0]:+6.1f})  "
-                      f"M=16 {us[1]:7.1f} us ({us[1] - base[1]:+6.1f})", flush=True)
-            del ws
-            torch.cuda.empty_cache()
-            (args.out / "kquant_ablate.json").write_text(json.dumps({"rows": rows, "elapsed_s": time.time() - t0},
-                                                                    indent=2))
+    todo = [(set_name, shape, n, k) for set_name in args.only.split(",")
+            for shape, (n, k) in SETS[set_name][1].items()]
+    for i, (set_name, shape, n, k) in enumerate(todo):
+        qtype = SETS[set_name][0]
+        if time.time() - t0 > args.budget_s:
+            print(f"budget spent: {len(todo) - i} shapes not measured, from {set_name} {shape} on", flush=True)
+            break
+        tilings = mma_kernels.tilings_for(qtype, n, k)
+        ws = [random_blocks(qtype, n, k, gen, dev)
+              for _ in range(copies_for(n * row_bytes(qtype, k), False))]
+        x = torch.randn(16, k, device=dev, dtype=torch.bfloat16, generator=gen)
+        base = None
+        for name, source in sources.items():
+            us = [1000 * bench_ms([lambda w=w, m=m: mma_kernels.launch(x[:m], w, n, qtype, tilings,
+                                                                       source=source) for w in ws], False)
+                  for m in (1, 16)]
+            base = base or us
+            rows.append({"set": set_name, "shape": shape, "qtype": qtype, "n": n, "k": k, "variant": name,
+                         "us_m1": us[0], "us_m16": us[1]})
+            print(f"{set_name} {shape:10s} {n}x{k} {name:24s} M=1 {us[0]:7.1f} us ({us[0] - base[0]:+6.1f})  "
+                  f"M=16 {us[1]:7.1f} us ({us[1] - base[1]:+6.1f})", flush=True)
+        del ws
+        torch.cuda.empty_cache()
+        (args.out / "kquant_ablate.json").write_text(json.dumps({"rows": rows, "elapsed_s": time.time() - t0},
+                                                                indent=2))
     return 0
 
 

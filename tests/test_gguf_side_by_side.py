@@ -103,7 +103,8 @@ def test_measure_arguments_are_checked(tmp_path, capsys):
     gguf_file.write_bytes(b"")
     cases = {"--taus must be at least 2": ["--taus", "1,4"], "--tokens must be at least 2": ["--tokens", "1"],
              "no such GGUF file": [], "negative value": ["--depths", "0,-5"], "invalid choice": ["--drafter", "Q2_K"],
-             "--draft-window must be at least 0": ["--draft-window", "-1"]}
+             "--draft-window must be at least 0": ["--draft-window", "-1"],
+             "is not K,V": ["--cache-types", "q5_0"], "unknown KV cache type 'q3_k'": ["--cache-types", "q5_0,q3_k"]}
     for message, extra in cases.items():
         file = tmp_path / "missing.gguf" if message == "no such GGUF file" else gguf_file
         with pytest.raises(SystemExit) as e:

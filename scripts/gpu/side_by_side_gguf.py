@@ -64,6 +64,20 @@ def ints(text: str) -> list[int]:
     return values
 
 
+def kv_types(text: str) -> tuple[str, str] | None:
+    """--cache-types K,V: two KV cache types (kv_formats' names); empty: none given."""
+    if not text:
+        return None
+    from flashdraft.quant.kv_formats import kv_format
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"{text!r} is not K,V (two KV cache types, e.g. q5_0,q4_1)")
+    try:
+        return kv_format(parts[0]).name, kv_format(parts[1]).name
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 # --- measure ---
 
 class Record:
@@ -143,10 +157,9 @@ def build_drafter(target, capacity: int, qtype: str, tiny: bool, dev, dtype, gen
 
 def cache_types(args) -> dict:
     """The engines' KV cache types from --cache-types K,V (the drafter's cache keeps the compute dtype)."""
-    if not args.cache_types:
+    if args.cache_types is None:
         return {}
-    k, v = args.cache_types.split(",")
-    return {"cache_type_k": k, "cache_type_v": v}
+    return {"cache_type_k": args.cache_types[0], "cache_type_v": args.cache_types[1]}
 
 
 def measure(args) -> int:
@@ -388,7 +401,7 @@ def main(argv=None) -> int:
     m.add_argument("--draft-window", type=int, default=DRAFT_WINDOW, metavar="N",
                    help=f"DFlash's drafter sees only the last N tokens (--spec-dflash-cross-ctx; default "
                         f"{DRAFT_WINDOW}, as flashdraft serve; 0: all of them)")
-    m.add_argument("--cache-types", default="", metavar="K,V",
+    m.add_argument("--cache-types", type=kv_types, default=None, metavar="K,V",
                    help="the target's KV cache types, e.g. q5_0,q4_1 (default: the compute dtype)")
     m.add_argument("--device", default=None)
     m.add_argument("--tiny", action="store_true", help="tiny drafters, for make_gguf.py's tiny shapes (tests)")

@@ -218,7 +218,8 @@ class Gemma4Attention(nn.Module):
             q = qkv_prep(self.qkv_proj(x), cos, sin, positions, cache_k, cache_v, self.n_heads, self.n_kv,
                          self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, gemma=True,
                          value_is_key=self.v_proj is None, wrap=self.sliding)
-            return self._attend_in_place(q.transpose(0, 1), cache_k, cache_v, ring, kv_len, mask)
+            keys, values, mask = self._in_place(cache_k, cache_v, ring, kv_len, mask)
+            return self.o_proj(decode_attention(q.transpose(0, 1), keys, values, mask, scale=1.0))
         q, k, v = self._qkv(x)
         q = apply_rope(self.q_norm(q.view(T, self.n_heads, self.head_dim)), cos, sin)
         raw_k = k.view(T, self.n_kv, self.head_dim)
@@ -243,22 +244,21 @@ class Gemma4Attention(nn.Module):
             rows = positions % ring if self.sliding else positions
             write_rows(cache_k, rows, k)
             write_rows(cache_v, rows, v)
+            keys, values, mask = self._in_place(cache_k, cache_v, ring, kv_len, mask)
             if T <= self.attention_rows:  # the kernel reads every cache type itself
-                return self._attend_in_place(q.transpose(0, 1), cache_k, cache_v, ring, kv_len, mask)
-            n = min(kv_len, ring) if self.sliding else kv_len
-            keys, values = read_rows(cache_k[:, :n], hd, dtype), read_rows(cache_v[:, :n], hd, dtype)
-            mask = mask if isinstance(mask, CausalBias) else mask[:, :n]  # a causal bias spans kv_len already
+                return self.o_proj(decode_attention(q.transpose(0, 1), keys, values, mask, scale=1.0))
+            keys, values = read_rows(keys, hd, dtype), read_rows(values, hd, dtype)
         # grouped_attention: a boolean mask with grouped heads took SDPA's math kernel, every score in float32
         out = grouped_attention(q.transpose(0, 1)[None], keys[None], values[None], mask, scale=1.0)
         return self.o_proj(out[0].transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
 
-    def _attend_in_place(self, q, cache_k, cache_v, ring: int, kv_len: int, mask) -> torch.Tensor:
-        """decode_attention of q [heads, T, head_dim] over the cache as written (the call's rows in it), then o_proj.
-        Every position is below kv_len, so a ring longer than kv_len holds rows only below kv_len: the sliding
-        layers of a short context read that many."""
+    def _in_place(self, cache_k, cache_v, ring: int, kv_len: int, mask):
+        """The cache rows a pass that wrote its own rows first attends over, and its mask cut to them. Every
+        position is below kv_len, so a ring longer than kv_len holds rows only below kv_len: the sliding layers of
+        a short context read that many."""
         n = min(kv_len, ring) if self.sliding else kv_len
         mask = mask if isinstance(mask, CausalBias) else mask[:, :n]  # a causal bias spans kv_len already
-        return self.o_proj(decode_attention(q, cache_k[:, :n], cache_v[:, :n], mask, scale=1.0))
+        return cache_k[:, :n], cache_v[:, :n], mask
 
 
 class Gemma4Router(nn.Module):

@@ -228,11 +228,12 @@ def test_quant_forward_matches_the_module_path(tmp_path):
             torch.testing.assert_close(quant_cache, module_cache, rtol=1e-5, atol=1e-5)
 
 
-def test_engine_quant_path_is_lossless(tmp_path):
+@pytest.mark.parametrize("types", [(None, None), ("q5_0", "q4_1")], ids=["float-cache", "walkthrough-types"])
+def test_engine_quant_path_is_lossless(tmp_path, types):
     """A GGUF target and drafter under both Triton backends: their layers take quant_forward and are not compiled
     (a compiled layer gave a token other bits in a verify block than alone on the H200), plain steps are one row;
     greedy DFlash equals plain decoding, eager and pipelined through the graph stand-in, and the cuBLAS / SDPA
-    engine."""
+    engine; also with the walkthrough's cache types, which qkv_prep quantizes as it writes them."""
     from test_gguf import drafter_to_gguf
 
     path, folder = _gguf_target(tmp_path, seed=10)
@@ -240,11 +241,12 @@ def test_engine_quant_path_is_lossless(tmp_path):
                                   "upstream", lambda name: "Q8_0")
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     prompt = list(range(5, 25))
-    load = dict(device=DEVICE, dtype=torch.float32, context_size=64)
+    load = dict(device=DEVICE, dtype=torch.float32, context_size=64, cache_type_k=types[0], cache_type_v=types[1])
     ref = Engine.load(path, drafter_dir, gemm="cublas", attention="sdpa", **load).generate(prompt, params, 0).tokens
     engine = Engine.load(path, drafter_dir, gemm="triton", attention="triton", **load)
     decoder = engine.decoder
     assert decoder.fused_target and decoder._plain_rows() == 1
+    assert types[0] is None or engine.new_sequence().target_cache.k[0].dtype == torch.uint8
     # the drafter's GGUF layers take quant_forward too, and its context rows the [k; v] rows of their blocks
     drafter = decoder.drafter
     assert all(layer.fused_rows == 16 and not layer.norms_folded for layer in drafter.layers)

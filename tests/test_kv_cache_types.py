@@ -311,23 +311,26 @@ def test_attention_kernel_dequantizes_the_blocks(k_type, v_type):
     assert (packed - ref[0].transpose(0, 1).reshape(T, -1)).abs().max().item() < 1e-3
 
 
-def test_fused_cache_writes_store_the_types(wide_pair):
-    """Attention's fused path (qkv_prep) writes a quantized cache through rows of the compute dtype: the bytes are
-    those of the eager path's rows, quantized."""
+@pytest.mark.parametrize("k_type,v_type", [("q5_1", "f16"), ("q5_0", "q4_1")])
+def test_fused_cache_writes_store_the_types(wide_pair, k_type, v_type):
+    """Attention's fused path (qkv_prep) writes a cache of block types in the kernel, and a float cache of another
+    dtype than the compute one through rows of the compute dtype: either way the bytes are those of the eager
+    path's rows, stored in the cache's type."""
     from flashdraft.models import load_target
     attn = load_target(wide_pair[0], 0, device="cpu", dtype=torch.float32).model.layers[0].self_attn
     T, hd = 5, attn.head_dim
     qkv = _rows(8, (T, (attn.n_heads + 2 * attn.n_kv) * hd))
     cos, sin = torch.rand(T, hd), torch.rand(T, hd)
     positions = torch.tensor([3, 4, 5, 6, 7])
-    width = kf.kv_format("q5_1").row_width(hd)
-    ck, cv = torch.zeros(attn.n_kv, 16, width, dtype=torch.uint8), torch.zeros(attn.n_kv, 16, hd, dtype=torch.float16)
+    kt, vt = kf.kv_format(k_type), kf.kv_format(v_type)
+    ck, cv = kf.new_rows(kt, attn.n_kv, 16, hd, "cpu"), kf.new_rows(vt, attn.n_kv, 16, hd, "cpu")
     q = attn._prep_into_cache(qkv, cos, sin, positions, ck, cv, attn.n_heads, None, None, 1e-6)
     rk, rv = torch.zeros(attn.n_kv, 16, hd), torch.zeros(attn.n_kv, 16, hd)
     ref_q = qp.qkv_prep_reference(qkv, cos, sin, positions, rk, rv, attn.n_heads, attn.n_kv)
     assert torch.equal(q, ref_q)
-    assert torch.equal(ck, kf.quantize(rk, kf.kv_format("q5_1")))
-    assert torch.equal(cv, rv.half())
+    for cache, ref, fmt in ((ck, rk, kt), (cv, rv, vt)):
+        assert torch.equal(cache[:, positions], kf.quantize(ref[:, positions], fmt))
+        assert not cache[:, 8:].any()  # rows not written keep their zeros
 
 
 def test_routed_layers_read_quantized_caches(wide_pair):
@@ -346,6 +349,40 @@ def test_routed_layers_read_quantized_caches(wide_pair):
         caches.append(cache)
     assert (outs[0] - outs[1]).abs().max().item() < 1e-4
     assert torch.equal(caches[0].k[0], caches[1].k[0]) and torch.equal(caches[0].v[0], caches[1].v[0])
+
+
+def test_gemma4_few_row_passes_write_the_types_in_qkv_prep():
+    """Gemma 4 with the GPU's plan (q/k/v as one product; few-row passes through qkv_prep, which quantizes as it
+    writes, and decode_attention) into caches of the walkthrough's types, past the sliding layers' ring: one
+    qkv_prep launch a layer and pass, and the logits of the module path over caches of the same types (within
+    what a value moved one quantization step by an ulp's difference before quantizing gives)."""
+    from test_gemma4_tiny import randomise, text_config
+
+    from flashdraft.layers import LayerPlan
+    from flashdraft.models.gemma4.config import Gemma4Config
+    from flashdraft.models.gemma4.model import Gemma4LM
+    cfg = Gemma4Config.from_dict(dict(text_config(300, moe=False, window=8), model_type="gemma4_text", head_dim=32,
+                                      global_head_dim=64))
+    modules = Gemma4LM(cfg).eval()
+    randomise(modules, 4)
+    routed = Gemma4LM(cfg, LayerPlan(attention="triton", fuse_projections=True)).eval()
+    routed.load_state_dict(modules.state_dict())
+    routed.prepare()
+    ids = torch.randint(5, 300, (40,), generator=torch.Generator().manual_seed(5))
+    logits, launches, real = [], [], qp.launch
+    qp.launch = lambda *a, **kw: launches.append(a[0].shape[0]) or real(*a, **kw)
+    try:
+        for model in (modules, routed):
+            cache, parts = model.new_cache(64, "q5_0", "q4_1"), []
+            with torch.no_grad():
+                parts.append(model(ids[:20], torch.arange(20), cache, 20)[0])  # more rows than the kernels take
+                for i in range(20, 40, 5):
+                    parts.append(model(ids[i:i + 5], torch.arange(i, i + 5), cache, i + 5)[0])
+            logits.append(torch.cat(parts))
+    finally:
+        qp.launch = real
+    assert launches == [5] * 4 * cfg.num_hidden_layers
+    assert (logits[0] - logits[1]).abs().max().item() < 1e-2
 
 
 def test_serve_takes_the_cache_type_flags(tmp_path, capsys):

@@ -13,6 +13,8 @@ pytest.importorskip("triton")
 from triton_interpreter import interpret_without_gpu  # noqa: E402
 
 from flashdraft.layers import qkv_prep as qp  # noqa: E402
+from flashdraft.quant import kv_formats as kf  # noqa: E402
+from flashdraft.quant.kv_formats import write_rows  # noqa: E402
 
 interpret_without_gpu("flashdraft.kernels.qkv_prep_triton", qp._kernels)
 
@@ -243,7 +245,7 @@ def test_one_launch_writes_each_rows_own_sequences_caches():
 def _gemma_module_path(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight,
                        eps, value_is_key, wrap):
     """What Gemma4Attention.forward does before attention when it does not take qkv_prep: Gemma4RMSNorm on the
-    query and key heads (and, without a weight, on the values), apply_rope, index_copy_ at position % ring on a
+    query and key heads (and, without a weight, on the values), apply_rope, write_rows at position % ring on a
     sliding layer."""
     from flashdraft.models.gemma4.model import Gemma4RMSNorm, apply_rope
 
@@ -256,8 +258,8 @@ def _gemma_module_path(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv
     raw_k = parts[1].view(T, n_kv, hd)
     v = Gemma4RMSNorm(hd, eps, with_weight=False)(raw_k if value_is_key else parts[2].view(T, n_kv, hd))
     rows = positions % cache_k.shape[1] if wrap else positions
-    cache_k.index_copy_(1, rows, apply_rope(norms[1](raw_k), cos, sin).transpose(0, 1))
-    cache_v.index_copy_(1, rows, v.transpose(0, 1))
+    write_rows(cache_k, rows, apply_rope(norms[1](raw_k), cos, sin).transpose(0, 1))
+    write_rows(cache_v, rows, v.transpose(0, 1))
     return apply_rope(norms[0](parts[0].view(T, n_heads, hd)), cos, sin)
 
 
@@ -300,3 +302,64 @@ def test_gemma_matches_the_module_path(T, hd, value_is_key, wrap):
     with pytest.raises(ValueError, match="gemma=True needs"):
         qp.qkv_prep(**{**args, "q_norm_weight": None, "k_norm_weight": None}, cache_k=cache_k, cache_v=cache_v,
                     gemma=True, value_is_key=value_is_key, wrap=wrap)
+
+
+def _block_caches(kv_heads, hd, k_type, v_type):
+    """Caches of block types whose every byte starts at 0xA5, so a row written can be told from one left alone."""
+    return tuple(kf.new_rows(kf.kv_format(name), kv_heads, CAPACITY, hd, DEVICE).fill_(0xA5)
+                 for name in (k_type, v_type))
+
+
+def _awkward_values(args, hd, n_heads, kv_heads):
+    """Value heads (stored as given: no norm on Qwen3's values) with the blocks that test a quantizer's edges:
+    all zeros, a tie between +x and -x for the largest magnitude (the first decides d's sign), one value far
+    above the rest, and negative zeros."""
+    v = args["qkv"][:, (n_heads + kv_heads) * hd:].unflatten(-1, (kv_heads, hd // 32, 32))
+    v[0, 0, 0] = 0.0
+    v[0, 1, 0] = -0.0
+    v[1, 0, 0] = 0.5
+    v[1, 0, 0, 3], v[1, 0, 0, 9] = -2.5, 2.5
+    v[-1, -1, -1, 7] = 40.0
+
+
+# (K type, V type, head_dim): every block type for keys and values, the walkthrough's q5_0 / q4_1 pair
+BLOCK_CASES = [("q8_0", "q4_0", 64), ("q4_1", "q5_0", 32), ("q5_1", "q8_0", 128), ("q5_0", "q4_1", 64)]
+
+
+@pytest.mark.parametrize("k_type,v_type,hd", BLOCK_CASES)
+def test_block_type_rows_are_the_quantized_reference(k_type, v_type, hd):
+    """Caches of llama.cpp's block types: the kernel quantizes each row it writes, and the bytes are those of
+    kv_formats.quantize on the reference path's rows (blocks of zeros, ties and outliers included); no other
+    row's bytes change."""
+    T = 5
+    args = _inputs(T, 4, 2, hd, torch.bfloat16, True, seed=hd + len(k_type))
+    _awkward_values(args, hd, 4, 2)
+    cache_k, cache_v = _block_caches(2, hd, k_type, v_type)
+    ref_k, ref_v = _block_caches(2, hd, k_type, v_type)
+    q = qp.qkv_prep(**args, cache_k=cache_k, cache_v=cache_v)
+    ref_q = qp.qkv_prep_reference(**args, cache_k=ref_k, cache_v=ref_v)
+    _assert_same(q, ref_q, NORM_EXACT)
+    assert torch.equal(cache_v, ref_v)  # the values go in unchanged: their bytes are exact on any device
+    if NORM_EXACT:
+        assert torch.equal(cache_k, ref_k)
+    else:  # a key an ulp apart may land in another quantization step
+        assert (cache_k != ref_k).float().mean().item() < 0.01
+    untouched = torch.ones(CAPACITY, dtype=torch.bool, device=DEVICE)
+    untouched[args["positions"]] = False
+    assert (cache_k[:, untouched] == 0xA5).all() and (cache_v[:, untouched] == 0xA5).all()
+
+
+def test_block_type_rows_of_gemma():
+    """Gemma 4's steps into caches of the walkthrough's types (-ctk q5_0 -ctv q4_1) on a sliding layer's ring:
+    the bytes of the module path's rows, quantized."""
+    T, hd = 3, 64
+    args = _inputs(T, 4, 2, hd, torch.bfloat16, True, seed=77)
+    args["positions"] = args["positions"] + CAPACITY
+    cache_k, cache_v = _block_caches(2, hd, "q5_0", "q4_1")
+    ref_k, ref_v = _block_caches(2, hd, "q5_0", "q4_1")
+    q = qp.qkv_prep(**args, cache_k=cache_k, cache_v=cache_v, gemma=True, wrap=True)
+    ref_q = _gemma_module_path(**args, cache_k=ref_k, cache_v=ref_v, value_is_key=False, wrap=True)
+    _mostly_same_bits(q, ref_q)
+    assert (cache_k != ref_k).float().mean().item() < 0.01 and (cache_v != ref_v).float().mean().item() < 0.01
+    written = args["positions"] % CAPACITY
+    assert not (cache_k[:, written] == 0xA5).all() and (cache_k == 0xA5).sum() > 0

@@ -151,7 +151,7 @@ def _key_step(q, m_i, l_i, acc, k_ptr, v_ptr, mask_ptr, kv, split, chunk, t, row
 @triton.jit
 def _load_rows(ptr, rows, n_ok, FMT: tl.constexpr, D: tl.constexpr, OUT: tl.constexpr, ALIGN: tl.constexpr):
     """The cache rows starting at element offsets rows [BLOCK_N] (rows with n_ok False read as zeros) as
-    [BLOCK_N, D] values of dtype OUT. FMT (decode_attention.KERNEL_FORMATS): 0 = values of the cache tensor's
+    [BLOCK_N, D] values of dtype OUT. FMT (kv_formats.KERNEL_FORMATS): 0 = values of the cache tensor's
     float dtype; else llama.cpp's blocks in a uint8 row laid out by field (kv_formats), dequantized here in
     float32 as kv_formats.dequantize_rows does, so a row reads bitwise the same values on both paths. ALIGN: a
     power of two that divides every row's byte offset."""

@@ -22,11 +22,17 @@ GEMMA: Gemma 4's attention (models.gemma4.model): its RMSNorm multiplies by the 
 (v_norm) before they are stored. V_IS_K: the row holds no value heads; value head j is key head j before its norm
 and RoPE (Gemma 4's full layers, attention_k_eq_v). WRAP: the cache is a ring, row = position % capacity (Gemma
 4's sliding layers).
+
+K_FMT / V_FMT (kv_formats.KERNEL_FORMATS; 0: rows of the compute dtype): a cache of llama.cpp's block types
+(-ctk / -ctv), its rows quantized here from the values rounded to the compute dtype, byte for byte what
+kv_formats.quantize makes of those rows (gguf-py's arithmetic: IEEE divisions, C's roundf or truncation, the
+first value of largest magnitude for the symmetric types) in its by-field layout: quants, the 5-bit types' high
+bits, the fp16 scales, the affine types' fp16 minimums. A row is quantized from its own values alone.
 """
 import triton
 import triton.language as tl
 
-from flashdraft.kernels.split_reduce_triton import add, round_to, start_programmatic
+from flashdraft.kernels.split_reduce_triton import add, maximum, minimum, round_to, start_programmatic
 
 
 @triton.jit
@@ -35,7 +41,7 @@ def qkv_prep_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_norm_ptr, k_norm_ptr, 
                     capacity, eps, N_HEADS: tl.constexpr, N_KV: tl.constexpr, D: tl.constexpr,
                     HAS_NORM: tl.constexpr, EMULATE: tl.constexpr, HAS_OFFSETS: tl.constexpr,
                     GEMMA: tl.constexpr = False, V_IS_K: tl.constexpr = False, WRAP: tl.constexpr = False,
-                    PDL: tl.constexpr = False):
+                    K_FMT: tl.constexpr = 0, V_FMT: tl.constexpr = 0, PDL: tl.constexpr = False):
     start_programmatic(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.program_id(1)
@@ -81,7 +87,7 @@ def qkv_prep_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_norm_ptr, k_norm_ptr, 
             cache_k_ptr += tl.multiple_of(tl.load(offsets_ptr + 2 * t), 16)
             cache_v_ptr += tl.multiple_of(tl.load(offsets_ptr + 2 * t + 1), 16)
         if (pos >= 0) & (pos < capacity):  # an out-of-range position writes nothing rather than past the cache
-            tl.store(cache_k_ptr + kv * stride_kh + pos * stride_kn + d, out)
+            _store_row(cache_k_ptr + kv * stride_kh + pos * stride_kn, out, K_FMT, D)
             if V_IS_K:  # the key head as loaded, before its norm (its mean of squares is the value's)
                 value = raw
             else:  # value head j sits N_KV heads after key head j
@@ -90,4 +96,69 @@ def qkv_prep_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_norm_ptr, k_norm_ptr, 
                     inv_rms = tl.math.rsqrt(tl.reduce(value * value, 0, add) * (1.0 / D) + eps)
             if GEMMA:  # v_norm: (v.float() * rsqrt(mean(v^2) + eps)).to(dtype)
                 value = value * inv_rms
-            tl.store(cache_v_ptr + kv * stride_vh + pos * stride_vn + d, round_to(value, dtype, EMULATE).to(dtype))
+            _store_row(cache_v_ptr + kv * stride_vh + pos * stride_vn, round_to(value, dtype, EMULATE).to(dtype),
+                       V_FMT, D)
+
+
+@triton.jit
+def _store_row(row, x, FMT: tl.constexpr, D: tl.constexpr):
+    """Store one cache row of D values x (of the compute dtype) at `row`: as they are (FMT 0), or quantized into
+    the block type FMT (module docstring) from their float32 values, 32 a block."""
+    if FMT == 0:
+        tl.store(row + tl.arange(0, D), x.to(row.dtype.element_ty))
+    else:
+        nb: tl.constexpr = D // 32
+        v = tl.reshape(x.to(tl.float32), (nb, 32))
+        if FMT == 1:  # q8_0: d = max |x| / 127, q = roundf(x / d) as int8
+            amax = tl.reduce(tl.abs(v), 1, maximum)
+            d = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
+            y = v * _inverse(d)[:, None]
+            a = tl.abs(y)
+            floored = tl.math.floor(a)
+            rounded = floored + tl.math.floor(2.0 * (a - floored))  # C's roundf of |y|: halves away from zero
+            q = tl.where(y < 0, -rounded, rounded).to(tl.int32)
+            tl.store(row + tl.arange(0, D), tl.reshape(q, (D,)).to(tl.int8).to(tl.uint8, bitcast=True))
+            _store_halves(row + D, d, nb)
+        else:
+            if FMT == 2 or FMT == 4:  # q4_0 / q5_0: d = (first value of largest magnitude) / -levels
+                levels: tl.constexpr = 4 * FMT  # 8 or 16
+                a = tl.abs(v)
+                largest = tl.reduce(a, 1, maximum)
+                k = tl.arange(0, 32)[None, :]
+                first = tl.reduce(tl.where(a == largest[:, None], k, 32), 1, minimum)
+                peak = tl.reduce(tl.where(k == first[:, None], v, float("-inf")), 1, maximum)
+                d = tl.math.div_rn(peak, tl.full(peak.shape, -levels, tl.float32))
+                q = (v * _inverse(d)[:, None] + (levels + 0.5)).to(tl.int32)  # trunc: the sum is above -1
+                q = tl.minimum(tl.maximum(q, 0), 2 * levels - 1)
+            else:  # q4_1 / q5_1: m = min, d = (max - min) / levels
+                levels: tl.constexpr = 8 * FMT - 9  # 15 or 31
+                lo = tl.reduce(v, 1, minimum)
+                d = tl.math.div_rn(tl.reduce(v, 1, maximum) - lo, tl.full(lo.shape, levels, tl.float32))
+                q = ((v - lo[:, None]) * _inverse(d)[:, None] + 0.5).to(tl.int32)
+                q = tl.minimum(tl.maximum(q, 0), levels)
+            q = tl.reshape(q, (D,))
+            even, odd = tl.split(tl.reshape(q, (D // 2, 2)))
+            tl.store(row + tl.arange(0, D // 2), ((even & 15) | ((odd & 15) << 4)).to(tl.uint8))
+            scales = row + D // 2
+            if FMT == 4 or FMT == 5:  # bit t of high byte b: bit 4 of value 8b + t
+                bits = (tl.reshape(q, (D // 8, 8)) >> 4) & 1
+                high = tl.reduce(bits << tl.arange(0, 8)[None, :], 1, add)
+                tl.store(scales + tl.arange(0, D // 8), high.to(tl.uint8))
+                scales += D // 8
+            _store_halves(scales, d, nb)
+            if FMT == 3 or FMT == 5:
+                _store_halves(scales + 2 * nb, lo, nb)
+
+
+@triton.jit
+def _inverse(d):
+    """1 / d (IEEE), 0 where d is 0 (kv_formats._inverse)."""
+    return tl.where(d == 0, 0.0, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(d == 0, 1.0, d)))
+
+
+@triton.jit
+def _store_halves(ptr, x, n: tl.constexpr):
+    """x float32 [n] as fp16 (round to nearest even), two bytes each, low byte first, at byte pointer ptr."""
+    bits = x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    pair = tl.reshape(tl.join(bits & 255, (bits >> 8) & 255), (2 * n,))
+    tl.store(ptr + tl.arange(0, 2 * n), pair.to(tl.uint8))

@@ -306,8 +306,9 @@ class Attention(nn.Module):
     def _prep_into_cache(self, qkv: torch.Tensor, cos, sin, positions, cache_k, cache_v, n_heads: int,
                          q_norm_weight, k_norm_weight, eps: float) -> torch.Tensor:
         """qkv_prep with its keys and values stored in the cache's types. The kernel writes rows of the compute
-        dtype only, so a cache of another type gets them through rows of their own and write_rows."""
-        if cache_k.dtype == qkv.dtype and cache_v.dtype == qkv.dtype:
+        dtype and of the block types (uint8); a float cache of another dtype gets them through rows of their own
+        and write_rows."""
+        if cache_k.dtype in (qkv.dtype, torch.uint8) and cache_v.dtype in (qkv.dtype, torch.uint8):
             return qkv_prep(qkv, cos, sin, positions, cache_k, cache_v, n_heads, self.n_kv, q_norm_weight,
                             k_norm_weight, eps)
         T = qkv.shape[0]

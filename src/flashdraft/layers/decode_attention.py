@@ -31,11 +31,9 @@ import torch
 
 from flashdraft.kernels import programmatic
 from flashdraft.kernels.runtime import opaque_op
-from flashdraft.quant.kv_formats import FLOAT_FORMATS, stored_format
+from flashdraft.quant.kv_formats import FLOAT_FORMATS, KERNEL_FORMATS, stored_format
 
 HEAD_DIMS = (16, 32, 64, 128, 256, 512)  # powers of two (tl.arange), at least tl.dot's 16; 512: Gemma 4's full layers
-# The kernel's codes for quantized cache rows (kernels.attention_triton._load_rows); float rows of any dtype are 0.
-KERNEL_FORMATS = {"q8_0": 1, "q4_0": 2, "q4_1": 3, "q5_0": 4, "q5_1": 5}
 
 
 @dataclass(frozen=True)

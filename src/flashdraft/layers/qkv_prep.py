@@ -6,7 +6,8 @@ cached pass's fused projection qkv [T, (n_heads + 2 * n_kv) * head_dim] and
 - RMS-normalizes each query and key head (Qwen3's q_norm / k_norm; both weights None: no norm),
 - applies rotate-half RoPE to them with the pass's cos / sin rows [T, head_dim] (float32, gathered by position),
 - writes the keys and the unchanged values into the layer's static cache, cache_k / cache_v [n_kv, capacity,
-  head_dim], at rows positions[t], and
+  row width], at rows positions[t]: rows of qkv's dtype, or of a KV cache block type (-ctk / -ctv: uint8 rows,
+  quantized in the kernel byte for byte as kv_formats.quantize does), and
 - returns the queries as [T, n_heads, head_dim] (Attention hands q.transpose(0, 1) to decode_attention).
 Gemma 4's attention takes it too, with keywords for its own steps: its norms, values normalized or taken from the
 keys, a sliding layer's ring rows (qkv_prep's docstring).
@@ -44,6 +45,7 @@ import torch
 from flashdraft.kernels import programmatic
 from flashdraft.kernels.runtime import opaque_op
 from flashdraft.layers import elementwise
+from flashdraft.quant.kv_formats import KERNEL_FORMATS, stored_format, write_rows
 
 HEAD_DIMS = (16, 32, 64, 128, 256, 512)  # powers of two (one tl.arange spans a head); 512: Gemma 4's full layers
 
@@ -66,11 +68,13 @@ def _head_dim(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions
     T, hd = qkv.shape[0], qkv.shape[1] // heads
     if hd not in HEAD_DIMS:
         raise ValueError(f"qkv_prep: head_dim {hd} is not one of {HEAD_DIMS}")
-    if cache_k.dim() != 3 or cache_k.shape != cache_v.shape or cache_k.shape[0] != n_kv or cache_k.shape[2] != hd:
+    if cache_k.dim() != 3 or cache_v.dim() != 3 or cache_k.shape[:2] != cache_v.shape[:2] or cache_k.shape[0] != n_kv:
         raise ValueError(f"qkv_prep: cache shapes: cache_k {list(cache_k.shape)} and cache_v {list(cache_v.shape)} "
-                         f"must both be [{n_kv}, capacity, {hd}]")
-    if cache_k.dtype != qkv.dtype or cache_v.dtype != qkv.dtype:
-        raise ValueError(f"qkv_prep: cache dtypes {cache_k.dtype} / {cache_v.dtype} differ from qkv's {qkv.dtype}")
+                         f"must both be [{n_kv}, capacity, row width] (a row of {hd} values)")
+    formats = [stored_format(cache, hd) for cache in (cache_k, cache_v)]  # names a row that holds no hd values
+    if any(not f.blocked and f.storage != qkv.dtype for f in formats):
+        raise ValueError(f"qkv_prep: cache dtypes {cache_k.dtype} / {cache_v.dtype} are neither qkv's {qkv.dtype} "
+                         "nor a KV cache block type's (uint8)")
     if cache_k.stride(2) != 1 or cache_v.stride(2) != 1:
         raise ValueError("qkv_prep: the caches need unit stride along head_dim")
     if cos.shape != (T, hd) or sin.shape != (T, hd) or cos.dtype != torch.float32 or sin.dtype != torch.float32:
@@ -120,7 +124,9 @@ def launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: t
         cache_k, cache_v, cache_offsets if cache_offsets is not None else positions, qkv.stride(0), cos.stride(0),
         sin.stride(0), cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), cache_k.shape[1],
         eps, N_HEADS=n_heads, N_KV=n_kv, D=hd, HAS_NORM=has_norm, EMULATE=qkv.device.type != "cuda",
-        HAS_OFFSETS=cache_offsets is not None, GEMMA=gemma, V_IS_K=value_is_key, WRAP=wrap, num_warps=1,
+        HAS_OFFSETS=cache_offsets is not None, GEMMA=gemma, V_IS_K=value_is_key, WRAP=wrap,
+        K_FMT=KERNEL_FORMATS.get(stored_format(cache_k, hd).name, 0),
+        V_FMT=KERNEL_FORMATS.get(stored_format(cache_v, hd).name, 0), num_warps=1,
         enable_fp_fusion=False,  # no FMA: the eager path rounds the RoPE products before adding them
         **programmatic.triton_options(kernel, qkv.device))
     return q
@@ -191,7 +197,8 @@ def qkv_prep_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
                        q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
                        eps: float = 1e-6) -> torch.Tensor:
     """qkv_prep in plain torch, the steps of Attention.forward's module path (the tests' reference): split,
-    per-head elementwise.rms_norm, elementwise.rope, index_copy_ into the caches."""
+    per-head elementwise.rms_norm, elementwise.rope, write_rows into the caches (index_copy_, rows quantized first
+    for a cache of a block type)."""
     hd = _head_dim(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight)
     q, k, v = qkv.split([n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
 
@@ -201,6 +208,6 @@ def qkv_prep_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
             x = elementwise.rms_norm(x, weight, eps)
         return elementwise.rope(x, cos.unsqueeze(-2), sin.unsqueeze(-2))  # [T, heads, hd]
 
-    cache_k.index_copy_(1, positions, rotated(k, n_kv, k_norm_weight).transpose(0, 1))
-    cache_v.index_copy_(1, positions, v.unflatten(-1, (n_kv, hd)).transpose(0, 1))
+    write_rows(cache_k, positions, rotated(k, n_kv, k_norm_weight).transpose(0, 1))
+    write_rows(cache_v, positions, v.unflatten(-1, (n_kv, hd)).transpose(0, 1))
     return rotated(q, n_heads, q_norm_weight)

@@ -61,6 +61,9 @@ FLOAT_FORMATS = {f.name: f for f in (KVFormat("f32", torch.float32, 128), KVForm
 BLOCK_FORMATS = {name: KVFormat(name, torch.uint8, block_format(name.upper()).block_bytes)
                  for name in ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")}
 KV_FORMATS = {**FLOAT_FORMATS, **BLOCK_FORMATS}
+# The kernels' codes for the block types (kernels.attention_triton reads rows of them, kernels.qkv_prep_triton
+# writes them); float rows of any dtype are 0.
+KERNEL_FORMATS = {"q8_0": 1, "q4_0": 2, "q4_1": 3, "q5_0": 4, "q5_1": 5}
 _BY_DTYPE = {f.storage: f for f in FLOAT_FORMATS.values()}
 _BY_BLOCK_BYTES = {f.block_bytes: f for f in BLOCK_FORMATS.values()}
 

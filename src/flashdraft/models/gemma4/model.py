@@ -182,7 +182,7 @@ class Gemma4Attention(nn.Module):
         self.attention_rows = plan.attention_rows if attention_kernel.supports(self.head_dim) else 0
         # ... and of those, the ones that write the ring in place (every one over a full layer's cache) take the
         # norms, RoPE and cache writes as one kernel (qkv_prep) where q/k/v are one product and the cache holds the
-        # compute dtype: compiled, they were five kernels a layer (docs/performance.md)
+        # compute dtype or a block type: compiled, they were five kernels a layer (docs/performance.md)
         self.prep_rows = 0 if self.head_dim not in PREP_HEAD_DIMS else (
             min(self.attention_rows, RING_IN_PLACE_MAX_T) if self.sliding else self.attention_rows)
         h, bias, rows = cfg.hidden_size, cfg.attention_bias, plan.gemm_rows
@@ -214,7 +214,8 @@ class Gemma4Attention(nn.Module):
         """cache_k / cache_v: this layer's rows of the cache (a ring of `ring` rows on a sliding layer). The layer's
         own tensors, not the cache and an index, so that one compiled graph serves every layer of a kind."""
         T = x.shape[0]
-        if T <= self.prep_rows and self.qkv_proj is not None and cache_k.dtype == cache_v.dtype == x.dtype:
+        stored = (x.dtype, torch.uint8)  # rows qkv_prep writes: of the compute dtype, or a block type's
+        if T <= self.prep_rows and self.qkv_proj is not None and cache_k.dtype in stored and cache_v.dtype in stored:
             q = qkv_prep(self.qkv_proj(x), cos, sin, positions, cache_k, cache_v, self.n_heads, self.n_kv,
                          self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, gemma=True,
                          value_is_key=self.v_proj is None, wrap=self.sliding)

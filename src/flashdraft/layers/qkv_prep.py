@@ -45,7 +45,7 @@ import torch
 from flashdraft.kernels import programmatic
 from flashdraft.kernels.runtime import opaque_op
 from flashdraft.layers import elementwise
-from flashdraft.quant.kv_formats import KERNEL_FORMATS, stored_format, write_rows
+from flashdraft.quant.kv_formats import KERNEL_FORMATS, KVFormat, stored_format, write_rows
 
 HEAD_DIMS = (16, 32, 64, 128, 256, 512)  # powers of two (one tl.arange spans a head); 512: Gemma 4's full layers
 
@@ -56,11 +56,12 @@ def _kernels():
     return qkv_prep_triton
 
 
-def _head_dim(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-              cache_k: torch.Tensor, cache_v: torch.Tensor, n_heads: int, n_kv: int,
-              q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
-              value_is_key: bool = False) -> int:
-    """Check the arguments' shapes, dtypes and devices (shapes only: no host sync); return head_dim."""
+def _checked(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+             cache_k: torch.Tensor, cache_v: torch.Tensor, n_heads: int, n_kv: int,
+             q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
+             value_is_key: bool = False) -> tuple[int, list[KVFormat]]:
+    """Check the arguments' shapes, dtypes and devices (shapes only: no host sync); return head_dim and the
+    caches' formats (kv_formats: the compute dtype's, or a block type's)."""
     heads = n_heads + (1 if value_is_key else 2) * n_kv
     if qkv.dim() != 2 or n_heads < 0 or n_kv < 1 or qkv.shape[1] % heads:
         raise ValueError(f"qkv_prep: qkv width: qkv {list(qkv.shape)} is not [T, (n_heads + "
@@ -90,7 +91,7 @@ def _head_dim(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions
     tensors = (cos, sin, positions, cache_k, cache_v, q_norm_weight, k_norm_weight)
     if any(x is not None and x.device != qkv.device for x in tensors):
         raise ValueError(f"qkv_prep: every tensor must be on qkv's device, {qkv.device}")
-    return hd
+    return hd, formats
 
 
 def launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -100,8 +101,8 @@ def launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: t
            value_is_key: bool = False, wrap: bool = False) -> torch.Tensor:
     """Run the kernel (no custom-op wrapper); arguments and result as qkv_prep (cache_offsets: as
     qkv_prep_segments')."""
-    hd = _head_dim(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight,
-                   value_is_key)
+    hd, formats = _checked(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight,
+                           value_is_key)
     if gemma and q_norm_weight is None:
         raise ValueError("qkv_prep: gemma=True needs the q and k norm weights (Gemma 4 normalizes both)")
     T = qkv.shape[0]
@@ -125,8 +126,7 @@ def launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: t
         sin.stride(0), cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), cache_k.shape[1],
         eps, N_HEADS=n_heads, N_KV=n_kv, D=hd, HAS_NORM=has_norm, EMULATE=qkv.device.type != "cuda",
         HAS_OFFSETS=cache_offsets is not None, GEMMA=gemma, V_IS_K=value_is_key, WRAP=wrap,
-        K_FMT=KERNEL_FORMATS.get(stored_format(cache_k, hd).name, 0),
-        V_FMT=KERNEL_FORMATS.get(stored_format(cache_v, hd).name, 0), num_warps=1,
+        K_FMT=KERNEL_FORMATS.get(formats[0].name, 0), V_FMT=KERNEL_FORMATS.get(formats[1].name, 0), num_warps=1,
         enable_fp_fusion=False,  # no FMA: the eager path rounds the RoPE products before adding them
         **programmatic.triton_options(kernel, qkv.device))
     return q
@@ -134,8 +134,8 @@ def launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: t
 
 def _queries_like(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight, eps,
                   gemma=False, value_is_key=False, wrap=False):
-    hd = _head_dim(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight,
-                   value_is_key)
+    hd, _ = _checked(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight,
+                     value_is_key)
     return qkv.new_empty((qkv.shape[0], n_heads, hd))
 
 
@@ -199,7 +199,7 @@ def qkv_prep_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     """qkv_prep in plain torch, the steps of Attention.forward's module path (the tests' reference): split,
     per-head elementwise.rms_norm, elementwise.rope, write_rows into the caches (index_copy_, rows quantized first
     for a cache of a block type)."""
-    hd = _head_dim(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight)
+    hd, _ = _checked(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight)
     q, k, v = qkv.split([n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
 
     def rotated(x: torch.Tensor, heads: int, weight: torch.Tensor | None) -> torch.Tensor:

@@ -292,6 +292,7 @@ from flashdraft.layers.attention import grouped_attention  # noqa: E402
 
 interpret_without_gpu("flashdraft.kernels.attention_triton", da._kernels)
 interpret_without_gpu("flashdraft.kernels.qkv_prep_triton", qp._kernels)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("k_type,v_type", [("q8_0", "q4_0"), ("q4_1", "q5_0"), ("q5_1", "f16")])
@@ -299,12 +300,12 @@ def test_attention_kernel_dequantizes_the_blocks(k_type, v_type):
     """decode_attention over packed rows is bitwise decode_attention over their dequantized values (the kernel
     dequantizes as kv_formats does), and SDPA's attention over them within float noise."""
     T, kv_len = 3, 70
-    q = _rows(5, (4, T, 32))
-    k, v = _rows(6, (2, kv_len, 32)), _rows(7, (2, kv_len, 32))
+    q = _rows(5, (4, T, 32)).to(DEVICE)
+    k, v = _rows(6, (2, kv_len, 32)).to(DEVICE), _rows(7, (2, kv_len, 32)).to(DEVICE)
     kt, vt = kf.kv_format(k_type), kf.kv_format(v_type)
     pk, pv = kf.quantize(k, kt), kf.quantize(v, vt)
     dk, dv = kf.dequantize_rows(pk, kt, torch.float32), kf.dequantize_rows(pv, vt, torch.float32)
-    mask = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - T, kv_len)[:, None]
+    mask = (torch.arange(kv_len)[None, :] <= torch.arange(kv_len - T, kv_len)[:, None]).to(DEVICE)
     packed = da.launch(q, pk, pv, mask)
     assert torch.equal(packed, da.launch(q, dk, dv, mask))
     ref = grouped_attention(q.double()[None], dk.double()[None], dv.double()[None], mask[None, None])
@@ -317,15 +318,15 @@ def test_fused_cache_writes_store_the_types(wide_pair, k_type, v_type):
     dtype than the compute one through rows of the compute dtype: either way the bytes are those of the eager
     path's rows, stored in the cache's type."""
     from flashdraft.models import load_target
-    attn = load_target(wide_pair[0], 0, device="cpu", dtype=torch.float32).model.layers[0].self_attn
+    attn = load_target(wide_pair[0], 0, device=DEVICE, dtype=torch.float32).model.layers[0].self_attn
     T, hd = 5, attn.head_dim
-    qkv = _rows(8, (T, (attn.n_heads + 2 * attn.n_kv) * hd))
-    cos, sin = torch.rand(T, hd), torch.rand(T, hd)
-    positions = torch.tensor([3, 4, 5, 6, 7])
+    qkv = _rows(8, (T, (attn.n_heads + 2 * attn.n_kv) * hd)).to(DEVICE)
+    cos, sin = torch.rand(T, hd, device=DEVICE), torch.rand(T, hd, device=DEVICE)
+    positions = torch.tensor([3, 4, 5, 6, 7], device=DEVICE)
     kt, vt = kf.kv_format(k_type), kf.kv_format(v_type)
-    ck, cv = kf.new_rows(kt, attn.n_kv, 16, hd, "cpu"), kf.new_rows(vt, attn.n_kv, 16, hd, "cpu")
+    ck, cv = kf.new_rows(kt, attn.n_kv, 16, hd, DEVICE), kf.new_rows(vt, attn.n_kv, 16, hd, DEVICE)
     q = attn._prep_into_cache(qkv, cos, sin, positions, ck, cv, attn.n_heads, None, None, 1e-6)
-    rk, rv = torch.zeros(attn.n_kv, 16, hd), torch.zeros(attn.n_kv, 16, hd)
+    rk, rv = torch.zeros(attn.n_kv, 16, hd, device=DEVICE), torch.zeros(attn.n_kv, 16, hd, device=DEVICE)
     ref_q = qp.qkv_prep_reference(qkv, cos, sin, positions, rk, rv, attn.n_heads, attn.n_kv)
     assert torch.equal(q, ref_q)
     for cache, ref, fmt in ((ck, rk, kt), (cv, rv, vt)):
@@ -339,13 +340,14 @@ def test_routed_layers_read_quantized_caches(wide_pair):
     from flashdraft.models import load_target
     outs, caches = [], []
     for attention in ("sdpa", "triton"):
-        target = load_target(wide_pair[0], 64, device="cpu", dtype=torch.float32, plan=LayerPlan(attention=attention))
+        target = load_target(wide_pair[0], 64, device=DEVICE, dtype=torch.float32,
+                             plan=LayerPlan(attention=attention))
         assert target.model.layers[0].self_attn.attention_rows == (16 if attention == "triton" else 0)
-        ids = torch.randint(5, target.config.vocab_size, (24,), generator=torch.Generator().manual_seed(2))
+        ids = torch.randint(5, target.config.vocab_size, (24,), generator=torch.Generator().manual_seed(2)).to(DEVICE)
         cache = target.new_cache(32, "q8_0", "q4_1")
         with torch.no_grad():
-            target(ids[:20], torch.arange(20), cache, 20)  # prefill: SDPA either way
-            outs.append(target(ids[20:], torch.arange(20, 24), cache, 24)[0])
+            target(ids[:20], torch.arange(20, device=DEVICE), cache, 20)  # prefill: SDPA either way
+            outs.append(target(ids[20:], torch.arange(20, 24, device=DEVICE), cache, 24)[0])
         caches.append(cache)
     assert (outs[0] - outs[1]).abs().max().item() < 1e-4
     assert torch.equal(caches[0].k[0], caches[1].k[0]) and torch.equal(caches[0].v[0], caches[1].v[0])
@@ -365,19 +367,21 @@ def test_gemma4_few_row_passes_write_the_types_in_qkv_prep():
                                       global_head_dim=64))
     modules = Gemma4LM(cfg).eval()
     randomise(modules, 4)
-    routed = Gemma4LM(cfg, LayerPlan(attention="triton", fuse_projections=True)).eval()
+    modules.to(DEVICE)
+    routed = Gemma4LM(cfg, LayerPlan(attention="triton", fuse_projections=True)).eval().to(DEVICE)
     routed.load_state_dict(modules.state_dict())
     routed.prepare()
-    ids = torch.randint(5, 300, (40,), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(5, 300, (40,), generator=torch.Generator().manual_seed(5)).to(DEVICE)
     logits, launches, real = [], [], qp.launch
     qp.launch = lambda *a, **kw: launches.append(a[0].shape[0]) or real(*a, **kw)
     try:
         for model in (modules, routed):
             cache, parts = model.new_cache(64, "q5_0", "q4_1"), []
             with torch.no_grad():
-                parts.append(model(ids[:20], torch.arange(20), cache, 20)[0])  # more rows than the kernels take
+                # more rows than the kernels take
+                parts.append(model(ids[:20], torch.arange(20, device=DEVICE), cache, 20)[0])
                 for i in range(20, 40, 5):
-                    parts.append(model(ids[i:i + 5], torch.arange(i, i + 5), cache, i + 5)[0])
+                    parts.append(model(ids[i:i + 5], torch.arange(i, i + 5, device=DEVICE), cache, i + 5)[0])
             logits.append(torch.cat(parts))
     finally:
         qp.launch = real

@@ -116,6 +116,12 @@ def _inverse(d: torch.Tensor) -> torch.Tensor:
     return torch.where(d == 0, 0.0, 1.0 / d)
 
 
+def _divided(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x / n rounded once, as llama.cpp's C division: on CUDA, torch divides by a Python number as a product with
+    its rounded reciprocal, which can differ by an ulp, so the divisor is a tensor on x's device."""
+    return x / torch.tensor(float(n), dtype=x.dtype, device=x.device)
+
+
 def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     """[..., head_dim] of 0..31 -> [..., head_dim / 2] bytes: value 2i's low 4 bits in the low half of byte i,
     value 2i + 1's in the high half."""
@@ -136,14 +142,14 @@ def _truncated(x: torch.Tensor, high: int) -> torch.Tensor:
 def _symmetric(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
     """q4_0 / q5_0: d = (the value of largest magnitude, first if tied) / -levels, q = trunc(x / d + levels + 0.5)."""
     peak = x.gather(-1, x.abs().argmax(-1, keepdim=True))
-    d = peak / -levels
+    d = _divided(peak, -levels)
     return d, _truncated(x * _inverse(d) + (levels + 0.5), 2 * levels - 1)
 
 
 def _affine(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q4_1 / q5_1: m = min, d = (max - min) / levels, q = trunc((x - m) / d + 0.5)."""
     lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
-    d = (hi - lo) / levels
+    d = _divided(hi - lo, levels)
     return d, lo, _truncated((x - lo) * _inverse(d) + 0.5, levels)
 
 
@@ -157,7 +163,7 @@ def _roundf(x: torch.Tensor) -> torch.Tensor:
 def _quantize_rows(x: torch.Tensor, name: str) -> torch.Tensor:
     """float32 [..., n, 32] (a row's blocks) -> uint8 [..., row_width] in the layout of the module docstring."""
     if name == "q8_0":
-        d = x.abs().amax(-1, keepdim=True) / 127
+        d = _divided(x.abs().amax(-1, keepdim=True), 127)
         q = _roundf(x * _inverse(d)).to(torch.int8).view(torch.uint8)
         return torch.cat([q.flatten(-2), _f16_bytes(d)], dim=-1)
     if name in ("q4_0", "q5_0"):

@@ -187,6 +187,8 @@ def test_script_arguments_are_checked(tmp_path):
              "SBS_DEPTHS must be comma-separated numbers": ([], {"SBS_DEPTHS": "0,8K"}),
              "SBS_DRAFTER must be": ([], {"SBS_DRAFTER": "Q2_K"}),
              "SBS_DRAFT_WINDOW must be a whole number": ([], {"SBS_DRAFT_WINDOW": "-1"}),
+             "SBS_CACHE_TYPES must be K,V of f16": ([], {"SBS_CACHE_TYPES": "q5_0"}),
+             "got 'q5_0,q3_k'": ([], {"SBS_CACHE_TYPES": "q5_0,q3_k"}),
              "BUDGET must be a whole number": ([], {"SBS_BUDGET_S": "ten"}),
              "must hold make_gguf.py": ([], {"SBS_BENCH": str(tmp_path / "nowhere")})}
     for message, (args, extra) in cases.items():
@@ -235,6 +237,10 @@ def test_dry_run_prints_the_plan(tmp_path):
     assert order == sorted(order), "SBS_SERIAL=0: build start, files, flashdraft during the build, build wait, llama"
     out = run_script(["--dry-run", "flashdraft"], {**env, "SBS_DRAFT_WINDOW": "1024"}).stdout
     assert out.count("--drafter Q5_K --draft-window 1024") == 2 and "--drafter bf16 --draft-window 1024" in out
+    # the walkthrough's KV cache types, on both sides
+    out = run_script(["--dry-run", "flashdraft", "llama"], {**env, "SBS_CACHE_TYPES": "q5_0,q4_1"}).stdout
+    assert out.count("--drafter Q5_K --cache-types q5_0,q4_1") == 2
+    assert out.count("-ngl 99 -fa 1 -ctk q5_0 -ctv q4_1 -r 3 -o json") == 6
     # one phase: llama.cpp only (a missing file is written first), no build
     proc = run_script(["--dry-run", "llama"], {**env, "SBS_MODELS": "qwen3-8b:bf16", "SBS_REPS": "5"})
     assert "BEE_BUDGET_S" not in proc.stdout and "side_by_side_gguf.py measure" not in proc.stdout

@@ -33,6 +33,9 @@
 # SBS_DRAFT_WINDOW (unset: flashdraft's default drafter window, 1024; N: the last N tokens, --spec-dflash-cross-ctx;
 # 0: the whole context),
 # SBS_DRAFTER (auto: bf16 for float files, Q5_K blocks for quantized ones; or Q5_K, Q8_0, Q4_K, Q6_K, bf16),
+# SBS_CACHE_TYPES (unset: each engine's default KV cache; K,V: both engines' target cache types, e.g. q5_0,q4_1 as
+# the walkthrough's -ctk q5_0 -ctv q4_1: llama-bench -ctk K -ctv V, flashdraft --cache-types K,V; give such a run
+# its own SBS_WORK, results are kept by model name),
 # SBS_SERIAL (1), SBS_KEEP_GGUF (0: a file is deleted once both sides measured it),
 # SBS_JOBS (16, build jobs), SBS_NEED_FD / SBS_NEED_LLAMA (330 / 200: the seconds a model's flashdraft or llama.cpp
 # step must have left to start), PYTHON (python3). A llama-bench already at $SBS_WORK/bee/build-*/bin (with its
@@ -56,6 +59,7 @@ REPS="${SBS_REPS:-3}"
 FD_REPS="${SBS_FD_REPS:-1}"
 DRAFT_WINDOW="${SBS_DRAFT_WINDOW:-}"
 DRAFTER="${SBS_DRAFTER:-auto}"
+CACHE_TYPES="${SBS_CACHE_TYPES:-}"
 SERIAL="${SBS_SERIAL:-1}"
 KEEP="${SBS_KEEP_GGUF:-0}"
 PY="${PYTHON:-python3}"
@@ -96,6 +100,9 @@ for v in DEPTHS PREFILL TAUS DFLASH_PROMPT; do [[ "${!v}" =~ ^[0-9]+(,[0-9]+)*$ 
 for v in BUDGET TOKENS REPS FD_REPS; do [[ "${!v}" =~ ^[0-9]+$ ]] || die "$v must be a whole number, got '${!v}'"; done
 [[ -z "$DRAFT_WINDOW" || "$DRAFT_WINDOW" =~ ^[0-9]+$ ]] || die "SBS_DRAFT_WINDOW must be a whole number, got '$DRAFT_WINDOW'"
 case "$DRAFTER" in auto|Q5_K|Q8_0|Q4_K|Q6_K|bf16) ;; *) die "SBS_DRAFTER must be auto, Q5_K, Q8_0, Q4_K, Q6_K or bf16, got '$DRAFTER'";; esac
+KV_TYPE='(f16|bf16|q8_0|q5_0|q5_1|q4_0|q4_1)'
+[[ -z "$CACHE_TYPES" || "$CACHE_TYPES" =~ ^$KV_TYPE,$KV_TYPE$ ]] \
+    || die "SBS_CACHE_TYPES must be K,V of f16 bf16 q8_0 q5_0 q5_1 q4_0 q4_1, got '$CACHE_TYPES'"
 drafter_for() {  # auto: a bf16 drafter for a float file, Q5_K blocks (the walkthrough drafter's type) for a quantized one
     if [ "$DRAFTER" != auto ]; then echo "$DRAFTER"; else case "${1##*:}" in bf16|f32) echo bf16;; *) echo Q5_K;; esac; fi
 }
@@ -198,6 +205,7 @@ phase_flashdraft() {
         local nm extra=("${busy[@]}"); nm=$(name_of "$spec"); local f="$GGUF_DIR/$nm.gguf"
         case "$spec" in tiny-*) extra+=(--tiny);; esac
         [ -n "$DRAFT_WINDOW" ] && extra+=(--draft-window "$DRAFT_WINDOW")
+        [ -n "$CACHE_TYPES" ] && extra+=(--cache-types "$CACHE_TYPES")
         [ -s "$RESULTS/flashdraft-$nm.json" ] && { say "flashdraft: $nm measured in an earlier call"; continue; }
         ensure_file "$spec" || continue
         [ "$(left)" -ge $NEED_FD ] || { say "flashdraft: not enough time left for $nm -- call again"; finish 3; }
@@ -228,11 +236,12 @@ phase_llama() {
         [ "$(left)" -ge $NEED_LLAMA ] || { say "llama: not enough time left for $nm -- call again"; finish 3; }
         say "llama: $nm"
         [ $DRY = 1 ] || rm -f "$part"
-        local args rc=0
+        local args rc=0 types=()
+        [ -n "$CACHE_TYPES" ] && types=(-ctk "${CACHE_TYPES%,*}" -ctv "${CACHE_TYPES#*,}")
         for args in "-p $PREFILL -n 0" "-p 0 -n $TOKENS -d $DEPTHS"; do
             # shellcheck disable=SC2086
-            run timeout $(( $(left) - 10 )) "${bin:-llama-bench}" -m "$f" $args -ngl 99 -fa 1 -r "$REPS" -o json \
-                -oe md >> "$part" 2>> "$LOG" || { rc=$?; break; }
+            run timeout $(( $(left) - 10 )) "${bin:-llama-bench}" -m "$f" $args -ngl 99 -fa 1 "${types[@]}" \
+                -r "$REPS" -o json -oe md >> "$part" 2>> "$LOG" || { rc=$?; break; }
         done
         [ $DRY = 1 ] && continue
         grep -E "^\|" "$LOG" | tail -6

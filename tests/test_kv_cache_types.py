@@ -389,6 +389,45 @@ def test_gemma4_few_row_passes_write_the_types_in_qkv_prep():
     assert (logits[0] - logits[1]).abs().max().item() < 1e-2
 
 
+def test_gemma4_compiled_layers_write_the_types_in_qkv_prep():
+    """Gemma 4's layers compiled as the engine compiles them (dynamic shapes; aot_eager here: Dynamo's tracing, the
+    ops' fake implementations and functionalization of the cache writes, without Inductor's minutes on the CPU)
+    over caches of the walkthrough's types: the eager layers' logits and cache bytes. Under dynamic shapes a
+    block-type cache's row width is symbolic, which qkv_prep's fake implementation must not look up."""
+    from test_gemma4_tiny import randomise, text_config
+
+    from flashdraft.layers import LayerPlan
+    from flashdraft.models.gemma4.config import Gemma4Config
+    from flashdraft.models.gemma4.model import Gemma4DecoderLayer, Gemma4LM
+    cfg = Gemma4Config.from_dict(dict(text_config(300, moe=False, window=8), model_type="gemma4_text", head_dim=32,
+                                      global_head_dim=64))
+    models = []
+    for _ in range(2):
+        model = Gemma4LM(cfg, LayerPlan(attention="triton", fuse_projections=True)).eval().to(DEVICE)
+        if models:
+            model.load_state_dict(models[0].state_dict())
+        else:
+            randomise(model, 4)
+        model.prepare()
+        models.append(model)
+    for m in models[1].modules():
+        if isinstance(m, Gemma4DecoderLayer):
+            m.compile(dynamic=True, backend="aot_eager")
+    ids = torch.randint(5, 300, (30,), generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    logits, caches = [], []
+    for model in models:
+        cache, parts = model.new_cache(64, "q5_0", "q4_1"), []
+        with torch.no_grad():
+            parts.append(model(ids[:20], torch.arange(20, device=DEVICE), cache, 20)[0])
+            for i in range(20, 30, 5):  # few-row passes: qkv_prep quantizes as it writes
+                parts.append(model(ids[i:i + 5], torch.arange(i, i + 5, device=DEVICE), cache, i + 5)[0])
+        logits.append(torch.cat(parts))
+        caches.append(cache)
+    assert torch.equal(logits[0], logits[1])
+    for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+        assert a.dtype == torch.uint8 and torch.equal(a, b)
+
+
 def test_serve_takes_the_cache_type_flags(tmp_path, capsys):
     from flashdraft.server.cli import build_parser, main as serve_main, settings_from_args
 

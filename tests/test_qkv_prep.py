@@ -193,11 +193,13 @@ def test_bad_arguments_are_named():
     assert (cache_k == UNWRITTEN).all() and (cache_v == UNWRITTEN).all()
 
 
-def test_custom_op_and_compile():
+@pytest.mark.parametrize("types", [None, ("q5_0", "q4_1")])
+def test_custom_op_and_compile(types):
     """The op's schema declares the cache writes and its fake implementation has q's shape; under torch.compile it
-    is one opaque call whose cache writes still land in the caller's tensors."""
+    is one opaque call whose cache writes still land in the caller's tensors. types: caches of block types (uint8
+    rows, whose width is symbolic too under dynamic shapes)."""
     args = _inputs(3, 4, 2, 32, torch.bfloat16, True, seed=8)
-    cache_k, cache_v = _caches(2, 32, torch.bfloat16)
+    cache_k, cache_v = _caches(2, 32, torch.bfloat16) if types is None else _block_caches(2, 32, *types)
     op_args = (args["qkv"], args["cos"], args["sin"], args["positions"], cache_k, cache_v, 4, 2,
                args["q_norm_weight"], args["k_norm_weight"], args["eps"])
     torch.library.opcheck(torch.ops.flashdraft.qkv_prep.default, op_args,
@@ -209,14 +211,17 @@ def test_custom_op_and_compile():
         return q.transpose(0, 1) * 2
 
     # the caches as the decoder holds them, views of one tensor for all layers ([k/v, layer, kv, rows, hd])
-    big, ref_big = (torch.full((2, 2, 2, CAPACITY, 32), UNWRITTEN, dtype=torch.bfloat16, device=DEVICE)
-                    for _ in range(2))
+    # (block types: both caches' rows as wide as the wider type's, each view as wide as its own)
+    marker, width, dtype = ((UNWRITTEN, 32, torch.bfloat16) if types is None else
+                            (0xA5, max(kf.kv_format(t).row_width(32) for t in types), torch.uint8))
+    big, ref_big = (torch.full((2, 2, 2, CAPACITY, width), marker, dtype=dtype, device=DEVICE) for _ in range(2))
     compiled = torch.compile(step, backend="aot_eager", dynamic=True, fullgraph=True)
     for T in (2, 3):  # one graph with a symbolic T (dynamic shapes specialize T = 1)
         tensors = [args[name][:T] for name in ("qkv", "cos", "sin", "positions")]
-        assert torch.equal(compiled(*tensors, big[0, 1], big[1, 1]), step(*tensors, ref_big[0, 1], ref_big[1, 1]))
+        views = [[c[i, 1, ..., :(cache_k, cache_v)[i].shape[-1]] for i in range(2)] for c in (big, ref_big)]
+        assert torch.equal(compiled(*tensors, *views[0]), step(*tensors, *views[1]))
     assert torch.equal(big, ref_big)
-    assert not (big[:, 1, :, args["positions"]] == UNWRITTEN).any() and (big[:, 0] == UNWRITTEN).all()
+    assert (big[:, 1, :, args["positions"]] != marker).any(-1).all() and (big[:, 0] == marker).all()
 
 
 def test_one_launch_writes_each_rows_own_sequences_caches():

@@ -134,8 +134,9 @@ def launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: t
 
 def _queries_like(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight, eps,
                   gemma=False, value_is_key=False, wrap=False):
-    hd, _ = _checked(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight,
-                     value_is_key)
+    """q's shape from qkv's alone: under dynamic shapes a cache's row width is symbolic, and naming its format
+    (_checked) would look that up in a table; the real call checks every argument."""
+    hd = qkv.shape[1] // (n_heads + (1 if value_is_key else 2) * n_kv)
     return qkv.new_empty((qkv.shape[0], n_heads, hd))
 
 

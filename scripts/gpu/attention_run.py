@@ -11,11 +11,13 @@ for each of a few tilings (AttentionConfig); OUT_DIR/attention.json names the fa
 which perf_run.py --attention-config=OUT_DIR/attention.json then uses.
 
 Usage (GPU machine, repo root): PYTHONPATH=src python scripts/gpu/attention_run.py OUT_DIR [--long]
-    [--shape qwen|gemma-full|gemma-sliding]
+    [--shape qwen|gemma-full|gemma-sliding] [--cache-types K,V]
 --long: long contexts instead (8K and 32K keys, and 512 as a short context in a long cache) and tilings with
 longer key ranges per program, the fastest at 32K named. --shape gemma-full: Gemma-4-31B's full layers (32 heads
 over 4 kv heads of 512); gemma-sliding: its sliding layers (32 heads over 16 kv heads of 256; short caches only,
-512 and 1088 keys, the ring's most).
+512 and 1088 keys, the ring's most). --cache-types K,V: caches of those KV cache types (e.g. q5_0,q4_1, the
+walkthrough's -ctk / -ctv; default bf16,bf16), read packed by the kernel; the references and SDPA take their
+dequantized values, and tilings that load by tensor descriptors (float caches only) are left out.
 """
 import argparse
 import dataclasses
@@ -32,6 +34,7 @@ from gemm_run import graphed_per_call_ms  # noqa: E402
 
 from flashdraft.layers.attention import grouped_attention  # noqa: E402
 from flashdraft.layers.decode_attention import CONFIG, AttentionConfig, launch  # noqa: E402
+from flashdraft.quant import kv_formats as kf  # noqa: E402
 
 
 def sdpa(q, k, v, mask):
@@ -88,35 +91,58 @@ GEMMA_FULL_CONFIGS = [AttentionConfig(block_n=32, num_warps=8), AttentionConfig(
 SHAPES = {"qwen": (32, 8, 128, 36), "gemma-full": (32, 4, 512, 10), "gemma-sliding": (32, 16, 256, 50)}
 
 
-def main(out: Path, long: bool = False, shape: str = "qwen") -> None:
+def cache_types(spec: str) -> tuple[kf.KVFormat, kf.KVFormat]:
+    """K,V -> the two KV cache formats; an unknown or malformed pair exits naming the supported types."""
+    names = spec.split(",")
+    try:
+        if len(names) != 2:
+            raise ValueError(f"want two types, K,V, got {spec!r}")
+        return kf.kv_format(names[0]), kf.kv_format(names[1])
+    except ValueError as e:
+        raise SystemExit(f"attention_run.py: --cache-types: {e}") from None
+
+
+def main(out: Path, long: bool = False, shape: str = "qwen", types: str = "bf16,bf16") -> None:
     heads, kv_heads, hd, layers = SHAPES[shape]
+    k_fmt, v_fmt = cache_types(types)
     if shape == "gemma-sliding" and long:
         raise SystemExit("attention_run.py: --shape gemma-sliding has no long caches (its ring is 1088 rows)")
     short = {"qwen": CONFIGS, "gemma-full": GEMMA_FULL_CONFIGS, "gemma-sliding": GEMMA_SLIDING_CONFIGS}[shape]
     configs = (GEMMA_FULL_LONG_CONFIGS if shape == "gemma-full" else LONG_CONFIGS) if long else short
+    if (k_fmt.name, v_fmt.name) != ("bf16", "bf16"):  # tensor descriptors: the compute dtype's rows only
+        configs = [c for c in configs if not c.tma]
     kv_lens = (512, 8192, 32768) if long else (512, 1088) if shape == "gemma-sliding" else (512, 2048, 8192)
     adopt_on = {(32768, 1), (32768, 16)} if long else {(kv, t) for kv in kv_lens[:2] for t in (1, 16)}
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               "shape": {"heads": heads, "kv_heads": kv_heads, "head_dim": hd, "layers": layers}, "rows": []}
+               "shape": {"heads": heads, "kv_heads": kv_heads, "head_dim": hd, "layers": layers},
+               "cache_types": f"{k_fmt.name},{v_fmt.name}", "rows": []}
     score = {c: 0.0 for c in configs}
     invariant = {c: True for c in configs}
     for kv_len in kv_lens:  # long: 512 as a short chat in a long cache
         cap = kv_len + 256
-        ks = [torch.randn(kv_heads, cap, hd, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(layers)]
-        vs = [torch.randn(kv_heads, cap, hd, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(layers)]
+        # each layer's cache as stored (packed for block types), and its values as attention sees them
+        ks = [kf.quantize(torch.randn(kv_heads, cap, hd, device=dev, dtype=torch.bfloat16, generator=gen), k_fmt)
+              for _ in range(layers)]
+        vs = [kf.quantize(torch.randn(kv_heads, cap, hd, device=dev, dtype=torch.bfloat16, generator=gen), v_fmt)
+              for _ in range(layers)]
+        kds = [kf.read_rows(k, hd, torch.bfloat16) for k in ks]
+        vds = [kf.read_rows(v, hd, torch.bfloat16) for v in vs]
+        row_bytes = ks[0].shape[-1] * ks[0].element_size() + vs[0].shape[-1] * vs[0].element_size()
         start = kv_len - 16 - 5
         for T in (1, 16):
             q = torch.randn(T, heads, hd, device=dev, dtype=torch.bfloat16, generator=gen).transpose(0, 1)
             pos = torch.arange(start, start + T, device=dev)
             mask = torch.arange(kv_len, device=dev)[None, :] <= pos[:, None]
             k, v = ks[0][:, :kv_len], vs[0][:, :kv_len]
-            ref = sdpa(q.double(), k.double(), v.double(), mask)
-            row = {"kv_len": kv_len, "T": T, "err_sdpa_bf16": (sdpa(q, k, v, mask).double() - ref).abs().max().item(),
-                   "us_sdpa": graph_us(lambda i: sdpa(q, ks[i][:, :kv_len], vs[i][:, :kv_len], mask), layers),
-                   "roofline_us": 2 * kv_heads * min(kv_len, start + T) * hd * 2 / 4.2e12 * 1e6, "configs": {}}
+            kd, vd = kds[0][:, :kv_len], vds[0][:, :kv_len]
+            ref = sdpa(q.double(), kd.double(), vd.double(), mask)
+            row = {"kv_len": kv_len, "T": T,
+                   "err_sdpa_bf16": (sdpa(q, kd, vd, mask).double() - ref).abs().max().item(),
+                   "us_sdpa": graph_us(lambda i: sdpa(q, kds[i][:, :kv_len], vds[i][:, :kv_len], mask), layers),
+                   "roofline_us": kv_heads * min(kv_len, start + T) * row_bytes / 4.2e12 * 1e6, "configs": {}}
             for c in configs:
                 ours = launch(q, k, v, mask, c)
                 rec = {"err": (ours.double() - ref).abs().max().item(),
@@ -150,7 +176,7 @@ def main(out: Path, long: bool = False, shape: str = "qwen") -> None:
                 row["configs"][c.name] = rec
             results["rows"].append(row)
             print(json.dumps(row), flush=True)
-        del ks, vs
+        del ks, vs, kds, vds
         torch.cuda.empty_cache()
     ok = [c for c in configs if invariant[c]]
     best = min(ok, key=lambda c: score[c]) if ok else None
@@ -171,5 +197,6 @@ if __name__ == "__main__":
     ap.add_argument("out", type=Path)
     ap.add_argument("--long", action="store_true")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen")
+    ap.add_argument("--cache-types", default="bf16,bf16", metavar="K,V")
     args = ap.parse_args()
-    main(args.out, args.long, args.shape)
+    main(args.out, args.long, args.shape, args.cache_types)

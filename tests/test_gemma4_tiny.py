@@ -56,10 +56,11 @@ def build_gemma_tokenizer(folder: Path, vocab_size: int = 512) -> int:
     return tok.get_vocab_size()
 
 
-def text_config(vocab: int, moe: bool, window: int = 8, layers: int = 6, max_positions: int = 512) -> dict:
-    """A tiny Gemma4TextConfig in transformers' spelling: [S, S, F] repeated, wider full-layer heads."""
+def text_config(vocab: int, moe: bool, window: int = 8, layers: int = 6, max_positions: int = 512,
+                head_dim: int = 16) -> dict:
+    """A tiny Gemma4TextConfig in transformers' spelling: [S, S, F] repeated, full-layer heads twice as wide."""
     cfg = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, global_head_dim=2 * head_dim,
                num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=window,
                layer_types=[FULL if (i + 1) % 3 == 0 else SLIDING for i in range(layers)],
                final_logit_softcapping=3.0, hidden_size_per_layer_input=0, max_position_embeddings=max_positions,
@@ -86,14 +87,16 @@ def randomise(model: torch.nn.Module, seed: int) -> None:
 
 
 def build_gemma4_target(folder: Path, moe: bool = False, published_spelling: bool = True, seed: int = 0,
-                        window: int = 8, layers: int = 6):
-    """Save a random tiny Gemma 4 (dense or MoE) checkpoint; returns (folder, the transformers model)."""
+                        window: int = 8, layers: int = 6, head_dim: int = 16):
+    """Save a random tiny Gemma 4 (dense or MoE) checkpoint; returns (folder, the transformers model). head_dim: the
+    sliding layers' (the full layers' twice that); 32 or more for KV caches of block types."""
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     vocab = build_gemma_tokenizer(folder)
-    cfg = Gemma4Config(text_config=text_config(vocab, moe, window, layers), vision_config=None, audio_config=None)
+    cfg = Gemma4Config(text_config=text_config(vocab, moe, window, layers, head_dim=head_dim), vision_config=None,
+                       audio_config=None)
     cfg.text_config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = Gemma4ForConditionalGeneration(cfg).eval()
@@ -103,7 +106,7 @@ def build_gemma4_target(folder: Path, moe: bool = False, published_spelling: boo
     if published_spelling:  # the published checkpoints' way of giving the full layers' shape
         text = raw["text_config"]
         del text["per_layer_config"]
-        text.update(global_head_dim=32, num_global_key_value_heads=1)
+        text.update(global_head_dim=2 * head_dim, num_global_key_value_heads=1)
     (folder / "config.json").write_text(json.dumps(raw, indent=2))
     (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 2, "eos_token_id": [1, 106]}))
     return folder, model

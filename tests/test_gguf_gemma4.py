@@ -214,6 +214,12 @@ def dense_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def wide_dense_dir(tmp_path_factory):
+    """Heads of 32 and 64 (the others' 16 and 32): wide enough for KV caches of block types."""
+    return build_gemma4_target(tmp_path_factory.mktemp("g4_wide"), moe=False, window=WINDOW, seed=4, head_dim=32)[0]
+
+
+@pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
     return build_gemma4_target(tmp_path_factory.mktemp("g4_moe"), moe=True, window=WINDOW, seed=5)[0]
 
@@ -371,13 +377,18 @@ def test_gemma_drafter_gguf_loads_as_safetensors(tmp_path, dense_dir, tok_dir, d
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
-@pytest.mark.parametrize("layout,fuse,attention", [("dense", False, "sdpa"), ("moe", False, "sdpa"),
-                                                   ("dense", True, "sdpa"), ("dense", True, "triton")])
-def test_gemma4_gguf_target_and_drafter_decode_losslessly(request, tmp_path, tok_dir, layout, fuse, attention):
+@pytest.mark.parametrize("layout,fuse,attention,types", [("dense", False, "sdpa", None), ("moe", False, "sdpa", None),
+                                                         ("dense", True, "sdpa", None), ("dense", True, "triton", None),
+                                                         ("wide_dense", True, "triton", ("q5_0", "q4_1"))],
+                         ids=["dense-False-sdpa", "moe-False-sdpa", "dense-True-sdpa", "dense-True-triton",
+                              "wide-dense-True-triton-q5_0-q4_1"])
+def test_gemma4_gguf_target_and_drafter_decode_losslessly(request, tmp_path, tok_dir, layout, fuse, attention,
+                                                          types):
     """Q8_0 target and drafter; guesses partly replaced by the target's own tokens so that every acceptance
     length, and so every rollback depth, occurs, past both windows and the target's ring. fuse: both built with
     the GPU's fused projections (one q/k/v and one gate/up product per layer); attention "triton": also the GPU's
-    few-row attention (decode_attention), the target's norms, RoPE and cache writes then one qkv_prep a layer."""
+    few-row attention (decode_attention), the target's norms, RoPE and cache writes then one qkv_prep a layer.
+    types: the target's KV cache types (the walkthrough's -ctk q5_0 -ctv q4_1: qkv_prep quantizes the rows)."""
     from flashdraft.engine.generator import MAX_BLOCK_SIZE
     from flashdraft.layers.plan import LayerPlan
 
@@ -392,7 +403,9 @@ def test_gemma4_gguf_target_and_drafter_decode_losslessly(request, tmp_path, tok
     if fuse:
         loaded = load_model(*files, device="cpu", context_size=256, overhang=MAX_BLOCK_SIZE,
                             plan=LayerPlan(attention=attention, fuse_projections=True))
-        engine = Engine(loaded.target, loaded.tokenizer, loaded.drafter, loaded.context_size)
+        engine = Engine(loaded.target, loaded.tokenizer, loaded.drafter, loaded.context_size,
+                        cache_type_k=types and types[0], cache_type_v=types and types[1])
+        assert types is None or engine.new_sequence().target_cache.k[0].dtype == torch.uint8
         assert all(layer.mlp.gate_up_proj is not None for layer in engine.decoder.target.model.layers)
         assert all((layer.self_attn.prep_rows > 0) == (attention == "triton")
                    for layer in engine.decoder.target.model.layers)

@@ -118,8 +118,9 @@ def _inverse(d: torch.Tensor) -> torch.Tensor:
 
 def _divided(x: torch.Tensor, n: int) -> torch.Tensor:
     """x / n rounded once, as llama.cpp's C division: on CUDA, torch divides by a Python number as a product with
-    its rounded reciprocal, which can differ by an ulp, so the divisor is a tensor on x's device."""
-    return x / torch.tensor(float(n), dtype=x.dtype, device=x.device)
+    its rounded reciprocal, which can differ by an ulp, so the divisor is a tensor on x's device (filled there:
+    no copy from the host, which would wait for the stream and cannot be captured in a CUDA graph)."""
+    return x / torch.full((), n, dtype=x.dtype, device=x.device)
 
 
 def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:

@@ -275,7 +275,7 @@ def test_attention_run_refuses_an_unknown_cache_type_pair():
     before any GPU work."""
     script = ROOT / "scripts" / "gpu" / "attention_run.py"
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), CUDA_VISIBLE_DEVICES="")
-    for spec, message in (("q5_0", "want two types, K,V, got 'q5_0'"),
+    for spec, message in (("q5_0", "'q5_0' is not K,V (two KV cache types"),
                           ("q5_0,q3_k", "unknown KV cache type 'q3_k'; supported: f32, f16, bf16, q8_0")):
         proc = subprocess.run([sys.executable, str(script), "out", "--cache-types", spec], env=env,
                               capture_output=True, text=True, timeout=120, cwd=os.environ.get("TMPDIR", "/tmp"))

@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gemm_run import graphed_per_call_ms  # noqa: E402
+from side_by_side_gguf import kv_types  # noqa: E402
 
 from flashdraft.layers.attention import grouped_attention  # noqa: E402
 from flashdraft.layers.decode_attention import CONFIG, AttentionConfig, launch  # noqa: E402
@@ -91,20 +92,9 @@ GEMMA_FULL_CONFIGS = [AttentionConfig(block_n=32, num_warps=8), AttentionConfig(
 SHAPES = {"qwen": (32, 8, 128, 36), "gemma-full": (32, 4, 512, 10), "gemma-sliding": (32, 16, 256, 50)}
 
 
-def cache_types(spec: str) -> tuple[kf.KVFormat, kf.KVFormat]:
-    """K,V -> the two KV cache formats; an unknown or malformed pair exits naming the supported types."""
-    names = spec.split(",")
-    try:
-        if len(names) != 2:
-            raise ValueError(f"want two types, K,V, got {spec!r}")
-        return kf.kv_format(names[0]), kf.kv_format(names[1])
-    except ValueError as e:
-        raise SystemExit(f"attention_run.py: --cache-types: {e}") from None
-
-
-def main(out: Path, long: bool = False, shape: str = "qwen", types: str = "bf16,bf16") -> None:
+def main(out: Path, long: bool = False, shape: str = "qwen", types: tuple[str, str] = ("bf16", "bf16")) -> None:
     heads, kv_heads, hd, layers = SHAPES[shape]
-    k_fmt, v_fmt = cache_types(types)
+    k_fmt, v_fmt = kf.kv_format(types[0]), kf.kv_format(types[1])
     if shape == "gemma-sliding" and long:
         raise SystemExit("attention_run.py: --shape gemma-sliding has no long caches (its ring is 1088 rows)")
     short = {"qwen": CONFIGS, "gemma-full": GEMMA_FULL_CONFIGS, "gemma-sliding": GEMMA_SLIDING_CONFIGS}[shape]
@@ -197,6 +187,7 @@ if __name__ == "__main__":
     ap.add_argument("out", type=Path)
     ap.add_argument("--long", action="store_true")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen")
-    ap.add_argument("--cache-types", default="bf16,bf16", metavar="K,V")
+    ap.add_argument("--cache-types", type=kv_types, default=None, metavar="K,V",
+                    help="the caches' KV cache types, e.g. q5_0,q4_1 (default: bf16,bf16)")
     args = ap.parse_args()
-    main(args.out, args.long, args.shape, args.cache_types)
+    main(args.out, args.long, args.shape, args.cache_types or ("bf16", "bf16"))

@@ -353,39 +353,54 @@ def test_routed_layers_read_quantized_caches(wide_pair):
     assert torch.equal(caches[0].k[0], caches[1].k[0]) and torch.equal(caches[0].v[0], caches[1].v[0])
 
 
+def _tiny_gemma4s(*plans):
+    """Random tiny Gemma 4s with the same weights, one per plan (None: the module path), prepared for it, on
+    DEVICE; heads of 32 and 64, wide enough for KV caches of block types."""
+    from test_gemma4_tiny import randomise, text_config
+
+    from flashdraft.models.gemma4.config import Gemma4Config
+    from flashdraft.models.gemma4.model import Gemma4LM
+    cfg = Gemma4Config.from_dict(dict(text_config(300, moe=False, window=8, head_dim=32), model_type="gemma4_text"))
+    models = []
+    for plan in plans:
+        model = (Gemma4LM(cfg) if plan is None else Gemma4LM(cfg, plan)).eval()
+        if models:
+            model.load_state_dict(models[0].state_dict())
+        else:
+            randomise(model, 4)
+        model.to(DEVICE)
+        if plan is not None:
+            model.prepare()
+        models.append(model)
+    return models
+
+
+def _logits_in_passes(model, ids):
+    """The logits of ids, and the cache of the walkthrough's types they went through: a 20-token pass (more rows
+    than the kernels take), then passes of 5 tokens, past the sliding layers' ring."""
+    cache, parts = model.new_cache(64, "q5_0", "q4_1"), []
+    with torch.no_grad():
+        parts.append(model(ids[:20], torch.arange(20, device=DEVICE), cache, 20)[0])
+        for i in range(20, len(ids), 5):
+            parts.append(model(ids[i:i + 5], torch.arange(i, i + 5, device=DEVICE), cache, i + 5)[0])
+    return torch.cat(parts), cache
+
+
 def test_gemma4_few_row_passes_write_the_types_in_qkv_prep():
     """Gemma 4 with the GPU's plan (q/k/v as one product; few-row passes through qkv_prep, which quantizes as it
     writes, and decode_attention) into caches of the walkthrough's types, past the sliding layers' ring: one
     qkv_prep launch a layer and pass, and the logits of the module path over caches of the same types (within
     what a value moved one quantization step by an ulp's difference before quantizing gives)."""
-    from test_gemma4_tiny import randomise, text_config
-
     from flashdraft.layers import LayerPlan
-    from flashdraft.models.gemma4.config import Gemma4Config
-    from flashdraft.models.gemma4.model import Gemma4LM
-    cfg = Gemma4Config.from_dict(dict(text_config(300, moe=False, window=8), model_type="gemma4_text", head_dim=32,
-                                      global_head_dim=64))
-    modules = Gemma4LM(cfg).eval()
-    randomise(modules, 4)
-    modules.to(DEVICE)
-    routed = Gemma4LM(cfg, LayerPlan(attention="triton", fuse_projections=True)).eval().to(DEVICE)
-    routed.load_state_dict(modules.state_dict())
-    routed.prepare()
+    modules, routed = _tiny_gemma4s(None, LayerPlan(attention="triton", fuse_projections=True))
     ids = torch.randint(5, 300, (40,), generator=torch.Generator().manual_seed(5)).to(DEVICE)
     logits, launches, real = [], [], qp.launch
     qp.launch = lambda *a, **kw: launches.append(a[0].shape[0]) or real(*a, **kw)
     try:
-        for model in (modules, routed):
-            cache, parts = model.new_cache(64, "q5_0", "q4_1"), []
-            with torch.no_grad():
-                # more rows than the kernels take
-                parts.append(model(ids[:20], torch.arange(20, device=DEVICE), cache, 20)[0])
-                for i in range(20, 40, 5):
-                    parts.append(model(ids[i:i + 5], torch.arange(i, i + 5, device=DEVICE), cache, i + 5)[0])
-            logits.append(torch.cat(parts))
+        logits = [_logits_in_passes(model, ids)[0] for model in (modules, routed)]
     finally:
         qp.launch = real
-    assert launches == [5] * 4 * cfg.num_hidden_layers
+    assert launches == [5] * 4 * routed.config.num_hidden_layers
     assert (logits[0] - logits[1]).abs().max().item() < 1e-2
 
 
@@ -394,37 +409,17 @@ def test_gemma4_compiled_layers_write_the_types_in_qkv_prep():
     ops' fake implementations and functionalization of the cache writes, without Inductor's minutes on the CPU)
     over caches of the walkthrough's types: the eager layers' logits and cache bytes. Under dynamic shapes a
     block-type cache's row width is symbolic, which qkv_prep's fake implementation must not look up."""
-    from test_gemma4_tiny import randomise, text_config
-
     from flashdraft.layers import LayerPlan
-    from flashdraft.models.gemma4.config import Gemma4Config
-    from flashdraft.models.gemma4.model import Gemma4DecoderLayer, Gemma4LM
-    cfg = Gemma4Config.from_dict(dict(text_config(300, moe=False, window=8), model_type="gemma4_text", head_dim=32,
-                                      global_head_dim=64))
-    models = []
-    for _ in range(2):
-        model = Gemma4LM(cfg, LayerPlan(attention="triton", fuse_projections=True)).eval().to(DEVICE)
-        if models:
-            model.load_state_dict(models[0].state_dict())
-        else:
-            randomise(model, 4)
-        model.prepare()
-        models.append(model)
+    from flashdraft.models.gemma4.model import Gemma4DecoderLayer
+    plan = LayerPlan(attention="triton", fuse_projections=True)
+    models = _tiny_gemma4s(plan, plan)
     for m in models[1].modules():
         if isinstance(m, Gemma4DecoderLayer):
             m.compile(dynamic=True, backend="aot_eager")
     ids = torch.randint(5, 300, (30,), generator=torch.Generator().manual_seed(6)).to(DEVICE)
-    logits, caches = [], []
-    for model in models:
-        cache, parts = model.new_cache(64, "q5_0", "q4_1"), []
-        with torch.no_grad():
-            parts.append(model(ids[:20], torch.arange(20, device=DEVICE), cache, 20)[0])
-            for i in range(20, 30, 5):  # few-row passes: qkv_prep quantizes as it writes
-                parts.append(model(ids[i:i + 5], torch.arange(i, i + 5, device=DEVICE), cache, i + 5)[0])
-        logits.append(torch.cat(parts))
-        caches.append(cache)
-    assert torch.equal(logits[0], logits[1])
-    for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+    (eager, eager_cache), (compiled, compiled_cache) = (_logits_in_passes(model, ids) for model in models)
+    assert torch.equal(eager, compiled)
+    for a, b in zip(eager_cache.k + eager_cache.v, compiled_cache.k + compiled_cache.v):
         assert a.dtype == torch.uint8 and torch.equal(a, b)
 
 

@@ -400,8 +400,9 @@ def test_gemma4_gguf_target_and_drafter_decode_losslessly(request, tmp_path, tok
         pytest.importorskip("triton")
         from triton_interpreter import interpret_layer_kernels
         interpret_layer_kernels()
-    if fuse:
-        loaded = load_model(*files, device="cpu", context_size=256, overhang=MAX_BLOCK_SIZE,
+    if fuse:  # the GPU's paths on the GPU where there is one (Triton compiles there, and takes no CPU tensors)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        loaded = load_model(*files, device=device, context_size=256, overhang=MAX_BLOCK_SIZE,
                             plan=LayerPlan(attention=attention, fuse_projections=True))
         engine = Engine(loaded.target, loaded.tokenizer, loaded.drafter, loaded.context_size,
                         cache_type_k=types and types[0], cache_type_v=types and types[1])
@@ -421,7 +422,8 @@ def test_gemma4_gguf_target_and_drafter_decode_losslessly(request, tmp_path, tok
 
     def oracle(start, guesses):
         k = next(steps) % (len(guesses) + 1)
-        right = torch.tensor((truth + [0] * 64)[start + 1:start + 1 + k], dtype=guesses.dtype)
+        right = torch.tensor((truth + [0] * 64)[start + 1:start + 1 + k], dtype=guesses.dtype,
+                             device=guesses.device)
         return torch.cat([right, guesses[k:]])
 
     drafted = engine.generate(prompt, params, draft=engine.max_draft, sequence=engine.new_sequence(oracle=oracle))

@@ -17,6 +17,7 @@ from test_gemma4_tiny import CHAT_TEMPLATE, SPECIALS, build_gemma4_target, build
 from test_gguf import add_dflash_keys_and_tensors, add_layer_stack, quantize, write_gguf
 from tiny_models import CORPUS
 
+from flashdraft.bench.oracle import PlantedOracle
 from flashdraft.config import ConfigError, SamplingParams
 from flashdraft.models.gemma4.config import FULL, SLIDING
 from flashdraft.engine.generator import Engine
@@ -400,8 +401,9 @@ def test_gemma4_gguf_target_and_drafter_decode_losslessly(request, tmp_path, tok
         pytest.importorskip("triton")
         from triton_interpreter import interpret_layer_kernels
         interpret_layer_kernels()
-    if fuse:  # the GPU's paths on the GPU where there is one (Triton compiles there, and takes no CPU tensors)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    # the GPU's paths on the GPU where there is one (Triton compiles there, and takes no CPU tensors)
+    device = "cuda" if fuse and torch.cuda.is_available() else "cpu"
+    if fuse:
         loaded = load_model(*files, device=device, context_size=256, overhang=MAX_BLOCK_SIZE,
                             plan=LayerPlan(attention=attention, fuse_projections=True))
         engine = Engine(loaded.target, loaded.tokenizer, loaded.drafter, loaded.context_size,
@@ -418,14 +420,9 @@ def test_gemma4_gguf_target_and_drafter_decode_losslessly(request, tmp_path, tok
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     plain = engine.generate(prompt, params, draft=0)
     assert len(prompt) + len(plain.tokens) > WINDOW + RING_OVERHANG
-    truth, steps = prompt + plain.tokens, iter(range(1000))
-
-    def oracle(start, guesses):
-        k = next(steps) % (len(guesses) + 1)
-        right = torch.tensor((truth + [0] * 64)[start + 1:start + 1 + k], dtype=guesses.dtype,
-                             device=guesses.device)
-        return torch.cat([right, guesses[k:]])
-
+    # every acceptance length in turn (0 to all); on the device, so that a CUDA graph can capture it
+    oracle = PlantedOracle(prompt + plain.tokens, lambda s: s % (engine.max_draft + 1),
+                           engine.decoder.target.config.vocab_size, device)
     drafted = engine.generate(prompt, params, draft=engine.max_draft, sequence=engine.new_sequence(oracle=oracle))
     assert drafted.tokens == plain.tokens and drafted.stats.draft_n_accepted > 0
 

@@ -298,15 +298,19 @@ def _gemma4_decode(model, ids, block):
 def test_gemma4_routes_to_the_kernel(tmp_path, fused):
     """Gemma 4's sliding (ring read in place) and full layers take decode_attention for few-row passes, with the
     logits of the SDPA path; longer passes stay on SDPA. With q/k/v as one projection (the GPU's plan), the
-    few-row passes' norms, RoPE and cache writes are one qkv_prep launch a layer, with the same logits."""
+    few-row passes' norms, RoPE and cache writes are one qkv_prep launch a layer, with the same logits. Either
+    way each few-row pass joins a layer's attention and feed-forward outputs to the residual with one kernel each
+    (rms_norm_rows.gemma_add_norm, gemma_add_scaled)."""
     from test_gemma4_target import LONG, WINDOW
     from test_gemma4_tiny import build_gemma4_target
 
     from flashdraft.layers import LayerPlan
     from flashdraft.layers import qkv_prep as qp
+    from flashdraft.layers import rms_norm_rows as rn
     from flashdraft.models import load_target
 
     interpret_without_gpu("flashdraft.kernels.qkv_prep_triton", qp._kernels)
+    interpret_without_gpu("flashdraft.kernels.rms_norm_triton", rn._kernels)
     folder, _ = build_gemma4_target(tmp_path, window=WINDOW)
     sdpa = load_target(folder, 0, device=DEVICE, dtype=torch.float32)
     routed = load_target(folder, 0, device=DEVICE, dtype=torch.float32,
@@ -314,19 +318,22 @@ def test_gemma4_routes_to_the_kernel(tmp_path, fused):
     routed.prepare()
     assert all(layer.self_attn.attention_rows == 16 for layer in routed.model.layers)
     ids = torch.randint(0, routed.config.vocab_size, (LONG,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    calls, preps = [], []
-    real, real_prep = da.launch, qp.launch
+    calls, preps, joins = [], [], []
+    real, real_prep, real_join = da.launch, qp.launch, rn._gemma_launch
     da.launch = lambda *a, **kw: calls.append(a[0].shape[1]) or real(*a, **kw)
     qp.launch = lambda *a, **kw: preps.append((a[0].shape[0], kw["value_is_key"], kw["wrap"])) or real_prep(*a, **kw)
+    rn._gemma_launch = lambda *a: joins.append(a[0].shape[0]) or real_join(*a)
     try:
         got = _gemma4_decode(routed, ids, 7)
     finally:
-        da.launch, qp.launch = real, real_prep
+        da.launch, qp.launch, rn._gemma_launch = real, real_prep, real_join
     assert (got - _gemma4_decode(sdpa, ids, 7)).abs().max().item() < 1e-4
     assert set(calls) == {7, (LONG - 20) % 7 or 7}  # the 20-token prefill went to SDPA (more than max_t rows)
     # one launch a layer and few-row pass: sliding layers write a ring with their own values, full layers' values
     # are their keys (attention_k_eq_v in the tiny model)
     kinds = [(not layer.self_attn.sliding, layer.self_attn.sliding) for layer in routed.model.layers]
+    # each few-row pass joins a layer's attention and then its feed-forward to the residual, one kernel a join
+    assert joins == [T for T in calls[::len(kinds)] for _ in range(2 * len(kinds))]
     assert preps == ([(T, *kind) for T in [7] * ((LONG - 20) // 7) + [(LONG - 20) % 7] * bool((LONG - 20) % 7)
                       for kind in kinds] if fused else [])
 

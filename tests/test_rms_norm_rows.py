@@ -60,3 +60,71 @@ def test_bad_arguments_are_named():
         rms_norm_rows(x, w, 1e-6, residual=r[:2])
     s, y = rms_norm_rows(x[:0], w, 1e-6)  # an empty pass launches nothing
     assert y.shape == (0, 64)
+
+
+def _gemma_reference(x, h, w, w_next=None, scalar=None, eps=1e-6):
+    """Gemma4DecoderLayer's joins on the module path: s = h + Gemma4RMSNorm(x) (times the layer scalar), and the
+    next norm of s."""
+    from flashdraft.models.gemma4.model import Gemma4RMSNorm
+
+    def norm(v, weight):
+        m = Gemma4RMSNorm(v.shape[1], eps).to(v.device)
+        m.weight = torch.nn.Parameter(weight)
+        return m(v)
+
+    s = h + norm(x, w)
+    if scalar is not None:
+        s = s * scalar
+    return s, (norm(s, w_next) if w_next is not None else None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N", [256, 200])
+def test_gemma_joins_match_the_module_path(dtype, N):
+    from flashdraft.layers.rms_norm_rows import gemma_add_norm, gemma_add_scaled
+
+    x, h, w = _inputs(7, N, dtype, seed=2)
+    w_next = (0.25 + torch.rand(N, generator=torch.Generator().manual_seed(3))).to(dtype).to(DEVICE)
+    scalar = torch.tensor([0.75], dtype=dtype, device=DEVICE)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    s, y = gemma_add_norm(x, h, w, w_next, 1e-6)
+    ref_s, ref_y = _gemma_reference(x, h, w, w_next)
+    torch.testing.assert_close(s, ref_s, rtol=tol, atol=tol)
+    torch.testing.assert_close(y, ref_y, rtol=tol, atol=tol)
+    if dtype == torch.bfloat16:  # the rounding points are the module's: bits differ only by the sum's order
+        assert (s != ref_s).float().mean().item() < 0.02 and (y != ref_y).float().mean().item() < 0.02
+    out = gemma_add_scaled(x, h, w, scalar, 1e-6)
+    ref_out, _ = _gemma_reference(x, h, w, scalar=scalar)
+    torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol)
+    if dtype == torch.bfloat16:
+        assert (out != ref_out).float().mean().item() < 0.02
+        # the scalar product rounds on its own, after the sum: not (h + norm(x) w) * scalar in float32
+        assert not torch.equal(out, (h.float() + _gemma_reference(x, torch.zeros_like(h), w)[0].float())
+                               .mul(scalar.float()).to(dtype))
+
+
+def test_gemma_join_rows_are_the_same_bits_alone_as_in_a_block():
+    from flashdraft.layers.rms_norm_rows import gemma_add_norm, gemma_add_scaled
+
+    x, h, w = _inputs(16, 384, torch.bfloat16, seed=4)
+    scalar = torch.tensor([1.5], dtype=torch.bfloat16, device=DEVICE)
+    s, y = gemma_add_norm(x, h, w, w.flip(0), 1e-6)
+    out = gemma_add_scaled(x, h, w, scalar, 1e-6)
+    for i in (0, 9, 15):
+        s_i, y_i = gemma_add_norm(x[i:i + 1], h[i:i + 1], w, w.flip(0), 1e-6)
+        assert torch.equal(s_i[0], s[i]) and torch.equal(y_i[0], y[i])
+        assert torch.equal(gemma_add_scaled(x[i:i + 1], h[i:i + 1], w, scalar, 1e-6)[0], out[i])
+
+
+def test_gemma_join_arguments_are_named():
+    from flashdraft.layers.rms_norm_rows import gemma_add_norm, gemma_add_scaled
+
+    x, h, w = _inputs(3, 64, torch.float32)
+    with pytest.raises(ValueError, match="h must be torch.float32 \\[3, 64\\]"):
+        gemma_add_norm(x, h[:2], w, w, 1e-6)
+    with pytest.raises(ValueError, match="next_weight must be \\[64\\]"):
+        gemma_add_norm(x, h, w, w[:8], 1e-6)
+    with pytest.raises(ValueError, match="scalar must be one value"):
+        gemma_add_scaled(x, h, w, w, 1e-6)
+    with pytest.raises(ValueError, match="x must be \\[T, N\\]"):
+        gemma_add_scaled(x[None], h, w, w[:1], 1e-6)

@@ -16,6 +16,7 @@ import functools
 import torch
 
 from flashdraft.kernels import programmatic
+from flashdraft.kernels.runtime import opaque_op
 
 MAX_WIDTH = 1 << 15  # one block spans a row
 
@@ -53,3 +54,72 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float,
         enable_fp_fusion=False,  # no FMA: the eager path rounds the sum of squares' products one by one
         **programmatic.triton_options(kernel, x.device))
     return s, y
+
+
+def _gemma_launch(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float, scalar: torch.Tensor | None,
+                  next_weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    for name, t in (("x", x), ("h", h)):
+        if t.dim() != 2 or t.shape[1] > MAX_WIDTH or t.stride(1) != 1:
+            raise ValueError(f"gemma norms: {name} must be [T, N] with unit stride along a row and N <= {MAX_WIDTH}, "
+                             f"got {list(t.shape)} (strides {t.stride()})")
+    if h.shape != x.shape or h.dtype != x.dtype or h.device != x.device:
+        raise ValueError(f"gemma norms: h must be {x.dtype} {list(x.shape)} on {x.device}, "
+                         f"got {h.dtype} {list(h.shape)} on {h.device}")
+    T, N = x.shape
+    for name, w in (("weight", weight), ("next_weight", next_weight)):
+        if w is not None and (w.shape != (N,) or w.device != x.device):
+            raise ValueError(f"gemma norms: {name} must be [{N}] on {x.device}, got {list(w.shape)} on {w.device}")
+    if scalar is not None and (scalar.numel() != 1 or scalar.device != x.device):
+        raise ValueError(f"gemma norms: scalar must be one value on {x.device}, got {list(scalar.shape)} on "
+                         f"{scalar.device}")
+    s = torch.empty_like(x, memory_format=torch.contiguous_format)
+    y = torch.empty_like(s) if next_weight is not None else None
+    if T == 0:
+        return s, y
+    block = 1 << max(N - 1, 0).bit_length()
+    kernel = _kernels().gemma_norms_kernel
+    kernel[(T,)](
+        x, h, weight.contiguous(), scalar if scalar is not None else weight, (next_weight if next_weight is not None
+                                                                               else weight).contiguous(),
+        s, y if y is not None else s, x.stride(0), h.stride(0), s.stride(0), (y if y is not None else s).stride(0),
+        N, eps, BLOCK=block, SCALE=scalar is not None, NEXT=next_weight is not None, EMULATE=x.device.type != "cuda",
+        num_warps=min(8, max(1, block // 512)),
+        enable_fp_fusion=False,  # no FMA: each product rounds as torch's does
+        **programmatic.triton_options(kernel, x.device))
+    return s, y
+
+
+def _two_like(x, h, weight, next_weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@opaque_op("flashdraft::gemma_add_norm", _two_like)
+def _gemma_add_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, next_weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _gemma_launch(x, h, weight, eps, None, next_weight)
+
+
+def gemma_add_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, next_weight: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, norm(s) next_weight) for s = h + norm(x) weight, Gemma4RMSNorm's norms: x [T, N] a layer's attention
+    output and h its residual [T, N]; s is the residual after attention, the second the feed-forward's input.
+    One kernel (kernels.rms_norm_triton.gemma_norms_kernel), one program a row: a row's bits do not depend on the
+    rows beside it, where a compiled layer's reductions may be tiled by the pass's row count."""
+    return _gemma_add_norm(x, h, weight, next_weight, eps)
+
+
+def _one_like(x, h, weight, scalar, eps):
+    return torch.empty_like(x)
+
+
+@opaque_op("flashdraft::gemma_add_scaled", _one_like)
+def _gemma_add_scaled(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, scalar: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+    return _gemma_launch(x, h, weight, eps, scalar, None)[0]
+
+
+def gemma_add_scaled(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, scalar: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+    """(h + norm(x) weight) * scalar, Gemma4RMSNorm's norm: x [T, N] a layer's feed-forward output, h its residual,
+    scalar [1] the layer's scalar; the layer's output. One kernel, one program a row (gemma_add_norm)."""
+    return _gemma_add_scaled(x, h, weight, scalar, eps)

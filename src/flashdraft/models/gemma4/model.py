@@ -35,6 +35,7 @@ from flashdraft.layers.attention import grouped_attention
 from flashdraft.layers.decode_attention import decode_attention
 from flashdraft.layers.plan import LayerPlan
 from flashdraft.layers.qkv_prep import HEAD_DIMS as PREP_HEAD_DIMS, qkv_prep
+from flashdraft.layers.rms_norm_rows import gemma_add_norm, gemma_add_scaled
 from flashdraft.layers.skinny_gemm import Linear, attach_fused
 from flashdraft.loading.checkpoint import CheckpointError, assign_tensors, default_device_dtype, safetensors_files
 from flashdraft.quant.kv_formats import as_stored, bytes_per_token, cache_format, new_rows, read_rows, write_rows
@@ -343,6 +344,10 @@ class Gemma4DecoderLayer(nn.Module):
         # A checkpoint value (JAX skip_scale), not 1: it scales the whole residual stream leaving the layer.
         self.layer_scalar = nn.Parameter(torch.ones(1))
         self.moe = cfg.num_experts > 0
+        # passes of up to this many tokens join each branch to the residual with one kernel a join (the norms
+        # around it, the add, the layer scalar), where compiled they were reductions tiled by the compiler
+        # (docs/performance.md); the MoE layers' joins keep the module path
+        self.norm_rows = 0 if self.moe else plan.attention_rows
         if self.moe:
             self.router = Gemma4Router(cfg, plan)
             self.experts = Gemma4Experts(cfg)
@@ -352,6 +357,11 @@ class Gemma4DecoderLayer(nn.Module):
 
     def forward(self, h, cos, sin, cache_k, cache_v, ring: int, positions, kv_len: int, mask) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(h), cos, sin, cache_k, cache_v, ring, positions, kv_len, mask)
+        if h.shape[0] <= self.norm_rows:
+            h, x = gemma_add_norm(attn, h, self.post_attention_layernorm.weight, self.pre_feedforward_layernorm.weight,
+                                  self.post_attention_layernorm.eps)
+            return gemma_add_scaled(self.mlp(x), h, self.post_feedforward_layernorm.weight, self.layer_scalar,
+                                    self.post_feedforward_layernorm.eps)
         h = h + self.post_attention_layernorm(attn)
         ff = self.mlp(self.pre_feedforward_layernorm(h))
         if self.moe:

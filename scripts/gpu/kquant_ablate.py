@@ -12,7 +12,12 @@ Variants (text patches of the kernel; each must apply exactly as many times as l
 - "super-block correction" (Q4_K / Q5_K): the MMAs that subtract the minimums' and the 128 offset's terms, and
   the transposes feeding them;
 - "weight MMAs": the tensor-core products of the weights (their A fragments folded into the sums by XOR instead,
-  so the loads and byte permutes stay).
+  so the loads and byte permutes stay);
+- "all arithmetic": the four above at once: the loads, permutes and stores alone, the kernel's streaming;
+- "launch only": every block returns at once (the grid launched gridDim.z = 1): the launch and scheduling of the
+  same grid, with its shared memory and registers. With "as is", the three split a product's time into its
+  launch, its weights' stream and its arithmetic, which is what a fixed cost of ~5 us a launch (issue #18:
+  fitted over shapes, docs/performance.md) is made of.
 A variant also frees registers (offline, nvcc 13, sm_90, Q4_K at 1 tile and 2 token tiles: 182 as is, 156 without
 the x sums, 144 without the correction), so where a tiling's min_blocks does not cap them, a difference includes
 more warps resident.
@@ -66,6 +71,11 @@ VARIANTS = {
     "weight MMAs": [("mma_bf16_16816(acc[nt],", "xor_mma(acc[nt],", 1),
                     ("mma_bf16_16816_c(acc, ", "xor_mma_c(acc, ", 1)],
 }
+# every arithmetic stage out at once: what is left is the kernel's loads, byte permutes and stores
+VARIANTS["all arithmetic"] = [patch for name in ("x sums", "group scales", "super-block correction", "weight MMAs")
+                              for patch in VARIANTS[name]]
+# every block returns at once: the launch and scheduling of the same grid, its shared memory and registers
+VARIANTS["launch only"] = [("if (tile0 * 16 >= N) return;", "if (tile0 * 16 >= N || gridDim.z == 1) return;", 1)]
 DEFAULT_SETS = "qwen-q4k-fused,qwen-q6k,gemma-q4k-fused"
 
 

@@ -276,11 +276,15 @@ def test_profile_scripts_count_an_overlap_once():
 
 def test_attention_run_refuses_an_unknown_cache_type_pair():
     """scripts/gpu/attention_run.py --cache-types: a pair that is not two known KV cache types is refused by name
-    before any GPU work."""
+    before any GPU work; so are --kv-lens that are not key counts of at least 22."""
     script = ROOT / "scripts" / "gpu" / "attention_run.py"
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), CUDA_VISIBLE_DEVICES="")
     for spec, message in (("q5_0", "'q5_0' is not K,V (two KV cache types"),
                           ("q5_0,q3_k", "unknown KV cache type 'q3_k'; supported: f32, f16, bf16, q8_0")):
         proc = subprocess.run([sys.executable, str(script), "out", "--cache-types", spec], env=env,
+                              capture_output=True, text=True, timeout=120, cwd=os.environ.get("TMPDIR", "/tmp"))
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-3000:]
+    for spec, message in (("64,x", "'64,x' is not N,N,... (key counts)"), ("16,512", "at least 22")):
+        proc = subprocess.run([sys.executable, str(script), "out", "--kv-lens", spec], env=env,
                               capture_output=True, text=True, timeout=120, cwd=os.environ.get("TMPDIR", "/tmp"))
         assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-3000:]

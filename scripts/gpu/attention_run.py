@@ -11,13 +11,15 @@ for each of a few tilings (AttentionConfig); OUT_DIR/attention.json names the fa
 which perf_run.py --attention-config=OUT_DIR/attention.json then uses.
 
 Usage (GPU machine, repo root): PYTHONPATH=src python scripts/gpu/attention_run.py OUT_DIR [--long]
-    [--shape qwen|gemma-full|gemma-sliding] [--cache-types K,V]
+    [--shape qwen|gemma-full|gemma-sliding] [--cache-types K,V] [--kv-lens N,N,...]
 --long: long contexts instead (8K and 32K keys, and 512 as a short context in a long cache) and tilings with
 longer key ranges per program, the fastest at 32K named. --shape gemma-full: Gemma-4-31B's full layers (32 heads
 over 4 kv heads of 512); gemma-sliding: its sliding layers (32 heads over 16 kv heads of 256; short caches only,
 512 and 1088 keys, the ring's most). --cache-types K,V: caches of those KV cache types (e.g. q5_0,q4_1, the
 walkthrough's -ctk / -ctv; default bf16,bf16), read packed by the kernel; the references and SDPA take their
-dequantized values, and tilings that load by tensor descriptors (float caches only) are left out.
+dequantized values, and tilings that load by tensor descriptors (float caches only) are left out. --kv-lens: these
+key counts instead of the shape's (e.g. 32,64,128,256,512,1088: a short-context call's time against its keys,
+whose intercept is what a call costs before its keys: launch, query loads, partials and their combine).
 """
 import argparse
 import dataclasses
@@ -92,7 +94,19 @@ GEMMA_FULL_CONFIGS = [AttentionConfig(block_n=32, num_warps=8), AttentionConfig(
 SHAPES = {"qwen": (32, 8, 128, 36), "gemma-full": (32, 4, 512, 10), "gemma-sliding": (32, 16, 256, 50)}
 
 
-def main(out: Path, long: bool = False, shape: str = "qwen", types: tuple[str, str] = ("bf16", "bf16")) -> None:
+def key_counts(spec: str) -> tuple[int, ...]:
+    """--kv-lens: comma-separated key counts of at least 22 (the calls start 16 + 5 keys before the end)."""
+    try:
+        lens = tuple(int(part) for part in spec.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{spec!r} is not N,N,... (key counts)") from None
+    if not lens or min(lens) < 22:
+        raise argparse.ArgumentTypeError(f"{spec!r}: every key count must be at least 22")
+    return lens
+
+
+def main(out: Path, long: bool = False, shape: str = "qwen", types: tuple[str, str] = ("bf16", "bf16"),
+         lens: tuple[int, ...] | None = None) -> None:
     heads, kv_heads, hd, layers = SHAPES[shape]
     k_fmt, v_fmt = kf.kv_format(types[0]), kf.kv_format(types[1])
     if shape == "gemma-sliding" and long:
@@ -101,7 +115,7 @@ def main(out: Path, long: bool = False, shape: str = "qwen", types: tuple[str, s
     configs = (GEMMA_FULL_LONG_CONFIGS if shape == "gemma-full" else LONG_CONFIGS) if long else short
     if (k_fmt.name, v_fmt.name) != ("bf16", "bf16"):  # tensor descriptors: the compute dtype's rows only
         configs = [c for c in configs if not c.tma]
-    kv_lens = (512, 8192, 32768) if long else (512, 1088) if shape == "gemma-sliding" else (512, 2048, 8192)
+    kv_lens = lens or ((512, 8192, 32768) if long else (512, 1088) if shape == "gemma-sliding" else (512, 2048, 8192))
     adopt_on = {(32768, 1), (32768, 16)} if long else {(kv, t) for kv in kv_lens[:2] for t in (1, 16)}
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
@@ -189,5 +203,7 @@ if __name__ == "__main__":
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen")
     ap.add_argument("--cache-types", type=kv_types, default=None, metavar="K,V",
                     help="the caches' KV cache types, e.g. q5_0,q4_1 (default: bf16,bf16)")
+    ap.add_argument("--kv-lens", type=key_counts, default=None, metavar="N,N,...",
+                    help="key counts to time instead of the shape's (at least 22 each: a 16-token block and its start)")
     args = ap.parse_args()
-    main(args.out, args.long, args.shape, args.cache_types or ("bf16", "bf16"))
+    main(args.out, args.long, args.shape, args.cache_types or ("bf16", "bf16"), args.kv_lens)

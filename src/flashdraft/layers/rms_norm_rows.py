@@ -27,13 +27,24 @@ def _kernels():
     return rms_norm_triton
 
 
+def _check_rows(where: str, name: str, t: torch.Tensor) -> None:
+    """t must be rows [T, N] that one block of a program spans (N <= MAX_WIDTH), unit stride along a row."""
+    if t.dim() != 2 or t.shape[1] > MAX_WIDTH or t.stride(1) != 1:
+        raise ValueError(f"{where}: {name} must be [T, N] with unit stride along a row and N <= {MAX_WIDTH}, "
+                         f"got {list(t.shape)} (strides {t.stride()})")
+
+
+def _one_block_a_row(N: int) -> dict:
+    """The launch sizes of a kernel whose program holds a whole row of N values in one block."""
+    block = 1 << max(N - 1, 0).bit_length()
+    return {"BLOCK": block, "num_warps": min(8, max(1, block // 512))}
+
+
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float,
                   residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, weight * rms_norm(s)) for s = x (+ residual) in x's dtype: x and residual [T, N], weight [N] of x's dtype
     (unit stride along a row). s is x itself without a residual."""
-    if x.dim() != 2 or x.shape[1] > MAX_WIDTH or x.stride(1) != 1:
-        raise ValueError(f"rms_norm_rows: x must be [T, N] with unit stride along a row and N <= {MAX_WIDTH}, "
-                         f"got {list(x.shape)} (strides {x.stride()})")
+    _check_rows("rms_norm_rows", "x", x)
     T, N = x.shape
     if weight.shape != (N,) or weight.dtype != x.dtype or weight.device != x.device:
         raise ValueError(f"rms_norm_rows: weight must be {x.dtype} [{N}] on {x.device}, "
@@ -45,12 +56,11 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float,
     s = torch.empty_like(y) if residual is not None else x
     if T == 0:
         return s, y
-    block = 1 << max(N - 1, 0).bit_length()
     r = residual if residual is not None else x
     kernel = _kernels().rms_norm_kernel
     kernel[(T,)](
-        x, r, weight.contiguous(), s, y, x.stride(0), r.stride(0), s.stride(0), y.stride(0), N, eps, BLOCK=block,
-        HAS_RESIDUAL=residual is not None, EMULATE=x.device.type != "cuda", num_warps=min(8, max(1, block // 512)),
+        x, r, weight.contiguous(), s, y, x.stride(0), r.stride(0), s.stride(0), y.stride(0), N, eps,
+        HAS_RESIDUAL=residual is not None, EMULATE=x.device.type != "cuda", **_one_block_a_row(N),
         enable_fp_fusion=False,  # no FMA: the eager path rounds the sum of squares' products one by one
         **programmatic.triton_options(kernel, x.device))
     return s, y
@@ -58,10 +68,8 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def _gemma_launch(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float, scalar: torch.Tensor | None,
                   next_weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    for name, t in (("x", x), ("h", h)):
-        if t.dim() != 2 or t.shape[1] > MAX_WIDTH or t.stride(1) != 1:
-            raise ValueError(f"gemma norms: {name} must be [T, N] with unit stride along a row and N <= {MAX_WIDTH}, "
-                             f"got {list(t.shape)} (strides {t.stride()})")
+    _check_rows("gemma norms", "x", x)
+    _check_rows("gemma norms", "h", h)
     if h.shape != x.shape or h.dtype != x.dtype or h.device != x.device:
         raise ValueError(f"gemma norms: h must be {x.dtype} {list(x.shape)} on {x.device}, "
                          f"got {h.dtype} {list(h.shape)} on {h.device}")
@@ -76,14 +84,14 @@ def _gemma_launch(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: f
     y = torch.empty_like(s) if next_weight is not None else None
     if T == 0:
         return s, y
-    block = 1 << max(N - 1, 0).bit_length()
+    # without a scalar or a next norm the kernel reads and writes neither: any pointer stands in for them
+    y_out = y if y is not None else s
+    wy = next_weight if next_weight is not None else weight
     kernel = _kernels().gemma_norms_kernel
     kernel[(T,)](
-        x, h, weight.contiguous(), scalar if scalar is not None else weight, (next_weight if next_weight is not None
-                                                                               else weight).contiguous(),
-        s, y if y is not None else s, x.stride(0), h.stride(0), s.stride(0), (y if y is not None else s).stride(0),
-        N, eps, BLOCK=block, SCALE=scalar is not None, NEXT=next_weight is not None, EMULATE=x.device.type != "cuda",
-        num_warps=min(8, max(1, block // 512)),
+        x, h, weight.contiguous(), scalar if scalar is not None else weight, wy.contiguous(), s, y_out, x.stride(0),
+        h.stride(0), s.stride(0), y_out.stride(0), N, eps, SCALE=scalar is not None, NEXT=next_weight is not None,
+        EMULATE=x.device.type != "cuda", **_one_block_a_row(N),
         enable_fp_fusion=False,  # no FMA: each product rounds as torch's does
         **programmatic.triton_options(kernel, x.device))
     return s, y

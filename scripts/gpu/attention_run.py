@@ -70,6 +70,13 @@ LONG_CONFIGS = [AttentionConfig(block_n=64, split=512, num_warps=4, num_stages=3
                 # the two adopted long-cache tilings with keys and values by tensor descriptors (TMA)
                 AttentionConfig(block_n=64, split=512, num_warps=4, num_stages=3, pipelined=True, tma=True),
                 AttentionConfig(block_q=64, block_n=64, split=1024, num_warps=4, num_stages=2, pipelined=True,
+                                tma=True),
+                # 32-row tiles (the warp's mma.sync, as a one-token step's 16-row tiles): a one-token step pays for
+                # 32 rows instead of 64, a 16-token block's 64 rows a kv head read the keys twice instead of once
+                AttentionConfig(block_q=32, block_n=64, split=1024, num_warps=4, num_stages=2, pipelined=True),
+                AttentionConfig(block_q=32, block_n=64, split=1024, num_warps=4, num_stages=2, pipelined=True,
+                                tma=True),
+                AttentionConfig(block_q=32, block_n=64, split=512, num_warps=4, num_stages=3, pipelined=True,
                                 tma=True)]
 # Gemma 4's full layers (32 query heads over 4 kv heads of 512, ten of them in the 31B): 32-key steps; the adopted
 # long tiling, and unrolled

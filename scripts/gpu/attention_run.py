@@ -88,9 +88,9 @@ GEMMA_FULL_LONG_CONFIGS = [AttentionConfig(block_n=32, split=1024, num_warps=4, 
                            AttentionConfig(block_q=32, block_n=16, split=1024, num_warps=8, num_stages=3,
                                            pipelined=True)]
 # Gemma 4's short caches (the sliding layers' ring of 1088 rows at most, the full layers' first few thousand
-# rows): the adopted tilings (WIDE_HEAD_CONFIG, WIDEST_HEAD_CONFIG) against shorter key ranges, more programs a
-# layer for a one-token step (16 kv heads of 256, or 4 of 512, in 128-key ranges: few programs on 132
-# multiprocessors)
+# rows): the tilings of 128-key ranges (WIDEST_HEAD_CONFIG, and WIDE_HEAD_CONFIG until 2026-12-06) against
+# shorter key ranges, more programs a layer for a one-token step (16 kv heads of 256, or 4 of 512, in 128-key
+# ranges: few programs on 132 multiprocessors); the sliding layers' adopted one is split=64 on 8 warps
 GEMMA_SLIDING_CONFIGS = [AttentionConfig(), AttentionConfig(split=64), AttentionConfig(block_n=32, split=64),
                          AttentionConfig(block_n=32, split=32), AttentionConfig(split=64, num_warps=8),
                          AttentionConfig(block_n=32, split=128), AttentionConfig(block_n=32, split=64, num_warps=2)]

@@ -72,9 +72,13 @@ SHORT_CACHE_ROWS = 6144
 LONG_CONFIGS = ((24576, AttentionConfig(block_n=64, split=512, num_warps=4, num_stages=3, pipelined=True)),
                 (None, AttentionConfig(block_q=64, block_n=64, split=1024, num_warps=4, num_stages=2,
                                        pipelined=True)))
-# Wider heads (256: Gemma-4) keep steps of 64 keys: a 128-key step would hold 64 KB of keys and 64 KB of values
-# per program at once.
-WIDE_HEAD_CONFIG = AttentionConfig()
+# Wider heads (256: Gemma 4's sliding layers, whose ring holds at most 1088 rows) keep steps of 64 keys (a 128-key
+# step would hold 64 KB of keys and 64 KB of values per program at once), one step a program on 8 warps: 102
+# registers and no spill, where two steps on 4 warps took 255 and 72 bytes of stack (sm_90, offline). 6.0 us
+# against 9.4 at 32 keys and one token, 17.7 against 17.9 at 1088; 6.5 / 24.1 against 9.6 / 24.6 at 16 tokens, and
+# faster at every key count between (an H100, scripts/gpu/attention_run.py --shape gemma-sliding --kv-lens,
+# 2026-12-06).
+WIDE_HEAD_CONFIG = AttentionConfig(split=64, num_warps=8)
 # 512-wide heads (Gemma 4's full layers): steps of 32 keys, so a step's keys and values stay at 32 KB each;
 # 128-key ranges up to 24576 cache rows (512-key ones made the decode step at a short context in an 8K cache
 # slower), 1024-key ranges pipelined on 4 warps beyond.

@@ -96,7 +96,11 @@ GEMMA_SLIDING_CONFIGS = [AttentionConfig(), AttentionConfig(split=64), Attention
                          AttentionConfig(block_n=32, split=128), AttentionConfig(block_n=32, split=64, num_warps=2)]
 GEMMA_FULL_CONFIGS = [AttentionConfig(block_n=32, num_warps=8), AttentionConfig(block_n=32, split=64, num_warps=8),
                       AttentionConfig(block_n=32, split=32, num_warps=8), AttentionConfig(block_n=16, split=64),
-                      AttentionConfig(block_n=32, split=64), AttentionConfig(block_n=16, split=32)]
+                      AttentionConfig(block_n=32, split=64), AttentionConfig(block_n=16, split=32),
+                      # the adopted key steps and ranges with the loop pipelined, not unrolled: 148 registers and no
+                      # stack where the unrolled loop takes 255 and 304 bytes (sm_90, offline); and 256-key ranges
+                      AttentionConfig(block_n=32, num_warps=8, pipelined=True),
+                      AttentionConfig(block_n=32, split=256, num_warps=8, pipelined=True)]
 # heads, kv_heads, head_dim, layers
 SHAPES = {"qwen": (32, 8, 128, 36), "gemma-full": (32, 4, 512, 10), "gemma-sliding": (32, 16, 256, 50)}
 

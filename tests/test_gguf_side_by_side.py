@@ -98,6 +98,63 @@ def test_table_rows_pair_each_test_and_ratio(tmp_path):
     assert sbs.main(["table", str(tmp_path / "empty")]) == 1
 
 
+def test_plain_rows_are_set_against_their_roofline():
+    """A plain row's note: its tok/s over the roofline of the bytes a step reads (the weights, and the cache at that
+    depth) at the copy bandwidth measured in the same run; no note without all three figures."""
+    plain = [{"depth": 0, "tok_s": 160.0, "kv_read_gb": 0.0}, {"depth": 32768, "tok_s": 100.0, "kv_read_gb": 4.0}]
+    ours = {**OURS, "plain": plain, "weights_read_gb": 16.0, "copy_gb_s": 4000.0}
+    rows = {r["test"]: r for r in sbs.table_rows([], ours)}
+    assert rows["tg128"]["note"] == ("64% of the roofline (250.0 tok/s: 16.00 GB weights + 0.00 GB cache a token "
+                                     "at 4000 GB/s)")
+    assert rows["tg128 @ d32768"]["note"].startswith("50% of the roofline (200.0 tok/s: 16.00 GB weights + 4.00 GB")
+    assert rows["tg128 @ d8192"]["note"] == ""  # no plain row at that depth
+    for missing in ("copy_gb_s", "weights_read_gb"):  # e.g. a CPU run: no bandwidth
+        assert {r["note"] for r in sbs.table_rows([], {k: v for k, v in ours.items() if k != missing})
+                if r["test"].startswith("tg")} == {""}
+
+
+def test_the_bytes_a_step_reads(tmp_path):
+    """weights_read_gb: every tensor of the file, but the token embedding where the file has an LM head of its own;
+    kv_read_gb: each layer's rows up to kv_len at their stored size, a sliding layer's at most its ring."""
+    import numpy as np
+    import torch
+
+    from flashdraft.config import ModelConfig
+    from flashdraft.models.gemma4.config import FULL, SLIDING, Gemma4Config, RopeSpec
+    from flashdraft.models.gemma4.model import Gemma4Cache
+    from flashdraft.models.kv_cache import KVCache
+
+    def write(path, names):
+        w = gguf.GGUFWriter(str(path), "llama")
+        for i, name in enumerate(names):
+            w.add_tensor(name, np.full((4, 8 * (i + 1)), i, dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return path
+
+    own_head = write(tmp_path / "a.gguf", ["token_embd.weight", "blk.0.ffn_up.weight", "output.weight"])
+    assert sbs.weights_read_gb(own_head) == (4 * 16 + 4 * 24) * 4 / 1e9
+    tied = write(tmp_path / "b.gguf", ["token_embd.weight", "blk.0.ffn_up.weight"])
+    assert sbs.weights_read_gb(tied) == (4 * 8 + 4 * 16) * 4 / 1e9
+
+    cfg = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    cache = KVCache(cfg, 100, torch.device("cpu"), torch.bfloat16)
+    assert sbs.kv_read_gb(cache, 40) == 3 * 2 * 40 * 2 * 32 * 2 / 1e9  # layers, k and v, rows, heads, dims, bytes
+    assert sbs.kv_read_gb(cache, 500) == sbs.kv_read_gb(cache, 100)
+    packed = KVCache(cfg, 100, torch.device("cpu"), torch.bfloat16, "q8_0", "q4_0")  # 34 and 18 bytes a block
+    assert sbs.kv_read_gb(packed, 40) == 3 * 40 * 2 * (34 + 18) / 1e9
+    rope = {SLIDING: RopeSpec("default", 1e4), FULL: RopeSpec("default", 1e6)}
+    gemma = Gemma4Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, layer_types=[SLIDING, FULL], layer_kv_heads=[2, 1],
+                         layer_head_dims=[32, 64], sliding_window=8, rope=rope)
+    ring = Gemma4Cache(gemma, 200, torch.device("cpu"), torch.bfloat16)
+    assert ring.k[0].shape[1] < 100  # the sliding layer's ring
+    assert sbs.kv_read_gb(ring, 100) == (ring.k[0].shape[1] * 2 * 32 + 100 * 1 * 64) * 2 * 2 / 1e9
+
+
 def test_measure_arguments_are_checked(tmp_path, capsys):
     gguf_file = tmp_path / "m.gguf"
     gguf_file.write_bytes(b"")
@@ -276,6 +333,9 @@ def test_whole_script_on_tiny_files_and_a_stand_in_llama_bench(tmp_path):
         assert [d["prompt_n"] for d in ours["dflash"]] == [24, 64]  # DFlash after each prompt length
         assert all(d["identical"] and d["tau"] > 1 for d in ours["dflash"])
         assert "warm_up_s" in ours  # warmed up as the server's slots are
+        # the roofline's bytes (the copy bandwidth only on a GPU), the deeper test's cache the larger
+        assert ours["weights_read_gb"] > 0 and "copy_gb_s" not in ours
+        assert 0 < ours["plain"][0]["kv_read_gb"] < ours["plain"][1]["kv_read_gb"]
         assert not (files / f"{model}.gguf").exists()  # measured by both sides: deleted
     assert "TOKENS DIFFER" not in table
     assert {p.name for p in out.iterdir()} == {"table.md", "results.json", "side_by_side.log", "build.log"}

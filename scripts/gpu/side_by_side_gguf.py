@@ -22,7 +22,10 @@ speedup's base, its tokens are planted and must come out. (Not the plain engine'
 prompt passes of up to 512 tokens replay graphs whose attention masks by position, while this engine's run eagerly
 on SDPA's causal kernel; on random weights the two caches' last bits can part the greedy continuations, which once
 made tau 1.4 and `TOKENS DIFFER` on the H200.)
-Every stage records its exception and the run goes on; the JSON is rewritten after each stage.
+Every stage records its exception and the run goes on; the JSON is rewritten after each stage. For the roofline,
+the JSON also has the bytes a decode step reads (the file's weights; each plain test's cache, halfway through its
+run) and, on a GPU, the copy bandwidth measured first in the same process; the table notes each plain row's share
+of the roofline these give (docs/performance.md's rooflines count the same bytes).
 
 table: reads RESULTS_DIR/llama-MODEL.json (llama-bench -o json records, any number of runs concatenated) and
 RESULTS_DIR/flashdraft-MODEL.json, prints one markdown table with llama.cpp's and flashdraft's tok/s and their
@@ -103,6 +106,42 @@ def decode_tok_s(result) -> float:
     return (s.predicted_n - 1) / (s.predicted_ms / 1000) if s.predicted_ms > 0 else 0.0
 
 
+def weights_read_gb(path: Path) -> float:
+    """GB of the file's tensors a decode step reads: all of them but the token embedding where the file has its own
+    LM head (output.weight; then a step reads one embedding row), as stored (quantized blocks at their size)."""
+    from flashdraft.loading.gguf import GGUFFile
+
+    tensors = GGUFFile(path, "model").tensors
+    skip = {"token_embd.weight"} if "output.weight" in tensors else set()
+    return sum(int(t.n_bytes) for name, t in tensors.items() if name not in skip) / 1e9
+
+
+def kv_read_gb(cache, kv_len: int) -> float:
+    """GB of keys and values a decode step reads from `cache` with kv_len positions: every layer's first kv_len rows,
+    at most the rows it holds (a sliding layer's ring), at their stored size (packed block rows for block types)."""
+    total = 0
+    for part in (*cache.k, *cache.v):  # [kv heads, rows, a row's elements]
+        total += min(kv_len, part.shape[1]) * part.shape[0] * part.shape[2] * part.element_size()
+    return total / 1e9
+
+
+def copy_bandwidth_gb_s(dev: torch.device, size: int = 1 << 30, reps: int = 10) -> float:
+    """The device's copy bandwidth, bytes read plus bytes written, the fastest of reps copies of `size` bytes
+    (docs/performance.md's rooflines divide by it)."""
+    src = torch.empty(size, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1000)
+    return 2 * size / best / 1e9
+
+
 def prompt_of(n: int, vocab: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n,), generator=g).tolist()
@@ -172,6 +211,14 @@ def measure(args) -> int:
                  depths=args.depths, prefill_lengths=args.prefill, taus=args.taus, draft_window=args.draft_window)
     longest = max([*args.depths, *args.prefill, *args.dflash_prompt, SHORT_PROMPT])
     context = context_for(longest, args.tokens)
+    try:  # the roofline's two numbers: bytes a step reads (the weights here, the cache per test) and the bandwidth
+        rec.data["weights_read_gb"] = weights_read_gb(args.file)
+        if dev.type == "cuda":
+            rec.data["copy_gb_s"] = copy_bandwidth_gb_s(dev)
+            log(f"[{args.file.name}] copy bandwidth {rec.data['copy_gb_s']:.0f} GB/s; "
+                f"weights read a step {rec.data['weights_read_gb']:.2f} GB")
+    except Exception as e:  # noqa: BLE001
+        rec.error("roofline", e)
     t = time.time()
     try:
         engine = Engine.load(args.file, device=dev, context_size=context, **cache_types(args))
@@ -212,7 +259,9 @@ def measure(args) -> int:
             plain_runs[depth] = out
             row = {"depth": depth, "prompt_n": out.stats.prompt_n, "tokens": len(out.tokens),
                    "tok_s": decode_tok_s(out), "prefill_tok_s": out.stats.prompt_n / (out.stats.prompt_ms / 1000),
-                   "context": runner.context_size}
+                   "context": runner.context_size,
+                   # the cache a step reads halfway through the run (its mean over the run's steps)
+                   "kv_read_gb": kv_read_gb(slot.target_cache, n + len(out.tokens) // 2)}
             rec.data["plain"].append(row)
             log(f"  plain at depth {depth} (a {runner.context_size}-row cache): {row['tok_s']:.1f} tok/s "
                 f"(prefill of {n}: {row['prefill_tok_s']:.0f} tok/s)")
@@ -315,13 +364,25 @@ def llama_ts(records: list[dict], n_prompt: int, n_gen: int, depth: int) -> floa
     return statistics.median(r["avg_ts"] for r in rows) if rows else None
 
 
+def roofline_note(ours: dict, depth: int) -> str:
+    """flashdraft's plain decoding at this depth against its roofline: the bytes a step reads (weights and cache)
+    over the copy bandwidth measured in the same run; empty where the run has not the three figures."""
+    row = next((p for p in ours.get("plain", []) if p["depth"] == depth), None)
+    if row is None or not ours.get("copy_gb_s") or "weights_read_gb" not in ours or "kv_read_gb" not in row:
+        return ""
+    weights, kv, bandwidth = ours["weights_read_gb"], row["kv_read_gb"], ours["copy_gb_s"]
+    roofline = bandwidth / (weights + kv)
+    return (f"{100 * row['tok_s'] / roofline:.0f}% of the roofline ({roofline:.1f} tok/s: {weights:.2f} GB weights "
+            f"+ {kv:.2f} GB cache a token at {bandwidth:.0f} GB/s)")
+
+
 def table_rows(llama: list[dict], ours: dict) -> list[dict]:
     """One row per test: llama.cpp's and flashdraft's tok/s (None where a side has no figure) and a note."""
     gen = next((r["n_gen"] for r in llama if r.get("n_gen")), ours.get("tokens", 128))
     depths = sorted({r.get("n_depth", 0) for r in llama if r.get("n_gen")} | set(ours.get("depths", [])))
     plain = {p["depth"]: p["tok_s"] for p in ours.get("plain", [])}
     rows = [{"test": f"tg{gen}" + (f" @ d{d}" if d else ""), "llama": llama_ts(llama, 0, gen, d),
-             "ours": plain.get(d), "note": ""} for d in depths]
+             "ours": plain.get(d), "note": roofline_note(ours, d)} for d in depths]
     prefill = {p["prompt_n"]: p["tok_s"] for p in ours.get("prefill", [])}
     lengths = sorted({r["n_prompt"] for r in llama if r.get("n_prompt") and not r.get("n_gen")} | set(prefill))
     rows += [{"test": f"pp{n}", "llama": llama_ts(llama, n, 0, 0), "ours": prefill.get(n), "note": ""}

@@ -125,23 +125,6 @@ def kv_read_gb(cache, kv_len: int) -> float:
     return total / 1e9
 
 
-def copy_bandwidth_gb_s(dev: torch.device, size: int = 1 << 30, reps: int = 10) -> float:
-    """The device's copy bandwidth, bytes read plus bytes written, the fastest of reps copies of `size` bytes
-    (docs/performance.md's rooflines divide by it)."""
-    src = torch.empty(size, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1000)
-    return 2 * size / best / 1e9
-
-
 def prompt_of(n: int, vocab: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n,), generator=g).tolist()
@@ -214,7 +197,8 @@ def measure(args) -> int:
     try:  # the roofline's two numbers: bytes a step reads (the weights here, the cache per test) and the bandwidth
         rec.data["weights_read_gb"] = weights_read_gb(args.file)
         if dev.type == "cuda":
-            rec.data["copy_gb_s"] = copy_bandwidth_gb_s(dev)
+            from flashdraft.bench.synthetic import measure_bandwidth  # the synthetic bench's, as its rooflines
+            rec.data["copy_gb_s"] = measure_bandwidth(dev)
             torch.cuda.empty_cache()  # its buffers go, and the peak recorded at the end is the engine's
             torch.cuda.reset_peak_memory_stats(dev)
             log(f"[{args.file.name}] copy bandwidth {rec.data['copy_gb_s']:.0f} GB/s; "

@@ -34,6 +34,14 @@ def _check_rows(where: str, name: str, t: torch.Tensor) -> None:
                          f"got {list(t.shape)} (strides {t.stride()})")
 
 
+def _check_weight(where: str, name: str, w: torch.Tensor, x: torch.Tensor, same_dtype: bool) -> None:
+    """w must be one value per column of x's rows, [N], on x's device (and of x's dtype where same_dtype)."""
+    N = x.shape[1]
+    if w.shape != (N,) or w.device != x.device or (same_dtype and w.dtype != x.dtype):
+        want, got = (f"{x.dtype} ", f"{w.dtype} ") if same_dtype else ("", "")
+        raise ValueError(f"{where}: {name} must be {want}[{N}] on {x.device}, got {got}{list(w.shape)} on {w.device}")
+
+
 def _one_block_a_row(N: int) -> dict:
     """The launch sizes of a kernel whose program holds a whole row of N values in one block."""
     block = 1 << max(N - 1, 0).bit_length()
@@ -46,9 +54,7 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float,
     (unit stride along a row). s is x itself without a residual."""
     _check_rows("rms_norm_rows", "x", x)
     T, N = x.shape
-    if weight.shape != (N,) or weight.dtype != x.dtype or weight.device != x.device:
-        raise ValueError(f"rms_norm_rows: weight must be {x.dtype} [{N}] on {x.device}, "
-                         f"got {weight.dtype} {list(weight.shape)} on {weight.device}")
+    _check_weight("rms_norm_rows", "weight", weight, x, same_dtype=True)
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
         raise ValueError(f"rms_norm_rows: residual must be {x.dtype} {list(x.shape)} with unit stride along a row, "
                          f"got {residual.dtype} {list(residual.shape)}")
@@ -75,8 +81,8 @@ def _gemma_launch(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: f
                          f"got {h.dtype} {list(h.shape)} on {h.device}")
     T, N = x.shape
     for name, w in (("weight", weight), ("next_weight", next_weight)):
-        if w is not None and (w.shape != (N,) or w.device != x.device):
-            raise ValueError(f"gemma norms: {name} must be [{N}] on {x.device}, got {list(w.shape)} on {w.device}")
+        if w is not None:
+            _check_weight("gemma norms", name, w, x, same_dtype=False)
     if scalar is not None and (scalar.numel() != 1 or scalar.device != x.device):
         raise ValueError(f"gemma norms: scalar must be one value on {x.device}, got {list(scalar.shape)} on "
                          f"{scalar.device}")

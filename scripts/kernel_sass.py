@@ -130,6 +130,9 @@ def row_tile_candidate_fingerprints() -> dict:
     return out
 
 
+_GROUPS = {128: 4, 256: 4, 512: 8}  # query heads a kv head: Qwen3-8B's; Gemma 4's full layers' at 512
+
+
 def attention_fingerprints(segmented: bool) -> dict:
     """Decode attention, each adopted tiling at its head width (Qwen3-8B's group of 4; Gemma 4's 512-wide full
     layers, a group of 8), over a bf16 cache with a mask; one sequence's launch, where the long tilings also take
@@ -147,9 +150,9 @@ def attention_fingerprints(segmented: bool) -> dict:
             name: f"tensordesc<bf16[1,{c.block_n},{hd}]>" for name in ("k_ptr", "v_ptr")})
         out[f"attention d{hd} {c.name}" + (" segmented" if segmented else "")] = fingerprint(
             attention_triton.attention_kernel, signature, dict(
-                GROUP=8 if hd == 512 else 4, D=hd, HAS_MASK=True, IEEE=False, BLOCK_Q=c.block_q, BLOCK_N=c.block_n,
+                GROUP=_GROUPS[hd], D=hd, HAS_MASK=True, IEEE=False, BLOCK_Q=c.block_q, BLOCK_N=c.block_n,
                 SPLIT=c.split, K_FMT=0, V_FMT=0, K_ALIGN=16, V_ALIGN=16, PIPELINED=c.pipelined,
-                SEGMENTED=segmented, TMA=c.tma),
+                SEGMENTED=segmented, TMA=c.tma, FEW_ROWS=c.few_rows(hd, _GROUPS[hd])),
             num_warps=c.num_warps, num_stages=c.num_stages,
             aligned=tuple(a for a in aligned if not (c.tma and a in ("k_ptr", "v_ptr"))))
     return out

@@ -195,6 +195,35 @@ def test_descriptor_loads_give_the_tilings_bits(config):
     assert not da.launch(q[:, :1].contiguous(), packed[:, :300], packed[:, :300], None).isnan().any()
 
 
+@pytest.mark.parametrize("config", [None, MANY_RANGES, WHOLE_BLOCK, PIPELINED],
+                         ids=["default", "many-ranges", "whole-block", "pipelined"])
+def test_the_few_row_combine_gives_the_one_pass_bits(config):
+    """The last program adds one token's rows eight key ranges at a time (ranges past the last read as hidden)
+    and more rows one range after another: the same additions in the same order, so the same bits, over 10 ranges
+    (not a multiple of eight) for one token (the few-row combine), a few and a verify block (one pass), with a
+    sliding window that hides the first ranges."""
+    c = config or da.config_for(64)
+    assert c.few_rows(64, 4) == 4 and replace(c, few_row_combine=False).few_rows(64, 4) == 0
+    k, v = _cache(2, 320, 64, seed=61)
+    q = _queries(8, 16, 64, seed=62)
+    for T, window in ((1, None), (3, 100), (16, None)):
+        mask = _causal(320 - T, T, 320, window=window)
+        few = da.launch(q[:, :T].contiguous(), k, v, mask, c)
+        assert torch.equal(few, da.launch(q[:, :T].contiguous(), k, v, mask, replace(c, few_row_combine=False)))
+        torch.testing.assert_close(few.double(), _reference(q[:, :T], k, v, mask), rtol=1e-4, atol=1e-5)
+
+
+def test_few_rows_fit_the_registers():
+    """The few-row combine holds eight ranges' partials of one token's rows (the group rounded up to a power of
+    two) in at most 64 registers a thread: Qwen3-8B's 4 rows of 128, Gemma 4's sliding layers' 2 of 256; none for
+    Gemma 4's 512-wide full layers (8 rows: 128 registers on 8 warps)."""
+    assert da.config_for(128).few_rows(128, 4) == 4
+    assert da.config_for(128, capacity=32960).few_rows(128, 4) == 4
+    assert da.config_for(256).few_rows(256, 2) == 2
+    assert da.config_for(128).few_rows(128, 3) == 4
+    assert da.config_for(512).few_rows(512, 8) == 0
+
+
 def test_another_tiling_changes_the_bits():
     """The invariance checks can fail: a tiling chosen by T (here another key range) changes a token's bits."""
     k, v = _cache(2, 300, 64, seed=3)

@@ -6,10 +6,12 @@ docs/performance.md). The partials lie in L2, as the kernel's programs leave the
     PYTHONPATH=src python scripts/gpu/combine_cost.py [OUT_DIR]
 
 Prints, for Qwen3-8B's and Gemma-4-31B's full-layer shapes with their adopted tilings for a 32960-row cache, at
-T = 1 and 16: us per call of the combine alone and of the whole call (CUDA graphs); OUT_DIR/combine_cost.json.
+T = 1 and 16: us per call of the combine alone and of the whole call (CUDA graphs), with the one-pass combine
+(tiling name "-chain") and, where the tile's rows allow it, the few-row one; OUT_DIR/combine_cost.json.
 """
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,11 +31,11 @@ SHAPES = {"qwen3-8b": (32, 8, 128), "gemma-4-31b full layers": (32, 4, 512)}  # 
 
 @triton.jit
 def combine_only(m_ptr, l_ptr, acc_ptr, out_ptr, T, N_SPLITS, stride_ot, GROUP: tl.constexpr, D: tl.constexpr,
-                 BLOCK_Q: tl.constexpr):
+                 BLOCK_Q: tl.constexpr, FEW_ROWS: tl.constexpr):
     kv = tl.program_id(0)
     tile = tl.program_id(1)
     _combine(m_ptr, l_ptr, acc_ptr, out_ptr, kv, tile, kv * tl.num_programs(1) + tile, T, N_SPLITS, stride_ot,
-             GROUP, D, BLOCK_Q)
+             GROUP, D, BLOCK_Q, FEW_ROWS)
 
 
 def main(out: Path | None) -> None:
@@ -55,20 +57,27 @@ def main(out: Path | None) -> None:
             o = torch.empty(T, heads * hd, device=dev, dtype=torch.bfloat16)
             q = torch.randn(heads, T, hd, device=dev, dtype=torch.bfloat16)
 
-            def combine():
-                combine_only[(kv_heads, tiles)](m, l_sum, acc, o, T, splits, o.stride(0), GROUP=group, D=hd,
-                                                BLOCK_Q=c.block_q, num_warps=c.num_warps)
+            for chain in (True, False):  # the combine of one pass, and the few-row one where the tile allows
+                few = 0 if chain else c.few_rows(hd, group)
+                if not chain and (few == 0 or T * group > few):
+                    continue
 
-            def whole():
-                launch(q, k, v, None)
+                def combine():
+                    combine_only[(kv_heads, tiles)](m, l_sum, acc, o, T, splits, o.stride(0), GROUP=group, D=hd,
+                                                    BLOCK_Q=c.block_q, FEW_ROWS=few, num_warps=c.num_warps)
 
-            combine_us = graphed_per_call_ms([combine], est_ms=0.01) * 1e3
-            whole_us = graphed_per_call_ms([whole], est_ms=0.1) * 1e3
-            row = {"shape": name, "T": T, "tiling": str(c), "splits": splits, "pairs": kv_heads * tiles,
-                   "combine_us": round(combine_us, 2), "whole_us": round(whole_us, 2)}
-            rows.append(row)
-            print(f"{name:24s} T={T:2d} {splits} ranges, {kv_heads * tiles} pairs: combine alone {combine_us:7.2f} us, "
-                  f"whole call {whole_us:7.2f} us  ({c})", flush=True)
+                tiling = replace(c, few_row_combine=not chain)
+
+                def whole():
+                    launch(q, k, v, None, tiling)
+
+                combine_us = graphed_per_call_ms([combine], est_ms=0.01) * 1e3
+                whole_us = graphed_per_call_ms([whole], est_ms=0.1) * 1e3
+                row = {"shape": name, "T": T, "tiling": tiling.name, "splits": splits, "pairs": kv_heads * tiles,
+                       "combine_us": round(combine_us, 2), "whole_us": round(whole_us, 2)}
+                rows.append(row)
+                print(f"{name:24s} T={T:2d} {splits} ranges, {kv_heads * tiles} pairs: combine alone "
+                      f"{combine_us:7.2f} us, whole call {whole_us:7.2f} us  ({tiling.name})", flush=True)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "combine_cost.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows},

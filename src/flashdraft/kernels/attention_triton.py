@@ -7,7 +7,8 @@ Split-KV attention of a few query rows over a static cache, in one launch of `at
    that Triton pipelines and that stops at the last step holding keys), and the range's fp32 partial output,
    row maximum and row sum, stored;
 2. a ticket from a per-(kv head, tile) counter: the program that arrives last rescales and adds the partials in
-   split order 0, 1, ... (`_combine`, one pass, each split's loads issued before the previous one is added) and
+   split order 0, 1, ... (`_combine`: a one-token tile's few rows with eight splits' loads in flight at once, a
+   fuller tile's rows with each split's loads issued before the previous one is added) and
    writes the rows straight into the [T, heads * head_dim] layout o_proj reads, then sets the counter back to
    zero for the next launch. The order of the additions never depends on which program does them, and no
    second kernel (a launch per layer) is needed for it.
@@ -47,7 +48,7 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, count
                      IEEE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                      K_FMT: tl.constexpr, V_FMT: tl.constexpr, K_ALIGN: tl.constexpr, V_ALIGN: tl.constexpr,
                      PIPELINED: tl.constexpr, SEGMENTED: tl.constexpr, TMA: tl.constexpr = False,
-                     PDL: tl.constexpr = False):
+                     FEW_ROWS: tl.constexpr = 0, PDL: tl.constexpr = False):
     start_programmatic(PDL)
     kv = tl.program_id(0)
     tile = tl.program_id(1)
@@ -105,7 +106,7 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, count
     # acq_rel: this program's partial is visible before its ticket; the last one's loads see every partial
     counter = counter_ptr + pair
     if tl.atomic_add(counter, 1, sem="acq_rel") == N_SPLITS - 1:
-        _combine(m_ptr, l_ptr, acc_ptr, out_ptr, kv, tile, pair, T, N_SPLITS, stride_ot, GROUP, D, BLOCK_Q)
+        _combine(m_ptr, l_ptr, acc_ptr, out_ptr, kv, tile, pair, T, N_SPLITS, stride_ot, GROUP, D, BLOCK_Q, FEW_ROWS)
         tl.atomic_xchg(counter, 0)
 
 
@@ -196,48 +197,102 @@ def _scaled(q, scales, ok, D: tl.constexpr, AFFINE: tl.constexpr):
 
 @triton.jit
 def _combine(m_ptr, l_ptr, acc_ptr, out_ptr, kv, tile, pair, T, N_SPLITS, stride_ot, GROUP: tl.constexpr,
-             D: tl.constexpr, BLOCK_Q: tl.constexpr):
+             D: tl.constexpr, BLOCK_Q: tl.constexpr, FEW_ROWS: tl.constexpr):
     """Add the N_SPLITS partials of (kv, tile) in split order 0, 1, ... and store the tile's rows of the output.
 
-    One pass with a running maximum (each split's weight and the sums so far rescaled by it, as the online
-    softmax of the key loop does), and the loads of split s + 1 issued before split s is added: the additions
-    wait for memory about once per two splits, where a pass for the maximum and then one for the sums, each
-    split's loads issued after the previous split's additions, waited twice per split (most of a call's time at
-    a few hundred keys on the H200). A key range hidden from a row gives it m = -inf, so it adds exact zeros
-    and leaves the rescaling at exactly 1: a row's result does not depend on how many ranges follow its last
-    visible one (a longer kv_len in a verify step). Loads bypass L1 (.cg): other programs wrote the partials."""
-    r = tl.arange(0, BLOCK_Q)
+    A tile with at most FEW_ROWS rows to fill (a one-token step's group of heads; 0: never) takes only those rows
+    and issues its loads COMBINE_BATCH splits at a time, so that the additions wait for memory once per batch
+    (the chain's wait per split was most of the combine at 32K keys). Otherwise one pass over the whole tile with
+    split s + 1's loads issued before split s is added. Both add each row's splits in the same order with the same
+    arithmetic (`_add_partial`), so a row's bits do not depend on which way its tile went."""
+    if FEW_ROWS > 0:
+        if T * GROUP - tile * BLOCK_Q <= FEW_ROWS:
+            _combine_rows(m_ptr, l_ptr, acc_ptr, out_ptr, kv, tile, pair, T, N_SPLITS, stride_ot, GROUP, D, BLOCK_Q,
+                          FEW_ROWS, True)
+        else:
+            _combine_rows(m_ptr, l_ptr, acc_ptr, out_ptr, kv, tile, pair, T, N_SPLITS, stride_ot, GROUP, D, BLOCK_Q,
+                          BLOCK_Q, False)
+    else:
+        _combine_rows(m_ptr, l_ptr, acc_ptr, out_ptr, kv, tile, pair, T, N_SPLITS, stride_ot, GROUP, D, BLOCK_Q,
+                      BLOCK_Q, False)
+
+
+COMBINE_BATCH = tl.constexpr(8)  # splits whose loads a few-row combine issues at once (_combine_rows's eight)
+
+
+@triton.jit
+def _combine_rows(m_ptr, l_ptr, acc_ptr, out_ptr, kv, tile, pair, T, N_SPLITS, stride_ot, GROUP: tl.constexpr,
+                  D: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr, BATCHED: tl.constexpr):
+    """_combine over the tile's first ROWS rows: BATCHED, COMBINE_BATCH splits' loads at a time (splits past
+    N_SPLITS read as hidden ranges, exact no-ops); else each split's loads one split ahead.
+
+    The running maximum rescales each split's weight and the sums so far, as the online softmax of the key loop
+    does. A key range hidden from a row gives it m = -inf, so it adds exact zeros and leaves the rescaling at
+    exactly 1: a row's result does not depend on how many ranges follow its last visible one (a longer kv_len in a
+    verify step). Loads bypass L1 (.cg): other programs wrote the partials."""
+    r = tl.arange(0, ROWS)
     d = tl.arange(0, D)
     base = pair * N_SPLITS
     rows = tile * BLOCK_Q + r
     row_ok = rows < T * GROUP  # padding rows of the tile: nothing stored, nothing read
-    m_next = tl.load(m_ptr + base * BLOCK_Q + r, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-    l_next = tl.load(l_ptr + base * BLOCK_Q + r, mask=row_ok, other=0.0, cache_modifier=".cg")
-    acc_next = tl.load(acc_ptr + (base * BLOCK_Q + r)[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0,
-                       cache_modifier=".cg")
-    m_run = tl.full([BLOCK_Q], float("-inf"), tl.float32)
-    total = tl.full([BLOCK_Q], 0.0, tl.float32)
-    acc = tl.full([BLOCK_Q, D], 0.0, tl.float32)
-    # a while loop: Triton's interpreter (the CPU tests) cannot range() over a runtime bound
+    m_run = tl.full([ROWS], float("-inf"), tl.float32)
+    total = tl.full([ROWS], 0.0, tl.float32)
+    acc = tl.full([ROWS, D], 0.0, tl.float32)
+    # while loops: Triton's interpreter (the CPU tests) cannot range() over a runtime bound
     s = 0
-    while s < N_SPLITS:
-        m_s, l_s, acc_s = m_next, l_next, acc_next
-        ahead = row_ok & (s + 1 < N_SPLITS)
-        slot = (base + s + 1) * BLOCK_Q + r
-        m_next = tl.load(m_ptr + slot, mask=ahead, other=float("-inf"), cache_modifier=".cg")
-        l_next = tl.load(l_ptr + slot, mask=ahead, other=0.0, cache_modifier=".cg")
-        acc_next = tl.load(acc_ptr + slot[:, None] * D + d[None, :], mask=ahead[:, None], other=0.0,
-                           cache_modifier=".cg")
-        m_new = tl.maximum(m_run, m_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: no NaN from -inf - -inf
-        alpha = tl.math.exp2(m_run - m_safe)
-        w = tl.math.exp2(m_s - m_safe)
-        total = total * alpha + w * l_s
-        acc = acc * alpha[:, None] + w[:, None] * acc_s
-        m_run = m_new
-        s += 1
+    if BATCHED:
+        while s < N_SPLITS:
+            m0, l0, a0 = _partial(m_ptr, l_ptr, acc_ptr, base, s, N_SPLITS, r, d, row_ok, BLOCK_Q, D)
+            m1, l1, a1 = _partial(m_ptr, l_ptr, acc_ptr, base, s + 1, N_SPLITS, r, d, row_ok, BLOCK_Q, D)
+            m2, l2, a2 = _partial(m_ptr, l_ptr, acc_ptr, base, s + 2, N_SPLITS, r, d, row_ok, BLOCK_Q, D)
+            m3, l3, a3 = _partial(m_ptr, l_ptr, acc_ptr, base, s + 3, N_SPLITS, r, d, row_ok, BLOCK_Q, D)
+            m4, l4, a4 = _partial(m_ptr, l_ptr, acc_ptr, base, s + 4, N_SPLITS, r, d, row_ok, BLOCK_Q, D)
+            m5, l5, a5 = _partial(m_ptr, l_ptr, acc_ptr, base, s + 5, N_SPLITS, r, d, row_ok, BLOCK_Q, D)
+            m6, l6, a6 = _partial(m_ptr, l_ptr, acc_ptr, base, s + 6, N_SPLITS, r, d, row_ok, BLOCK_Q, D)
+            m7, l7, a7 = _partial(m_ptr, l_ptr, acc_ptr, base, s + 7, N_SPLITS, r, d, row_ok, BLOCK_Q, D)
+            m_run, total, acc = _add_partial(m_run, total, acc, m0, l0, a0)
+            m_run, total, acc = _add_partial(m_run, total, acc, m1, l1, a1)
+            m_run, total, acc = _add_partial(m_run, total, acc, m2, l2, a2)
+            m_run, total, acc = _add_partial(m_run, total, acc, m3, l3, a3)
+            m_run, total, acc = _add_partial(m_run, total, acc, m4, l4, a4)
+            m_run, total, acc = _add_partial(m_run, total, acc, m5, l5, a5)
+            m_run, total, acc = _add_partial(m_run, total, acc, m6, l6, a6)
+            m_run, total, acc = _add_partial(m_run, total, acc, m7, l7, a7)
+            s += COMBINE_BATCH
+    else:
+        m_next, l_next, acc_next = _partial(m_ptr, l_ptr, acc_ptr, base, 0, N_SPLITS, r, d, row_ok, BLOCK_Q, D)
+        while s < N_SPLITS:
+            m_s, l_s, acc_s = m_next, l_next, acc_next
+            m_next, l_next, acc_next = _partial(m_ptr, l_ptr, acc_ptr, base, s + 1, N_SPLITS, r, d, row_ok, BLOCK_Q,
+                                                D)
+            m_run, total, acc = _add_partial(m_run, total, acc, m_s, l_s, acc_s)
+            s += 1
     t = rows // GROUP
     head = kv * GROUP + rows % GROUP
     out = acc / tl.where(row_ok, total, 1.0)[:, None]
     tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * D + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _partial(m_ptr, l_ptr, acc_ptr, base, s, N_SPLITS, r, d, row_ok, BLOCK_Q: tl.constexpr, D: tl.constexpr):
+    """Split s's partial (row maximum, row sum, output) of rows r; a split past N_SPLITS reads as hidden
+    (-inf, 0, 0)."""
+    ok = row_ok & (s < N_SPLITS)
+    slot = (base + s) * BLOCK_Q + r
+    m = tl.load(m_ptr + slot, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    l_sum = tl.load(l_ptr + slot, mask=ok, other=0.0, cache_modifier=".cg")
+    acc = tl.load(acc_ptr + slot[:, None] * D + d[None, :], mask=ok[:, None], other=0.0, cache_modifier=".cg")
+    return m, l_sum, acc
+
+
+@triton.jit
+def _add_partial(m_run, total, acc, m_s, l_s, acc_s):
+    """The sums so far and one more split's partial, both rescaled to their joint maximum."""
+    m_new = tl.maximum(m_run, m_s)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: no NaN from -inf - -inf
+    alpha = tl.math.exp2(m_run - m_safe)
+    w = tl.math.exp2(m_s - m_safe)
+    total = total * alpha + w * l_s
+    acc = acc * alpha[:, None] + w[:, None] * acc_s
+    return m_new, total, acc

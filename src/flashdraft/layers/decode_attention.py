@@ -47,11 +47,23 @@ class AttentionConfig:
     num_stages: int = 2
     pipelined: bool = False  # the key loop as one Triton software-pipelines (num_stages), else unrolled
     tma: bool = False  # keys and values by tensor descriptors (float caches, heads up to 256 wide, one sequence)
+    few_row_combine: bool = True  # the last program adds a one-token step's rows eight key ranges at a time
+                                  # (attention_triton._combine): the same bits, fewer waits for memory
 
     @property
     def name(self) -> str:
         return (f"q{self.block_q}n{self.block_n}s{self.split}w{self.num_warps}p{self.num_stages}"
-                + ("l" if self.pipelined else "") + ("t" if self.tma else ""))
+                + ("l" if self.pipelined else "") + ("t" if self.tma else "")
+                + ("" if self.few_row_combine else "-chain"))
+
+    def few_rows(self, head_dim: int, group: int) -> int:
+        """The rows of a tile that the few-row combine takes (0: none): one token's group of heads, rounded up to a
+        power of two, where eight key ranges' partials of them fit in 64 registers a thread (so that the combine
+        does not need more registers than the key loop before it); a step of one token fills no more."""
+        rows = 1 << (group - 1).bit_length()
+        if not self.few_row_combine or rows > self.block_q or rows * head_dim > 256 * self.num_warps:
+            return 0
+        return rows
 
 
 # The tilings are the fastest measured by scripts/gpu/attention_run.py on an H200 at T = 1 and 16
@@ -180,7 +192,8 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         HAS_MASK=mask is not None, IEEE=q.dtype == torch.float32, BLOCK_Q=c.block_q, BLOCK_N=c.block_n, SPLIT=c.split,
         K_FMT=KERNEL_FORMATS.get(k_format.name, 0), V_FMT=KERNEL_FORMATS.get(v_format.name, 0),
         K_ALIGN=_row_alignment(k), V_ALIGN=_row_alignment(v), PIPELINED=c.pipelined, SEGMENTED=segments is not None,
-        TMA=c.tma, num_warps=c.num_warps, num_stages=c.num_stages, **programmatic.triton_options(kernel, q.device))
+        TMA=c.tma, FEW_ROWS=c.few_rows(hd, group), num_warps=c.num_warps, num_stages=c.num_stages,
+        **programmatic.triton_options(kernel, q.device))
     return out
 
 

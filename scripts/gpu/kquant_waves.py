@@ -9,7 +9,7 @@ there; if the time grows with N smoothly, it does not. The occupancy comes from 
 (cuOccupancyMaxActiveBlocksPerMultiprocessor on the compiled kernel), the times from CUDA graphs over several
 weight copies (L2 cleared before each replay, gguf_run.bench_ms).
 
-    PYTHONPATH=src python scripts/gpu/kquant_waves.py OUT [--only gemma-gate-up,...]
+    PYTHONPATH=src python scripts/gpu/kquant_waves.py OUT [--only gemma-gate-up,...] [--fractions 0.9,1.0]
 
 Prints, per shape and row count M (1, 16): the blocks a wave holds, then each N with its blocks, waves, us and
 TB/s of weight bytes; OUT/kquant_waves.json.
@@ -31,13 +31,19 @@ from flashdraft.kernels.programmatic import _driver  # noqa: E402
 from flashdraft.quant import mma_kernels  # noqa: E402
 from flashdraft.quant.formats import row_bytes  # noqa: E402
 
-# name -> (type, N, K): the shapes whose products stream slowest, and a large one for contrast
+# name -> (type, N, K, tilings for 1-8 and 9-16 rows or None for the adopted ones): the shapes whose products
+# stream slowest; and Gemma's gate|up as lane-order Q6_K on the Q6_K LM heads' tilings (the kernel's fastest
+# stream, 2.8 TB/s at 510 MB on the H100) and as Q4_K on the same direct-load tilings, which tell whether its
+# Q4_K rate is the shape's and grid's or the Q4_K loop's
+LM_HEAD_TILINGS = (mma_kernels.MmaTiling(1, 2, 1, 6), mma_kernels.MmaTiling(2, 2, 1, 6))
 SHAPES = {
-    "gemma-gate-up": ("Q4_K", 43008, 5376),
-    "gemma-full-qk": ("Q4_K", 18432, 5376),
-    "gemma-down": ("Q4_K", 5376, 21504),
-    "qwen-gate-up": ("Q4_K", 24576, 4096),
-    "qwen-down-q6k": ("Q6_K_LANES", 4096, 12288),
+    "gemma-gate-up": ("Q4_K", 43008, 5376, None),
+    "gemma-full-qk": ("Q4_K", 18432, 5376, None),
+    "gemma-down": ("Q4_K", 5376, 21504, None),
+    "qwen-gate-up": ("Q4_K", 24576, 4096, None),
+    "qwen-down-q6k": ("Q6_K_LANES", 4096, 12288, None),
+    "gemma-gate-up-as-q6k": ("Q6_K_LANES", 43008, 5376, LM_HEAD_TILINGS),
+    "gemma-gate-up-direct": ("Q4_K", 43008, 5376, LM_HEAD_TILINGS),
 }
 # N as fractions of the shape's own (each rounded to the tiling's rows a block)
 FRACTIONS = (0.70, 0.80, 0.90, 0.95, 0.98, 1.0, 1.02, 1.05, 1.10, 1.20)
@@ -55,9 +61,9 @@ def resident_blocks(kernel, tiling: mma_kernels.MmaTiling, qtype: str, sms: int)
     return count.value * sms
 
 
-def row_counts(n: int, rows_per_block: int, resident: int, split: int) -> list[int]:
+def row_counts(n: int, rows_per_block: int, resident: int, split: int, fractions=FRACTIONS) -> list[int]:
     """The fractions' N, and N at one and two full waves of the tiling's blocks, sorted."""
-    found = {max(rows_per_block, round(n * f / rows_per_block) * rows_per_block) for f in FRACTIONS}
+    found = {max(rows_per_block, round(n * f / rows_per_block) * rows_per_block) for f in fractions}
     for waves in (1, 2, 3):
         wave_n = waves * resident // split * rows_per_block
         if 0.6 * n <= wave_n <= 1.3 * n:
@@ -69,7 +75,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--only", default=",".join(SHAPES), help="comma-separated: " + ", ".join(SHAPES))
+    ap.add_argument("--fractions", default=",".join(map(str, FRACTIONS)),
+                    help="N as fractions of each shape's own (default: %(default)s)")
     args = ap.parse_args()
+    fractions = tuple(float(f) for f in args.fractions.split(","))
     unknown = [name for name in args.only.split(",") if name not in SHAPES]
     if unknown:
         ap.error(f"unknown shapes {unknown}; choose from {', '.join(SHAPES)}")
@@ -79,8 +88,8 @@ def main() -> int:
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = []
     for name in args.only.split(","):
-        qtype, n_real, k = SHAPES[name]
-        tilings = mma_kernels.tilings_for(qtype, n_real, k, sms)
+        qtype, n_real, k, tilings = SHAPES[name]
+        tilings = tilings or mma_kernels.tilings_for(qtype, n_real, k, sms)
         x = torch.randn(16, k, device=dev, dtype=torch.bfloat16, generator=gen)
         mma_kernels.launch(x[:1], random_blocks(qtype, 16, k, gen, dev), 16, qtype, tilings)  # both builds
         n_max = int(n_real * 1.35)
@@ -90,7 +99,7 @@ def main() -> int:
             resident = resident_blocks(kernel, tiling, qtype, sms)
             per_block = 16 * tiling.r_tiles * tiling.warps
             print(f"{name} M={m} {tiling}: {resident} blocks at once ({resident // sms} a multiprocessor)", flush=True)
-            for n in row_counts(n_real, per_block, resident, tiling.split):
+            for n in row_counts(n_real, per_block, resident, tiling.split, fractions):
                 if n > n_max:
                     continue
                 blocks = -(-n // per_block) * tiling.split

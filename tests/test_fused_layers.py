@@ -204,11 +204,22 @@ def _gguf_target(tmp_path, seed):
     return target_to_gguf(folder, tmp_path / "t.gguf", QUANT_CASES["Q4_K_S"][0]), folder
 
 
-def test_quant_forward_matches_the_module_path(tmp_path):
+def test_quant_forward_matches_the_module_path(tmp_path, monkeypatch):
     """Layers with GGUF projections take quant_forward under the fused plan (norms kept, not folded into blocks):
-    outputs and cache rows as the module path's, with q/k/v as two products (q|k and a v of another type: layer 0)
-    and as one (layer 1); SwiGLU as one kernel, the residual with down_proj's product."""
+    outputs and cache rows as the module path's, with q/k/v as two products (q|k and a v of another type: layer 0,
+    whose v qkv_prep reads apart, not copied beside q|k) and as one (layer 1); SwiGLU as one kernel, the residual
+    with down_proj's product."""
+    from flashdraft.layers import attention as attention_module
     from flashdraft.quant.linear import QuantLinear
+
+    values_apart = []
+
+    def recording_qkv_prep(*args, v=None, **kwargs):
+        values_apart.append(v is not None)
+        return qkv_prep(*args, v=v, **kwargs)
+
+    qkv_prep = attention_module.qkv_prep
+    monkeypatch.setattr(attention_module, "qkv_prep", recording_qkv_prep)
 
     path, _ = _gguf_target(tmp_path, seed=9)
     target = load_model(path, device=DEVICE, dtype=torch.float32, context_size=64, plan=FUSED).target
@@ -220,8 +231,10 @@ def test_quant_forward_matches_the_module_path(tmp_path):
     attn = layers[0].self_attn
     assert attn.k_proj.blocks.data_ptr() == attn.qk_proj.blocks[attn.q_proj.out_features:].data_ptr()  # views
     h, cos, sin, positions, kv_len, mask, history = _layer_pass(target)
-    for layer in layers:
+    for i, layer in enumerate(layers):
+        values_apart.clear()
         outs, caches = _run_paths((layer.forward, layer.module_forward), h, cos, sin, positions, kv_len, mask, history)
+        assert values_apart and all(apart == (i == 0) for apart in values_apart), (i, values_apart)
         torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
         assert not torch.allclose(outs[0], h, atol=1e-3)
         for quant_cache, module_cache in zip(*caches):

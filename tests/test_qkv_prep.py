@@ -247,6 +247,43 @@ def test_one_launch_writes_each_rows_own_sequences_caches():
                              cache_offsets=torch.tensor(offsets[:-1], device=DEVICE), **args)
 
 
+@pytest.mark.parametrize("types", [None, ("q5_0", "q4_1")], ids=["float-cache", "block-types"])
+def test_values_apart_give_the_concatenated_bits(types):
+    """v from its own product (an attn_v of another type than q|k: Q4_K_M files' Q6_K ones): the queries and
+    cache rows of qkv_prep over q|k and v concatenated, bit for bit; v as a view into a wider product (its rows
+    further apart than its width) and as its own tensor; in one launch over several sequences' caches too. v with
+    value_is_key or of the wrong shape is refused by name."""
+    T, heads, kv_heads, hd = 5, 4, 2, 32
+    args = _inputs(T, heads, kv_heads, hd, torch.bfloat16, True, seed=41)
+    qkv = args.pop("qkv")
+    qk, v = qkv[:, :(heads + kv_heads) * hd], qkv[:, (heads + kv_heads) * hd:]
+
+    def caches():
+        if types is None:
+            return _caches(kv_heads, hd, torch.bfloat16)
+        return tuple(torch.zeros(kv_heads, CAPACITY, kf.KV_FORMATS[t].row_bytes(hd), dtype=torch.uint8, device=DEVICE)
+                     for t in types)
+
+    joined_k, joined_v = caches()
+    q = qp.qkv_prep(qkv, cache_k=joined_k, cache_v=joined_v, **args)
+    for values in (v, v.contiguous()):
+        apart_k, apart_v = caches()
+        assert torch.equal(qp.qkv_prep(qk.contiguous(), cache_k=apart_k, cache_v=apart_v, v=values, **args), q)
+        assert torch.equal(apart_k, joined_k) and torch.equal(apart_v, joined_v)
+    offsets = torch.zeros(T, 2, dtype=torch.int64, device=DEVICE)  # every row into the first caches
+    if types is None:
+        seg_k, seg_v = caches()
+        assert torch.equal(qp.qkv_prep_segments(qk.contiguous(), cache_k=seg_k, cache_v=seg_v, cache_offsets=offsets,
+                                                v=v, **args), q)
+        assert torch.equal(seg_k, joined_k) and torch.equal(seg_v, joined_v)
+    with pytest.raises(ValueError, match="give no v"):
+        qp.qkv_prep(qk.contiguous(), cache_k=joined_k, cache_v=joined_v, v=v, value_is_key=True, **args)
+    with pytest.raises(ValueError, match="v must be"):
+        qp.qkv_prep(qk.contiguous(), cache_k=joined_k, cache_v=joined_v, v=v[:, :-1], **args)
+    with pytest.raises(ValueError, match="qkv width"):  # q|k|v with a v beside it: one value head set too many
+        qp.qkv_prep(qkv, cache_k=joined_k, cache_v=joined_v, v=v, **args)
+
+
 def _gemma_module_path(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight,
                        eps, value_is_key, wrap):
     """What Gemma4Attention.forward does before attention when it does not take qkv_prep: Gemma4RMSNorm on the

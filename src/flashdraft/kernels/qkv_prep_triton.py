@@ -21,7 +21,8 @@ GEMMA: Gemma 4's attention (models.gemma4.model): its RMSNorm multiplies by the 
 (weight * x * rsqrt(...), not weight * round(x * rsqrt(...))), and the values are RMS-normalized without a weight
 (v_norm) before they are stored. V_IS_K: the row holds no value heads; value head j is key head j before its norm
 and RoPE (Gemma 4's full layers, attention_k_eq_v). WRAP: the cache is a ring, row = position % capacity (Gemma
-4's sliding layers).
+4's sliding layers). V_APART: the row holds no value heads; they come from v_ptr's rows, their own product (an
+attn_v of another type than attn_q / attn_k, which are then one product: Q4_K_M files' Q6_K attn_v).
 
 K_FMT / V_FMT (kv_formats.KERNEL_FORMATS; 0: rows of the compute dtype): a cache of llama.cpp's block types
 (-ctk / -ctv), its rows quantized here from the values rounded to the compute dtype, byte for byte what
@@ -37,11 +38,12 @@ from flashdraft.kernels.split_reduce_triton import add, maximum, minimum, round_
 
 @triton.jit
 def qkv_prep_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_norm_ptr, k_norm_ptr, q_ptr, cache_k_ptr, cache_v_ptr,
-                    offsets_ptr, stride_qkv, stride_cos, stride_sin, stride_kh, stride_kn, stride_vh, stride_vn,
-                    capacity, eps, N_HEADS: tl.constexpr, N_KV: tl.constexpr, D: tl.constexpr,
+                    offsets_ptr, v_ptr, stride_qkv, stride_cos, stride_sin, stride_kh, stride_kn, stride_vh,
+                    stride_vn, stride_v, capacity, eps, N_HEADS: tl.constexpr, N_KV: tl.constexpr, D: tl.constexpr,
                     HAS_NORM: tl.constexpr, EMULATE: tl.constexpr, HAS_OFFSETS: tl.constexpr,
                     GEMMA: tl.constexpr = False, V_IS_K: tl.constexpr = False, WRAP: tl.constexpr = False,
-                    K_FMT: tl.constexpr = 0, V_FMT: tl.constexpr = 0, PDL: tl.constexpr = False):
+                    K_FMT: tl.constexpr = 0, V_FMT: tl.constexpr = 0, V_APART: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
     start_programmatic(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.program_id(1)
@@ -90,6 +92,8 @@ def qkv_prep_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_norm_ptr, k_norm_ptr, 
             _store_row(cache_k_ptr + kv * stride_kh + pos * stride_kn, out, K_FMT, D)
             if V_IS_K:  # the key head as loaded, before its norm (its mean of squares is the value's)
                 value = raw
+            elif V_APART:  # value head j of the token's row of their own product
+                value = tl.load(v_ptr + t * stride_v + kv * D + d).to(tl.float32)
             else:  # value head j sits N_KV heads after key head j
                 value = tl.load(head + N_KV * D + d).to(tl.float32)
                 if GEMMA:

@@ -259,8 +259,13 @@ class Attention(nn.Module):
         turn, each segment over its own cache): the q/k/v products over all rows (one where they are fused), per
         segment qkv_prep (q/k norm, RoPE, cache writes: one kernel) and decode_attention, o_proj over all rows
         (DecoderLayer.quant_forward)."""
-        qkv = self.qkv_proj(x) if self.qkv_proj is not None else torch.cat(self._qkv(x), dim=-1)
-        return self.o_proj(self._prepped_attention(qkv, cos, sin, segments, merged))
+        if self.qkv_proj is not None:
+            qkv, v = self.qkv_proj(x), None
+        elif self.qk_proj is not None:  # v of another type: its product read apart, not copied beside q|k
+            qkv, v = self.qk_proj(x), self.v_proj(x)
+        else:
+            qkv, v = torch.cat(self._qkv(x), dim=-1), None
+        return self.o_proj(self._prepped_attention(qkv, cos, sin, segments, merged, v))
 
     def fused_forward(self, h, norm_eps: float, cos, sin, segments: list[AttentionSegment],
                       merged: MergedSegments | None = None) -> torch.Tensor:
@@ -275,15 +280,15 @@ class Attention(nn.Module):
                              self.o_proj.bias, residual=h)
 
     def _prepped_attention(self, qkv: torch.Tensor, cos, sin, segments: list[AttentionSegment],
-                           merged: MergedSegments | None = None) -> torch.Tensor:
-        """Each segment's rows of the q/k/v projection through qkv_prep into its cache and decode_attention over
-        it: [rows, heads * head_dim], the segments' rows in turn. merged (several segments): one launch of each
-        kernel for all of them, each segment's programs doing what its own launches would (where the caches are
-        of the compute dtype: the kernel writes no other)."""
+                           merged: MergedSegments | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
+        """Each segment's rows of the q/k/v projection (v: the value heads' own product, qkv then q|k) through
+        qkv_prep into its cache and decode_attention over it: [rows, heads * head_dim], the segments' rows in
+        turn. merged (several segments): one launch of each kernel for all of them, each segment's programs doing
+        what its own launches would (where the caches are of the compute dtype: the kernel writes no other)."""
         first = segments[0]
         if merged is not None and first.cache_k.dtype == qkv.dtype and first.cache_v.dtype == qkv.dtype:
             q = qkv_prep_segments(qkv, cos, sin, merged.positions, first.cache_k, first.cache_v, merged.offsets,
-                                  self.n_heads, self.n_kv, *self._head_norms())
+                                  self.n_heads, self.n_kv, *self._head_norms(), v=v)
             return decode_attention_segments(q.transpose(0, 1), first.cache_k[:, :merged.kv_len],
                                              first.cache_v[:, :merged.kv_len], merged.mask, merged.table,
                                              merged.rows)
@@ -291,7 +296,7 @@ class Attention(nn.Module):
         for s in segments:
             rows = slice(at, at + s.rows)
             q = self._prep_into_cache(qkv[rows], cos[rows], sin[rows], s.positions, s.cache_k, s.cache_v,
-                                      self.n_heads, *self._head_norms())
+                                      self.n_heads, *self._head_norms(), v=None if v is None else v[rows])
             out.append(decode_attention(q.transpose(0, 1), s.cache_k[:, :s.kv_len], s.cache_v[:, :s.kv_len],
                                         _rows_mask(s.mask)))
             at += s.rows
@@ -304,19 +309,19 @@ class Attention(nn.Module):
         self._prep_into_cache(kv, cos, sin, positions, cache_k, cache_v, 0, k_norm, k_norm, eps)
 
     def _prep_into_cache(self, qkv: torch.Tensor, cos, sin, positions, cache_k, cache_v, n_heads: int,
-                         q_norm_weight, k_norm_weight, eps: float) -> torch.Tensor:
+                         q_norm_weight, k_norm_weight, eps: float, v: torch.Tensor | None = None) -> torch.Tensor:
         """qkv_prep with its keys and values stored in the cache's types. The kernel writes rows of the compute
         dtype and of the block types (uint8); a float cache of another dtype gets them through rows of their own
         and write_rows."""
         if cache_k.dtype in (qkv.dtype, torch.uint8) and cache_v.dtype in (qkv.dtype, torch.uint8):
             return qkv_prep(qkv, cos, sin, positions, cache_k, cache_v, n_heads, self.n_kv, q_norm_weight,
-                            k_norm_weight, eps)
+                            k_norm_weight, eps, v=v)
         T = qkv.shape[0]
-        k, v = (qkv.new_empty((self.n_kv, T, self.head_dim)) for _ in range(2))
-        q = qkv_prep(qkv, cos, sin, torch.arange(T, device=qkv.device), k, v, n_heads, self.n_kv, q_norm_weight,
-                     k_norm_weight, eps)
-        write_rows(cache_k, positions, k)
-        write_rows(cache_v, positions, v)
+        keys, values = (qkv.new_empty((self.n_kv, T, self.head_dim)) for _ in range(2))
+        q = qkv_prep(qkv, cos, sin, torch.arange(T, device=qkv.device), keys, values, n_heads, self.n_kv,
+                     q_norm_weight, k_norm_weight, eps, v=v)
+        write_rows(cache_k, positions, keys)
+        write_rows(cache_v, positions, values)
         return q
 
     def _head_norms(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:

@@ -59,14 +59,20 @@ def _kernels():
 def _checked(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
              cache_k: torch.Tensor, cache_v: torch.Tensor, n_heads: int, n_kv: int,
              q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
-             value_is_key: bool = False) -> tuple[int, list[KVFormat]]:
+             value_is_key: bool = False, v: torch.Tensor | None = None) -> tuple[int, list[KVFormat]]:
     """Check the arguments' shapes, dtypes and devices (shapes only: no host sync); return head_dim and the
     caches' formats (kv_formats: the compute dtype's, or a block type's)."""
-    heads = n_heads + (1 if value_is_key else 2) * n_kv
+    if value_is_key and v is not None:
+        raise ValueError("qkv_prep: value_is_key takes the values from the keys; give no v with it")
+    kv_in_row = 1 if value_is_key or v is not None else 2
+    heads = n_heads + kv_in_row * n_kv
     if qkv.dim() != 2 or n_heads < 0 or n_kv < 1 or qkv.shape[1] % heads:
         raise ValueError(f"qkv_prep: qkv width: qkv {list(qkv.shape)} is not [T, (n_heads + "
-                         f"{1 if value_is_key else 2} * n_kv) * head_dim] with n_heads = {n_heads}, n_kv = {n_kv}")
+                         f"{kv_in_row} * n_kv) * head_dim] with n_heads = {n_heads}, n_kv = {n_kv}")
     T, hd = qkv.shape[0], qkv.shape[1] // heads
+    if v is not None and (v.shape != (T, n_kv * hd) or v.dtype != qkv.dtype or v.device != qkv.device):
+        raise ValueError(f"qkv_prep: v must be {qkv.dtype} [{T}, {n_kv * hd}] on {qkv.device} (the value heads of "
+                         f"qkv's rows), got {v.dtype} {list(v.shape)} on {v.device}")
     if hd not in HEAD_DIMS:
         raise ValueError(f"qkv_prep: head_dim {hd} is not one of {HEAD_DIMS}")
     if cache_k.dim() != 3 or cache_v.dim() != 3 or cache_k.shape[:2] != cache_v.shape[:2] or cache_k.shape[0] != n_kv:
@@ -98,11 +104,11 @@ def launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: t
            cache_k: torch.Tensor, cache_v: torch.Tensor, n_heads: int, n_kv: int,
            q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
            eps: float = 1e-6, cache_offsets: torch.Tensor | None = None, gemma: bool = False,
-           value_is_key: bool = False, wrap: bool = False) -> torch.Tensor:
+           value_is_key: bool = False, wrap: bool = False, v: torch.Tensor | None = None) -> torch.Tensor:
     """Run the kernel (no custom-op wrapper); arguments and result as qkv_prep (cache_offsets: as
     qkv_prep_segments')."""
     hd, formats = _checked(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight,
-                           value_is_key)
+                           value_is_key, v)
     if gemma and q_norm_weight is None:
         raise ValueError("qkv_prep: gemma=True needs the q and k norm weights (Gemma 4 normalizes both)")
     T = qkv.shape[0]
@@ -115,6 +121,8 @@ def launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: t
         return q
     # read-only inputs are only made contiguous where a row is not (a row stride larger than the width is fine)
     qkv, cos, sin = (x if x.stride(-1) == 1 else x.contiguous() for x in (qkv, cos, sin))
+    if v is not None and v.stride(-1) != 1:
+        v = v.contiguous()
     has_norm = q_norm_weight is not None
     if has_norm:
         q_norm_weight, k_norm_weight = q_norm_weight.contiguous(), k_norm_weight.contiguous()
@@ -122,21 +130,22 @@ def launch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: t
     kernel[(T, n_heads + n_kv)](
         qkv, cos, sin, positions, q_norm_weight if has_norm else qkv, k_norm_weight if has_norm else qkv,
         q if n_heads else qkv,  # no query heads: nothing is stored there (an empty tensor may have no address)
-        cache_k, cache_v, cache_offsets if cache_offsets is not None else positions, qkv.stride(0), cos.stride(0),
-        sin.stride(0), cache_k.stride(0), cache_k.stride(1), cache_v.stride(0), cache_v.stride(1), cache_k.shape[1],
-        eps, N_HEADS=n_heads, N_KV=n_kv, D=hd, HAS_NORM=has_norm, EMULATE=qkv.device.type != "cuda",
-        HAS_OFFSETS=cache_offsets is not None, GEMMA=gemma, V_IS_K=value_is_key, WRAP=wrap,
-        K_FMT=KERNEL_FORMATS.get(formats[0].name, 0), V_FMT=KERNEL_FORMATS.get(formats[1].name, 0), num_warps=1,
+        cache_k, cache_v, cache_offsets if cache_offsets is not None else positions, v if v is not None else qkv,
+        qkv.stride(0), cos.stride(0), sin.stride(0), cache_k.stride(0), cache_k.stride(1), cache_v.stride(0),
+        cache_v.stride(1), v.stride(0) if v is not None else 0, cache_k.shape[1], eps, N_HEADS=n_heads, N_KV=n_kv,
+        D=hd, HAS_NORM=has_norm, EMULATE=qkv.device.type != "cuda", HAS_OFFSETS=cache_offsets is not None,
+        GEMMA=gemma, V_IS_K=value_is_key, WRAP=wrap, K_FMT=KERNEL_FORMATS.get(formats[0].name, 0),
+        V_FMT=KERNEL_FORMATS.get(formats[1].name, 0), V_APART=v is not None, num_warps=1,
         enable_fp_fusion=False,  # no FMA: the eager path rounds the RoPE products before adding them
         **programmatic.triton_options(kernel, qkv.device))
     return q
 
 
 def _queries_like(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight, eps,
-                  gemma=False, value_is_key=False, wrap=False):
+                  gemma=False, value_is_key=False, wrap=False, v=None):
     """q's shape from qkv's alone: under dynamic shapes a cache's row width is symbolic, and naming its format
     (_checked) would look that up in a table; the real call checks every argument."""
-    hd = qkv.shape[1] // (n_heads + (1 if value_is_key else 2) * n_kv)
+    hd = qkv.shape[1] // (n_heads + (1 if value_is_key or v is not None else 2) * n_kv)
     return qkv.new_empty((qkv.shape[0], n_heads, hd))
 
 
@@ -144,15 +153,17 @@ def _queries_like(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_n
 def _qkv_prep(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
               cache_k: torch.Tensor, cache_v: torch.Tensor, n_heads: int, n_kv: int,
               q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float,
-              gemma: bool = False, value_is_key: bool = False, wrap: bool = False) -> torch.Tensor:
+              gemma: bool = False, value_is_key: bool = False, wrap: bool = False,
+              v: torch.Tensor | None = None) -> torch.Tensor:
     return launch(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight, eps,
-                  gemma=gemma, value_is_key=value_is_key, wrap=wrap)
+                  gemma=gemma, value_is_key=value_is_key, wrap=wrap, v=v)
 
 
 def qkv_prep(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
              cache_k: torch.Tensor, cache_v: torch.Tensor, n_heads: int, n_kv: int,
              q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-             eps: float = 1e-6, gemma: bool = False, value_is_key: bool = False, wrap: bool = False) -> torch.Tensor:
+             eps: float = 1e-6, gemma: bool = False, value_is_key: bool = False, wrap: bool = False,
+             v: torch.Tensor | None = None) -> torch.Tensor:
     """Split qkv [T, (n_heads + 2 * n_kv) * hd] (unit stride along a row), RMS-normalize (both weights [hd] given)
     and rotate the query and key heads with cos / sin [T, hd], write the keys and the raw values into cache_k /
     cache_v [n_kv, capacity, hd] at rows positions [T] (int64), and return the queries [T, n_heads, hd], one
@@ -162,35 +173,40 @@ def qkv_prep(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions:
     Gemma 4's attention (models.gemma4.model.Gemma4Attention's module path): gemma=True, its norms (the weight
     product in float32 before one rounding; the values RMS-normalized without a weight); value_is_key=True, qkv
     [T, (n_heads + n_kv) * hd] without value heads, the values being the keys before their norm and RoPE (the full
-    layers); wrap=True, the cache a ring, row = position % capacity (the sliding layers)."""
+    layers); wrap=True, the cache a ring, row = position % capacity (the sliding layers).
+
+    v [T, n_kv * hd]: the value heads from their own product (an attn_v of another type than attn_q / attn_k,
+    whose product is then qkv [T, (n_heads + n_kv) * hd]): the bits of qkv_prep over the two concatenated, without
+    the copy that concatenates them."""
     return _qkv_prep(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight, eps,
-                     gemma, value_is_key, wrap)
+                     gemma, value_is_key, wrap, v)
 
 
 def _segment_queries_like(qkv, cos, sin, positions, cache_k, cache_v, cache_offsets, n_heads, n_kv, q_norm_weight,
-                          k_norm_weight, eps):
-    return _queries_like(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight, eps)
+                          k_norm_weight, eps, v=None):
+    return _queries_like(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight, eps,
+                         v=v)
 
 
 @opaque_op("flashdraft::qkv_prep_segments", _segment_queries_like, mutates_args=("cache_k", "cache_v"))
 def _qkv_prep_segments(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                        cache_k: torch.Tensor, cache_v: torch.Tensor, cache_offsets: torch.Tensor, n_heads: int,
                        n_kv: int, q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
-                       eps: float) -> torch.Tensor:
+                       eps: float, v: torch.Tensor | None = None) -> torch.Tensor:
     return launch(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight, eps,
-                  cache_offsets)
+                  cache_offsets, v=v)
 
 
 def qkv_prep_segments(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                       cache_k: torch.Tensor, cache_v: torch.Tensor, cache_offsets: torch.Tensor, n_heads: int,
                       n_kv: int, q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-                      eps: float = 1e-6) -> torch.Tensor:
+                      eps: float = 1e-6, v: torch.Tensor | None = None) -> torch.Tensor:
     """qkv_prep for several sequences' rows in one launch (a batched step's layer): row t's keys and values go to
     the caches cache_offsets[t, 0] / [t, 1] elements after cache_k / cache_v (its sequence's caches of this
     layer: the same strides and capacity), at rows positions[t]; everything else as qkv_prep (a row's bits are
-    its own)."""
+    its own), v included."""
     return _qkv_prep_segments(qkv, cos, sin, positions, cache_k, cache_v, cache_offsets, n_heads, n_kv,
-                              q_norm_weight, k_norm_weight, eps)
+                              q_norm_weight, k_norm_weight, eps, v)
 
 
 def qkv_prep_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,

@@ -1,0 +1,148 @@
+"""Would Q4_K weights stream faster in another byte order? The same kernel text (kquant_mma.cu) patched to read
+the same blocks laid out otherwise, checked to give the original kernel's bits on the original blocks (the same
+arithmetic on the same values, at 1, 5 and 16 rows of x), then both timed on the adopted tilings of real shapes at 1
+and 16 rows. Probes, not layouts of the package (docs/performance.md, session 41: Gemma-4-31B's Q4_K products
+stream at ~2.1 TB/s on the H100 at one row, and so does lane-order Q6_K on the same shape and grid, 2.26, where
+copies reach ~3.0).
+
+--layout lanes: each super-block's 128 quant bytes so that lane c's 32 lie together (byte 16 + 32 gq + 8c + b ->
+16 + 32c + 8 gq + b), read as two 16-byte loads where the kernel reads four 8-byte ones, from global memory (direct
+tilings) or from the shared-memory ring (its rows then 144 bytes apart: the 16-byte reads of a quarter-warp fall on
+32 different banks, where the 8-byte layout needed 160), as lane-order Q6_K (q6k_lanes) reads its bytes.
+--layout tiles: tile-major, [N / 16 tiles][super-blocks][16 rows][144 bytes]. In GGUF's row-major order a warp's
+step reads one 144-byte super-block from each of its tile's rows, rows ~3 KB apart (K = 5376): 16 short pieces a
+step, each from another DRAM page; tile-major, a tile's step is one contiguous 2,304-byte run, and its next step the
+run after it.
+
+    PYTHONPATH=src python scripts/gpu/q4k_layout_probe.py OUT --layout lanes|tiles [--only gemma-q4k-fused,...]
+
+--only: mma_tilings.py's Q4_K shape sets (default gemma-q4k-fused, gemma-q4k, qwen-q4k-fused).
+OUT/q4k_LAYOUT.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gguf_run import bench_ms, copies_for, random_blocks  # noqa: E402
+from mma_tilings import SETS  # noqa: E402
+
+from flashdraft.quant import mma_kernels  # noqa: E402
+from flashdraft.quant.formats import row_bytes  # noqa: E402
+
+QS = 16  # where a Q4_K super-block's quant bytes start
+TILE_ROWS = 16
+LANE_LOADS = ("{{ const uint4 a = {load}(blk + QS + 32 * c)), b = {load}(blk + QS + 32 * c + 16));"
+              " q[r][hh][0] = make_uint2(a.x, a.y); q[r][hh][1] = make_uint2(a.z, a.w);"
+              " q[r][hh][2] = make_uint2(b.x, b.y); q[r][hh][3] = make_uint2(b.z, b.w); }}")
+# layout -> (old text, new text, times it occurs in kquant_mma.cu) patches
+PATCHES = {
+    # the quant loads of the direct and the ring loops, and the ring's row pitch
+    "lanes": [
+        ("for (int gq = 0; gq < 4; ++gq) q[r][hh][gq] = __ldg((const uint2 *)(blk + QS + 32 * gq + 8 * c));",
+         LANE_LOADS.format(load="__ldg((const uint4 *)"), 1),
+        ("for (int gq = 0; gq < 4; ++gq) q[r][hh][gq] = *(const uint2 *)(blk + QS + 32 * gq + 8 * c);",
+         LANE_LOADS.format(load="*((const uint4 *)"), 1),
+        ("#define ROWB (QTYPE == 4 ? 160 : 224)", "#define ROWB (QTYPE == 4 ? 144 : 224)", 1),
+    ],
+    # every address of a row's super-block: its tile's run, its place in the tile, 16 blocks a step; the L2
+    # prefetch a tile's run per lane
+    "tiles": [
+        ("    for (int i = lane; i < R_TILES * 16 && prefetch_sb > 0; i += 32)  // a lane a row, while earlier "
+         "kernels run\n        prefetch_l2(W + (size_t)min(tile0 * 16 + i, N - 1) * row_stride(nsb) + (size_t)sb0 "
+         "* BLOCK_BYTES,\n                    (size_t)prefetch_sb * BLOCK_BYTES);",
+         "    for (int i = lane; i < R_TILES && prefetch_sb > 0 && (tile0 + i) * 16 < N; i += 32)  // a lane a tile\n"
+         "        prefetch_l2(W + tile_base((tile0 + i) * 16, nsb) + (size_t)sb0 * 16 * BLOCK_BYTES,\n"
+         "                    (size_t)prefetch_sb * 16 * BLOCK_BYTES);", 1),
+        ("rowp[r][hh] = W + (size_t)min((tile0 + r) * 16 + g + 8 * hh, N - 1) * row_stride(nsb);",
+         "rowp[r][hh] = W + tile_base(min((tile0 + r) * 16 + g + 8 * hh, N - 1), nsb);", 2),
+        ("const unsigned char *blk = rowp[r][hh] + sb * BLOCK_BYTES;",
+         "const unsigned char *blk = rowp[r][hh] + (size_t)sb * 16 * BLOCK_BYTES;", 1),
+        ("csrc[t] = W + (size_t)min(tile0 * 16 + (con[t] ? row : 0), N - 1) * row_stride(nsb) + 16 * col;",
+         "csrc[t] = W + tile_base(min(tile0 * 16 + (con[t] ? row : 0), N - 1), nsb) + 16 * col;", 1),
+        ("csrc[t] + (size_t)(sb0 + s) * BLOCK_BYTES", "csrc[t] + (size_t)(sb0 + s) * 16 * BLOCK_BYTES", 1),
+        ("csrc[t] + (size_t)ahead * BLOCK_BYTES", "csrc[t] + (size_t)ahead * 16 * BLOCK_BYTES", 1),
+    ],
+}
+TILE_HELPER = """
+// byte offset of a row's first super-block in the tile-major layout: its tile's run, then its place in the tile
+__device__ __forceinline__ size_t tile_base(int row, int nsb) {
+    return (size_t)(row / 16) * 16 * row_stride(nsb) + (size_t)(row % 16) * BLOCK_BYTES;
+}
+"""
+ANCHOR = "// The warp's sums at zero, and where this lane reads x"
+
+
+def layout_source(layout: str, source: str) -> str:
+    """kquant_mma.cu's text reading the blocks in `layout` (ValueError where a patch does not fit the text)."""
+    for old, new, times in PATCHES[layout]:
+        if source.count(old) != times:
+            raise ValueError(f"{layout}: {old[:60]!r}... occurs {source.count(old)} times in the kernel, not {times}")
+        source = source.replace(old, new)
+    if layout == "tiles":
+        if source.count(ANCHOR) != 1:
+            raise ValueError(f"the kernel has no single {ANCHOR!r} to put the helper before")
+        source = source.replace(ANCHOR, TILE_HELPER + ANCHOR)
+    return source
+
+
+def to_layout(layout: str, blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_K rows [N, nsb * 144] -> the same bytes in `layout`, as a [N, nsb * 144] tensor."""
+    n, nbytes = blocks.shape
+    nsb = nbytes // 144
+    if layout == "lanes":  # each super-block's quant bytes (gq, c, b) -> (c, gq, b)
+        b = blocks.reshape(n, nsb, 144)
+        quants = b[..., QS:].reshape(n, nsb, 4, 4, 8).transpose(2, 3).reshape(n, nsb, 128)
+        return torch.cat([b[..., :QS], quants], dim=-1).reshape(n, nbytes).contiguous()
+    return blocks.reshape(n // TILE_ROWS, TILE_ROWS, nsb, 144).transpose(1, 2).reshape(n, nbytes).contiguous()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--layout", choices=sorted(PATCHES), required=True)
+    ap.add_argument("--only", default="gemma-q4k-fused,gemma-q4k,qwen-q4k-fused")
+    args = ap.parse_args()
+    wrong = [name for name in args.only.split(",") if SETS.get(name, ("",))[0] != "Q4_K"]
+    if wrong:
+        ap.error(f"not Q4_K shape sets of mma_tilings.py: {wrong}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    patched = layout_source(args.layout, mma_kernels.SOURCE.read_text())
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for set_name in args.only.split(","):
+        for shape, (n, k) in SETS[set_name][1].items():
+            tilings = mma_kernels.tilings_for("Q4_K", n, k)
+            ws = [random_blocks("Q4_K", n, k, gen, dev) for _ in range(copies_for(n * row_bytes("Q4_K", k), False))]
+            ls = [to_layout(args.layout, w) for w in ws]
+            x = torch.randn(16, k, device=dev, dtype=torch.bfloat16, generator=gen)
+            same = all(torch.equal(mma_kernels.launch(x[:m], ws[0], n, "Q4_K", tilings),
+                                   mma_kernels.launch(x[:m], ls[0], n, "Q4_K", tilings, source=patched))
+                       for m in (1, 5, 16))
+            us = {}
+            for form, blocks, source in (("gguf", ws, None), (args.layout, ls, patched)):
+                us[form] = [1000 * bench_ms([lambda w=w, m=m: mma_kernels.launch(x[:m], w, n, "Q4_K", tilings,
+                                                                                 source=source) for w in blocks],
+                                            False) for m in (1, 16)]
+            mb = n * row_bytes("Q4_K", k) / 1e6
+            old, new = us["gguf"], us[args.layout]
+            rows.append({"set": set_name, "shape": shape, "n": n, "k": k, "mb": mb, "same_bits": same,
+                         "tilings": [str(t) for t in tilings], "us_gguf": old, f"us_{args.layout}": new})
+            print(f"{set_name} {shape:12s} {n}x{k} ({mb:6.1f} MB) same bits {same}: M=1 {old[0]:7.2f} -> "
+                  f"{new[0]:7.2f} us ({mb / old[0]:.2f} -> {mb / new[0]:.2f} TB/s), M=16 {old[1]:7.2f} -> "
+                  f"{new[1]:7.2f} us", flush=True)
+            del ws, ls
+            torch.cuda.empty_cache()
+            (args.out / f"q4k_{args.layout}.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                                                         "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

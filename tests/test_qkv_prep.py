@@ -284,6 +284,22 @@ def test_values_apart_give_the_concatenated_bits(types):
         qp.qkv_prep(qkv, cache_k=joined_k, cache_v=joined_v, v=v, **args)
 
 
+def test_gemma_values_apart_take_their_own_norm():
+    """Gemma 4's sliding layers with a v of another type than q|k: v read apart gets the concatenated row's bits,
+    its RMS norm from its own mean of squares (the key's would change them), in a ring."""
+    T, hd = 3, 64
+    args = _inputs(T, 4, 2, hd, torch.bfloat16, True, seed=43)
+    args["positions"] = args["positions"] + 2 * CAPACITY
+    qkv = args.pop("qkv")
+    joined_k, joined_v = _caches(2, hd, torch.bfloat16)
+    q = qp.qkv_prep(qkv, cache_k=joined_k, cache_v=joined_v, gemma=True, wrap=True, **args)
+    apart_k, apart_v = _caches(2, hd, torch.bfloat16)
+    q_apart = qp.qkv_prep(qkv[:, :6 * hd].contiguous(), cache_k=apart_k, cache_v=apart_v, gemma=True, wrap=True,
+                          v=qkv[:, 6 * hd:], **args)
+    assert torch.equal(q_apart, q) and torch.equal(apart_k, joined_k) and torch.equal(apart_v, joined_v)
+    assert not (apart_v == UNWRITTEN).all()
+
+
 def _gemma_module_path(qkv, cos, sin, positions, cache_k, cache_v, n_heads, n_kv, q_norm_weight, k_norm_weight,
                        eps, value_is_key, wrap):
     """What Gemma4Attention.forward does before attention when it does not take qkv_prep: Gemma4RMSNorm on the

@@ -92,11 +92,12 @@ def qkv_prep_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_norm_ptr, k_norm_ptr, 
             _store_row(cache_k_ptr + kv * stride_kh + pos * stride_kn, out, K_FMT, D)
             if V_IS_K:  # the key head as loaded, before its norm (its mean of squares is the value's)
                 value = raw
-            elif V_APART:  # value head j of the token's row of their own product
-                value = tl.load(v_ptr + t * stride_v + kv * D + d).to(tl.float32)
-            else:  # value head j sits N_KV heads after key head j
-                value = tl.load(head + N_KV * D + d).to(tl.float32)
-                if GEMMA:
+            else:
+                if V_APART:  # value head j of the token's row of their own product
+                    value = tl.load(v_ptr + t * stride_v + kv * D + d).to(tl.float32)
+                else:  # value head j sits N_KV heads after key head j
+                    value = tl.load(head + N_KV * D + d).to(tl.float32)
+                if GEMMA:  # the value's own mean of squares
                     inv_rms = tl.math.rsqrt(tl.reduce(value * value, 0, add) * (1.0 / D) + eps)
             if GEMMA:  # v_norm: (v.float() * rsqrt(mean(v^2) + eps)).to(dtype)
                 value = value * inv_rms

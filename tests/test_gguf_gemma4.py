@@ -378,24 +378,41 @@ def test_gemma_drafter_gguf_loads_as_safetensors(tmp_path, dense_dir, tok_dir, d
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
-@pytest.mark.parametrize("layout,fuse,attention,types", [("dense", False, "sdpa", None), ("moe", False, "sdpa", None),
-                                                         ("dense", True, "sdpa", None), ("dense", True, "triton", None),
-                                                         ("wide_dense", True, "triton", ("q5_0", "q4_1"))],
+@pytest.mark.parametrize("layout,fuse,attention,types,v_apart",
+                         [("dense", False, "sdpa", None, False), ("moe", False, "sdpa", None, False),
+                          ("dense", True, "sdpa", None, False), ("dense", True, "triton", None, False),
+                          ("wide_dense", True, "triton", ("q5_0", "q4_1"), False),
+                          ("dense", True, "triton", None, True)],
                          ids=["dense-False-sdpa", "moe-False-sdpa", "dense-True-sdpa", "dense-True-triton",
-                              "wide-dense-True-triton-q5_0-q4_1"])
+                              "wide-dense-True-triton-q5_0-q4_1", "dense-True-triton-v-apart"])
 def test_gemma4_gguf_target_and_drafter_decode_losslessly(request, tmp_path, tok_dir, layout, fuse, attention,
-                                                          types):
+                                                          types, v_apart, monkeypatch):
     """Q8_0 target and drafter; guesses partly replaced by the target's own tokens so that every acceptance
     length, and so every rollback depth, occurs, past both windows and the target's ring. fuse: both built with
     the GPU's fused projections (one q/k/v and one gate/up product per layer); attention "triton": also the GPU's
     few-row attention (decode_attention), the target's norms, RoPE and cache writes then one qkv_prep a layer.
-    types: the target's KV cache types (the walkthrough's -ctk q5_0 -ctv q4_1: qkv_prep quantizes the rows)."""
+    types: the target's KV cache types (the walkthrough's -ctk q5_0 -ctv q4_1: qkv_prep quantizes the rows).
+    v_apart: layer 0's attn_v of another type (Q4_0), so its q and k are one product and qkv_prep reads its
+    values from their own (as a Q4_K_S file's first layers with their Q5_K attn_v)."""
     from flashdraft.engine.generator import MAX_BLOCK_SIZE
     from flashdraft.layers.plan import LayerPlan
+    from flashdraft.models.gemma4 import model as gemma_model
+
+    values_apart = []
+
+    def recording_qkv_prep(*args, v=None, **kwargs):
+        values_apart.append(v is not None)
+        return qkv_prep(*args, v=v, **kwargs)
+
+    qkv_prep = gemma_model.qkv_prep
+    monkeypatch.setattr(gemma_model, "qkv_prep", recording_qkv_prep)
+
+    def target_type(name, shape):
+        return "Q4_0" if v_apart and name == "blk.0.attn_v.weight" else q8_0(name, shape)
 
     folder = request.getfixturevalue(f"{layout}_dir")
     drafter = build_gemma_drafter(tmp_path / "src", folder, window=DRAFT_WINDOW, block_size=6, seed=9)
-    files = (gemma4_to_gguf(folder, tok_dir, tmp_path / "t.gguf", q8_0),
+    files = (gemma4_to_gguf(folder, tok_dir, tmp_path / "t.gguf", target_type),
              gemma_drafter_to_gguf(drafter, tmp_path / "d.gguf", "legacy", lambda n: "Q8_0"))
     if attention == "triton":
         pytest.importorskip("triton")
@@ -412,6 +429,8 @@ def test_gemma4_gguf_target_and_drafter_decode_losslessly(request, tmp_path, tok
         assert all(layer.mlp.gate_up_proj is not None for layer in engine.decoder.target.model.layers)
         assert all((layer.self_attn.prep_rows > 0) == (attention == "triton")
                    for layer in engine.decoder.target.model.layers)
+        first = engine.decoder.target.model.layers[0].self_attn
+        assert (first.qkv_proj is None and isinstance(first.qk_proj, QuantLinear)) == v_apart
     else:
         engine = Engine.load(*files, device="cpu", context_size=256)
     assert isinstance(engine.decoder.drafter.fc, QuantLinear)
@@ -425,6 +444,7 @@ def test_gemma4_gguf_target_and_drafter_decode_losslessly(request, tmp_path, tok
                            engine.decoder.target.config.vocab_size, device)
     drafted = engine.generate(prompt, params, draft=engine.max_draft, sequence=engine.new_sequence(oracle=oracle))
     assert drafted.tokens == plain.tokens and drafted.stats.draft_n_accepted > 0
+    assert any(values_apart) == v_apart  # only layer 0 of the v_apart file hands qkv_prep a v of its own
 
 
 UNSUPPORTED = {
@@ -467,7 +487,7 @@ def _storage_bytes(model) -> int:
 
 def test_fused_projections_compute_what_the_separate_ones_do(tmp_path, dense_dir, tok_dir):
     """With the GPU's plan (fuse_projections), prepare() turns each layer's q/k/v and gate/up into one projection
-    where they are alike (here: Q8_0 everywhere but layer 0's v, which stays apart with its q and k); the parts
+    where they are alike (here: Q8_0 everywhere but layer 0's v, which stays apart, its q and k one); the parts
     become views of the fused weights (no memory added) and the logits are those of the separate projections. The
     float checkpoint fuses as plain Linear layers."""
     from flashdraft.layers.plan import LayerPlan
@@ -492,8 +512,9 @@ def test_fused_projections_compute_what_the_separate_ones_do(tmp_path, dense_dir
             assert apart.model.layers[i].self_attn.qkv_proj is None and apart.model.layers[i].mlp.gate_up_proj is None
             assert type(mlp.gate_up_proj) is kind
             parts = [p for p in (attn.q_proj, attn.k_proj, attn.v_proj) if p is not None]
-            if kind is QuantLinear and i == 0:
-                assert attn.qkv_proj is None  # Q8_0 q and k, Q4_0 v
+            if kind is QuantLinear and i == 0:  # Q8_0 q and k as one, the Q4_0 v apart
+                assert attn.qkv_proj is None and type(attn.qk_proj) is QuantLinear
+                assert attn.q_proj.blocks.data_ptr() == attn.qk_proj.blocks.data_ptr()  # a view
                 continue
             assert type(attn.qkv_proj) is kind
             assert attn.qkv_proj.out_features == sum(p.out_features for p in parts)

@@ -182,8 +182,9 @@ class Gemma4Attention(nn.Module):
         # passes of up to this many tokens run decode_attention (where it takes the head size)
         self.attention_rows = plan.attention_rows if attention_kernel.supports(self.head_dim) else 0
         # ... and of those, the ones that write the ring in place (every one over a full layer's cache) take the
-        # norms, RoPE and cache writes as one kernel (qkv_prep) where q/k/v are one product and the cache holds the
-        # compute dtype or a block type: compiled, they were five kernels a layer (docs/performance.md)
+        # norms, RoPE and cache writes as one kernel (qkv_prep) where q/k/v are one product (or q|k is, beside a v
+        # of another type) and the cache holds the compute dtype or a block type: compiled, they were five kernels
+        # a layer (docs/performance.md)
         self.prep_rows = 0 if self.head_dim not in PREP_HEAD_DIMS else (
             min(self.attention_rows, RING_IN_PLACE_MAX_T) if self.sliding else self.attention_rows)
         h, bias, rows = cfg.hidden_size, cfg.attention_bias, plan.gemm_rows
@@ -196,15 +197,22 @@ class Gemma4Attention(nn.Module):
         self.k_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.v_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps, with_weight=False)
         self.qkv_proj = None  # q, k (and v) as one projection, once fuse_projections() found them alike
+        self.qk_proj = None  # else q and k as one, beside a v of another type
 
     def fuse_projections(self) -> None:
         """q, k and v (k alone under attention_k_eq_v) as one projection where they are alike (fuse_rows): one
         product a pass instead of three, and one large one keeps the GPU's multiprocessors busier than three
-        small ones. Done once."""
-        if self.qkv_proj is None:
+        small ones. Where v is of another type (a Q4_K_S file's Q5_K attn_v in its first layers), q and k as one.
+        Done once."""
+        if self.qkv_proj is None and self.qk_proj is None:
             attach_fused(self, "qkv_proj", [p for p in (self.q_proj, self.k_proj, self.v_proj) if p is not None])
+            if self.qkv_proj is None and self.v_proj is not None:
+                attach_fused(self, "qk_proj", [self.q_proj, self.k_proj])
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if self.qk_proj is not None:
+            q, k = self.qk_proj(x).split([self.n_heads * self.head_dim, self.n_kv * self.head_dim], dim=-1)
+            return q, k, self.v_proj(x)
         if self.qkv_proj is None:
             return self.q_proj(x), self.k_proj(x), None if self.v_proj is None else self.v_proj(x)
         kv, has_v = self.n_kv * self.head_dim, self.v_proj is not None
@@ -216,10 +224,13 @@ class Gemma4Attention(nn.Module):
         own tensors, not the cache and an index, so that one compiled graph serves every layer of a kind."""
         T = x.shape[0]
         stored = (x.dtype, torch.uint8)  # rows qkv_prep writes: of the compute dtype, or a block type's
-        if T <= self.prep_rows and self.qkv_proj is not None and cache_k.dtype in stored and cache_v.dtype in stored:
-            q = qkv_prep(self.qkv_proj(x), cos, sin, positions, cache_k, cache_v, self.n_heads, self.n_kv,
-                         self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, gemma=True,
-                         value_is_key=self.v_proj is None, wrap=self.sliding)
+        fused = self.qkv_proj is not None or self.qk_proj is not None
+        if T <= self.prep_rows and fused and cache_k.dtype in stored and cache_v.dtype in stored:
+            # a v of another type is read from its own product, not copied beside q|k
+            qkv, v = (self.qkv_proj(x), None) if self.qkv_proj is not None else (self.qk_proj(x), self.v_proj(x))
+            q = qkv_prep(qkv, cos, sin, positions, cache_k, cache_v, self.n_heads, self.n_kv, self.q_norm.weight,
+                         self.k_norm.weight, self.q_norm.eps, gemma=True, value_is_key=self.v_proj is None,
+                         wrap=self.sliding, v=v)
             keys, values, mask = self._in_place(cache_k, cache_v, ring, kv_len, mask)
             return self.o_proj(decode_attention(q.transpose(0, 1), keys, values, mask, scale=1.0))
         q, k, v = self._qkv(x)

@@ -168,11 +168,14 @@ def test_lr_schedule_follows_progress():
 
 
 def test_sigint_stops_at_a_step_boundary_with_the_drafter_saved(qwen3_dir, prompt_file, data_dir, tmp_path,
-                                                                monkeypatch):
+                                                                monkeypatch, request):
     """The pipeline's time caps send SIGINT: training stops after the step in flight, with the checkpoint and a
     loadable drafter folder, and --resume continues from there."""
     import os
     import signal
+    # Python's own handler, whatever the suite started with (a shell's background job starts with SIGINT ignored)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, before))
     real_step, calls = trainer.train_step, []
 
     def signalled(*args, **kw):

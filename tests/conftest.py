@@ -38,3 +38,20 @@ def engine(qwen3_dir, drafter_dir):
     """Tiny Qwen3 target + random drafter, CPU float32, context 256."""
     from flashdraft.engine.generator import Engine
     return Engine.load(qwen3_dir, drafter_dir, device="cpu", context_size=256)
+
+
+@pytest.fixture
+def record_values_apart(monkeypatch):
+    """record(module): module.qkv_prep wrapped so that each call appends whether it was handed its values apart
+    (v=); returns that list."""
+    def record(module) -> list[bool]:
+        calls, real = [], module.qkv_prep
+
+        def recording(*args, v=None, **kwargs):
+            calls.append(v is not None)
+            return real(*args, v=v, **kwargs)
+
+        monkeypatch.setattr(module, "qkv_prep", recording)
+        return calls
+
+    return record

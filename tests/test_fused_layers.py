@@ -204,7 +204,7 @@ def _gguf_target(tmp_path, seed):
     return target_to_gguf(folder, tmp_path / "t.gguf", QUANT_CASES["Q4_K_S"][0]), folder
 
 
-def test_quant_forward_matches_the_module_path(tmp_path, monkeypatch):
+def test_quant_forward_matches_the_module_path(tmp_path, record_values_apart):
     """Layers with GGUF projections take quant_forward under the fused plan (norms kept, not folded into blocks):
     outputs and cache rows as the module path's, with q/k/v as two products (q|k and a v of another type: layer 0,
     whose v qkv_prep reads apart, not copied beside q|k) and as one (layer 1); SwiGLU as one kernel, the residual
@@ -212,14 +212,7 @@ def test_quant_forward_matches_the_module_path(tmp_path, monkeypatch):
     from flashdraft.layers import attention as attention_module
     from flashdraft.quant.linear import QuantLinear
 
-    values_apart = []
-
-    def recording_qkv_prep(*args, v=None, **kwargs):
-        values_apart.append(v is not None)
-        return qkv_prep(*args, v=v, **kwargs)
-
-    qkv_prep = attention_module.qkv_prep
-    monkeypatch.setattr(attention_module, "qkv_prep", recording_qkv_prep)
+    values_apart = record_values_apart(attention_module)
 
     path, _ = _gguf_target(tmp_path, seed=9)
     target = load_model(path, device=DEVICE, dtype=torch.float32, context_size=64, plan=FUSED).target

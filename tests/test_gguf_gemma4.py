@@ -386,7 +386,7 @@ def test_gemma_drafter_gguf_loads_as_safetensors(tmp_path, dense_dir, tok_dir, d
                          ids=["dense-False-sdpa", "moe-False-sdpa", "dense-True-sdpa", "dense-True-triton",
                               "wide-dense-True-triton-q5_0-q4_1", "dense-True-triton-v-apart"])
 def test_gemma4_gguf_target_and_drafter_decode_losslessly(request, tmp_path, tok_dir, layout, fuse, attention,
-                                                          types, v_apart, monkeypatch):
+                                                          types, v_apart, record_values_apart):
     """Q8_0 target and drafter; guesses partly replaced by the target's own tokens so that every acceptance
     length, and so every rollback depth, occurs, past both windows and the target's ring. fuse: both built with
     the GPU's fused projections (one q/k/v and one gate/up product per layer); attention "triton": also the GPU's
@@ -398,14 +398,7 @@ def test_gemma4_gguf_target_and_drafter_decode_losslessly(request, tmp_path, tok
     from flashdraft.layers.plan import LayerPlan
     from flashdraft.models.gemma4 import model as gemma_model
 
-    values_apart = []
-
-    def recording_qkv_prep(*args, v=None, **kwargs):
-        values_apart.append(v is not None)
-        return qkv_prep(*args, v=v, **kwargs)
-
-    qkv_prep = gemma_model.qkv_prep
-    monkeypatch.setattr(gemma_model, "qkv_prep", recording_qkv_prep)
+    values_apart = record_values_apart(gemma_model)
 
     def target_type(name, shape):
         return "Q4_0" if v_apart and name == "blk.0.attn_v.weight" else q8_0(name, shape)

@@ -79,12 +79,19 @@ VARIANTS["launch only"] = [("if (tile0 * 16 >= N) return;", "if (tile0 * 16 >= N
 DEFAULT_SETS = "qwen-q4k-fused,qwen-q6k,gemma-q4k-fused"
 
 
+def apply_patches(source: str, patches, what: str) -> str:
+    """source with each (old text, new text, times it occurs) patch applied; ValueError naming `what` where a
+    patch does not fit the text (the kernel changed under it)."""
+    for old, new, times in patches:
+        if source.count(old) != times:
+            raise ValueError(f"{what}: {old!r} occurs {source.count(old)} times in the kernel, not {times}")
+        source = source.replace(old, new)
+    return source
+
+
 def variant_source(name: str, source: str) -> str:
     """kquant_mma.cu's text with variant `name` applied (ValueError where a patch does not fit the text)."""
-    for old, new, times in VARIANTS[name]:
-        if source.count(old) != times:
-            raise ValueError(f"variant {name!r}: {old!r} occurs {source.count(old)} times in the kernel, not {times}")
-        source = source.replace(old, new)
+    source = apply_patches(source, VARIANTS[name], f"variant {name!r}")
     anchor = "typedef unsigned short u16;\n"
     if source.count(anchor) != 1:
         raise ValueError(f"the kernel has no single {anchor.strip()!r} to put the variants' helpers after")

@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gguf_run import bench_ms, copies_for, random_blocks  # noqa: E402
+from kquant_ablate import apply_patches  # noqa: E402
 from mma_tilings import SETS  # noqa: E402
 
 from flashdraft.quant import mma_kernels  # noqa: E402
@@ -80,10 +81,7 @@ ANCHOR = "// The warp's sums at zero, and where this lane reads x"
 
 def layout_source(layout: str, source: str) -> str:
     """kquant_mma.cu's text reading the blocks in `layout` (ValueError where a patch does not fit the text)."""
-    for old, new, times in PATCHES[layout]:
-        if source.count(old) != times:
-            raise ValueError(f"{layout}: {old[:60]!r}... occurs {source.count(old)} times in the kernel, not {times}")
-        source = source.replace(old, new)
+    source = apply_patches(source, PATCHES[layout], layout)
     if layout == "tiles":
         if source.count(ANCHOR) != 1:
             raise ValueError(f"the kernel has no single {ANCHOR!r} to put the helper before")

@@ -1,0 +1,241 @@
+"""How fast can a kernel only read a product's bytes on this GPU? The ceiling that #18's k-quant products stream
+against, measured apart from any arithmetic: kernels that read a buffer of a real product's size once and fold it
+into one word (never written unless it hits a value no random buffer gives), each launch on its own copy of the bytes
+(one CUDA graph, the L2 cleared before each replay), timed as scripts/gpu/gguf_run.py's bench_ms does.
+
+    flat    every thread 16-byte loads over the whole buffer, grid-stride, UNROLL loads in flight a thread; the grid
+            one wave of resident blocks (x waves) or one block per UNROLL loads of every thread
+    chunk   each block one contiguous run of the buffer (tile-major's order), UNROLL 16-byte loads in flight a thread
+    bulk    each block one contiguous run, brought into a ring of STAGES shared-memory stages of CH bytes by one
+            thread's bulk copies (cp.async.bulk, Hopper's copy engine; an mbarrier a stage), the threads only
+            reading shared memory: the loads' issue off the threads
+    rows    a k-quant product's order: a warp owns 16 rows of ROWB-byte super-blocks (row_bytes apart) and reads
+            one super-block of each of its rows a step, 8-byte loads, SB super-blocks of loads in flight; `tiles`
+            the same blocks tile-major (a warp's step one contiguous 16 x ROWB run)
+
+    PYTHONPATH=src python scripts/gpu/read_stream_probe.py OUT [--sizes gemma-gate-up,...]
+
+OUT/read_stream.json and a table on stdout: TB/s = bytes read / median time, beside the copy bandwidth (read +
+written) of the same process.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gguf_run import bench_ms, copies_for  # noqa: E402
+
+# name -> (rows, K) of Q4_K products (144 bytes per 256 weights): the bytes a product of that shape reads
+SHAPES = {
+    "qwen-qkv": (6144, 4096),
+    "gemma-full-qk": (18432, 5376),
+    "gemma-gate-up": (43008, 5376),
+    "qwen-lm-head-q6k": (151936, 4096 * 210 // 144),  # 510 MB, the Q6_K LM head's bytes as Q4_K rows' worth
+}
+
+SOURCE = r"""
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ u32 fold(uint4 v) { return v.x ^ v.y ^ v.z ^ v.w; }
+__device__ __forceinline__ uint4 ld_stream(const uint4 *p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ void keep(u32 acc, u32 *out) { if (acc == 0x9E3779B9u) out[blockIdx.x] = acc; }
+
+extern "C" __global__ void __launch_bounds__(256) read_flat(const uint4 *__restrict__ src, u32 n16_32, u32 *out) {
+    const u64 n16 = n16_32, stride = (u64)gridDim.x * blockDim.x;
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u32 acc = 0;
+    for (; i + (UNROLL - 1) * stride < n16; i += UNROLL * stride) {
+        uint4 v[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) v[u] = ld_stream(src + i + u * stride);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) acc ^= fold(v[u]);
+    }
+    for (; i < n16; i += stride) acc ^= fold(ld_stream(src + i));
+    keep(acc, out);
+}
+
+extern "C" __global__ void __launch_bounds__(256) read_chunk(const uint4 *__restrict__ src, u32 n16_32, u32 *out) {
+    const u64 n16 = n16_32, per = (n16 + gridDim.x - 1) / gridDim.x, lo = blockIdx.x * per, hi = min(lo + per, n16);
+    u64 i = lo + threadIdx.x;
+    u32 acc = 0;
+    for (; i + (UNROLL - 1) * blockDim.x < hi; i += UNROLL * blockDim.x) {
+        uint4 v[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) v[u] = ld_stream(src + i + u * blockDim.x);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) acc ^= fold(v[u]);
+    }
+    for (; i < hi; i += blockDim.x) acc ^= fold(ld_stream(src + i));
+    keep(acc, out);
+}
+
+__device__ __forceinline__ u32 smem_addr(const void *p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void bulk_to_shared(void *dst, const void *src, u32 bytes, u64 *bar) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_addr(bar)), "r"(bytes)
+                 : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void wait_phase(u64 *bar, u32 parity) {
+    asm volatile("{ .reg .pred done; WAIT_%=: mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;"
+                 " @!done bra WAIT_%=; }" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+
+// each block: chunks of CH bytes of its run, STAGES of them in flight (n16 * 16 a multiple of gridDim.x * CH)
+extern "C" __global__ void __launch_bounds__(256) read_bulk(const unsigned char *__restrict__ src, u32 nbytes,
+                                                            u32 *out) {
+    extern __shared__ __align__(128) unsigned char ring[];
+    __shared__ __align__(8) u64 full[STAGES];
+    const u64 per = (u64)nbytes / gridDim.x;
+    const unsigned char *run = src + blockIdx.x * per;
+    const int chunks = (int)(per / CH);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s)
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(&full[s])) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int s = 0; s < STAGES && s < chunks; ++s) bulk_to_shared(ring + s * CH, run + (u64)s * CH, CH, &full[s]);
+    u32 acc = 0;
+    for (int c = 0; c < chunks; ++c) {
+        const int s = c % STAGES;
+        wait_phase(&full[s], (c / STAGES) & 1);
+        const uint4 *p = (const uint4 *)(ring + s * CH);
+#pragma unroll 4
+        for (int i = threadIdx.x; i < CH / 16; i += blockDim.x) acc ^= fold(p[i]);
+        __syncthreads();  // every thread done with stage s before it is refilled
+        if (threadIdx.x == 0 && c + STAGES < chunks)
+            bulk_to_shared(ring + s * CH, run + (u64)(c + STAGES) * CH, CH, &full[s]);
+    }
+    keep(acc, out);
+}
+
+// k-quant order: rows of nsb super-blocks of ROWB bytes; warp w of the grid owns rows 16 w .. 16 w + 15; a step
+// reads super-block sb of each of its rows (16 x ROWB bytes as 8-byte loads), SB steps of loads in flight. TILED:
+// the same blocks tile-major, [rows / 16][nsb][16][ROWB]: a step one contiguous run.
+extern "C" __global__ void __launch_bounds__(128) read_rows(const unsigned char *__restrict__ w, int rows, int nsb,
+                                                            u32 *out) {
+    const int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (warp * 16 >= rows) return;
+    constexpr int PIECES = 16 * ROWB / 8, PER_LANE = (PIECES + 31) / 32;
+    u32 acc = 0;
+    for (int sb = 0; sb < nsb; sb += SB) {
+        uint2 v[SB][PER_LANE];
+#pragma unroll
+        for (int s = 0; s < SB; ++s)
+#pragma unroll
+            for (int k = 0; k < PER_LANE; ++k) {
+                const int piece = lane + 32 * k, r = piece / (ROWB / 8), b = piece % (ROWB / 8);
+                const int at = min(sb + s, nsb - 1);
+#if TILED
+                const unsigned char *p = w + (((u64)warp * nsb + at) * 16 + r) * ROWB + 8 * b;
+#else
+                const unsigned char *p = w + ((u64)warp * 16 + r) * nsb * ROWB + (u64)at * ROWB + 8 * b;
+#endif
+                v[s][k] = piece < PIECES ? __ldg((const uint2 *)p) : make_uint2(0, 0);
+            }
+#pragma unroll
+        for (int s = 0; s < SB; ++s)
+#pragma unroll
+            for (int k = 0; k < PER_LANE; ++k) acc ^= v[s][k].x ^ v[s][k].y;
+    }
+    keep(acc, out);
+}
+"""
+
+
+@functools.cache
+def compile_kernel(name: str, **defines: int):
+    head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+    return torch.cuda._compile_kernel(head + SOURCE, name)
+
+
+def variants(nbytes: int, sms: int, rows: int, k: int):
+    """(label, kernel, grid, block, shared bytes, args-of(buffer)) for one buffer size."""
+    n16 = nbytes // 16
+    for unroll in (4, 8):
+        kern = compile_kernel("read_flat", UNROLL=unroll, STAGES=1, CH=16, ROWB=144, SB=1, TILED=0)
+        for waves in (1, 2, 4):  # blocks of 256 threads, 8 a multiprocessor resident at most
+            yield (f"flat u{unroll} {waves * 8}/SM", kern, (sms * 8 * waves, 1, 1), (256, 1, 1), 0,
+                   lambda b, o: [b, n16, o])
+        yield (f"flat u{unroll} whole", kern, (max(1, n16 // (256 * unroll)), 1, 1), (256, 1, 1), 0,
+               lambda b, o: [b, n16, o])
+        kern = compile_kernel("read_chunk", UNROLL=unroll, STAGES=1, CH=16, ROWB=144, SB=1, TILED=0)
+        for per_sm in (4, 8):
+            yield (f"chunk u{unroll} {per_sm}/SM", kern, (sms * per_sm, 1, 1), (256, 1, 1), 0,
+                   lambda b, o: [b, n16, o])
+    for ch, stages, per_sm in ((16384, 4, 2), (16384, 6, 2), (8192, 8, 2), (32768, 3, 2), (16384, 4, 3)):
+        kern = compile_kernel("read_bulk", UNROLL=1, STAGES=stages, CH=ch, ROWB=144, SB=1, TILED=0)
+        kern.set_shared_memory_config(ch * stages)
+        blocks = sms * per_sm
+        usable = nbytes // (blocks * ch) * (blocks * ch)  # whole chunks a block (the rest, < blocks * CH, unread)
+        yield (f"bulk {ch // 1024}K x{stages} {per_sm}/SM ({usable / nbytes:.3f} of it)", kern, (blocks, 1, 1),
+               (256, 1, 1), ch * stages, lambda b, o, u=usable: [b, u, o])
+    nsb = k // 256
+    for tiled in (0, 1):
+        for sb in (2, 4):
+            kern = compile_kernel("read_rows", UNROLL=1, STAGES=1, CH=16, ROWB=144, SB=sb, TILED=tiled)
+            yield (f"{'tiles' if tiled else 'rows'} sb{sb}", kern, (-(-rows // 64), 1, 1), (128, 1, 1), 0,
+                   lambda b, o: [b, rows, nsb, o])
+
+
+def copy_bandwidth(dev) -> float:
+    """TB/s of a 1 GiB device copy, bytes read plus written."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    return 2 * a.numel() / bench_ms([lambda: b.copy_(a)], False) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--sizes", default=",".join(SHAPES))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    copy_tb_s = copy_bandwidth(dev)
+    print(f"{torch.cuda.get_device_name(dev)}: {sms} SMs, copy {copy_tb_s:.2f} TB/s (read + written, 1 GiB)",
+          flush=True)
+    results = {"device": torch.cuda.get_device_name(dev), "copy_tb_s": copy_tb_s, "sizes": {}}
+    for name in args.sizes.split(","):
+        rows, k = SHAPES[name]
+        nbytes = rows * (k // 256) * 144
+        copies = copies_for(nbytes, False)
+        bufs = [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev) for _ in range(copies)]
+        out = torch.zeros(1 << 20, dtype=torch.int32, device=dev)
+        rows_out = {}
+        print(f"\n{name}: {nbytes / 1e6:.1f} MB, {copies} copies", flush=True)
+        for label, kern, grid, block, shared, args_of in variants(nbytes, sms, rows, k):
+            fns = [lambda buf=buf: kern(grid=grid, block=block, args=args_of(buf, out), shared_mem=shared)
+                   for buf in bufs]
+            try:
+                ms = bench_ms(fns, False)
+            except Exception as e:  # noqa: BLE001 - a variant that does not launch is reported, not fatal
+                print(f"  {label:40s} failed: {type(e).__name__}: {e}", flush=True)
+                continue
+            read = nbytes if not label.startswith("bulk") else float(label.split("(")[1].split()[0]) * nbytes
+            rows_out[label] = {"us": 1000 * ms, "tb_s": read / ms / 1e9}
+            print(f"  {label:40s} {1000 * ms:8.1f} us  {read / ms / 1e9:5.2f} TB/s", flush=True)
+        results["sizes"][name] = {"bytes": nbytes, "variants": rows_out}
+        del bufs
+        torch.cuda.empty_cache()
+    (args.out / "read_stream.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

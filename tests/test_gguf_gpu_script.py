@@ -251,6 +251,48 @@ def test_ablation_variants_fit_the_kernel():
     assert bad.returncode == 2 and "unknown shape sets ['qwen-q6']" in bad.stderr, bad.stderr[-3000:]
 
 
+LAYOUT_CHECK = r"""
+import sys
+import torch
+sys.path.insert(0, sys.argv[1])
+import q4k_layout_probe as lp
+from flashdraft.quant import mma_kernels
+
+text = mma_kernels.SOURCE.read_text()
+for layout in ("lanes", "tiles", "bulk"):
+    out = lp.layout_source(layout, text)
+    assert out != text, layout
+bulk = lp.layout_source("bulk", text)
+assert "cp_async16(cdst" not in bulk and bulk.count("bulk_stage(") == 3 and "tile_base(" in bulk, "bulk ring"
+assert "#define ROWB (QTYPE == 4 ? 144 : 224)" in bulk
+try:
+    lp.layout_source("bulk", text.replace("cp_async_wait_ahead();  // this super-block's copies", "", 1))
+    sys.exit("a cut that no longer fits the kernel was applied")
+except ValueError as e:
+    assert "does not occur exactly once" in str(e), e
+n, nsb = 32, 2
+blocks = torch.randint(0, 256, (n, nsb * 144), dtype=torch.uint8)
+out = lp.to_layout("bulk", blocks)
+for r, sb, gq, c, b in ((0, 0, 0, 0, 0), (17, 1, 3, 2, 5), (31, 1, 1, 3, 7), (5, 0, 2, 1, 3)):
+    tile_at = (r // 16) * 16 * nsb * 144 + sb * 16 * 144 + (r % 16) * 144  # tile-major
+    src = blocks[r, sb * 144 + 16 + 32 * gq + 8 * c + b]
+    assert out.reshape(-1)[tile_at + 16 + 32 * c + 8 * gq + b] == src, (r, sb, gq, c, b)  # lane order
+    assert out.reshape(-1)[tile_at + 7] == blocks[r, sb * 144 + 7]  # the header stays
+print("OK")
+"""
+
+
+@pytest.mark.skipif(not _has_triton(), reason="the script imports the Triton kernels (run under the interpreter)")
+def test_layout_probe_patches_fit_the_kernel():
+    """scripts/gpu/q4k_layout_probe.py: each layout's patches (lane order, tile-major, the ring filled by bulk
+    copies) apply to kquant_mma.cu as written, a cut that no longer fits stops the script, and the bulk layout puts
+    each byte where the patched kernel reads it (tile-major, quant bytes in lane order)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", LAYOUT_CHECK, str(ROOT / "scripts" / "gpu")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
 PROFILE_CHECK = r"""
 import sys
 sys.path.insert(0, sys.argv[1])

@@ -13,8 +13,14 @@ tilings) or from the shared-memory ring (its rows then 144 bytes apart: the 16-b
 step reads one 144-byte super-block from each of its tile's rows, rows ~3 KB apart (K = 5376): 16 short pieces a
 step, each from another DRAM page; tile-major, a tile's step is one contiguous 2,304-byte run, and its next step the
 run after it.
+--layout bulk: tile-major and lane order together, and the ring (tilings with stages) filled by bulk copies: lane 0
+of a warp brings each of its tiles' 2,304-byte runs of a super-block into the ring with one cp.async.bulk (Hopper's
+copy engine), a stage's arrival counted by an mbarrier, where each lane issued its share of the nine 16-byte
+cp.async a row; rows 144 bytes apart in the ring, as lane order reads them without bank conflicts. The lanes no
+longer issue the loads, and a ring's depth costs no registers (--stages 4,6: deeper rings too).
 
-    PYTHONPATH=src python scripts/gpu/q4k_layout_probe.py OUT --layout lanes|tiles [--only gemma-q4k-fused,...]
+    PYTHONPATH=src python scripts/gpu/q4k_layout_probe.py OUT --layout lanes|tiles|bulk [--only gemma-q4k-fused,...]
+        [--stages 4,6]
 
 --only: mma_tilings.py's Q4_K shape sets (default gemma-q4k-fused, gemma-q4k, qwen-q4k-fused).
 OUT/q4k_LAYOUT.json.
@@ -22,6 +28,7 @@ OUT/q4k_LAYOUT.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -79,13 +86,86 @@ __device__ __forceinline__ size_t tile_base(int row, int nsb) {
 ANCHOR = "// The warp's sums at zero, and where this lane reads x"
 
 
+BULK_HELPERS = """
+#if STAGES > 0
+__device__ __forceinline__ u32 shared_addr(const void *p) { return (u32)__cvta_generic_to_shared(p); }
+// super-block sb of the warp's tiles (tile-major: one 16 x 144-byte run a tile) into a ring stage by lane 0's bulk
+// copies, their bytes counted by the stage's mbarrier
+__device__ __forceinline__ void bulk_stage(const unsigned char *dst, const unsigned char *__restrict__ W, int tile0,
+                                           int N, int nsb, int sb, unsigned long long *bar) {
+    int tiles = 0;
+#pragma unroll
+    for (int r = 0; r < R_TILES; ++r) tiles += (tile0 + r) * 16 < N;
+    const u32 bytes = 16 * BLOCK_BYTES;
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stage's earlier reads before the copy
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(shared_addr(bar)),
+                 "r"(tiles * bytes) : "memory");
+    for (int r = 0; r < tiles; ++r)
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     :: "r"(shared_addr(dst + r * 16 * ROWB)),
+                        "l"(W + tile_base((tile0 + r) * 16, nsb) + (size_t)sb * 16 * BLOCK_BYTES), "r"(bytes),
+                        "r"(shared_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void wait_stage(unsigned long long *bar, u32 parity) {
+    asm volatile("{ .reg .pred done; WAIT_%=: mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;"
+                 " @!done bra WAIT_%=; }" :: "r"(shared_addr(bar)), "r"(parity) : "memory");
+}
+#endif
+"""
+BULK_SETUP = """    extern __shared__ uint4 smem[];
+    const unsigned char *ring = (const unsigned char *)smem + warp * STAGES * STAGE_BYTES;
+    __shared__ __align__(8) unsigned long long stage_full[WARPS][STAGES];
+    const int sb_end = sb0 + sb_per_split;
+    if (lane == 0) {
+        for (int s = 0; s < STAGES; ++s)
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(shared_addr(&stage_full[warp][s])) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        for (int s = 0; s < STAGES - 1 && sb0 + s < sb_end; ++s)
+            bulk_stage(ring + s * STAGE_BYTES, W, tile0, N, nsb, sb0 + s, &stage_full[warp][s]);
+    }
+    __syncwarp();
+"""
+BULK_WAIT = """        wait_stage(&stage_full[warp][stage], ((sb - sb0) / STAGES) & 1);
+        __syncwarp();  // every lane is done with the stage refilled next
+        if (lane == 0 && sb + STAGES - 1 < sb_end) {
+            const int slot = (stage + STAGES - 1) % STAGES;
+            bulk_stage(ring + slot * STAGE_BYTES, W, tile0, N, nsb, sb + STAGES - 1, &stage_full[warp][slot]);
+        }
+"""
+# the ring's fill and its wait, cut out between these markers (each must occur once) for --layout bulk
+BULK_CUTS = (("    // this lane's 16-byte copies of a super-block: chunk i = lane + 32 t",
+              "#endif\n    wait_for_earlier_kernels();\n    for (int sb = sb0;", BULK_SETUP),
+             ("        cp_async_wait_ahead();  // this super-block's copies",
+              "#pragma unroll\n        for (int r = 0; r < R_TILES; ++r)\n#pragma unroll\n            for (int hh = 0; "
+              "hh < 2; ++hh) {\n                const unsigned char *blk = ring", BULK_WAIT))
+
+
+def cut(source: str, start: str, end: str, new: str) -> str:
+    """source with the text from `start` up to `end` replaced by `new` (ValueError unless each occurs once)."""
+    if source.count(start) != 1 or source.count(end) != 1:
+        raise ValueError(f"bulk: {start!r} or {end!r} does not occur exactly once in the kernel")
+    i, j = source.index(start), source.index(end)
+    return source[:i] + new + source[j:]
+
+
+def insert_before(source: str, anchor: str, text: str) -> str:
+    if source.count(anchor) != 1:
+        raise ValueError(f"the kernel has no single {anchor!r} to put helpers before")
+    return source.replace(anchor, text + anchor)
+
+
 def layout_source(layout: str, source: str) -> str:
     """kquant_mma.cu's text reading the blocks in `layout` (ValueError where a patch does not fit the text)."""
-    source = apply_patches(source, PATCHES[layout], layout)
-    if layout == "tiles":
-        if source.count(ANCHOR) != 1:
-            raise ValueError(f"the kernel has no single {ANCHOR!r} to put the helper before")
-        source = source.replace(ANCHOR, TILE_HELPER + ANCHOR)
+    if layout == "bulk":  # tile-major and lane order, the ring filled by bulk copies
+        for start, end, new in BULK_CUTS:
+            source = cut(source, start, end, new)
+        source = apply_patches(source, PATCHES["lanes"] + [patch for patch in PATCHES["tiles"]
+                                                            if "csrc" not in patch[0]], layout)
+        source = insert_before(source, "#if QTYPE == 6\n#if STAGES > 0", BULK_HELPERS)
+    else:
+        source = apply_patches(source, PATCHES[layout], layout)
+    if layout in ("tiles", "bulk"):
+        source = insert_before(source, ANCHOR, TILE_HELPER)
     return source
 
 
@@ -93,6 +173,8 @@ def to_layout(layout: str, blocks: torch.Tensor) -> torch.Tensor:
     """Q4_K rows [N, nsb * 144] -> the same bytes in `layout`, as a [N, nsb * 144] tensor."""
     n, nbytes = blocks.shape
     nsb = nbytes // 144
+    if layout == "bulk":
+        return to_layout("tiles", to_layout("lanes", blocks))
     if layout == "lanes":  # each super-block's quant bytes (gq, c, b) -> (c, gq, b)
         b = blocks.reshape(n, nsb, 144)
         quants = b[..., QS:].reshape(n, nsb, 4, 4, 8).transpose(2, 3).reshape(n, nsb, 128)
@@ -103,8 +185,10 @@ def to_layout(layout: str, blocks: torch.Tensor) -> torch.Tensor:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--layout", choices=sorted(PATCHES), required=True)
+    ap.add_argument("--layout", choices=sorted(PATCHES) + ["bulk"], required=True)
     ap.add_argument("--only", default="gemma-q4k-fused,gemma-q4k,qwen-q4k-fused")
+    ap.add_argument("--stages", default="", help="also the layout with rings of these many stages (e.g. 4,6) where "
+                    "a tiling has a ring: where loads wait, so the same bits")
     args = ap.parse_args()
     wrong = [name for name in args.only.split(",") if SETS.get(name, ("",))[0] != "Q4_K"]
     if wrong:
@@ -120,21 +204,27 @@ def main() -> int:
             ws = [random_blocks("Q4_K", n, k, gen, dev) for _ in range(copies_for(n * row_bytes("Q4_K", k), False))]
             ls = [to_layout(args.layout, w) for w in ws]
             x = torch.randn(16, k, device=dev, dtype=torch.bfloat16, generator=gen)
-            same = all(torch.equal(mma_kernels.launch(x[:m], ws[0], n, "Q4_K", tilings),
-                                   mma_kernels.launch(x[:m], ls[0], n, "Q4_K", tilings, source=patched))
-                       for m in (1, 5, 16))
+            forms = [("gguf", ws, None, tilings), (args.layout, ls, patched, tilings)]
+            for stages in filter(None, args.stages.split(",")):
+                forms.append((f"{args.layout}-s{stages}", ls, patched,
+                              tuple(dataclasses.replace(t, stages=int(stages)) if t.stages else t for t in tilings)))
+            same = {form: all(torch.equal(mma_kernels.launch(x[:m], ws[0], n, "Q4_K", tilings),
+                                          mma_kernels.launch(x[:m], blocks[0], n, "Q4_K", form_tilings,
+                                                             source=source)) for m in (1, 5, 16))
+                    for form, blocks, source, form_tilings in forms[1:]}
             us = {}
-            for form, blocks, source in (("gguf", ws, None), (args.layout, ls, patched)):
-                us[form] = [1000 * bench_ms([lambda w=w, m=m: mma_kernels.launch(x[:m], w, n, "Q4_K", tilings,
-                                                                                 source=source) for w in blocks],
-                                            False) for m in (1, 16)]
+            for form, blocks, source, form_tilings in forms:
+                us[form] = [1000 * bench_ms([lambda w=w, m=m, t=form_tilings, s=source: mma_kernels.launch(
+                    x[:m], w, n, "Q4_K", t, source=s) for w in blocks], False) for m in (1, 16)]
             mb = n * row_bytes("Q4_K", k) / 1e6
-            old, new = us["gguf"], us[args.layout]
+            old = us["gguf"]
             rows.append({"set": set_name, "shape": shape, "n": n, "k": k, "mb": mb, "same_bits": same,
-                         "tilings": [str(t) for t in tilings], "us_gguf": old, f"us_{args.layout}": new})
-            print(f"{set_name} {shape:12s} {n}x{k} ({mb:6.1f} MB) same bits {same}: M=1 {old[0]:7.2f} -> "
-                  f"{new[0]:7.2f} us ({mb / old[0]:.2f} -> {mb / new[0]:.2f} TB/s), M=16 {old[1]:7.2f} -> "
-                  f"{new[1]:7.2f} us", flush=True)
+                         "tilings": [str(t) for t in tilings], **{f"us_{form}": v for form, v in us.items()}})
+            for form, new in us.items():
+                if form != "gguf":
+                    print(f"{set_name} {shape:12s} {n}x{k} ({mb:6.1f} MB) {form} same bits {same[form]}: M=1 "
+                          f"{old[0]:7.2f} -> {new[0]:7.2f} us ({mb / old[0]:.2f} -> {mb / new[0]:.2f} TB/s), M=16 "
+                          f"{old[1]:7.2f} -> {new[1]:7.2f} us", flush=True)
             del ws, ls
             torch.cuda.empty_cache()
             (args.out / f"q4k_{args.layout}.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),

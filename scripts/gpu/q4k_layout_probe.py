@@ -17,7 +17,8 @@ run after it.
 of a warp brings each of its tiles' 2,304-byte runs of a super-block into the ring with one cp.async.bulk (Hopper's
 copy engine), a stage's arrival counted by an mbarrier, where each lane issued its share of the nine 16-byte
 cp.async a row; rows 144 bytes apart in the ring, as lane order reads them without bank conflicts. The lanes no
-longer issue the loads, and a ring's depth costs no registers (--stages 4,6: deeper rings too).
+longer issue the loads, and a ring's depth costs no registers (--stages 4,6: deeper rings too, also for
+the tilings that load directly, as the 16-row ones do).
 
     PYTHONPATH=src python scripts/gpu/q4k_layout_probe.py OUT --layout lanes|tiles|bulk [--only gemma-q4k-fused,...]
         [--stages 4,6]
@@ -188,7 +189,8 @@ def main() -> int:
     ap.add_argument("--layout", choices=sorted(PATCHES) + ["bulk"], required=True)
     ap.add_argument("--only", default="gemma-q4k-fused,gemma-q4k,qwen-q4k-fused")
     ap.add_argument("--stages", default="", help="also the layout with rings of these many stages (e.g. 4,6) where "
-                    "a tiling has a ring: where loads wait, so the same bits")
+                    "a tiling has a ring (--layout bulk: every tiling, the direct ones too): where loads wait, so the "
+                    "same bits")
     args = ap.parse_args()
     wrong = [name for name in args.only.split(",") if SETS.get(name, ("",))[0] != "Q4_K"]
     if wrong:
@@ -207,7 +209,8 @@ def main() -> int:
             forms = [("gguf", ws, None, tilings), (args.layout, ls, patched, tilings)]
             for stages in filter(None, args.stages.split(",")):
                 forms.append((f"{args.layout}-s{stages}", ls, patched,
-                              tuple(dataclasses.replace(t, stages=int(stages)) if t.stages else t for t in tilings)))
+                              tuple(dataclasses.replace(t, stages=int(stages)) if t.stages or args.layout == "bulk"
+                                    else t for t in tilings)))
             same = {form: all(torch.equal(mma_kernels.launch(x[:m], ws[0], n, "Q4_K", tilings),
                                           mma_kernels.launch(x[:m], blocks[0], n, "Q4_K", form_tilings,
                                                              source=source)) for m in (1, 5, 16))

@@ -40,6 +40,16 @@ def engine(qwen3_dir, drafter_dir):
     return Engine.load(qwen3_dir, drafter_dir, device="cpu", context_size=256)
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo_on_gpu():
+    """On a GPU machine each test starts with no compiled graphs: the engine compiles its layers there, and one
+    process building many tests' models would otherwise reach dynamo's recompile limit (which compile_layers turns
+    into an error) in whichever test comes late. The CPU engine compiles nothing by default."""
+    if torch.cuda.is_available():
+        torch._dynamo.reset()
+    yield
+
+
 @pytest.fixture
 def record_values_apart(monkeypatch):
     """record(module): module.qkv_prep wrapped so that each call appends whether it was handed its values apart

@@ -326,6 +326,27 @@ def test_compiled_layers_share_one_graph_per_layer_kind(dense):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2 * kinds + 1 < 2 * len(compiled.model.layers)
 
 
+def test_compiled_layers_fail_by_name_past_the_recompile_limit(dense, monkeypatch):
+    """A compiled layer that needs more graphs than dynamo's recompile limit raises an error naming the limit
+    (compile_layers sets that), where dynamo would otherwise run the new variant eagerly: eager rounds otherwise
+    than compiled, so a verify pass could silently disagree with plain decoding."""
+    from flashdraft.engine.model_prep import compile_layers
+
+    folder, _, _ = dense
+    compiled = load_target(folder, 0, device="cpu", dtype=torch.float32)
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", False)  # restored after the test
+    compile_layers(compiled)
+    assert torch._dynamo.config.fail_on_recompile_limit_hit
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    ids = _ids(24, compiled.config.vocab_size, seed=4)
+    cache = compiled.new_cache(64)
+    with torch.no_grad(), pytest.raises(Exception, match="recompile_limit"):
+        for lo, hi in ((0, 16), (16, 17), (17, 18), (18, 24)):  # a second token-count class: a second graph
+            compiled(ids[lo:hi], torch.arange(lo, hi), cache, hi)
+    torch._dynamo.reset()
+
+
 
 def causal_and_masked_prefill_agree(model, n: int, taps: list[int]) -> None:
     """An eager prefill pass (positions kv_len - T .. kv_len - 1) with causal=True attends from the lower right

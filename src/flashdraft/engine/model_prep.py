@@ -77,6 +77,9 @@ def compile_layers(*models: nn.Module) -> None:
     (docs/performance.md). Gemma 4's compiled layers keep that property in the GPU test
     test_gemma4_target_rows_are_bitwise_independent_of_the_block."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    # Past the limit dynamo would run a layer's new variant eagerly, which rounds otherwise than its compiled twin:
+    # a verify pass could then disagree with plain decoding. An error that names the limit instead.
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     for model in models:
         for m in model.modules():
             if isinstance(m, DecoderLayer) and m.fused_rows:

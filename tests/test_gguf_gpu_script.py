@@ -259,7 +259,7 @@ import q4k_layout_probe as lp
 from flashdraft.quant import mma_kernels
 
 text = mma_kernels.SOURCE.read_text()
-for layout in ("lanes", "tiles", "bulk"):
+for layout in ("lanes", "tiles", "columns", "bulk"):
     out = lp.layout_source(layout, text)
     assert out != text, layout
 bulk = lp.layout_source("bulk", text)
@@ -278,15 +278,17 @@ for r, sb, gq, c, b in ((0, 0, 0, 0, 0), (17, 1, 3, 2, 5), (31, 1, 1, 3, 7), (5,
     src = blocks[r, sb * 144 + 16 + 32 * gq + 8 * c + b]
     assert out.reshape(-1)[tile_at + 16 + 32 * c + 8 * gq + b] == src, (r, sb, gq, c, b)  # lane order
     assert out.reshape(-1)[tile_at + 7] == blocks[r, sb * 144 + 7]  # the header stays
+    at = 8 * c + b  # super-block-major
+    assert lp.to_layout("columns", blocks).reshape(-1)[(sb * n + r) * 144 + at] == blocks[r, sb * 144 + at]
 print("OK")
 """
 
 
 @pytest.mark.skipif(not _has_triton(), reason="the script imports the Triton kernels (run under the interpreter)")
 def test_layout_probe_patches_fit_the_kernel():
-    """scripts/gpu/q4k_layout_probe.py: each layout's patches (lane order, tile-major, the ring filled by bulk
-    copies) apply to kquant_mma.cu as written, a cut that no longer fits stops the script, and the bulk layout puts
-    each byte where the patched kernel reads it (tile-major, quant bytes in lane order)."""
+    """scripts/gpu/q4k_layout_probe.py: each layout's patches (lane order, tile-major, super-block-major, the ring
+    filled by bulk copies) apply to kquant_mma.cu as written, a cut that no longer fits stops the script, and the
+    bulk and super-block-major layouts put each byte where their patched kernels read it."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "-c", LAYOUT_CHECK, str(ROOT / "scripts" / "gpu")], env=env,
                           capture_output=True, text=True, timeout=120)

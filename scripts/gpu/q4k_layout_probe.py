@@ -13,6 +13,10 @@ tilings) or from the shared-memory ring (its rows then 144 bytes apart: the 16-b
 step reads one 144-byte super-block from each of its tile's rows, rows ~3 KB apart (K = 5376): 16 short pieces a
 step, each from another DRAM page; tile-major, a tile's step is one contiguous 2,304-byte run, and its next step the
 run after it.
+--layout columns: super-block-major, [super-blocks][N][144 bytes]: at a super-block, every warp's tile is the run
+after the one before it, so that the GPU's warps, which move through K together, read one stretch of memory in
+order (a grid-stride read of the same bytes streams faster than each block reading a run of its own: session 42,
+read_stream_probe.py).
 --layout bulk: tile-major and lane order together, and the ring (tilings with stages) filled by bulk copies: lane 0
 of a warp brings each of its tiles' 2,304-byte runs of a super-block into the ring with one cp.async.bulk (Hopper's
 copy engine), a stage's arrival counted by an mbarrier, where each lane issued its share of the nine 16-byte
@@ -20,8 +24,8 @@ cp.async a row; rows 144 bytes apart in the ring, as lane order reads them witho
 longer issue the loads, and a ring's depth costs no registers (--stages 4,6: deeper rings too, also for
 the tilings that load directly, as the 16-row ones do).
 
-    PYTHONPATH=src python scripts/gpu/q4k_layout_probe.py OUT --layout lanes|tiles|bulk [--only gemma-q4k-fused,...]
-        [--stages 4,6]
+    PYTHONPATH=src python scripts/gpu/q4k_layout_probe.py OUT --layout lanes|tiles|columns|bulk
+        [--only gemma-q4k-fused,...] [--stages 4,6]
 
 --only: mma_tilings.py's Q4_K shape sets (default gemma-q4k-fused, gemma-q4k, qwen-q4k-fused).
 OUT/q4k_LAYOUT.json.
@@ -76,6 +80,25 @@ PATCHES = {
          "csrc[t] = W + tile_base(min(tile0 * 16 + (con[t] ? row : 0), N - 1), nsb) + 16 * col;", 1),
         ("csrc[t] + (size_t)(sb0 + s) * BLOCK_BYTES", "csrc[t] + (size_t)(sb0 + s) * 16 * BLOCK_BYTES", 1),
         ("csrc[t] + (size_t)ahead * BLOCK_BYTES", "csrc[t] + (size_t)ahead * 16 * BLOCK_BYTES", 1),
+    ],
+    # super-block-major: [nsb][N][144]; row n's super-block sb at (sb N + n) 144. The L2 prefetch a tile's first
+    # super-blocks' runs, one a lane
+    "columns": [
+        ("    for (int i = lane; i < R_TILES * 16 && prefetch_sb > 0; i += 32)  // a lane a row, while earlier "
+         "kernels run\n        prefetch_l2(W + (size_t)min(tile0 * 16 + i, N - 1) * row_stride(nsb) + (size_t)sb0 "
+         "* BLOCK_BYTES,\n                    (size_t)prefetch_sb * BLOCK_BYTES);",
+         "    for (int i = lane; i < R_TILES * prefetch_sb; i += 32)  // a lane a tile's super-block\n"
+         "        if ((tile0 + i % R_TILES) * 16 < N)\n"
+         "            prefetch_l2(W + ((size_t)(sb0 + i / R_TILES) * N + (tile0 + i % R_TILES) * 16) * BLOCK_BYTES,\n"
+         "                        16 * BLOCK_BYTES);", 1),
+        ("rowp[r][hh] = W + (size_t)min((tile0 + r) * 16 + g + 8 * hh, N - 1) * row_stride(nsb);",
+         "rowp[r][hh] = W + (size_t)min((tile0 + r) * 16 + g + 8 * hh, N - 1) * BLOCK_BYTES;", 2),
+        ("const unsigned char *blk = rowp[r][hh] + sb * BLOCK_BYTES;",
+         "const unsigned char *blk = rowp[r][hh] + (size_t)sb * N * BLOCK_BYTES;", 1),
+        ("csrc[t] = W + (size_t)min(tile0 * 16 + (con[t] ? row : 0), N - 1) * row_stride(nsb) + 16 * col;",
+         "csrc[t] = W + (size_t)min(tile0 * 16 + (con[t] ? row : 0), N - 1) * BLOCK_BYTES + 16 * col;", 1),
+        ("csrc[t] + (size_t)(sb0 + s) * BLOCK_BYTES", "csrc[t] + (size_t)(sb0 + s) * N * BLOCK_BYTES", 1),
+        ("csrc[t] + (size_t)ahead * BLOCK_BYTES", "csrc[t] + (size_t)ahead * N * BLOCK_BYTES", 1),
     ],
 }
 TILE_HELPER = """
@@ -176,6 +199,8 @@ def to_layout(layout: str, blocks: torch.Tensor) -> torch.Tensor:
     nsb = nbytes // 144
     if layout == "bulk":
         return to_layout("tiles", to_layout("lanes", blocks))
+    if layout == "columns":  # [N][nsb][144] -> [nsb][N][144]
+        return blocks.reshape(n, nsb, 144).transpose(0, 1).contiguous().reshape(n, nbytes)
     if layout == "lanes":  # each super-block's quant bytes (gq, c, b) -> (c, gq, b)
         b = blocks.reshape(n, nsb, 144)
         quants = b[..., QS:].reshape(n, nsb, 4, 4, 8).transpose(2, 3).reshape(n, nsb, 128)

@@ -11,7 +11,9 @@ into one word (never written unless it hits a value no random buffer gives), eac
             reading shared memory: the loads' issue off the threads
     rows    a k-quant product's order: a warp owns 16 rows of ROWB-byte super-blocks (row_bytes apart) and reads
             one super-block of each of its rows a step, 8-byte loads, SB super-blocks of loads in flight; `tiles`
-            the same blocks tile-major (a warp's step one contiguous 16 x ROWB run)
+            the same blocks tile-major (a warp's step one contiguous 16 x ROWB run), `columns` super-block-major
+            (every warp's step at the same super-block one run after the other: the GPU sweeps the bytes in
+            order, as the grid-stride read does)
 
     PYTHONPATH=src python scripts/gpu/read_stream_probe.py OUT [--sizes gemma-gate-up,...]
 
@@ -125,8 +127,9 @@ extern "C" __global__ void __launch_bounds__(256) read_bulk(const unsigned char 
 }
 
 // k-quant order: rows of nsb super-blocks of ROWB bytes; warp w of the grid owns rows 16 w .. 16 w + 15; a step
-// reads super-block sb of each of its rows (16 x ROWB bytes as 8-byte loads), SB steps of loads in flight. TILED:
-// the same blocks tile-major, [rows / 16][nsb][16][ROWB]: a step one contiguous run.
+// reads super-block sb of each of its rows (16 x ROWB bytes as 8-byte loads), SB steps of loads in flight. ORDER 1:
+// the same blocks tile-major, [rows / 16][nsb][16][ROWB]: a step one contiguous run; ORDER 2: super-block-major,
+// [nsb][rows / 16][16][ROWB]: the warps' steps at the same super-block are adjacent runs.
 extern "C" __global__ void __launch_bounds__(128) read_rows(const unsigned char *__restrict__ w, int rows, int nsb,
                                                             u32 *out) {
     const int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -141,7 +144,9 @@ extern "C" __global__ void __launch_bounds__(128) read_rows(const unsigned char 
             for (int k = 0; k < PER_LANE; ++k) {
                 const int piece = lane + 32 * k, r = piece / (ROWB / 8), b = piece % (ROWB / 8);
                 const int at = min(sb + s, nsb - 1);
-#if TILED
+#if ORDER == 2
+                const unsigned char *p = w + (((u64)at * (rows / 16) + warp) * 16 + r) * ROWB + 8 * b;
+#elif ORDER == 1
                 const unsigned char *p = w + (((u64)warp * nsb + at) * 16 + r) * ROWB + 8 * b;
 #else
                 const unsigned char *p = w + ((u64)warp * 16 + r) * nsb * ROWB + (u64)at * ROWB + 8 * b;
@@ -168,28 +173,28 @@ def variants(nbytes: int, sms: int, rows: int, k: int):
     """(label, kernel, grid, block, shared bytes, args-of(buffer)) for one buffer size."""
     n16 = nbytes // 16
     for unroll in (4, 8):
-        kern = compile_kernel("read_flat", UNROLL=unroll, STAGES=1, CH=16, ROWB=144, SB=1, TILED=0)
+        kern = compile_kernel("read_flat", UNROLL=unroll, STAGES=1, CH=16, ROWB=144, SB=1, ORDER=0)
         for waves in (1, 2, 4):  # blocks of 256 threads, 8 a multiprocessor resident at most
             yield (f"flat u{unroll} {waves * 8}/SM", kern, (sms * 8 * waves, 1, 1), (256, 1, 1), 0,
                    lambda b, o: [b, n16, o])
         yield (f"flat u{unroll} whole", kern, (max(1, n16 // (256 * unroll)), 1, 1), (256, 1, 1), 0,
                lambda b, o: [b, n16, o])
-        kern = compile_kernel("read_chunk", UNROLL=unroll, STAGES=1, CH=16, ROWB=144, SB=1, TILED=0)
+        kern = compile_kernel("read_chunk", UNROLL=unroll, STAGES=1, CH=16, ROWB=144, SB=1, ORDER=0)
         for per_sm in (4, 8):
             yield (f"chunk u{unroll} {per_sm}/SM", kern, (sms * per_sm, 1, 1), (256, 1, 1), 0,
                    lambda b, o: [b, n16, o])
     for ch, stages, per_sm in ((16384, 4, 2), (16384, 6, 2), (8192, 8, 2), (32768, 3, 2), (16384, 4, 3)):
-        kern = compile_kernel("read_bulk", UNROLL=1, STAGES=stages, CH=ch, ROWB=144, SB=1, TILED=0)
+        kern = compile_kernel("read_bulk", UNROLL=1, STAGES=stages, CH=ch, ROWB=144, SB=1, ORDER=0)
         kern.set_shared_memory_config(ch * stages)
         blocks = sms * per_sm
         usable = nbytes // (blocks * ch) * (blocks * ch)  # whole chunks a block (the rest, < blocks * CH, unread)
         yield (f"bulk {ch // 1024}K x{stages} {per_sm}/SM ({usable / nbytes:.3f} of it)", kern, (blocks, 1, 1),
                (256, 1, 1), ch * stages, lambda b, o, u=usable: [b, u, o])
     nsb = k // 256
-    for tiled in (0, 1):
-        for sb in (2, 4):
-            kern = compile_kernel("read_rows", UNROLL=1, STAGES=1, CH=16, ROWB=144, SB=sb, TILED=tiled)
-            yield (f"{'tiles' if tiled else 'rows'} sb{sb}", kern, (-(-rows // 64), 1, 1), (128, 1, 1), 0,
+    for order, label in enumerate(("rows", "tiles", "columns")):
+        for sb in (1, 2, 4):
+            kern = compile_kernel("read_rows", UNROLL=1, STAGES=1, CH=16, ROWB=144, SB=sb, ORDER=order)
+            yield (f"{label} sb{sb}", kern, (-(-rows // 64), 1, 1), (128, 1, 1), 0,
                    lambda b, o: [b, rows, nsb, o])
 
 
@@ -204,6 +209,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
     ap.add_argument("--sizes", default=",".join(SHAPES))
+    ap.add_argument("--kinds", default="flat,chunk,bulk,rows,tiles,columns", help="the reads to time")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
@@ -221,6 +227,8 @@ def main() -> None:
         rows_out = {}
         print(f"\n{name}: {nbytes / 1e6:.1f} MB, {copies} copies", flush=True)
         for label, kern, grid, block, shared, args_of in variants(nbytes, sms, rows, k):
+            if label.split()[0] not in args.kinds.split(","):
+                continue
             fns = [lambda buf=buf: kern(grid=grid, block=block, args=args_of(buf, out), shared_mem=shared)
                    for buf in bufs]
             try:

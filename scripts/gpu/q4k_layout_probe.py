@@ -53,6 +53,27 @@ TILE_ROWS = 16
 LANE_LOADS = ("{{ const uint4 a = {load}(blk + QS + 32 * c)), b = {load}(blk + QS + 32 * c + 16));"
               " q[r][hh][0] = make_uint2(a.x, a.y); q[r][hh][1] = make_uint2(a.z, a.w);"
               " q[r][hh][2] = make_uint2(b.x, b.y); q[r][hh][3] = make_uint2(b.z, b.w); }}")
+ROW_PREFETCH = ("    for (int i = lane; i < R_TILES * 16 && prefetch_sb > 0; i += 32)  // a lane a row, while earlier "
+                "kernels run\n        prefetch_l2(W + (size_t)min(tile0 * 16 + i, N - 1) * row_stride(nsb) + "
+                "(size_t)sb0 * BLOCK_BYTES,\n                    (size_t)prefetch_sb * BLOCK_BYTES);")
+
+
+def reordered(prefetch: str, row_at, sb_stride: str) -> list[tuple[str, str, int]]:
+    """The patches that make the kernel find a row's first super-block at W + row_at(row) (a C expression of the
+    row) and step through its super-blocks sb_stride bytes apart, with `prefetch` as its L2 prefetch."""
+    rows_of_lane = "min((tile0 + r) * 16 + g + 8 * hh, N - 1)"
+    rows_of_chunk = "min(tile0 * 16 + (con[t] ? row : 0), N - 1)"
+    return [(ROW_PREFETCH, prefetch, 1),
+            (f"rowp[r][hh] = W + (size_t){rows_of_lane} * row_stride(nsb);",
+             f"rowp[r][hh] = W + {row_at(rows_of_lane)};", 2),
+            ("const unsigned char *blk = rowp[r][hh] + sb * BLOCK_BYTES;",
+             f"const unsigned char *blk = rowp[r][hh] + (size_t)sb * {sb_stride};", 1),
+            (f"csrc[t] = W + (size_t){rows_of_chunk} * row_stride(nsb) + 16 * col;",
+             f"csrc[t] = W + {row_at(rows_of_chunk)} + 16 * col;", 1),
+            ("csrc[t] + (size_t)(sb0 + s) * BLOCK_BYTES", f"csrc[t] + (size_t)(sb0 + s) * {sb_stride}", 1),
+            ("csrc[t] + (size_t)ahead * BLOCK_BYTES", f"csrc[t] + (size_t)ahead * {sb_stride}", 1)]
+
+
 # layout -> (old text, new text, times it occurs in kquant_mma.cu) patches
 PATCHES = {
     # the quant loads of the direct and the ring loops, and the ring's row pitch
@@ -65,41 +86,19 @@ PATCHES = {
     ],
     # every address of a row's super-block: its tile's run, its place in the tile, 16 blocks a step; the L2
     # prefetch a tile's run per lane
-    "tiles": [
-        ("    for (int i = lane; i < R_TILES * 16 && prefetch_sb > 0; i += 32)  // a lane a row, while earlier "
-         "kernels run\n        prefetch_l2(W + (size_t)min(tile0 * 16 + i, N - 1) * row_stride(nsb) + (size_t)sb0 "
-         "* BLOCK_BYTES,\n                    (size_t)prefetch_sb * BLOCK_BYTES);",
-         "    for (int i = lane; i < R_TILES && prefetch_sb > 0 && (tile0 + i) * 16 < N; i += 32)  // a lane a tile\n"
-         "        prefetch_l2(W + tile_base((tile0 + i) * 16, nsb) + (size_t)sb0 * 16 * BLOCK_BYTES,\n"
-         "                    (size_t)prefetch_sb * 16 * BLOCK_BYTES);", 1),
-        ("rowp[r][hh] = W + (size_t)min((tile0 + r) * 16 + g + 8 * hh, N - 1) * row_stride(nsb);",
-         "rowp[r][hh] = W + tile_base(min((tile0 + r) * 16 + g + 8 * hh, N - 1), nsb);", 2),
-        ("const unsigned char *blk = rowp[r][hh] + sb * BLOCK_BYTES;",
-         "const unsigned char *blk = rowp[r][hh] + (size_t)sb * 16 * BLOCK_BYTES;", 1),
-        ("csrc[t] = W + (size_t)min(tile0 * 16 + (con[t] ? row : 0), N - 1) * row_stride(nsb) + 16 * col;",
-         "csrc[t] = W + tile_base(min(tile0 * 16 + (con[t] ? row : 0), N - 1), nsb) + 16 * col;", 1),
-        ("csrc[t] + (size_t)(sb0 + s) * BLOCK_BYTES", "csrc[t] + (size_t)(sb0 + s) * 16 * BLOCK_BYTES", 1),
-        ("csrc[t] + (size_t)ahead * BLOCK_BYTES", "csrc[t] + (size_t)ahead * 16 * BLOCK_BYTES", 1),
-    ],
+    "tiles": reordered(
+        "    for (int i = lane; i < R_TILES && prefetch_sb > 0 && (tile0 + i) * 16 < N; i += 32)  // a lane a tile\n"
+        "        prefetch_l2(W + tile_base((tile0 + i) * 16, nsb) + (size_t)sb0 * 16 * BLOCK_BYTES,\n"
+        "                    (size_t)prefetch_sb * 16 * BLOCK_BYTES);",
+        lambda row: f"tile_base({row}, nsb)", "16 * BLOCK_BYTES"),
     # super-block-major: [nsb][N][144]; row n's super-block sb at (sb N + n) 144. The L2 prefetch a tile's first
     # super-blocks' runs, one a lane
-    "columns": [
-        ("    for (int i = lane; i < R_TILES * 16 && prefetch_sb > 0; i += 32)  // a lane a row, while earlier "
-         "kernels run\n        prefetch_l2(W + (size_t)min(tile0 * 16 + i, N - 1) * row_stride(nsb) + (size_t)sb0 "
-         "* BLOCK_BYTES,\n                    (size_t)prefetch_sb * BLOCK_BYTES);",
-         "    for (int i = lane; i < R_TILES * prefetch_sb; i += 32)  // a lane a tile's super-block\n"
-         "        if ((tile0 + i % R_TILES) * 16 < N)\n"
-         "            prefetch_l2(W + ((size_t)(sb0 + i / R_TILES) * N + (tile0 + i % R_TILES) * 16) * BLOCK_BYTES,\n"
-         "                        16 * BLOCK_BYTES);", 1),
-        ("rowp[r][hh] = W + (size_t)min((tile0 + r) * 16 + g + 8 * hh, N - 1) * row_stride(nsb);",
-         "rowp[r][hh] = W + (size_t)min((tile0 + r) * 16 + g + 8 * hh, N - 1) * BLOCK_BYTES;", 2),
-        ("const unsigned char *blk = rowp[r][hh] + sb * BLOCK_BYTES;",
-         "const unsigned char *blk = rowp[r][hh] + (size_t)sb * N * BLOCK_BYTES;", 1),
-        ("csrc[t] = W + (size_t)min(tile0 * 16 + (con[t] ? row : 0), N - 1) * row_stride(nsb) + 16 * col;",
-         "csrc[t] = W + (size_t)min(tile0 * 16 + (con[t] ? row : 0), N - 1) * BLOCK_BYTES + 16 * col;", 1),
-        ("csrc[t] + (size_t)(sb0 + s) * BLOCK_BYTES", "csrc[t] + (size_t)(sb0 + s) * N * BLOCK_BYTES", 1),
-        ("csrc[t] + (size_t)ahead * BLOCK_BYTES", "csrc[t] + (size_t)ahead * N * BLOCK_BYTES", 1),
-    ],
+    "columns": reordered(
+        "    for (int i = lane; i < R_TILES * prefetch_sb; i += 32)  // a lane a tile's super-block\n"
+        "        if ((tile0 + i % R_TILES) * 16 < N)\n"
+        "            prefetch_l2(W + ((size_t)(sb0 + i / R_TILES) * N + (tile0 + i % R_TILES) * 16) * BLOCK_BYTES,\n"
+        "                        16 * BLOCK_BYTES);",
+        lambda row: f"(size_t){row} * BLOCK_BYTES", "N * BLOCK_BYTES"),
 }
 TILE_HELPER = """
 // byte offset of a row's first super-block in the tile-major layout: its tile's run, then its place in the tile

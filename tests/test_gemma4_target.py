@@ -347,7 +347,6 @@ def test_compiled_layers_fail_by_name_past_the_recompile_limit(dense, monkeypatc
     torch._dynamo.reset()
 
 
-
 def causal_and_masked_prefill_agree(model, n: int, taps: list[int]) -> None:
     """An eager prefill pass (positions kv_len - T .. kv_len - 1) with causal=True attends from the lower right
     without a mask tensor: logits, taps and the cache as with the boolean mask, over a prefix already in the cache

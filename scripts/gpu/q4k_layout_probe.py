@@ -235,9 +235,9 @@ def main() -> int:
                 forms.append((f"{args.layout}-s{stages}", ls, patched,
                               tuple(dataclasses.replace(t, stages=int(stages)) if t.stages or args.layout == "bulk"
                                     else t for t in tilings)))
-            same = {form: all(torch.equal(mma_kernels.launch(x[:m], ws[0], n, "Q4_K", tilings),
-                                          mma_kernels.launch(x[:m], blocks[0], n, "Q4_K", form_tilings,
-                                                             source=source)) for m in (1, 5, 16))
+            want = {m: mma_kernels.launch(x[:m], ws[0], n, "Q4_K", tilings) for m in (1, 5, 16)}
+            same = {form: all(torch.equal(want[m], mma_kernels.launch(x[:m], blocks[0], n, "Q4_K", form_tilings,
+                                                                      source=source)) for m in want)
                     for form, blocks, source, form_tilings in forms[1:]}
             us = {}
             for form, blocks, source, form_tilings in forms:

@@ -163,39 +163,49 @@ extern "C" __global__ void __launch_bounds__(128) read_rows(const unsigned char 
 """
 
 
+# every kernel of SOURCE reads these macros; a build sets those of its own kernel
+DEFINES = {"UNROLL": 1, "STAGES": 1, "CH": 16, "ROWB": 144, "SB": 1, "ORDER": 0}
+KINDS = ("flat", "chunk", "bulk", "rows", "tiles", "columns")
+
+
 @functools.cache
 def compile_kernel(name: str, **defines: int):
-    head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+    head = "".join(f"#define {k} {v}\n" for k, v in {**DEFINES, **defines}.items())
     return torch.cuda._compile_kernel(head + SOURCE, name)
 
 
-def variants(nbytes: int, sms: int, rows: int, k: int):
-    """(label, kernel, grid, block, shared bytes, args-of(buffer)) for one buffer size."""
+def variants(nbytes: int, sms: int, rows: int, k: int, kinds: set[str]):
+    """(label, kernel, grid, block, shared bytes, args-of(buffer, out), bytes read) of the reads of these kinds for
+    one buffer size."""
     n16 = nbytes // 16
     for unroll in (4, 8):
-        kern = compile_kernel("read_flat", UNROLL=unroll, STAGES=1, CH=16, ROWB=144, SB=1, ORDER=0)
-        for waves in (1, 2, 4):  # blocks of 256 threads, 8 a multiprocessor resident at most
-            yield (f"flat u{unroll} {waves * 8}/SM", kern, (sms * 8 * waves, 1, 1), (256, 1, 1), 0,
-                   lambda b, o: [b, n16, o])
-        yield (f"flat u{unroll} whole", kern, (max(1, n16 // (256 * unroll)), 1, 1), (256, 1, 1), 0,
-               lambda b, o: [b, n16, o])
-        kern = compile_kernel("read_chunk", UNROLL=unroll, STAGES=1, CH=16, ROWB=144, SB=1, ORDER=0)
-        for per_sm in (4, 8):
-            yield (f"chunk u{unroll} {per_sm}/SM", kern, (sms * per_sm, 1, 1), (256, 1, 1), 0,
-                   lambda b, o: [b, n16, o])
+        if "flat" in kinds:
+            kern = compile_kernel("read_flat", UNROLL=unroll)
+            for waves in (1, 2, 4):  # blocks of 256 threads, 8 a multiprocessor resident at most
+                yield (f"flat u{unroll} {waves * 8}/SM", kern, (sms * 8 * waves, 1, 1), (256, 1, 1), 0,
+                       lambda b, o: [b, n16, o], nbytes)
+            yield (f"flat u{unroll} whole", kern, (max(1, n16 // (256 * unroll)), 1, 1), (256, 1, 1), 0,
+                   lambda b, o: [b, n16, o], nbytes)
+        if "chunk" in kinds:
+            kern = compile_kernel("read_chunk", UNROLL=unroll)
+            for per_sm in (4, 8):
+                yield (f"chunk u{unroll} {per_sm}/SM", kern, (sms * per_sm, 1, 1), (256, 1, 1), 0,
+                       lambda b, o: [b, n16, o], nbytes)
     for ch, stages, per_sm in ((16384, 4, 2), (16384, 6, 2), (8192, 8, 2), (32768, 3, 2), (16384, 4, 3)):
-        kern = compile_kernel("read_bulk", UNROLL=1, STAGES=stages, CH=ch, ROWB=144, SB=1, ORDER=0)
+        if "bulk" not in kinds:
+            break
+        kern = compile_kernel("read_bulk", STAGES=stages, CH=ch)
         kern.set_shared_memory_config(ch * stages)
         blocks = sms * per_sm
         usable = nbytes // (blocks * ch) * (blocks * ch)  # whole chunks a block (the rest, < blocks * CH, unread)
         yield (f"bulk {ch // 1024}K x{stages} {per_sm}/SM ({usable / nbytes:.3f} of it)", kern, (blocks, 1, 1),
-               (256, 1, 1), ch * stages, lambda b, o, u=usable: [b, u, o])
+               (256, 1, 1), ch * stages, lambda b, o, u=usable: [b, u, o], usable)
     nsb = k // 256
     for order, label in enumerate(("rows", "tiles", "columns")):
-        for sb in (1, 2, 4):
-            kern = compile_kernel("read_rows", UNROLL=1, STAGES=1, CH=16, ROWB=144, SB=sb, ORDER=order)
+        for sb in (1, 2, 4) if label in kinds else ():
+            kern = compile_kernel("read_rows", SB=sb, ORDER=order)
             yield (f"{label} sb{sb}", kern, (-(-rows // 64), 1, 1), (128, 1, 1), 0,
-                   lambda b, o: [b, rows, nsb, o])
+                   lambda b, o: [b, rows, nsb, o], nbytes)
 
 
 def copy_bandwidth(dev) -> float:
@@ -209,8 +219,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
     ap.add_argument("--sizes", default=",".join(SHAPES))
-    ap.add_argument("--kinds", default="flat,chunk,bulk,rows,tiles,columns", help="the reads to time")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="the reads to time")
     args = ap.parse_args()
+    kinds = set(args.kinds.split(","))
+    if kinds - set(KINDS):
+        ap.error(f"unknown kinds {sorted(kinds - set(KINDS))} (known: {', '.join(KINDS)})")
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -226,9 +239,7 @@ def main() -> None:
         out = torch.zeros(1 << 20, dtype=torch.int32, device=dev)
         rows_out = {}
         print(f"\n{name}: {nbytes / 1e6:.1f} MB, {copies} copies", flush=True)
-        for label, kern, grid, block, shared, args_of in variants(nbytes, sms, rows, k):
-            if label.split()[0] not in args.kinds.split(","):
-                continue
+        for label, kern, grid, block, shared, args_of, read in variants(nbytes, sms, rows, k, kinds):
             fns = [lambda buf=buf: kern(grid=grid, block=block, args=args_of(buf, out), shared_mem=shared)
                    for buf in bufs]
             try:
@@ -236,7 +247,6 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - a variant that does not launch is reported, not fatal
                 print(f"  {label:40s} failed: {type(e).__name__}: {e}", flush=True)
                 continue
-            read = nbytes if not label.startswith("bulk") else float(label.split("(")[1].split()[0]) * nbytes
             rows_out[label] = {"us": 1000 * ms, "tb_s": read / ms / 1e9}
             print(f"  {label:40s} {1000 * ms:8.1f} us  {read / ms / 1e9:5.2f} TB/s", flush=True)
         results["sizes"][name] = {"bytes": nbytes, "variants": rows_out}

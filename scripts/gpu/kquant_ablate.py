@@ -14,6 +14,10 @@ Variants (text patches of the kernel; each must apply exactly as many times as l
 - "weight MMAs": the tensor-core products of the weights (their A fragments folded into the sums by XOR instead,
   so the loads and byte permutes stay);
 - "all arithmetic": the four above at once: the loads, permutes and stores alone, the kernel's streaming;
+- "x loaded once": x's fragments read from one place for every super-block, so loaded before the loop (what the
+  per-super-block loads of x, L1 or L2 hits, cost);
+- "ring unwaited" (tilings with a shared-memory ring): no wait for a stage's copies (the time of the loop's issue
+  or of the copies' stream, whichever is longer, without the waits between them);
 - "launch only": every block returns at once (the grid launched gridDim.z = 1): the launch and scheduling of the
   same grid, with its shared memory and registers. With "as is", the three split a product's time into its
   launch, its weights' stream and its arithmetic, which is what a fixed cost of ~5 us a launch (issue #18:
@@ -74,6 +78,13 @@ VARIANTS = {
 # every arithmetic stage out at once: what is left is the kernel's loads, byte permutes and stores
 VARIANTS["all arithmetic"] = [patch for name in ("x sums", "group scales", "super-block correction", "weight MMAs")
                               for patch in VARIANTS[name]]
+# x's loads for a super-block at a fixed place (loop-invariant, so loaded once): what the kernel's per-super-block
+# loads of x (from L1 / L2) cost it
+VARIANTS["x loaded once"] = [("xrow[nt] + sb * 256 + 32 * (2 * gq + h)", "xrow[nt] + 32 * (2 * gq + h)", 1)]
+# the ring's copies never waited for (Q4_K / Q5_K tilings with a ring): a super-block is computed from whatever the
+# stage holds, while the copies stream on; the time is then the larger of the loop's issue and the copies' stream,
+# where as is it also has every wait for a stage
+VARIANTS["ring unwaited"] = [("cp_async_wait_ahead();", ";", 1)]
 # every block returns at once: the launch and scheduling of the same grid, its shared memory and registers
 VARIANTS["launch only"] = [("if (tile0 * 16 >= N) return;", "if (tile0 * 16 >= N || gridDim.z == 1) return;", 1)]
 DEFAULT_SETS = "qwen-q4k-fused,qwen-q6k,gemma-q4k-fused"

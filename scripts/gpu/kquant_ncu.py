@@ -1,0 +1,63 @@
+"""One k-quant product launched a few times, for Nsight Compute to profile one launch: where the one-row Q4_K
+stream's issue slots go (stall reasons, occupancy, DRAM throughput) on the card at hand. Issue #18: the Gemma-4-31B
+Q4_K products stream at ~2.0-2.1 TB/s on both the H100 and the H200 (the same plain step, ~10 ms, on cards whose
+reads alone differ by ~40%), so the kernel is bound inside the multiprocessor, not by DRAM; the counters say by what.
+
+    ncu --clock-control none -k regex:kq_mma --launch-skip 3 --launch-count 1 --section SpeedOfLight \\
+        --section WarpStateStats --section Occupancy --section SchedulerStats --section LaunchStats \\
+        --section MemoryWorkloadAnalysis --print-details all \\
+        python scripts/gpu/kquant_ncu.py gemma-q4k-fused "gate|up" --rows 1 [--variant "all arithmetic"]
+
+The shape comes from mma_tilings.py's sets, the tiling is the adopted one (mma_kernels.tilings_for), the variant
+one of kquant_ablate.py's (the kernel's text with a stage left out). Without ncu it prints the launch's time.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gguf_run import random_blocks  # noqa: E402
+from kquant_ablate import VARIANTS, variant_source  # noqa: E402
+from mma_tilings import SETS  # noqa: E402
+
+from flashdraft.quant import mma_kernels  # noqa: E402
+
+LAUNCHES = 6
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("set", choices=sorted(SETS))
+    ap.add_argument("shape")
+    ap.add_argument("--rows", type=int, default=1, help="rows of x, 1 to 16")
+    ap.add_argument("--variant", default="as is", choices=sorted(VARIANTS))
+    args = ap.parse_args()
+    qtype, shapes = SETS[args.set]
+    if args.shape not in shapes:
+        ap.error(f"set {args.set} has no shape {args.shape!r}; it has {', '.join(shapes)}")
+    if not 1 <= args.rows <= 16:
+        ap.error(f"--rows is 1 to 16, not {args.rows}")
+    n, k = shapes[args.shape]
+    source = variant_source(args.variant, mma_kernels.SOURCE.read_text())
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    w = random_blocks(qtype, n, k, gen, dev)
+    x = torch.randn(args.rows, k, device=dev, dtype=torch.bfloat16, generator=gen)
+    tilings = mma_kernels.tilings_for(qtype, n, k)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for i in range(LAUNCHES):
+        start.record()
+        mma_kernels.launch(x, w, n, qtype, tilings, source=source)
+        end.record()
+        torch.cuda.synchronize()
+        print(f"launch {i}: {1000 * start.elapsed_time(end):.1f} us ({args.set} {args.shape} {n}x{k}, M={args.rows}, "
+              f"{args.variant}, tiling {tilings[0 if args.rows <= 8 else 1]})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -272,22 +272,38 @@ def _store_tile(acc, y_ptr, p_ptr, rm, rn, m_ok, M, N, stride_ym, pid_k, SPLIT_K
         tl.store(base + rm[:, None].to(tl.int64) * N + rn[None, :], acc, mask=mask)
 
 
+@triton.jit
+def _row_tile(pid_m, M, w_ptr, e_ptr, stride_e, BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr):
+    """The rows of x this program multiplies (rm, and which of them are rows: m_ok) and its weights: rows
+    BLOCK_M pid_m .. of w, or with EXPERTS row pid_m alone (the tile's other rows masked) of the weights of its
+    expert e_ptr[pid_m], stride_e bytes apart (launch_experts)."""
+    r = tl.arange(0, BLOCK_M)
+    if EXPERTS:
+        rm = pid_m + r
+        m_ok = (r == 0)[:, None] & (rm[:, None] < M)
+        w_ptr += tl.load(e_ptr + pid_m).to(tl.int64) * stride_e
+    else:
+        rm = pid_m * BLOCK_M + r
+        m_ok = rm[:, None] < M
+    return rm, m_ok, w_ptr
+
+
 # M is never specialized (Triton would otherwise compile separate variants for M == 1 and M % 16 == 0): one
 # binary serves every M, which batch invariance relies on.
 @triton.jit(do_not_specialize=["M"])
 def _quant_matmul_kernel(x_ptr, w_ptr, y_ptr, p_ptr, M, N, row_bytes, stride_xm, stride_ym,
                          K: tl.constexpr, QTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         SPLIT_K: tl.constexpr, STEPS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+                         SPLIT_K: tl.constexpr, STEPS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                         e_ptr=None, stride_e=0, EXPERTS: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rm, m_ok, w_ptr = _row_tile(pid_m, M, w_ptr, e_ptr, stride_e, BLOCK_M, EXPERTS)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     row = w_ptr + (rn.to(tl.int64) * row_bytes)[:, None]
     n_ok = (rn < N)[:, None]
-    m_ok = rm[:, None] < M
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for t in range(STEPS):  # this split's K steps, low to high K: a fixed order
@@ -486,18 +502,17 @@ def _quant_matmul_packed_kernel(x_ptr, w_ptr, y_ptr, p_ptr, M, N, row_bytes, str
                                 K: tl.constexpr, QTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                 SPLIT_K: tl.constexpr, STEPS: tl.constexpr, EVEN_N: tl.constexpr,
-                                EVEN_K: tl.constexpr):
+                                EVEN_K: tl.constexpr, e_ptr=None, stride_e=0, EXPERTS: tl.constexpr = False):
     """_quant_matmul_kernel for the K-quants with the packed-word decode: K steps of BLOCK_K // 256 super-blocks,
     each added by _q45_k_packed / _q6_k_packed; the same grid, split and output as _quant_matmul_kernel. x_ptr is
     the permuted x (`_packed_perm`), not x."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rm, m_ok, w_ptr = _row_tile(pid_m, M, w_ptr, e_ptr, stride_e, BLOCK_M, EXPERTS)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row = w_ptr + (rn.to(tl.int64) * row_bytes)[:, None, None]
     n_ok = (rn < N)[:, None, None]
-    m_ok = rm[:, None] < M
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for t in range(STEPS):  # this split's K steps, low to high K: a fixed order
@@ -636,25 +651,49 @@ def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str,
     dtype (bf16/fp16: tensor-core products of the weights rounded to that dtype; fp32: IEEE products).
     No host sync and no allocation besides the output (and the split-K workspace, and for the packed decode the
     permuted x): safe in CUDA graphs."""
-    code = QTYPE_CODES[qtype]
-    lead, k = x.shape[:-1], x.shape[-1]
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[0] != out_features:
         raise ValueError(f"{qtype} blocks must be uint8 [{out_features}, row_bytes], got {blocks.dtype} "
                          f"{list(blocks.shape)}")
-    elems = 256 if qtype in K_QUANTS else 32
-    if k % elems or blocks.shape[1] != row_bytes(qtype, k):
-        raise ValueError(f"{qtype}: x has {k} features, which does not match blocks of {blocks.shape[1]} bytes a row")
-    if blocks.stride(1) != 1 or blocks.stride(0) != blocks.shape[1]:
+    lead, k = x.shape[:-1], x.shape[-1]
+    return _run(x.reshape(-1, k), blocks, out_features, qtype, config).reshape(*lead, out_features)
+
+
+def launch_experts(x: torch.Tensor, blocks: torch.Tensor, experts: torch.Tensor, qtype: str,
+                   config: QuantConfig | None = None) -> torch.Tensor:
+    """y[p] = x[p] @ W[experts[p]]^T for stacked weights W [E, N, K] held as `qtype` blocks (uint8 [E, N,
+    row_bytes]): x [P, K], experts int [P] on x's device, y [P, N] in x's dtype. Each row is its own product,
+    with the tiling and K split of an [N, K] product (config_for), so a row's bits are those of launch(x[p:p+1],
+    W[experts[p]]) whatever P is and whichever rows come with it (batch invariance); only the chosen experts'
+    blocks are read, one expert's once per row that chose it. No host sync: safe in CUDA graphs."""
+    if blocks.dtype != torch.uint8 or blocks.dim() != 3:
+        raise ValueError(f"{qtype} expert blocks must be uint8 [experts, N, row_bytes], got {blocks.dtype} "
+                         f"{list(blocks.shape)}")
+    if x.dim() != 2 or experts.shape != (x.shape[0],) or experts.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"x must be [P, K] with one int expert id a row, got x {list(x.shape)}, experts "
+                         f"{experts.dtype} {list(experts.shape)}")
+    if blocks.stride(2) != 1 or blocks.stride(1) != blocks.shape[2] or blocks.stride(0) != blocks[0].numel():
         blocks = blocks.contiguous()
-    x2 = x.reshape(-1, k)
+    return _run(x, blocks, blocks.shape[1], qtype, config, experts.contiguous())
+
+
+def _run(x2: torch.Tensor, blocks: torch.Tensor, n: int, qtype: str, config: QuantConfig | None,
+         experts: torch.Tensor | None = None) -> torch.Tensor:
+    """x2 [M, K] times the blocks of one [n, K] weight (blocks 2-D), or of row m's expert (3-D, experts [M])."""
+    code = QTYPE_CODES[qtype]
+    k = x2.shape[-1]
+    elems = 256 if qtype in K_QUANTS else 32
+    if k % elems or blocks.shape[-1] != row_bytes(qtype, k):
+        raise ValueError(f"{qtype}: x has {k} features, which does not match blocks of {blocks.shape[-1]} bytes a row")
+    if experts is None and (blocks.stride(1) != 1 or blocks.stride(0) != blocks.shape[1]):
+        blocks = blocks.contiguous()
     if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < k):
         x2 = x2.contiguous()
-    m, n = x2.shape[0], out_features
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     if m == 0:
-        return y.reshape(*lead, n)
+        return y
     if config is None:
-        config = config_for(qtype, n, k, sm_count(x.device.index if x.device.type == "cuda" else None))
+        config = config_for(qtype, n, k, sm_count(x2.device.index if x2.device.type == "cuda" else None))
     bk, split = config.block_k, config.split_k
     steps = -(-k // bk)
     if steps % split:
@@ -667,25 +706,24 @@ def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str,
         # x in the kernel's order: each dot's 32 values contiguous (one gather here instead of strided loads in
         # every program); per row, so independent of M; contiguous, row stride k
         x2 = x2.index_select(1, _packed_perm(qtype, k, x2.device))
-    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
-    grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, BLOCK_M))
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x2.device) if split > 1 else y
+    grid = (triton.cdiv(n, config.block_n), split, m if experts is not None else triton.cdiv(m, BLOCK_M))
+    common = dict(K=k, QTYPE=code, IEEE=x2.dtype == torch.float32, UPCAST=_interpreting(), BLOCK_M=BLOCK_M,
+                  BLOCK_N=config.block_n, BLOCK_K=bk, SPLIT_K=split, STEPS=steps // split,
+                  EVEN_N=n % config.block_n == 0, EVEN_K=k % bk == 0, num_warps=config.num_warps,
+                  num_stages=config.num_stages)
+    if experts is not None:  # one row a program, over its expert's blocks
+        common.update(e_ptr=experts, stride_e=blocks.stride(0), EXPERTS=True)
     if config.packed:
-        _quant_matmul_packed_kernel[grid](
-            x2, blocks, y, part, m, n, blocks.shape[1], x2.stride(0), y.stride(0), 0x4B000000,
-            K=k, QTYPE=code, IEEE=x.dtype == torch.float32, UPCAST=_interpreting(), BLOCK_M=BLOCK_M,
-            BLOCK_N=config.block_n, BLOCK_K=bk, SPLIT_K=split, STEPS=steps // split, EVEN_N=n % config.block_n == 0,
-            EVEN_K=k % bk == 0, num_warps=config.num_warps, num_stages=config.num_stages)
+        _quant_matmul_packed_kernel[grid](x2, blocks, y, part, m, n, blocks.shape[-1], x2.stride(0), y.stride(0),
+                                          0x4B000000, **common)
     else:
-        _quant_matmul_kernel[grid](
-            x2, blocks, y, part, m, n, blocks.shape[1], x2.stride(0), y.stride(0),
-            K=k, QTYPE=code, IEEE=x.dtype == torch.float32, UPCAST=_interpreting(), BLOCK_M=BLOCK_M,
-            BLOCK_N=config.block_n, BLOCK_K=bk, SPLIT_K=split, STEPS=steps // split, EVEN_N=n % config.block_n == 0,
-            EVEN_K=k % bk == 0, num_warps=config.num_warps, num_stages=config.num_stages)
+        _quant_matmul_kernel[grid](x2, blocks, y, part, m, n, blocks.shape[-1], x2.stride(0), y.stride(0), **common)
     if split > 1:
         block = 1024
         split_reduce_kernel[(triton.cdiv(n, block), m)](part, y, y, m, n, y.stride(0), HAS_BIAS=False,
                                                         UPCAST=_interpreting(), SPLIT_K=split, BLOCK=block, num_warps=4)
-    return y.reshape(*lead, n)
+    return y
 
 
 DEQUANT_MIN_ROWS = 128       # from this many rows of x (prefill passes), dequantize_matmul instead of launch

@@ -38,3 +38,13 @@ def _matmul(qtype: str):
 
 
 KERNELS = {name: _matmul(name) for name in gguf_triton.QTYPE_CODES}
+
+
+def _experts_output_like(x, blocks, experts, qtype):
+    return x.new_empty((x.shape[0], blocks.shape[1]))
+
+
+@opaque_op("flashdraft::expert_matmul", _experts_output_like)
+def expert_matmul(x: torch.Tensor, blocks: torch.Tensor, experts: torch.Tensor, qtype: str) -> torch.Tensor:
+    """Each row of x times its expert's blocks (flashdraft.quant.expert_kernels)."""
+    return gguf_triton.launch_experts(x, blocks, experts, qtype)

@@ -13,13 +13,15 @@ The layout is that of llama.cpp's converter (conversion/gemma.py, Gemma4Model) a
   in llama.cpp); the head is tied to `token_embd` unless there is an `output` tensor.
 - MoE: `ffn_gate_inp` (router proj, `.scale` = router scale), `ffn_gate_up_exps` (or `ffn_gate_exps` +
   `ffn_up_exps`), `ffn_down_exps` (`.scale` = per-expert scale), `pre_ffw_norm_2`, `post_ffw_norm_1/2`. Quantized
-  experts stay in their blocks and only the experts a token chose are dequantized.
+  experts stay in their blocks: on a GPU, decoding and verify passes multiply each token's chosen experts' blocks
+  directly (QuantGemma4Experts' pair products); elsewhere only the experts a token chose are dequantized.
 """
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from flashdraft.config import ConfigError
@@ -30,7 +32,8 @@ from flashdraft.loading.gguf import FLOAT_TYPES, GGUFFile, eos_ids, f32, single_
 from flashdraft.models.gemma4.model import Gemma4Experts, Gemma4LM, rope_inverse_frequencies
 from flashdraft.models.gemma4.drafter import Gemma4DFlashDrafter
 from flashdraft.models.gguf import GEMMA4_ARCH, TensorInstaller, gguf_drafter_config, install_drafter, tie_lm_head
-from flashdraft.quant import UnsupportedQuantType, block_format, dequantize
+from flashdraft.quant import UnsupportedQuantType, block_format, dequantize, q6k_lanes
+from flashdraft.quant.expert_kernels import PAIR_TYPES, expert_matmul, pair_products_run_on, reads
 
 __all__ = ["GEMMA4_ARCH", "QuantGemma4Experts", "gemma4_gguf_config", "gemma4_gguf_drafter_config",
            "load_gemma4_gguf_drafter", "load_gemma4_gguf_target"]
@@ -229,18 +232,52 @@ class _QuantStack:
 
 class QuantGemma4Experts(Gemma4Experts):
     """Gemma4Experts whose gate_up_proj / down_proj may each stay quantized. The arithmetic is Gemma4Experts'
-    own, on the dequantized experts, so results equal those of a float model holding the dequantized weights."""
+    own, on the dequantized experts, so results equal those of a float model holding the dequantized weights.
+
+    pair_products (both projections quantized in types the GPU kernels read): passes of at most PAIR_TOKENS
+    tokens (decoding, speculative verify) multiply each (token, chosen expert) pair's row by that expert's blocks
+    directly (gguf_triton.launch_experts, through flashdraft.quant.gpu_kernels), reading only the quantized bytes
+    of the chosen experts, and every pair's row the same product whatever the pass's length: a token's bits are the
+    same in a one-token step and in a verify block. Longer passes (prefill) take the dequantized path. Q6_K
+    experts are then kept in lane order (the kernels' type)."""
+
+    PAIR_TOKENS = 16
 
     def __init__(self, gate_up: tuple[torch.Tensor, str], down: tuple[torch.Tensor, str], hidden: int,
-                 intermediate: int, dtype: torch.dtype):
+                 intermediate: int, dtype: torch.dtype, pair_products: bool = False):
         nn.Module.__init__(self)
         self.dtype, self.qtypes, self.cols = dtype, {}, {"gate_up_proj": hidden, "down_proj": intermediate}
-        for name, (data, qtype) in (("gate_up_proj", gate_up), ("down_proj", down)):
-            self.qtypes[name] = qtype
+        given = {"gate_up_proj": gate_up, "down_proj": down}
+        unreadable = [f"{name} {qtype}" for name, (_, qtype) in given.items() if not reads(qtype)]
+        if pair_products and unreadable:
+            raise ValueError(f"pair products need both expert projections in {sorted(PAIR_TYPES)}, got "
+                             f"{', '.join(unreadable)}")
+        self.pair_products = pair_products
+        for name, (data, qtype) in given.items():
             if qtype in FLOAT_TYPES:
                 setattr(self, f"{name}_weight", nn.Parameter(data.to(dtype), requires_grad=False))
-            else:
+            elif pair_products and qtype == q6k_lanes.GGUF_QTYPE:  # the kernels' Q6_K, row by row
+                e, rows = data.shape[:2]
+                data, qtype = q6k_lanes.from_gguf(data.reshape(e * rows, -1)).reshape(e, rows, -1), q6k_lanes.QTYPE
+            if qtype not in FLOAT_TYPES:
                 self.register_buffer(f"{name}_blocks", data)
+            self.qtypes[name] = qtype
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        if self.pair_products and x.shape[0] <= self.PAIR_TOKENS:
+            return self._pairs(x, weights, experts)
+        return super().forward(x, weights, experts)
+
+    def _pairs(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Each (token, choice) pair's row through its expert's blocks: the arithmetic of _gathered (products in
+        x's dtype, GeGLU between, the weighted sum of the choices), each product one row's."""
+        T, k = experts.shape
+        ids = experts.reshape(T * k)
+        rows = x[:, None, :].expand(T, k, x.shape[-1]).reshape(T * k, x.shape[-1])
+        gate, up = expert_matmul(rows, self.gate_up_proj_blocks, ids, self.qtypes["gate_up_proj"]).chunk(2, dim=-1)
+        y = expert_matmul(F.gelu(gate, approximate="tanh") * up, self.down_proj_blocks, ids,
+                          self.qtypes["down_proj"])
+        return (y.reshape(T, k, -1) * weights[..., None]).sum(dim=1).to(x.dtype)
 
     def _stack(self, name: str):
         if self.qtypes[name] in FLOAT_TYPES:
@@ -303,7 +340,8 @@ def _install_experts(g: GGUFFile, inst: TensorInstaller, model: Gemma4LM, i: int
         layer.experts.gate_up_proj = nn.Parameter(gate_up[0].to(device, dtype), requires_grad=False)
         layer.experts.down_proj = nn.Parameter(down[0].to(device, dtype), requires_grad=False)
     else:
-        layer.experts = QuantGemma4Experts(gate_up, down, h, m, dtype)
+        layer.experts = QuantGemma4Experts(gate_up, down, h, m, dtype, pair_products=(
+            reads(gate_up[1]) and reads(down[1]) and pair_products_run_on(device)))
 
 
 # --- loading ---

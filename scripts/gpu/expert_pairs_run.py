@@ -1,0 +1,69 @@
+"""MoE experts multiplied pair by pair from their blocks on the GPU (QuantGemma4Experts' pair products, issue #18:
+Gemma-4-26B-A4B's experts in their blocks): at the 26B-A4B's shapes (128 experts; gate|up 1408 x 2816 in Q4_K,
+down 2816 x 704 in Q8_0, as a Q4_K_M file has K not a multiple of 256 in a legacy type), a one-token and a 16-token
+pass of the experts' module, against the dequantized path it replaces:
+- bits: each token of the 16-token pass equals the token alone (batch invariance), and each pair's row equals the
+  one-weight kernel's (gguf_triton.launch) with its expert's blocks;
+- agreement with the dequantized path (relative error of the bf16 outputs);
+- time per call inside a CUDA graph, and the bytes the chosen experts' blocks hold.
+
+    PYTHONPATH=src python scripts/gpu/expert_pairs_run.py OUT    (OUT/expert_pairs.json)
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gemm_run import graphed_per_call_ms  # noqa: E402
+from gguf_run import random_blocks  # noqa: E402
+
+from flashdraft.kernels import gguf_triton  # noqa: E402
+from flashdraft.models.gemma4.gguf import QuantGemma4Experts  # noqa: E402
+from flashdraft.quant.formats import row_bytes  # noqa: E402
+
+EXPERTS, TOP_K, HIDDEN, INTERMEDIATE = 128, 8, 2816, 704
+GATE_UP, DOWN = "Q4_K", "Q8_0"
+
+
+def main() -> int:
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    gate_up = torch.stack([random_blocks(GATE_UP, 2 * INTERMEDIATE, HIDDEN, gen, dev) for _ in range(EXPERTS)])
+    down = torch.stack([random_blocks(DOWN, HIDDEN, INTERMEDIATE, gen, dev) for _ in range(EXPERTS)])
+    pairs = QuantGemma4Experts((gate_up, GATE_UP), (down, DOWN), HIDDEN, INTERMEDIATE, torch.bfloat16,
+                               pair_products=True)
+    dequantized = QuantGemma4Experts((gate_up, GATE_UP), (down, DOWN), HIDDEN, INTERMEDIATE, torch.bfloat16)
+    x = torch.randn(16, HIDDEN, device=dev, generator=gen).to(torch.bfloat16)
+    experts = torch.stack([torch.randperm(EXPERTS, device=dev, generator=gen)[:TOP_K] for _ in range(16)])
+    weights = torch.rand(16, TOP_K, device=dev, generator=gen)
+    block = pairs(x, weights, experts)
+    alone = [torch.equal(pairs(x[t:t + 1], weights[t:t + 1], experts[t:t + 1]), block[t:t + 1]) for t in range(16)]
+    rows = x[:1].expand(TOP_K, HIDDEN)
+    gu = gguf_triton.launch_experts(rows, gate_up, experts[0], GATE_UP)
+    one_weight = all(torch.equal(gu[c:c + 1], gguf_triton.launch(rows[c:c + 1], gate_up[experts[0, c]],
+                                                                  2 * INTERMEDIATE, GATE_UP)) for c in range(TOP_K))
+    ref = dequantized(x, weights, experts)
+    rel = ((block.float() - ref.float()).norm() / ref.float().norm()).item()
+    chosen_bytes = TOP_K * (2 * INTERMEDIATE * row_bytes(GATE_UP, HIDDEN) + HIDDEN * row_bytes(DOWN, INTERMEDIATE))
+    result = {"device": torch.cuda.get_device_name(), "tokens_alone_equal_in_block": alone,
+              "pair_rows_equal_one_weight_kernel": one_weight, "rel_err_vs_dequantized": rel,
+              "chosen_bytes_per_token": chosen_bytes, "us": {}}
+    for name, module in (("pairs", pairs), ("dequantized", dequantized)):
+        for t in (1, 16):
+            us = 1000 * graphed_per_call_ms([lambda m=module, t=t: m(x[:t], weights[:t], experts[:t])], est_ms=0.5)
+            result["us"][f"{name} T={t}"] = us
+            print(f"{name:12s} T={t:2d}: {us:8.1f} us a call ({chosen_bytes * t / us / 1e6:.2f} TB/s of chosen "
+                  f"experts' blocks)", flush=True)
+    print(json.dumps({k: v for k, v in result.items() if k != "us"}), flush=True)
+    (out / "expert_pairs.json").write_text(json.dumps(result, indent=1))
+    return 0 if all(alone) and one_weight and rel < 2e-2 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

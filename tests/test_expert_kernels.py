@@ -1,0 +1,92 @@
+"""MoE experts multiplied pair by pair from their GGUF blocks (gguf_triton.launch_experts, QuantGemma4Experts'
+pair products), on the CPU under Triton's interpreter (a fresh process: TRITON_INTERPRET must be set before Triton
+is first imported): each pair's row has the bits of the same row through the one-weight kernel with its expert's
+blocks, whatever rows come with it; the experts' module gives a token the same bits in a one-token pass and in a
+verify block, and the dequantized module's values."""
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="the kernels run under Triton's interpreter")
+
+CHECK = r"""
+import sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from gguf_run import random_blocks
+from flashdraft.kernels import gguf_triton as tk
+from flashdraft.models.gemma4.gguf import QuantGemma4Experts
+from flashdraft.models.gemma4.model import Gemma4Experts
+from flashdraft.quant import dequantize, q6k_lanes
+from flashdraft.quant.expert_kernels import PAIR_TYPES
+
+assert PAIR_TYPES == set(tk.QTYPE_CODES), sorted(PAIR_TYPES ^ set(tk.QTYPE_CODES))
+g = torch.Generator().manual_seed(0)
+ids = torch.tensor([3, 0, 3, 4, 1, 2, 3])
+for qtype, n, k in (("Q8_0", 48, 64), ("Q4_0", 20, 96), ("Q4_K", 40, 512), ("Q5_K", 24, 256),
+                    ("Q6_K_LANES", 32, 256)):
+    blocks = torch.stack([random_blocks(qtype, n, k, g, "cpu") for _ in range(5)])
+    config = tk.config_for(qtype, n, k)
+    configs = [config]
+    if (k // config.block_k) % 2 == 0:  # a K split too: partials added by the reduce kernel
+        configs.append(tk.QuantConfig(**{**config.__dict__, "split_k": 2}))
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(7, k, generator=g).to(dtype)
+        for c in configs:
+            y = tk.launch_experts(x, blocks, ids, qtype, c)
+            for p in range(7):
+                assert torch.equal(y[p:p + 1], tk.launch(x[p:p + 1], blocks[ids[p]], n, qtype, c)), (qtype, p, c)
+            assert torch.equal(tk.launch_experts(x[2:3], blocks, ids[2:3], qtype, c), y[2:3]), (qtype, c)
+        if dtype == torch.float32:
+            ref = torch.stack([x[p] @ dequantize(blocks[ids[p]], qtype).T for p in range(7)])
+            assert torch.allclose(y, ref, rtol=1e-4, atol=1e-4), (qtype, (y - ref).abs().max())
+for bad, what in ((lambda: tk.launch_experts(x, blocks, ids[:3], "Q6_K_LANES"), "one int expert id a row"),
+                  (lambda: tk.launch_experts(x, blocks[0], ids, "Q6_K_LANES"), "uint8 [experts, N, row_bytes]")):
+    try:
+        bad()
+        sys.exit(f"no error for {what}")
+    except ValueError as e:
+        assert what in str(e), e
+
+# the experts' module: Q4_K gate_up and GGUF Q6_K down (put in lane order), hidden 256, intermediate 256
+e, h, m = 6, 256, 256
+gate_up = torch.stack([random_blocks("Q4_K", 2 * m, h, g, "cpu") for _ in range(e)])
+down_lanes = torch.stack([random_blocks("Q6_K_LANES", h, m, g, "cpu") for _ in range(e)])
+down = q6k_lanes.to_gguf(down_lanes.reshape(e * h, -1)).reshape(e, h, -1)
+pairs = QuantGemma4Experts((gate_up, "Q4_K"), (down, "Q6_K"), h, m, torch.float32, pair_products=True)
+plain = QuantGemma4Experts((gate_up, "Q4_K"), (down, "Q6_K"), h, m, torch.float32)
+assert pairs.qtypes == {"gate_up_proj": "Q4_K", "down_proj": "Q6_K_LANES"}, pairs.qtypes
+assert torch.equal(pairs.down_proj_blocks, down_lanes)
+x = torch.randn(20, h, generator=g)
+experts = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(20)])
+weights = torch.rand(20, 2, generator=g)
+block = pairs(x[:16], weights[:16], experts[:16])  # a verify block's 16 tokens, pair by pair
+for t in (0, 7, 15):
+    assert torch.equal(pairs(x[t:t + 1], weights[t:t + 1], experts[t:t + 1]), block[t:t + 1]), t
+dense = Gemma4Experts.__new__(Gemma4Experts)
+torch.nn.Module.__init__(dense)
+dense.gate_up_proj, dense.down_proj = plain.gate_up_proj[:], plain.down_proj[:]
+assert torch.allclose(block, dense(x[:16], weights[:16], experts[:16]), rtol=1e-4, atol=1e-4)
+assert torch.equal(pairs(x, weights, experts), plain(x, weights, experts))  # 20 tokens: the dequantized path
+try:
+    QuantGemma4Experts((gate_up, "Q4_K"), (down, "Q3_K"), h, m, torch.float32, pair_products=True)
+    sys.exit("pair products accepted Q3_K experts")
+except ValueError as err:
+    assert "down_proj Q3_K" in str(err), err
+print("OK")
+"""
+
+
+def test_experts_multiply_pair_by_pair_with_the_one_weight_kernels_bits():
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", CHECK, str(ROOT / "scripts" / "gpu")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -47,8 +47,20 @@ for qtype, n, k in (("Q8_0", 48, 64), ("Q4_0", 20, 96), ("Q4_K", 40, 512), ("Q5_
         if dtype == torch.float32:
             ref = torch.stack([x[p] @ dequantize(blocks[ids[p]], qtype).T for p in range(7)])
             assert torch.allclose(y, ref, rtol=1e-4, atol=1e-4), (qtype, (y - ref).abs().max())
+# a program writes its own row and no other: the grid's first program alone, over an output of NaNs (under the
+# interpreter programs run in order, so a later program would overwrite what an earlier one wrote wrongly)
+b8 = torch.stack([random_blocks("Q8_0", 48, 64, g, "cpu") for _ in range(5)])
+x8 = torch.randn(7, 64, generator=g)
+y = torch.full((7, 48), float("nan"))
+tk._quant_matmul_kernel[(1, 1, 1)](x8, b8, y, y, 7, 48, b8.shape[-1], x8.stride(0), y.stride(0), K=64,
+                                   QTYPE=tk.QTYPE_CODES["Q8_0"], IEEE=True, UPCAST=True, BLOCK_M=tk.BLOCK_M,
+                                   BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, STEPS=1, EVEN_N=False, EVEN_K=True, e_ptr=ids,
+                                   stride_e=b8.stride(0), EXPERTS=True)
+assert torch.equal(y[:1], tk.launch(x8[:1], b8[ids[0]], 48, "Q8_0")) and y[1:].isnan().all()
 for bad, what in ((lambda: tk.launch_experts(x, blocks, ids[:3], "Q6_K_LANES"), "one int expert id a row"),
-                  (lambda: tk.launch_experts(x, blocks[0], ids, "Q6_K_LANES"), "uint8 [experts, N, row_bytes]")):
+                  (lambda: tk.launch_experts(x, blocks[0], ids, "Q6_K_LANES"), "uint8 [experts, N, row_bytes]"),
+                  (lambda: tk.launch_experts(x, blocks, ids, "Q6_K"), "no kernel reads Q6_K blocks"),
+                  (lambda: tk.launch_experts(x, blocks[:0], ids, "Q6_K_LANES"), "uint8 [experts, N, row_bytes]")):
     try:
         bad()
         sys.exit(f"no error for {what}")

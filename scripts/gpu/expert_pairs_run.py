@@ -2,8 +2,9 @@
 Gemma-4-26B-A4B's experts in their blocks): at the 26B-A4B's shapes (128 experts; gate|up 1408 x 2816 in Q4_K,
 down 2816 x 704 in Q8_0, as a Q4_K_M file has K not a multiple of 256 in a legacy type), a one-token and a 16-token
 pass of the experts' module, against the dequantized path it replaces:
-- bits: each token of the 16-token pass equals the token alone (batch invariance), and each pair's row equals the
-  one-weight kernel's (gguf_triton.launch) with its expert's blocks;
+- bits: each token of the 16-token pass equals the token alone (batch invariance; eager and through torch.compile),
+  and each pair's row, of both projections, equals the one-weight kernel's (gguf_triton.launch) with its expert's
+  blocks;
 - agreement with the dequantized path (relative error of the bf16 outputs);
 - time per call inside a CUDA graph, and the bytes the chosen experts' blocks hold.
 
@@ -44,14 +45,24 @@ def main() -> int:
     weights = torch.rand(16, TOP_K, device=dev, generator=gen)
     block = pairs(x, weights, experts)
     alone = [torch.equal(pairs(x[t:t + 1], weights[t:t + 1], experts[t:t + 1]), block[t:t + 1]) for t in range(16)]
-    rows = x[:1].expand(TOP_K, HIDDEN)
-    gu = gguf_triton.launch_experts(rows, gate_up, experts[0], GATE_UP)
-    one_weight = all(torch.equal(gu[c:c + 1], gguf_triton.launch(rows[c:c + 1], gate_up[experts[0, c]],
-                                                                  2 * INTERMEDIATE, GATE_UP)) for c in range(TOP_K))
+    # each pair row (distinct rows of x, both projections' kernels) against the one-weight kernel with its expert
+    gu = gguf_triton.launch_experts(x[:TOP_K], gate_up, experts[0], GATE_UP)
+    mid = torch.randn(TOP_K, INTERMEDIATE, device=dev, generator=gen).to(torch.bfloat16)
+    dn = gguf_triton.launch_experts(mid, down, experts[0], DOWN)
+    one_weight = all(
+        torch.equal(gu[c:c + 1], gguf_triton.launch(x[c:c + 1], gate_up[experts[0, c]], 2 * INTERMEDIATE, GATE_UP))
+        and torch.equal(dn[c:c + 1], gguf_triton.launch(mid[c:c + 1], down[experts[0, c]], HIDDEN, DOWN))
+        for c in range(TOP_K))
+    # and through torch.compile, as the engine's layers run: a token alone against the same token in the block
+    compiled = torch.compile(pairs, fullgraph=True)
+    block_c = compiled(x, weights, experts)
+    alone_compiled = [torch.equal(compiled(x[t:t + 1], weights[t:t + 1], experts[t:t + 1]), block_c[t:t + 1])
+                      for t in (0, 15)] + [torch.equal(block_c, block)]
     ref = dequantized(x, weights, experts)
     rel = ((block.float() - ref.float()).norm() / ref.float().norm()).item()
     chosen_bytes = TOP_K * (2 * INTERMEDIATE * row_bytes(GATE_UP, HIDDEN) + HIDDEN * row_bytes(DOWN, INTERMEDIATE))
     result = {"device": torch.cuda.get_device_name(), "tokens_alone_equal_in_block": alone,
+              "compiled_alone_equal_in_block_and_eager": alone_compiled,
               "pair_rows_equal_one_weight_kernel": one_weight, "rel_err_vs_dequantized": rel,
               "chosen_bytes_per_token": chosen_bytes, "us": {}}
     for name, module in (("pairs", pairs), ("dequantized", dequantized)):
@@ -62,7 +73,7 @@ def main() -> int:
                   f"experts' blocks)", flush=True)
     print(json.dumps({k: v for k, v in result.items() if k != "us"}), flush=True)
     (out / "expert_pairs.json").write_text(json.dumps(result, indent=1))
-    return 0 if all(alone) and one_weight and rel < 2e-2 else 1
+    return 0 if all(alone) and all(alone_compiled) and one_weight and rel < 2e-2 else 1
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gguf_run import random_blocks  # noqa: E402
-from kquant_ablate import VARIANTS, variant_source  # noqa: E402
+from kquant_ablate import Q45_ONLY, VARIANTS, variant_source  # noqa: E402
 from mma_tilings import SETS  # noqa: E402
 
 from flashdraft.quant import mma_kernels  # noqa: E402
@@ -42,6 +42,8 @@ def main() -> int:
     if not 1 <= args.rows <= 16:
         ap.error(f"--rows is 1 to 16, not {args.rows}")
     n, k = shapes[args.shape]
+    if args.variant in Q45_ONLY and qtype not in ("Q4_K", "Q5_K"):
+        ap.error(f"variant {args.variant!r} changes only the Q4_K / Q5_K part of the kernel, not {qtype}'s")
     source = variant_source(args.variant, mma_kernels.SOURCE.read_text())
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)

@@ -658,20 +658,30 @@ def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str,
     return _run(x.reshape(-1, k), blocks, out_features, qtype, config).reshape(*lead, out_features)
 
 
+MAX_EXPERT_ROWS = 65535  # the grid's third axis, a program a row
+
+
 def launch_experts(x: torch.Tensor, blocks: torch.Tensor, experts: torch.Tensor, qtype: str,
                    config: QuantConfig | None = None) -> torch.Tensor:
     """y[p] = x[p] @ W[experts[p]]^T for stacked weights W [E, N, K] held as `qtype` blocks (uint8 [E, N,
     row_bytes]): x [P, K], experts int [P] on x's device, y [P, N] in x's dtype. Each row is its own product,
     with the tiling and K split of an [N, K] product (config_for), so a row's bits are those of launch(x[p:p+1],
     W[experts[p]]) whatever P is and whichever rows come with it (batch invariance); only the chosen experts'
-    blocks are read, one expert's once per row that chose it. No host sync: safe in CUDA graphs."""
-    if blocks.dtype != torch.uint8 or blocks.dim() != 3:
+    blocks are read, one expert's once per row that chose it. No host sync: safe in CUDA graphs, and so the ids
+    are not checked against E (an id out of range reads past the blocks)."""
+    if qtype not in QTYPE_CODES:
+        raise ValueError(f"no kernel reads {qtype} blocks; these types: {', '.join(QTYPE_CODES)}")
+    if blocks.dtype != torch.uint8 or blocks.dim() != 3 or blocks.shape[0] == 0:
         raise ValueError(f"{qtype} expert blocks must be uint8 [experts, N, row_bytes], got {blocks.dtype} "
                          f"{list(blocks.shape)}")
-    if x.dim() != 2 or experts.shape != (x.shape[0],) or experts.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"x must be [P, K] with one int expert id a row, got x {list(x.shape)}, experts "
-                         f"{experts.dtype} {list(experts.shape)}")
-    if blocks.stride(2) != 1 or blocks.stride(1) != blocks.shape[2] or blocks.stride(0) != blocks[0].numel():
+    if x.dim() != 2 or experts.shape != (x.shape[0],) or experts.dtype not in (torch.int32, torch.int64) \
+            or experts.device != x.device or blocks.device != x.device:
+        raise ValueError(f"x must be [P, K] with one int expert id a row, all on one device: got x {list(x.shape)} "
+                         f"on {x.device}, experts {experts.dtype} {list(experts.shape)} on {experts.device}, blocks "
+                         f"on {blocks.device}")
+    if x.shape[0] > MAX_EXPERT_ROWS:
+        raise ValueError(f"{x.shape[0]} rows: launch_experts takes at most {MAX_EXPERT_ROWS} (a program a row)")
+    if not blocks.is_contiguous():
         blocks = blocks.contiguous()
     return _run(x, blocks, blocks.shape[1], qtype, config, experts.contiguous())
 

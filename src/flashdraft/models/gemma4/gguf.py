@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashdraft.config import ConfigError
+from flashdraft.kernels.runtime import interpreting
 from flashdraft.models.gemma4.config import FULL, SLIDING, STOP_TOKENS, Gemma4Config, Gemma4DrafterConfig, RopeSpec
 from flashdraft.layers.plan import LayerPlan
 from flashdraft.loading.checkpoint import CheckpointError
@@ -264,7 +265,9 @@ class QuantGemma4Experts(Gemma4Experts):
             self.qtypes[name] = qtype
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        if self.pair_products and x.shape[0] <= self.PAIR_TOKENS:
+        # (pair products are on only where Triton is: the device is what remains to check, without a cached
+        # function, which dynamo warns of in compiled code)
+        if self.pair_products and x.shape[0] <= self.PAIR_TOKENS and (x.is_cuda or interpreting()):
             return self._pairs(x, weights, experts)
         return super().forward(x, weights, experts)
 

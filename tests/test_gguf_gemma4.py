@@ -339,6 +339,28 @@ def test_quantized_experts_equal_dequantized_experts():
         assert torch.equal(getattr(quant, path)(x, weights, experts), getattr(dense, path)(x, weights, experts)), path
 
 
+def test_experts_give_a_token_the_same_bits_alone_and_in_a_verify_block():
+    """Decoding (one token) and a verify block (16) must give a token the same expert products, or greedy DFlash
+    could part from plain decoding: the float and the quantized (dequantized-path) modules, a token alone against
+    the same token among 16, whose choices cover most experts (the expert loop took such blocks before)."""
+    e, h, m, top = 8, 64, 32, 3
+    g = torch.Generator().manual_seed(1)
+    gate_up, down = torch.randn(e, 2 * m, h, generator=g), torch.randn(e, h, m, generator=g)
+    blocks = [torch.from_numpy(quantize(t.reshape(-1, t.shape[-1]).numpy(), "Q8_0")).reshape(e, t.shape[1], -1)
+              for t in (gate_up, down)]
+    dense = Gemma4Experts.__new__(Gemma4Experts)
+    torch.nn.Module.__init__(dense)
+    dense.gate_up_proj, dense.down_proj = torch.nn.Parameter(gate_up), torch.nn.Parameter(down)
+    quant = QuantGemma4Experts((blocks[0], "Q8_0"), (blocks[1], "Q8_0"), h, m, torch.float32)
+    x = torch.randn(16, h, generator=g)
+    experts = torch.stack([torch.randperm(e, generator=g)[:top] for _ in range(16)])
+    weights = torch.rand(16, top, generator=g)
+    for module in (dense, quant):
+        block = module(x, weights, experts)
+        for t in range(16):
+            assert torch.equal(module(x[t:t + 1], weights[t:t + 1], experts[t:t + 1]), block[t:t + 1]), (module, t)
+
+
 def test_gemma4_gguf_tokenizer_matches_gemma_tokenizer(tmp_path, dense_dir, tok_dir):
     loaded = load_model(gemma4_to_gguf(dense_dir, tok_dir, tmp_path / "g.gguf"), device="cpu", context_size=64)
     ours, ref = loaded.tokenizer, Tokenizer(tok_dir)

@@ -237,12 +237,10 @@ class QuantGemma4Experts(Gemma4Experts):
 
     pair_products (both projections quantized in types the GPU kernels read): passes of at most PAIR_TOKENS
     tokens (decoding, speculative verify) multiply each (token, chosen expert) pair's row by that expert's blocks
-    directly (gguf_triton.launch_experts, through flashdraft.quant.gpu_kernels), reading only the quantized bytes
-    of the chosen experts, and every pair's row the same product whatever the pass's length: a token's bits are the
-    same in a one-token step and in a verify block. Longer passes (prefill) take the dequantized path. Q6_K
-    experts are then kept in lane order (the kernels' type)."""
-
-    PAIR_TOKENS = 16
+    directly (gguf_triton.launch_experts, through flashdraft.quant.gpu_kernels) instead of a dequantized copy,
+    reading only the quantized bytes of the chosen experts, each pair's row the same product whatever the pass.
+    Longer passes (prefill) take the dequantized path. Q6_K experts are then kept in lane order (the kernels'
+    type)."""
 
     def __init__(self, gate_up: tuple[torch.Tensor, str], down: tuple[torch.Tensor, str], hidden: int,
                  intermediate: int, dtype: torch.dtype, pair_products: bool = False):

@@ -296,7 +296,13 @@ class Gemma4Router(nn.Module):
 
 
 class Gemma4Experts(nn.Module):
-    """Expert GeGLU MLPs as stacked tensors: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
+    """Expert GeGLU MLPs as stacked tensors: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
+
+    Passes of up to PAIR_TOKENS tokens (decoding, a speculative verify block) multiply each (token, choice) pair by
+    its own gathered expert, so that a token's products are the same whether it comes alone or in a block (greedy
+    DFlash must give plain decoding's tokens); longer passes (prefill) run each expert on its tokens."""
+
+    PAIR_TOKENS = 16
 
     def __init__(self, cfg: Gemma4Config):
         super().__init__()
@@ -306,7 +312,7 @@ class Gemma4Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         T, k = experts.shape
-        if 4 * T * k <= self.gate_up_proj.shape[0]:
+        if T <= self.PAIR_TOKENS:
             return self._gathered(x, weights, experts)
         if _capturing():
             return self._all_experts(x, weights, experts)
@@ -321,8 +327,8 @@ class Gemma4Experts(nn.Module):
         return out
 
     def _gathered(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Few choices in all (decoding): each (token, choice) multiplies a gathered copy of its expert's matrices.
-        Reads only the chosen experts, and never syncs with the host."""
+        """Each (token, choice) multiplies a gathered copy of its expert's matrices: a pair's product is the same
+        whatever else is in the pass. Reads only the chosen experts, and never syncs with the host."""
         T, k = experts.shape
         rows = x[:, None, :, None].expand(T, k, x.shape[-1], 1)
         gate, up = torch.matmul(self.gate_up_proj[experts], rows).squeeze(-1).chunk(2, dim=-1)

@@ -103,6 +103,11 @@ def apply_patches(source: str, patches, what: str) -> str:
     return source
 
 
+def applies(name: str, qtype: str) -> bool:
+    """Whether variant `name` changes the kernel that multiplies qtype blocks (else it would time it as is)."""
+    return name not in Q45_ONLY or qtype in ("Q4_K", "Q5_K")
+
+
 def variant_source(name: str, source: str) -> str:
     """kquant_mma.cu's text with variant `name` applied (ValueError where a patch does not fit the text)."""
     source = apply_patches(source, VARIANTS[name], f"variant {name!r}")
@@ -140,7 +145,7 @@ def main() -> int:
         x = torch.randn(16, k, device=dev, dtype=torch.bfloat16, generator=gen)
         base = None
         for name, source in sources.items():
-            if name in Q45_ONLY and qtype not in ("Q4_K", "Q5_K"):
+            if not applies(name, qtype):
                 continue
             us = [1000 * bench_ms([lambda w=w, m=m: mma_kernels.launch(x[:m], w, n, qtype, tilings,
                                                                        source=source) for w in ws], False)

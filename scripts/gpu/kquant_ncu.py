@@ -1,7 +1,7 @@
 """One k-quant product launched a few times, for Nsight Compute to profile one launch: where the one-row Q4_K
-stream's issue slots go (stall reasons, occupancy, DRAM throughput) on the card at hand. Issue #18: the Gemma-4-31B
-Q4_K products stream at ~2.0-2.1 TB/s on both the H100 and the H200 (the same plain step, ~10 ms, on cards whose
-reads alone differ by ~40%), so the kernel is bound inside the multiprocessor, not by DRAM; the counters say by what.
+stream's time goes (stall reasons, occupancy, DRAM throughput) on the card at hand. Issue #18: Gemma-4-31B's Q4_K
+gate|up streams at ~2.0 TB/s on the H100, 73% of a read alone of its bytes, while its loop fills only ~28% of the
+issue slots (docs/performance.md, session 43): the kernel waits more than it issues, and the counters say on what.
 
     ncu --clock-control none -k regex:kq_mma --launch-skip 3 --launch-count 1 --section SpeedOfLight \\
         --section WarpStateStats --section Occupancy --section SchedulerStats --section LaunchStats \\
@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gguf_run import random_blocks  # noqa: E402
-from kquant_ablate import Q45_ONLY, VARIANTS, variant_source  # noqa: E402
+from kquant_ablate import VARIANTS, applies, variant_source  # noqa: E402
 from mma_tilings import SETS  # noqa: E402
 
 from flashdraft.quant import mma_kernels  # noqa: E402
@@ -42,7 +42,7 @@ def main() -> int:
     if not 1 <= args.rows <= 16:
         ap.error(f"--rows is 1 to 16, not {args.rows}")
     n, k = shapes[args.shape]
-    if args.variant in Q45_ONLY and qtype not in ("Q4_K", "Q5_K"):
+    if not applies(args.variant, qtype):
         ap.error(f"variant {args.variant!r} changes only the Q4_K / Q5_K part of the kernel, not {qtype}'s")
     source = variant_source(args.variant, mma_kernels.SOURCE.read_text())
     dev = torch.device("cuda")

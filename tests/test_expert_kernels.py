@@ -8,8 +8,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,3 +104,38 @@ def test_experts_multiply_pair_by_pair_with_the_one_weight_kernels_bits():
     proc = subprocess.run([sys.executable, "-c", CHECK, str(ROOT / "scripts" / "gpu")], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile's GPU code and the kernels on a GPU")
+@pytest.mark.parametrize("quantized", [False, True], ids=["bf16-gathered", "Q4_K-Q8_0-pairs"])
+def test_compiled_experts_give_a_token_the_same_bits_alone_and_in_a_verify_block(quantized):
+    """The experts' module compiled as the engine compiles a Gemma 4 layer (dynamic shapes), with the 26B-A4B's
+    top-k of 8: each token of a 16-token pass has the bits of the same token alone. The weighted sum of the choices
+    is where torch.compile's GPU code went by the pass's shape (models.gemma4.model.weigh_choices)."""
+    sys.path.insert(0, str(ROOT / "scripts" / "gpu"))
+    from gguf_run import random_blocks
+
+    from flashdraft.models.gemma4.gguf import QuantGemma4Experts
+    from flashdraft.models.gemma4.model import Gemma4Experts
+
+    torch._dynamo.reset()
+    experts_n, top_k, hidden, inter, dev = 16, 8, 256, 128, torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    if quantized:
+        gate_up = torch.stack([random_blocks("Q4_K", 2 * inter, hidden, gen, dev) for _ in range(experts_n)])
+        down = torch.stack([random_blocks("Q8_0", hidden, inter, gen, dev) for _ in range(experts_n)])
+        module = QuantGemma4Experts((gate_up, "Q4_K"), (down, "Q8_0"), hidden, inter, torch.bfloat16,
+                                    pair_products=True)
+    else:
+        cfg = SimpleNamespace(num_experts=experts_n, hidden_size=hidden, moe_intermediate_size=inter)
+        module = Gemma4Experts(cfg).to(dev, torch.bfloat16)
+        for p in module.parameters():
+            p.data.normal_(0, 0.05, generator=gen)
+    x = torch.randn(16, hidden, device=dev, generator=gen).to(torch.bfloat16)
+    chosen = torch.stack([torch.randperm(experts_n, device=dev, generator=gen)[:top_k] for _ in range(16)])
+    weights = torch.rand(16, top_k, device=dev, generator=gen)
+    compiled = torch.compile(module, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        block = compiled(x, weights, chosen)
+        alone = [compiled(x[t:t + 1], weights[t:t + 1], chosen[t:t + 1]) for t in range(16)]
+    assert [t for t in range(16) if not torch.equal(alone[t], block[t:t + 1])] == []

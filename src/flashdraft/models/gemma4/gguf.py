@@ -30,7 +30,7 @@ from flashdraft.models.gemma4.config import FULL, SLIDING, STOP_TOKENS, Gemma4Co
 from flashdraft.layers.plan import LayerPlan
 from flashdraft.loading.checkpoint import CheckpointError
 from flashdraft.loading.gguf import FLOAT_TYPES, GGUFFile, eos_ids, f32, single_value
-from flashdraft.models.gemma4.model import Gemma4Experts, Gemma4LM, rope_inverse_frequencies
+from flashdraft.models.gemma4.model import Gemma4Experts, Gemma4LM, rope_inverse_frequencies, weigh_choices
 from flashdraft.models.gemma4.drafter import Gemma4DFlashDrafter
 from flashdraft.models.gguf import GEMMA4_ARCH, TensorInstaller, gguf_drafter_config, install_drafter, tie_lm_head
 from flashdraft.quant import UnsupportedQuantType, block_format, dequantize, q6k_lanes
@@ -278,7 +278,7 @@ class QuantGemma4Experts(Gemma4Experts):
         gate, up = expert_matmul(rows, self.gate_up_proj_blocks, ids, self.qtypes["gate_up_proj"]).chunk(2, dim=-1)
         y = expert_matmul(F.gelu(gate, approximate="tanh") * up, self.down_proj_blocks, ids,
                           self.qtypes["down_proj"])
-        return (y.reshape(T, k, -1) * weights[..., None]).sum(dim=1).to(x.dtype)
+        return weigh_choices(y.reshape(T, k, -1), weights).to(x.dtype)
 
     def _stack(self, name: str):
         if self.qtypes[name] in FLOAT_TYPES:

@@ -333,7 +333,7 @@ class Gemma4Experts(nn.Module):
         rows = x[:, None, :, None].expand(T, k, x.shape[-1], 1)
         gate, up = torch.matmul(self.gate_up_proj[experts], rows).squeeze(-1).chunk(2, dim=-1)
         y = torch.matmul(self.down_proj[experts], (F.gelu(gate, approximate="tanh") * up)[..., None]).squeeze(-1)
-        return (y * weights[..., None]).sum(dim=1).to(x.dtype)
+        return weigh_choices(y, weights).to(x.dtype)
 
     def _all_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Every expert on every row, unchosen ones weighted 0: for verify blocks inside a CUDA graph, where
@@ -342,6 +342,18 @@ class Gemma4Experts(nn.Module):
         y = torch.einsum("tei,ehi->teh", F.gelu(gate, approximate="tanh") * up, self.down_proj)
         dense = torch.zeros(y.shape[:2], device=x.device, dtype=weights.dtype).scatter(1, experts, weights)
         return (y * dense[..., None]).sum(dim=1).to(x.dtype)
+
+
+def weigh_choices(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum over c of weights[t, c] * y[t, c] for y [T, k, H] and weights [T, k], added choice by choice in order
+    (float32 for bf16 y and float32 weights). Written as a sum over dim 1, torch.compile makes it a reduction whose
+    order it picks from the pass's shape once k reaches its unrolling threshold (8, the 26B-A4B's top-k): a token
+    then rounded otherwise alone than in a verify block on the GPU (scripts/gpu/expert_pairs_run.py). A chain of
+    additions is the same expression for every pass."""
+    out = y[:, 0] * weights[:, :1]
+    for c in range(1, y.shape[1]):
+        out = out + y[:, c] * weights[:, c:c + 1]
+    return out
 
 
 def _capturing() -> bool:

@@ -6,14 +6,18 @@ pass of the experts' module, against the dequantized path it replaces:
   and each pair's row, of both projections, equals the one-weight kernel's (gguf_triton.launch) with its expert's
   blocks;
 - agreement with the dequantized path (relative error of the bf16 outputs);
-- time per call inside a CUDA graph, and the bytes the chosen experts' blocks hold.
+- time per call inside a CUDA graph, and the bytes the chosen experts' blocks hold;
+- with --sweep, each projection's pair product alone (8 and 128 pairs) over a few tilings beside config_for's (a
+  tiling is chosen per weight shape, never per pair count: batch invariance), as the one-token pass's 176 programs
+  of 64 gate|up rows each leave most of an H100's 132 SMs with one program.
 
-    PYTHONPATH=src python scripts/gpu/expert_pairs_run.py OUT    (OUT/expert_pairs.json)
+    PYTHONPATH=src python scripts/gpu/expert_pairs_run.py OUT [--sweep]    (OUT/expert_pairs.json)
 """
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -73,7 +77,36 @@ def main() -> int:
                   f"experts' blocks)", flush=True)
     print(json.dumps({k: v for k, v in result.items() if k != "us"}), flush=True)
     (out / "expert_pairs.json").write_text(json.dumps(result, indent=1))
+    if "--sweep" in sys.argv:
+        result["sweep"] = sweep(x, gate_up, down, experts)
+        (out / "expert_pairs.json").write_text(json.dumps(result, indent=1))
     return 0 if all(alone) and all(alone_compiled) and one_weight and rel < 2e-2 else 1
+
+
+def sweep(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, experts: torch.Tensor) -> dict:
+    """us a call of each projection's pair product at 8 and 128 pairs, for config_for's tiling and neighbours."""
+    found = {}
+    mid = torch.randn(128, INTERMEDIATE, device=x.device).to(x.dtype)
+    ids = experts.reshape(-1)
+    for name, blocks, qtype, rows in (("gate|up", gate_up, GATE_UP, x[:, None].expand(16, TOP_K, HIDDEN)
+                                       .reshape(-1, HIDDEN)), ("down", down, DOWN, mid)):
+        n, k = blocks.shape[1], rows.shape[1]
+        base = gguf_triton.config_for(qtype, n, k)
+        configs = [base, replace(base, block_n=32), replace(base, block_n=16), replace(base, num_warps=2),
+                   replace(base, block_n=32, num_warps=2)]
+        if not base.packed:  # legacy types: a shorter K step, which lets K split
+            configs += [replace(base, block_k=32, split_k=gguf_triton.split_for(n, k, 32, 32)),
+                        replace(base, block_n=32, block_k=32, split_k=gguf_triton.split_for(n, k, 32, 32))]
+        for c in configs:
+            for pairs in (8, 128):
+                r, e = rows[:pairs].contiguous(), ids[:pairs].contiguous()
+                us = 1000 * graphed_per_call_ms([lambda r=r, e=e, c=c: gguf_triton.launch_experts(r, blocks, e,
+                                                                                                  qtype, c)],
+                                                est_ms=0.05)
+                found[f"{name} {c.name} P={pairs}"] = us
+                print(f"sweep {name:8s} {c.name:16s} P={pairs:3d}: {us:7.1f} us"
+                      + ("  (config_for)" if c == base else ""), flush=True)
+    return found
 
 
 if __name__ == "__main__":

@@ -17,6 +17,9 @@
 #           $SBS_WORK/bee/build-prebuilt/bin (where side_by_side.sh looks for a built llama-bench) and run
 #           `llama-bench --help` there; exit 1 when it does not run (then build on the machine: side_by_side.sh build).
 #
+# A checkout without the demo model's weights (38.7 MB of the 47; a local branch that deletes them, for the device
+# calls alone: side_by_side.sh does not use them) carries three parts and the bench folder's files with one call and
+# the other two with the next: two calls instead of five.
 # Device calls (carry the parts one by one, then the bench folder's files with the last):
 #     bash scripts/gpu/llama_bench_prebuilt.sh stash        carry [".llamacpp-bench/prebuilt-part00"], then 01-03
 #     bash scripts/gpu/llama_bench_prebuilt.sh unpack && bash scripts/gpu/side_by_side.sh

@@ -9,8 +9,14 @@ with 16 one-token passes at the same positions and attention length (as the engi
 rounded up to 256). Also the parts alone: Gemma4RMSNorm rows, SDPA rows (sliding mask and full), eager and
 compiled.
 
-Usage (repo root): PYTHONPATH=src python scripts/gpu/gemma4_invariance.py OUT_DIR [--tiny]
-Writes OUT_DIR/gemma4_invariance.json. --tiny: small shapes on the CPU (for a syntax check, not for findings).
+--moe: a Gemma-4-26B-A4B-wide target instead (hidden 2816, 128 experts of 704, top-8, the shared MLP of 2112; 6
+layers, 5 sliding and 1 full), all weights bf16 and random: its MoE layers keep the module path (router, norms and
+the experts' weighted sum compiled by torch.compile), where the dense layers join the residual with the engine's
+own row kernels, so whether a compiled MoE layer rounds a token alike alone and in a block is its own question.
+
+Usage (repo root): PYTHONPATH=src python scripts/gpu/gemma4_invariance.py OUT_DIR [--tiny] [--moe]
+Writes OUT_DIR/gemma4_invariance.json (--moe: gemma4_moe_invariance.json). --tiny: small shapes on the CPU (for a
+syntax check, not for findings).
 """
 from __future__ import annotations
 
@@ -88,10 +94,41 @@ def parts_check(target, dev, compiled: bool, gen, dtype) -> dict:
     return out
 
 
+FULL_EVERY = 6
+MOE_26B = dict(gguf_run.GEMMA4_31B, hidden_size=2816, intermediate_size=2112, num_attention_heads=16,
+               num_key_value_heads=8, num_global_key_value_heads=2, enable_moe_block=True, num_experts=128,
+               top_k_experts=8, moe_intermediate_size=704)
+MOE_TINY = dict(gguf_run.GEMMA4_TINY, enable_moe_block=True, num_experts=16, top_k_experts=8,
+                moe_intermediate_size=64)
+
+
+def build_moe_target(dev, dtype, gen, attention: str, compiled: bool, tiny: bool, layers: int):
+    """The 26B-A4B-wide target (MOE_26B, or MOE_TINY), bf16 weights N(0, 0.02) and norms of 1, with the plan the
+    engine resolves for the device and these backends."""
+    from flashdraft.engine.model_prep import resolve_plan
+    from flashdraft.models.gemma4.config import Gemma4Config
+    from flashdraft.models.gemma4.model import Gemma4LM
+
+    raw = dict(MOE_TINY if tiny else MOE_26B, num_hidden_layers=layers,
+               layer_types=[gguf_run.FULL if (i + 1) % FULL_EVERY == 0 else gguf_run.SLIDING
+                            for i in range(layers)])
+    cfg = Gemma4Config.from_dict(raw, "gemma-4-26b-a4b (synthetic)")
+    with torch.device("meta"):
+        target = Gemma4LM(cfg, resolve_plan(dev, None, attention, compiled, 16))
+    gguf_run.materialize(target, dev, dtype, gen, {"norm.weight": 1.0, "layer_scalar": 1.0, "router.scale": 1.0,
+                                                    "per_expert_scale": 1.0})
+    for kind in sorted(set(cfg.layer_types)):
+        name = f"{kind}_inv_freq"
+        setattr(target, name, getattr(target, name).to(dev))
+    target.prepare()
+    return target.eval().requires_grad_(False)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--moe", action="store_true")
     args = ap.parse_args(argv)
     if args.tiny or not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the Triton kernels are imported
@@ -102,7 +139,7 @@ def main(argv=None) -> int:
     layers = 6
     gguf_run.GEMMA4_31B = gguf_run.GEMMA4_TINY = dict(
         base, num_hidden_layers=layers,
-        layer_types=[gguf_run.FULL if (i + 1) % 6 == 0 else gguf_run.SLIDING for i in range(layers)])
+        layer_types=[gguf_run.FULL if (i + 1) % FULL_EVERY == 0 else gguf_run.SLIDING for i in range(layers)])
     run = gguf_run.Run(args.out, 600.0, dev.type == "cpu")
     result = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "variants": {}}
@@ -117,8 +154,11 @@ def main(argv=None) -> int:
         torch._dynamo.reset()
         gen = torch.Generator(device=dev).manual_seed(0)
         target = None  # the last variant's, freed before the next is built
-        target, _, _ = gguf_run.build_models(run, dev, dtype, gen, 256, drafter_bf16=True, attention=attention,
-                                             compile=compiled)
+        if args.moe:
+            target = build_moe_target(dev, dtype, gen, attention, compiled, dev.type == "cpu", layers)
+        else:
+            target, _, _ = gguf_run.build_models(run, dev, dtype, gen, 256, drafter_bf16=True, attention=attention,
+                                                 compile=compiled)
         for pname, p in target.named_parameters():  # ordinary norms, not gguf_run's embedding-dominated residual
             if pname.endswith("layernorm.weight") or pname == "model.norm.weight":
                 p.data.normal_(1.0, 0.1, generator=gen)
@@ -134,7 +174,8 @@ def main(argv=None) -> int:
         rec["seconds"] = round(time.time() - t, 1)
         result["variants"][name] = rec
         print(name, json.dumps(rec), flush=True)
-        (args.out / "gemma4_invariance.json").write_text(json.dumps(result, indent=1))
+        (args.out / ("gemma4_moe_invariance.json" if args.moe else "gemma4_invariance.json")).write_text(
+            json.dumps(result, indent=1))
     return 0
 
 

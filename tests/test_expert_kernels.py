@@ -108,34 +108,50 @@ def test_experts_multiply_pair_by_pair_with_the_one_weight_kernels_bits():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile's GPU code and the kernels on a GPU")
 @pytest.mark.parametrize("quantized", [False, True], ids=["bf16-gathered", "Q4_K-Q8_0-pairs"])
-def test_compiled_experts_give_a_token_the_same_bits_alone_and_in_a_verify_block(quantized):
-    """The experts' module compiled as the engine compiles a Gemma 4 layer (dynamic shapes), with the 26B-A4B's
-    top-k of 8: each token of a 16-token pass has the bits of the same token alone. The weighted sum of the choices
-    is where torch.compile's GPU code went by the pass's shape (models.gemma4.model.weigh_choices)."""
-    sys.path.insert(0, str(ROOT / "scripts" / "gpu"))
+def test_compiled_router_and_experts_give_a_token_the_same_bits_alone_and_in_a_verify_block(quantized, monkeypatch):
+    """The router and the experts compiled together as the engine compiles a Gemma 4 layer (dynamic shapes; the
+    top-k of 8 a constant, as in the engine), at the 26B-A4B's widths (16 experts of its 128): each token of a
+    16-token pass has the bits of the same token alone. The experts' weighted sum and the router's renormalisation
+    are where torch.compile's GPU code could follow the pass's shape (models.gemma4.model.weigh_choices,
+    add_in_order)."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts" / "gpu"))
     from gguf_run import random_blocks
 
+    from flashdraft.engine.model_prep import resolve_plan
     from flashdraft.models.gemma4.gguf import QuantGemma4Experts
-    from flashdraft.models.gemma4.model import Gemma4Experts
+    from flashdraft.models.gemma4.model import Gemma4Experts, Gemma4Router
 
     torch._dynamo.reset()
-    experts_n, top_k, hidden, inter, dev = 16, 8, 256, 128, torch.device("cuda")
+    dev = torch.device("cuda")
+    cfg = SimpleNamespace(num_experts=16, top_k_experts=8, hidden_size=2816, moe_intermediate_size=704,
+                          rms_norm_eps=1e-6)
+    hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
     gen = torch.Generator(device=dev).manual_seed(0)
+    router = Gemma4Router(cfg, resolve_plan(dev, block_size=16)).to(dev, torch.bfloat16)
+    for name, p in router.named_parameters():
+        p.data.normal_(1.0 if "scale" in name else 0.0, 0.3 if "scale" in name else 0.02, generator=gen)
     if quantized:
-        gate_up = torch.stack([random_blocks("Q4_K", 2 * inter, hidden, gen, dev) for _ in range(experts_n)])
-        down = torch.stack([random_blocks("Q8_0", hidden, inter, gen, dev) for _ in range(experts_n)])
-        module = QuantGemma4Experts((gate_up, "Q4_K"), (down, "Q8_0"), hidden, inter, torch.bfloat16,
-                                    pair_products=True)
+        gate_up = torch.stack([random_blocks("Q4_K", 2 * inter, hidden, gen, dev) for _ in range(cfg.num_experts)])
+        down = torch.stack([random_blocks("Q8_0", hidden, inter, gen, dev) for _ in range(cfg.num_experts)])
+        experts = QuantGemma4Experts((gate_up, "Q4_K"), (down, "Q8_0"), hidden, inter, torch.bfloat16,
+                                     pair_products=True)
     else:
-        cfg = SimpleNamespace(num_experts=experts_n, hidden_size=hidden, moe_intermediate_size=inter)
-        module = Gemma4Experts(cfg).to(dev, torch.bfloat16)
-        for p in module.parameters():
-            p.data.normal_(0, 0.05, generator=gen)
-    x = torch.randn(16, hidden, device=dev, generator=gen).to(torch.bfloat16)
-    chosen = torch.stack([torch.randperm(experts_n, device=dev, generator=gen)[:top_k] for _ in range(16)])
-    weights = torch.rand(16, top_k, device=dev, generator=gen)
-    compiled = torch.compile(module, fullgraph=True, dynamic=True)
+        experts = Gemma4Experts(cfg).to(dev, torch.bfloat16)
+        for p in experts.parameters():
+            p.data.normal_(0, 0.02, generator=gen)
+
+    class RoutedExperts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router, self.experts = router, experts
+
+        def forward(self, h):
+            weights, chosen = self.router(h)
+            return self.experts(h, weights, chosen)
+
+    compiled = torch.compile(RoutedExperts(), fullgraph=True, dynamic=True)
+    h = torch.randn(16, hidden, device=dev, generator=gen).to(torch.bfloat16)
     with torch.no_grad():
-        block = compiled(x, weights, chosen)
-        alone = [compiled(x[t:t + 1], weights[t:t + 1], chosen[t:t + 1]) for t in range(16)]
+        block = compiled(h)
+        alone = [compiled(h[t:t + 1]) for t in range(16)]
     assert [t for t in range(16) if not torch.equal(alone[t], block[t:t + 1])] == []

@@ -90,13 +90,13 @@ def sweep(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, experts: t
     ids = experts.reshape(-1)
     for name, blocks, qtype, rows in (("gate|up", gate_up, GATE_UP, x[:, None].expand(16, TOP_K, HIDDEN)
                                        .reshape(-1, HIDDEN)), ("down", down, DOWN, mid)):
-        n, k = blocks.shape[1], rows.shape[1]
-        base = gguf_triton.config_for(qtype, n, k)
+        n, k, sms = blocks.shape[1], rows.shape[1], gguf_triton.sm_count(x.device.index)
+        base = gguf_triton.config_for(qtype, n, k, sms)
         configs = [base, replace(base, block_n=32), replace(base, block_n=16), replace(base, num_warps=2),
                    replace(base, block_n=32, num_warps=2)]
         if not base.packed:  # legacy types: a shorter K step, which lets K split
-            configs += [replace(base, block_k=32, split_k=gguf_triton.split_for(n, k, 32, 32)),
-                        replace(base, block_n=32, block_k=32, split_k=gguf_triton.split_for(n, k, 32, 32))]
+            configs += [replace(base, block_k=32, split_k=gguf_triton.split_for(n, k, 32, 32, sms)),
+                        replace(base, block_n=32, block_k=32, split_k=gguf_triton.split_for(n, k, 32, 32, sms))]
         for c in configs:
             for pairs in (8, 128):
                 r, e = rows[:pairs].contiguous(), ids[:pairs].contiguous()

@@ -103,8 +103,8 @@ MOE_TINY = dict(gguf_run.GEMMA4_TINY, enable_moe_block=True, num_experts=16, top
 
 
 def build_moe_target(dev, dtype, gen, attention: str, compiled: bool, tiny: bool, layers: int):
-    """The 26B-A4B-wide target (MOE_26B, or MOE_TINY), bf16 weights N(0, 0.02) and norms of 1, with the plan the
-    engine resolves for the device and these backends."""
+    """The 26B-A4B-wide target (MOE_26B, or MOE_TINY), weights N(0, 0.02) in `dtype` and norms of 1, with the plan
+    the engine resolves for the device and these backends."""
     from flashdraft.engine.model_prep import resolve_plan
     from flashdraft.models.gemma4.config import Gemma4Config
     from flashdraft.models.gemma4.model import Gemma4LM
@@ -117,6 +117,8 @@ def build_moe_target(dev, dtype, gen, attention: str, compiled: bool, tiny: bool
         target = Gemma4LM(cfg, resolve_plan(dev, None, attention, compiled, 16))
     gguf_run.materialize(target, dev, dtype, gen, {"norm.weight": 1.0, "layer_scalar": 1.0, "router.scale": 1.0,
                                                     "per_expert_scale": 1.0})
+    if cfg.tie_word_embeddings:  # materialize gave the LM head a weight of its own
+        target.lm_head.weight = target.model.embed_tokens.weight
     for kind in sorted(set(cfg.layer_types)):
         name = f"{kind}_inv_freq"
         setattr(target, name, getattr(target, name).to(dev))
@@ -160,7 +162,7 @@ def main(argv=None) -> int:
             target, _, _ = gguf_run.build_models(run, dev, dtype, gen, 256, drafter_bf16=True, attention=attention,
                                                  compile=compiled)
         for pname, p in target.named_parameters():  # ordinary norms, not gguf_run's embedding-dominated residual
-            if pname.endswith("layernorm.weight") or pname == "model.norm.weight":
+            if ("layernorm" in pname and pname.endswith(".weight")) or pname == "model.norm.weight":
                 p.data.normal_(1.0, 0.1, generator=gen)
         if compiled:
             compile_layers(target)

@@ -18,8 +18,9 @@
 #           `llama-bench --help` there; exit 1 when it does not run (then build on the machine: side_by_side.sh build).
 #
 # A checkout without the demo model's weights (38.7 MB of the 47; a local branch that deletes them, for the device
-# calls alone: side_by_side.sh does not use them) carries three parts and the bench folder's files with one call and
-# the other two with the next: two calls instead of five.
+# calls alone: side_by_side.sh does not use them) takes two calls instead of five: `stash` carrying parts 00-02 with
+# the bench folder's files (about 56 MB in all; side_by_side.sh's files and flashdraft phases can run in the same
+# call), then `unpack` carrying parts 03-04, prebuilt.sha256 and the bench folder's files again.
 # Device calls (carry the parts one by one, then the bench folder's files with the last):
 #     bash scripts/gpu/llama_bench_prebuilt.sh stash        carry [".llamacpp-bench/prebuilt-part00"], then 01-03
 #     bash scripts/gpu/llama_bench_prebuilt.sh unpack && bash scripts/gpu/side_by_side.sh

@@ -276,7 +276,9 @@ class Gemma4Attention(nn.Module):
 
 class Gemma4Router(nn.Module):
     """Expert choice: softmax over all experts of proj(rmsnorm(x) * scale / sqrt(H)), top-k, renormalised to sum 1,
-    then times each chosen expert's per_expert_scale."""
+    then times each chosen expert's per_expert_scale. Computed as exp(s - max) of the top-k scores over their own
+    sum (the same values: the softmax's denominator cancels), added in order (add_in_order): no reduction over the
+    experts or the choices for torch.compile to order by the pass's shape."""
 
     def __init__(self, cfg: Gemma4Config, plan: LayerPlan):
         super().__init__()
@@ -288,11 +290,10 @@ class Gemma4Router(nn.Module):
         self.root_size = cfg.hidden_size ** -0.5
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = self.proj(self.norm(x) * self.scale * self.root_size)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights * self.per_expert_scale[experts], experts
+        scores = self.proj(self.norm(x) * self.scale * self.root_size).float()
+        top, experts = torch.topk(scores, self.top_k, dim=-1)  # largest first
+        e = torch.exp(top - top[:, :1])
+        return e / add_in_order(e)[:, None] * self.per_expert_scale[experts], experts
 
 
 class Gemma4Experts(nn.Module):
@@ -344,12 +345,20 @@ class Gemma4Experts(nn.Module):
         return (y * dense[..., None]).sum(dim=1).to(x.dtype)
 
 
+def add_in_order(t: torch.Tensor) -> torch.Tensor:
+    """t[..., 0] + t[..., 1] + ... for t [T, k], in that order (see weigh_choices)."""
+    out = t[:, 0]
+    for c in range(1, t.shape[1]):
+        out = out + t[:, c]
+    return out
+
+
 def weigh_choices(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """sum over c of weights[t, c] * y[t, c] for y [T, k, H] and weights [T, k], added choice by choice in order
     (float32 for bf16 y and float32 weights). Written as a sum over dim 1, torch.compile makes it a reduction whose
-    order it picks from the pass's shape once k reaches its unrolling threshold (8, the 26B-A4B's top-k): a token
-    then rounded otherwise alone than in a verify block on the GPU (scripts/gpu/expert_pairs_run.py). A chain of
-    additions is the same expression for every pass."""
+    order it picks from the pass's shape once k reaches its unrolling threshold (8, the 26B-A4B's top-k): a token's
+    sum then rounded differently alone than in a verify block on the GPU (scripts/gpu/expert_pairs_run.py). A chain
+    of additions is the same expression for every pass."""
     out = y[:, 0] * weights[:, :1]
     for c in range(1, y.shape[1]):
         out = out + y[:, c] * weights[:, c:c + 1]

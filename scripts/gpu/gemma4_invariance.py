@@ -94,7 +94,6 @@ def parts_check(target, dev, compiled: bool, gen, dtype) -> dict:
     return out
 
 
-FULL_EVERY = 6
 MOE_26B = dict(gguf_run.GEMMA4_31B, hidden_size=2816, intermediate_size=2112, num_attention_heads=16,
                num_key_value_heads=8, num_global_key_value_heads=2, enable_moe_block=True, num_experts=128,
                top_k_experts=8, moe_intermediate_size=704)
@@ -102,16 +101,14 @@ MOE_TINY = dict(gguf_run.GEMMA4_TINY, enable_moe_block=True, num_experts=16, top
                 moe_intermediate_size=64)
 
 
-def build_moe_target(dev, dtype, gen, attention: str, compiled: bool, tiny: bool, layers: int):
+def build_moe_target(dev, dtype, gen, attention: str, compiled: bool, tiny: bool, layer_types: list[str]):
     """The 26B-A4B-wide target (MOE_26B, or MOE_TINY), weights N(0, 0.02) in `dtype` and norms of 1, with the plan
     the engine resolves for the device and these backends."""
     from flashdraft.engine.model_prep import resolve_plan
     from flashdraft.models.gemma4.config import Gemma4Config
     from flashdraft.models.gemma4.model import Gemma4LM
 
-    raw = dict(MOE_TINY if tiny else MOE_26B, num_hidden_layers=layers,
-               layer_types=[gguf_run.FULL if (i + 1) % FULL_EVERY == 0 else gguf_run.SLIDING
-                            for i in range(layers)])
+    raw = dict(MOE_TINY if tiny else MOE_26B, num_hidden_layers=len(layer_types), layer_types=layer_types)
     cfg = Gemma4Config.from_dict(raw, "gemma-4-26b-a4b (synthetic)")
     with torch.device("meta"):
         target = Gemma4LM(cfg, resolve_plan(dev, None, attention, compiled, 16))
@@ -139,9 +136,8 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     base = gguf_run.GEMMA4_TINY if dev.type == "cpu" else gguf_run.GEMMA4_31B
     layers = 6
-    gguf_run.GEMMA4_31B = gguf_run.GEMMA4_TINY = dict(
-        base, num_hidden_layers=layers,
-        layer_types=[gguf_run.FULL if (i + 1) % FULL_EVERY == 0 else gguf_run.SLIDING for i in range(layers)])
+    layer_types = [gguf_run.FULL if (i + 1) % 6 == 0 else gguf_run.SLIDING for i in range(layers)]
+    gguf_run.GEMMA4_31B = gguf_run.GEMMA4_TINY = dict(base, num_hidden_layers=layers, layer_types=layer_types)
     run = gguf_run.Run(args.out, 600.0, dev.type == "cpu")
     result = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "variants": {}}
@@ -157,7 +153,7 @@ def main(argv=None) -> int:
         gen = torch.Generator(device=dev).manual_seed(0)
         target = None  # the last variant's, freed before the next is built
         if args.moe:
-            target = build_moe_target(dev, dtype, gen, attention, compiled, dev.type == "cpu", layers)
+            target = build_moe_target(dev, dtype, gen, attention, compiled, dev.type == "cpu", layer_types)
         else:
             target, _, _ = gguf_run.build_models(run, dev, dtype, gen, 256, drafter_bf16=True, attention=attention,
                                                  compile=compiled)

@@ -346,7 +346,10 @@ class Gemma4Experts(nn.Module):
 
 
 def add_in_order(t: torch.Tensor) -> torch.Tensor:
-    """t[..., 0] + t[..., 1] + ... for t [T, k], in that order (see weigh_choices)."""
+    """t[:, 0] + t[:, 1] + ... for t [T, k, ...], added in that order. Written as a sum over dim 1, torch.compile
+    makes it a reduction whose order it picks from the pass's shape once k reaches its unrolling threshold (8, the
+    26B-A4B's top-k): a token's sum then rounded differently alone than in a verify block on the GPU
+    (scripts/gpu/expert_pairs_run.py). A chain of additions is the same expression for every pass."""
     out = t[:, 0]
     for c in range(1, t.shape[1]):
         out = out + t[:, c]
@@ -354,15 +357,9 @@ def add_in_order(t: torch.Tensor) -> torch.Tensor:
 
 
 def weigh_choices(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """sum over c of weights[t, c] * y[t, c] for y [T, k, H] and weights [T, k], added choice by choice in order
-    (float32 for bf16 y and float32 weights). Written as a sum over dim 1, torch.compile makes it a reduction whose
-    order it picks from the pass's shape once k reaches its unrolling threshold (8, the 26B-A4B's top-k): a token's
-    sum then rounded differently alone than in a verify block on the GPU (scripts/gpu/expert_pairs_run.py). A chain
-    of additions is the same expression for every pass."""
-    out = y[:, 0] * weights[:, :1]
-    for c in range(1, y.shape[1]):
-        out = out + y[:, c] * weights[:, c:c + 1]
-    return out
+    """sum over c of weights[t, c] * y[t, c] for y [T, k, H] and weights [T, k], in order (add_in_order); float32
+    for bf16 y and float32 weights."""
+    return add_in_order(y * weights[..., None])
 
 
 def _capturing() -> bool:

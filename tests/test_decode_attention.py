@@ -323,13 +323,16 @@ def _gemma4_decode(model, ids, block):
     return torch.cat(parts)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["modules", "fused-qkv"])
-def test_gemma4_routes_to_the_kernel(tmp_path, fused):
+@pytest.mark.parametrize("fused,moe", [(False, False), (True, False), (False, True)],
+                         ids=["modules", "fused-qkv", "moe"])
+def test_gemma4_routes_to_the_kernel(tmp_path, fused, moe):
     """Gemma 4's sliding (ring read in place) and full layers take decode_attention for few-row passes, with the
     logits of the SDPA path; longer passes stay on SDPA. With q/k/v as one projection (the GPU's plan), the
     few-row passes' norms, RoPE and cache writes are one qkv_prep launch a layer, with the same logits. Either
     way each few-row pass joins a layer's attention and feed-forward outputs to the residual with one kernel each
-    (rms_norm_rows.gemma_add_norm, gemma_add_scaled)."""
+    (rms_norm_rows.gemma_add_norm, gemma_add_scaled); an MoE layer's norms of the residual (the router's, the
+    experts' input), of the experts' output and the join of its two branches are one kernel each too (six
+    launches a layer)."""
     from test_gemma4_target import LONG, WINDOW
     from test_gemma4_tiny import build_gemma4_target
 
@@ -340,7 +343,7 @@ def test_gemma4_routes_to_the_kernel(tmp_path, fused):
 
     interpret_without_gpu("flashdraft.kernels.qkv_prep_triton", qp._kernels)
     interpret_without_gpu("flashdraft.kernels.rms_norm_triton", rn._kernels)
-    folder, _ = build_gemma4_target(tmp_path, window=WINDOW)
+    folder, _ = build_gemma4_target(tmp_path, window=WINDOW, moe=moe)
     sdpa = load_target(folder, 0, device=DEVICE, dtype=torch.float32)
     routed = load_target(folder, 0, device=DEVICE, dtype=torch.float32,
                          plan=LayerPlan(attention="triton", fuse_projections=fused))
@@ -362,14 +365,16 @@ def test_gemma4_routes_to_the_kernel(tmp_path, fused):
     # are their keys (attention_k_eq_v in the tiny model)
     kinds = [(not layer.self_attn.sliding, layer.self_attn.sliding) for layer in routed.model.layers]
     # each few-row pass joins a layer's attention and then its feed-forward to the residual, one kernel a join
-    assert joins == [T for T in calls[::len(kinds)] for _ in range(2 * len(kinds))]
+    assert all(layer.moe == moe for layer in routed.model.layers)
+    assert joins == [T for T in calls[::len(kinds)] for _ in range((6 if moe else 2) * len(kinds))]
     assert preps == ([(T, *kind) for T in [7] * ((LONG - 20) // 7) + [(LONG - 20) % 7] * bool((LONG - 20) % 7)
                       for kind in kinds] if fused else [])
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="bitwise batch invariance is the GPU kernels' property")
-@pytest.mark.parametrize("fused", [False, True], ids=["modules", "fused-qkv"])
-def test_gemma4_target_rows_are_bitwise_independent_of_the_block(tmp_path, fused):
+@pytest.mark.parametrize("fused,moe", [(False, False), (True, False), (True, True)],
+                         ids=["modules", "fused-qkv", "moe"])
+def test_gemma4_target_rows_are_bitwise_independent_of_the_block(tmp_path, fused, moe):
     """What lossless greedy DFlash rests on for Gemma 4: a token's logits are the same bits verified inside a
     16-token block as decoded alone, in bf16 with the engine's CUDA settings (Triton GEMMs and attention, compiled
     layers; fused: q/k/v as one projection, the few-row passes through qkv_prep)."""
@@ -380,7 +385,7 @@ def test_gemma4_target_rows_are_bitwise_independent_of_the_block(tmp_path, fused
     from flashdraft.layers import LayerPlan
     from flashdraft.models import load_target
 
-    folder, _ = build_gemma4_target(tmp_path, window=WINDOW)
+    folder, _ = build_gemma4_target(tmp_path, window=WINDOW, moe=moe)
     model = load_target(folder, 0, device="cuda", dtype=torch.bfloat16,
                         plan=LayerPlan(gemm="triton", attention="triton", fuse_projections=fused))
     model.prepare()

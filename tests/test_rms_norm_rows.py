@@ -116,6 +116,29 @@ def test_gemma_join_rows_are_the_same_bits_alone_as_in_a_block():
         assert torch.equal(gemma_add_scaled(x[i:i + 1], h[i:i + 1], w, scalar, 1e-6)[0], out[i])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_moe_norms_match_the_module_path_and_rows_are_alone_as_in_a_block(dtype):
+    """gemma_norm (the MoE layers' norms of the residual, with a weight or, the router's, without) and gemma_add
+    (the join of the shared MLP's and the experts' normed outputs) against Gemma4RMSNorm modules."""
+    from flashdraft.layers.rms_norm_rows import gemma_add, gemma_norm
+    from flashdraft.models.gemma4.model import Gemma4RMSNorm
+
+    x, h, w = _inputs(16, 200, dtype, seed=5)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    bare = Gemma4RMSNorm(200, 1e-6, with_weight=False)
+    weighted = _gemma_reference(x, torch.zeros_like(h), w)[0]  # 0 + norm(x) w: norm(x) w's own bits
+    for got, ref in ((gemma_norm(x, w, 1e-6), weighted), (gemma_norm(x, None, 1e-6), bare(x)),
+                     (gemma_add(x, h, w, 1e-6), _gemma_reference(x, h, w)[0])):
+        torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+        if dtype == torch.bfloat16:  # the module's rounding points: bits differ only by the sum's order
+            assert (got != ref).float().mean().item() < 0.02
+    assert not torch.allclose(gemma_norm(x, w, 1e-6), gemma_norm(x, None, 1e-6), rtol=tol, atol=tol)
+    for i in (0, 7, 15):
+        assert torch.equal(gemma_norm(x[i:i + 1], w, 1e-6)[0], gemma_norm(x, w, 1e-6)[i])
+        assert torch.equal(gemma_norm(x[i:i + 1], None, 1e-6)[0], gemma_norm(x, None, 1e-6)[i])
+        assert torch.equal(gemma_add(x[i:i + 1], h[i:i + 1], w, 1e-6)[0], gemma_add(x, h, w, 1e-6)[i])
+
+
 def test_gemma_join_arguments_are_named():
     from flashdraft.layers.rms_norm_rows import gemma_add_norm, gemma_add_scaled
 
@@ -128,3 +151,8 @@ def test_gemma_join_arguments_are_named():
         gemma_add_scaled(x, h, w, w, 1e-6)
     with pytest.raises(ValueError, match="x must be \\[T, N\\]"):
         gemma_add_scaled(x[None], h, w, w[:1], 1e-6)
+    from flashdraft.layers.rms_norm_rows import gemma_add, gemma_norm
+    with pytest.raises(ValueError, match="weight must be \\[64\\]"):
+        gemma_norm(x, w[:8], 1e-6)
+    with pytest.raises(ValueError, match="h must be torch.float32 \\[3, 64\\]"):
+        gemma_add(x, h[:, :32], w, 1e-6)

@@ -97,7 +97,7 @@ def sweep(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, experts: t
         if not base.packed:  # legacy types: a shorter K step, which lets K split
             configs += [replace(base, block_k=32, split_k=gguf_triton.split_for(n, k, 32, 32, sms)),
                         replace(base, block_n=32, block_k=32, split_k=gguf_triton.split_for(n, k, 32, 32, sms))]
-        for c in configs:
+        for c in dict.fromkeys(configs):  # each tiling once
             for pairs in (8, 128):
                 r, e = rows[:pairs].contiguous(), ids[:pairs].contiguous()
                 us = 1000 * graphed_per_call_ms([lambda r=r, e=e, c=c: gguf_triton.launch_experts(r, blocks, e,

@@ -10,9 +10,10 @@ rounded up to 256). Also the parts alone: Gemma4RMSNorm rows, SDPA rows (sliding
 compiled.
 
 --moe: a Gemma-4-26B-A4B-wide target instead (hidden 2816, 128 experts of 704, top-8, the shared MLP of 2112; 6
-layers, 5 sliding and 1 full), all weights bf16 and random: its MoE layers keep the module path (router, norms and
-the experts' weighted sum compiled by torch.compile), where the dense layers join the residual with the engine's
-own row kernels, so whether a compiled MoE layer rounds a token alike alone and in a block is its own question.
+layers, 5 sliding and 1 full), all weights bf16 and random: beside the joins the dense layers have, an MoE layer
+has a router (top-k, the weights' sum), the experts' weighted sum and four more norms, so whether a compiled MoE
+layer rounds a token alike alone and in a block is its own question (on an H100, 2026-12-07, with those norms
+compiled: 7 of 16 rows differed; now each is one row kernel, rms_norm_rows.gemma_norm / gemma_add).
 
 Usage (repo root): PYTHONPATH=src python scripts/gpu/gemma4_invariance.py OUT_DIR [--tiny] [--moe]
 Writes OUT_DIR/gemma4_invariance.json (--moe: gemma4_moe_invariance.json). --tiny: small shapes on the CPU (for a

@@ -90,6 +90,10 @@ CONFIGS: dict[tuple[str, int, int], QuantConfig] = {
     ("Q4_K", 5376, 8192): QuantConfig(64, 256, 4, 4, 1, packed=True),    # sliding o: 36 / 39 us
     ("Q5_K", 5376, 21504): QuantConfig(64, 256, 4, 4, 3, packed=True),   # down, first layers: 100 / 99 us
     ("Q6_K_LANES", 262144, 5376): QuantConfig(64, 256, 1, 4, 3, packed=True),  # tied LM head: 1133 / 1147 us
+    # Gemma-4-26B-A4B's experts, one product a (token, choice) pair (launch_experts; scripts/gpu/expert_pairs_run.py
+    # --sweep on an H100, 2026-12-07): 2 warps, 8 / 128 pairs against 4 warps (the default)
+    ("Q4_K", 1408, 2816): QuantConfig(64, 256, 1, 2, 3, packed=True),  # gate|up: 29.5 / 209.5 us (33.6 / 257.0)
+    ("Q8_0", 2816, 704): QuantConfig(32, 64, 1, 2, 3),                 # down: 16.8 / 194.4 us (17.0 / 242.2)
 }
 
 

@@ -33,21 +33,24 @@ def rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, stride_x, stride_r, strid
 
 @triton.jit
 def gemma_norms_kernel(x_ptr, h_ptr, wx_ptr, scalar_ptr, wy_ptr, s_ptr, y_ptr, stride_x, stride_h, stride_s,
-                       stride_y, N, eps, BLOCK: tl.constexpr, SCALE: tl.constexpr, NEXT: tl.constexpr,
-                       EMULATE: tl.constexpr, PDL: tl.constexpr = False):
+                       stride_y, N, eps, BLOCK: tl.constexpr, ADD: tl.constexpr, WEIGHT: tl.constexpr,
+                       SCALE: tl.constexpr, NEXT: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr = False):
     """A Gemma 4 layer's branch output x joining its residual h: s = h + norm(x) wx (then times the layer scalar,
-    SCALE), and the norm of s for the next product, y = norm(s) wy (NEXT). Each norm as Gemma4RMSNorm: float32
-    throughout, rounded once after the weight product; the sum and the scalar product rounded as torch's ops."""
+    SCALE), and the norm of s for the next product, y = norm(s) wy (NEXT). Without ADD, s = norm(x) wx alone;
+    without WEIGHT, norm(x) unweighted. Each norm as Gemma4RMSNorm: float32 throughout, rounded once after the
+    weight product; the sum and the scalar product rounded as torch's ops."""
     start_programmatic(PDL)
     row = tl.program_id(0).to(tl.int64)
     dtype = s_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK)
     ok = cols < N
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    h = tl.load(h_ptr + row * stride_h + cols, mask=ok, other=0.0).to(tl.float32)
-    wx = tl.load(wx_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    normed = round_to(x * tl.math.rsqrt(tl.reduce(x * x, 0, add) / N + eps) * wx, dtype, EMULATE)
-    s = round_to(h + normed, dtype, EMULATE)
+    normed = x * tl.math.rsqrt(tl.reduce(x * x, 0, add) / N + eps)
+    if WEIGHT:
+        normed = normed * tl.load(wx_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    s = round_to(normed, dtype, EMULATE)
+    if ADD:
+        s = round_to(tl.load(h_ptr + row * stride_h + cols, mask=ok, other=0.0).to(tl.float32) + s, dtype, EMULATE)
     if SCALE:
         s = round_to(s * tl.load(scalar_ptr).to(tl.float32), dtype, EMULATE)
     tl.store(s_ptr + row * stride_s + cols, s.to(dtype), mask=ok)

@@ -72,13 +72,15 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return s, y
 
 
-def _gemma_launch(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float, scalar: torch.Tensor | None,
+def _gemma_launch(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+                  scalar: torch.Tensor | None,
                   next_weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     _check_rows("gemma norms", "x", x)
-    _check_rows("gemma norms", "h", h)
-    if h.shape != x.shape or h.dtype != x.dtype or h.device != x.device:
-        raise ValueError(f"gemma norms: h must be {x.dtype} {list(x.shape)} on {x.device}, "
-                         f"got {h.dtype} {list(h.shape)} on {h.device}")
+    if h is not None:
+        _check_rows("gemma norms", "h", h)
+        if h.shape != x.shape or h.dtype != x.dtype or h.device != x.device:
+            raise ValueError(f"gemma norms: h must be {x.dtype} {list(x.shape)} on {x.device}, "
+                             f"got {h.dtype} {list(h.shape)} on {h.device}")
     T, N = x.shape
     for name, w in (("weight", weight), ("next_weight", next_weight)):
         if w is not None:
@@ -90,13 +92,14 @@ def _gemma_launch(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: f
     y = torch.empty_like(s) if next_weight is not None else None
     if T == 0:
         return s, y
-    # without a scalar or a next norm the kernel reads and writes neither: any pointer stands in for them
+    # a pointer the kernel does not read or write (no residual, weight, scalar or next norm) is any tensor's
     y_out = y if y is not None else s
-    wy = next_weight if next_weight is not None else weight
     kernel = _kernels().gemma_norms_kernel
     kernel[(T,)](
-        x, h, weight.contiguous(), scalar if scalar is not None else weight, wy.contiguous(), s, y_out, x.stride(0),
-        h.stride(0), s.stride(0), y_out.stride(0), N, eps, SCALE=scalar is not None, NEXT=next_weight is not None,
+        x, h if h is not None else x, weight.contiguous() if weight is not None else x,
+        scalar if scalar is not None else x, next_weight.contiguous() if next_weight is not None else x, s, y_out,
+        x.stride(0), h.stride(0) if h is not None else 0, s.stride(0), y_out.stride(0), N, eps,
+        ADD=h is not None, WEIGHT=weight is not None, SCALE=scalar is not None, NEXT=next_weight is not None,
         EMULATE=x.device.type != "cuda", **_one_block_a_row(N),
         enable_fp_fusion=False,  # no FMA: each product rounds as torch's does
         **programmatic.triton_options(kernel, x.device))
@@ -137,3 +140,33 @@ def gemma_add_scaled(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, sca
     """(h + norm(x) weight) * scalar, Gemma4RMSNorm's norm: x [T, N] a layer's feed-forward output, h its residual,
     scalar [1] the layer's scalar; the layer's output. One kernel, one program a row (gemma_add_norm)."""
     return _gemma_add_scaled(x, h, weight, scalar, eps)
+
+
+def _norm_like(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@opaque_op("flashdraft::gemma_norm", _norm_like)
+def _gemma_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return _gemma_launch(x, None, weight, eps, None, None)[0]
+
+
+def gemma_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """norm(x) weight (norm(x) without a weight), Gemma4RMSNorm: x [T, N]. One kernel, one program a row
+    (gemma_add_norm): the MoE layers' norms of the residual for the router and the experts."""
+    return _gemma_norm(x, weight, eps)
+
+
+def _add_like(x, h, weight, eps):
+    return torch.empty_like(x)
+
+
+@opaque_op("flashdraft::gemma_add", _add_like)
+def _gemma_add(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _gemma_launch(x, h, weight, eps, None, None)[0]
+
+
+def gemma_add(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """h + norm(x) weight, Gemma4RMSNorm's norm: x, h [T, N]. One kernel, one program a row (gemma_add_norm): an
+    MoE layer's two feed-forward branches joined (h the routed experts' normed output, x the shared MLP's)."""
+    return _gemma_add(x, h, weight, eps)

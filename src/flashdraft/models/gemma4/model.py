@@ -35,7 +35,7 @@ from flashdraft.layers.attention import grouped_attention
 from flashdraft.layers.decode_attention import decode_attention
 from flashdraft.layers.plan import LayerPlan
 from flashdraft.layers.qkv_prep import HEAD_DIMS as PREP_HEAD_DIMS, qkv_prep
-from flashdraft.layers.rms_norm_rows import gemma_add_norm, gemma_add_scaled
+from flashdraft.layers.rms_norm_rows import gemma_add, gemma_add_norm, gemma_add_scaled, gemma_norm
 from flashdraft.layers.skinny_gemm import Linear, attach_fused
 from flashdraft.loading.checkpoint import CheckpointError, assign_tensors, default_device_dtype, safetensors_files
 from flashdraft.quant.kv_formats import as_stored, bytes_per_token, cache_format, new_rows, read_rows, write_rows
@@ -288,9 +288,11 @@ class Gemma4Router(nn.Module):
         self.scale = nn.Parameter(torch.ones(cfg.hidden_size))
         self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts))
         self.root_size = cfg.hidden_size ** -0.5
+        self.norm_rows = plan.attention_rows  # as Gemma4DecoderLayer's: its norm one kernel a row
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = self.proj(self.norm(x) * self.scale * self.root_size).float()
+        normed = gemma_norm(x, None, self.norm.eps) if x.shape[0] <= self.norm_rows else self.norm(x)
+        scores = self.proj(normed * self.scale * self.root_size).float()
         top, experts = torch.topk(scores, self.top_k, dim=-1)  # largest first
         e = torch.exp(top - top[:, :1])
         return e / add_in_order(e)[:, None] * self.per_expert_scale[experts], experts
@@ -380,9 +382,10 @@ class Gemma4DecoderLayer(nn.Module):
         self.layer_scalar = nn.Parameter(torch.ones(1))
         self.moe = cfg.num_experts > 0
         # passes of up to this many tokens join each branch to the residual with one kernel a join (the norms
-        # around it, the add, the layer scalar), where compiled they were reductions tiled by the compiler
-        # (docs/performance.md); the MoE layers' joins keep the module path
-        self.norm_rows = 0 if self.moe else plan.attention_rows
+        # around it, the add, the layer scalar), and an MoE layer's norms of the residual and of its routed
+        # output are one kernel each, where compiled they were reductions tiled by the compiler for the pass's
+        # row count (docs/performance.md; scripts/gpu/gemma4_invariance.py --moe)
+        self.norm_rows = plan.attention_rows
         if self.moe:
             self.router = Gemma4Router(cfg, plan)
             self.experts = Gemma4Experts(cfg)
@@ -395,7 +398,10 @@ class Gemma4DecoderLayer(nn.Module):
         if h.shape[0] <= self.norm_rows:
             h, x = gemma_add_norm(attn, h, self.post_attention_layernorm.weight, self.pre_feedforward_layernorm.weight,
                                   self.post_attention_layernorm.eps)
-            return gemma_add_scaled(self.mlp(x), h, self.post_feedforward_layernorm.weight, self.layer_scalar,
+            ff = self.mlp(x)
+            if self.moe:
+                ff = self._moe_rows(h, ff)
+            return gemma_add_scaled(ff, h, self.post_feedforward_layernorm.weight, self.layer_scalar,
                                     self.post_feedforward_layernorm.eps)
         h = h + self.post_attention_layernorm(attn)
         ff = self.mlp(self.pre_feedforward_layernorm(h))
@@ -406,6 +412,15 @@ class Gemma4DecoderLayer(nn.Module):
             ff = self.post_feedforward_layernorm_1(ff) + self.post_feedforward_layernorm_2(routed)
         h = h + self.post_feedforward_layernorm(ff)
         return h * self.layer_scalar
+
+    def _moe_rows(self, h: torch.Tensor, ff: torch.Tensor) -> torch.Tensor:
+        """The module path's MoE branch for a few-row pass, each norm one kernel a row: the routed experts' output
+        normed, joined to the shared MLP's output ff normed (the same bits: the sum of two values commutes)."""
+        weights, experts = self.router(h)
+        eps = self.pre_feedforward_layernorm_2.eps
+        routed = self.experts(gemma_norm(h, self.pre_feedforward_layernorm_2.weight, eps), weights, experts)
+        return gemma_add(ff, gemma_norm(routed, self.post_feedforward_layernorm_2.weight, eps),
+                         self.post_feedforward_layernorm_1.weight, eps)
 
 
 class Gemma4TextModel(nn.Module):

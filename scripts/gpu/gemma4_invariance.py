@@ -16,8 +16,8 @@ layer rounds a token alike alone and in a block is its own question (on an H100,
 compiled: 7 of 16 rows differed; now each is one row kernel, rms_norm_rows.gemma_norm / gemma_add).
 
 Usage (repo root): PYTHONPATH=src python scripts/gpu/gemma4_invariance.py OUT_DIR [--tiny] [--moe]
-Writes OUT_DIR/gemma4_invariance.json (--moe: gemma4_moe_invariance.json). --tiny: small shapes on the CPU (for a
-syntax check, not for findings).
+Writes OUT_DIR/gemma4_invariance.json (--moe: gemma4_moe_invariance.json, with the compiled MoE layer's pieces
+one by one: moe_parts_check). --tiny: small shapes on the CPU (for a syntax check, not for findings).
 """
 from __future__ import annotations
 
@@ -95,6 +95,47 @@ def parts_check(target, dev, compiled: bool, gen, dtype) -> dict:
     return out
 
 
+def moe_parts_check(target, dev, gen, dtype) -> dict:
+    """Layer 0's MoE pieces, each compiled on its own as the engine compiles a layer (dynamic shapes): a row of a
+    16-row call against the row alone, to find which piece of a compiled MoE layer parts a token's rows. Also how
+    many of the 16 rows have tied router scores among their top k + 1 (bf16 scores tie often; a top-k whose order
+    among ties followed the pass's shape would part rows)."""
+    from flashdraft.layers.rms_norm_rows import gemma_add_norm, gemma_add_scaled
+
+    layer = target.model.layers[0]
+    H = target.config.hidden_size
+    h, attn, ff = (torch.randn(16, H, device=dev, generator=gen).to(dtype) for _ in range(3))
+    weights, experts = layer.router(h)
+    x = layer.pre_feedforward_layernorm_2(h)
+
+    def post(attn, h):  # the layer after its attention, its forward's few-row path
+        h, x = gemma_add_norm(attn, h, layer.post_attention_layernorm.weight, layer.pre_feedforward_layernorm.weight,
+                              layer.post_attention_layernorm.eps)
+        ff = layer._moe_rows(h, layer.mlp(x))
+        return gemma_add_scaled(ff, h, layer.post_feedforward_layernorm.weight, layer.layer_scalar,
+                                layer.post_feedforward_layernorm.eps)
+
+    pieces = {"router": (lambda h: layer.router(h), (h,)),
+              "experts": (lambda x, w, e: layer.experts(x, w, e), (x, weights, experts)),
+              "mlp": (lambda x: layer.mlp(x), (h,)),
+              "moe_rows": (lambda h, ff: layer._moe_rows(h, ff), (h, ff)),
+              "post_attention": (post, (attn, h))}
+    out = {}
+    for name, (fn, args) in pieces.items():
+        torch._dynamo.reset()
+        fn = torch.compile(fn, dynamic=True)
+        block = fn(*args)
+        alone = [fn(*(a[i:i + 1] for a in args)) for i in range(16)]
+        block, alone = (block, [(a,) for a in alone]) if isinstance(block, torch.Tensor) else (block, alone)
+        block = block if isinstance(block, tuple) else (block,)
+        out[name] = [rows_report(b, [a[j] for a in alone]) for j, b in enumerate(block)]
+    r = layer.router
+    scores = r.proj(r.norm(h) * r.scale * r.root_size).float()
+    top = scores.topk(r.top_k + 1, dim=-1).values
+    out["rows_with_tied_top_scores"] = int((top[:, 1:] == top[:, :-1]).any(-1).sum())
+    return out
+
+
 MOE_26B = dict(gguf_run.GEMMA4_31B, hidden_size=2816, intermediate_size=2112, num_attention_heads=16,
                num_key_value_heads=8, num_global_key_value_heads=2, enable_moe_block=True, num_experts=128,
                top_k_experts=8, moe_intermediate_size=704)
@@ -168,6 +209,8 @@ def main(argv=None) -> int:
                 rec = model_check(target, dev, 100, 16, gen)
                 if name != "engine_eager":
                     rec.update(parts_check(target, dev, compiled, gen, dtype))
+                if args.moe and compiled:
+                    rec["moe_parts"] = moe_parts_check(target, dev, gen, dtype)
         except Exception as e:  # noqa: BLE001
             rec = {"error": f"{type(e).__name__}: {e}"[:2000]}
         rec["seconds"] = round(time.time() - t, 1)

@@ -329,10 +329,10 @@ def test_gemma4_routes_to_the_kernel(tmp_path, fused, moe):
     """Gemma 4's sliding (ring read in place) and full layers take decode_attention for few-row passes, with the
     logits of the SDPA path; longer passes stay on SDPA. With q/k/v as one projection (the GPU's plan), the
     few-row passes' norms, RoPE and cache writes are one qkv_prep launch a layer, with the same logits. Either
-    way each few-row pass joins a layer's attention and feed-forward outputs to the residual with one kernel each
-    (rms_norm_rows.gemma_add_norm, gemma_add_scaled); an MoE layer's norms of the residual (the router's, the
-    experts' input), of the experts' output and the join of its two branches are one kernel each too (six
-    launches a layer)."""
+    way each few-row pass norms a layer's input (rms_norm_rows.gemma_norm) and joins its attention and
+    feed-forward outputs to the residual with one kernel each (gemma_add_norm, gemma_add_scaled); an MoE layer's
+    norms of the residual (the router's, the experts' input), of the experts' output and the join of its two
+    branches are one kernel each too (seven launches a layer)."""
     from test_gemma4_target import LONG, WINDOW
     from test_gemma4_tiny import build_gemma4_target
 
@@ -366,7 +366,7 @@ def test_gemma4_routes_to_the_kernel(tmp_path, fused, moe):
     kinds = [(not layer.self_attn.sliding, layer.self_attn.sliding) for layer in routed.model.layers]
     # each few-row pass joins a layer's attention and then its feed-forward to the residual, one kernel a join
     assert all(layer.moe == moe for layer in routed.model.layers)
-    assert joins == [T for T in calls[::len(kinds)] for _ in range((6 if moe else 2) * len(kinds))]
+    assert joins == [T for T in calls[::len(kinds)] for _ in range((7 if moe else 3) * len(kinds))]
     assert preps == ([(T, *kind) for T in [7] * ((LONG - 20) // 7) + [(LONG - 20) % 7] * bool((LONG - 20) % 7)
                       for kind in kinds] if fused else [])
 

@@ -381,10 +381,10 @@ class Gemma4DecoderLayer(nn.Module):
         # A checkpoint value (JAX skip_scale), not 1: it scales the whole residual stream leaving the layer.
         self.layer_scalar = nn.Parameter(torch.ones(1))
         self.moe = cfg.num_experts > 0
-        # passes of up to this many tokens join each branch to the residual with one kernel a join (the norms
-        # around it, the add, the layer scalar), and an MoE layer's norms of the residual and of its routed
-        # output are one kernel each, where compiled they were reductions tiled by the compiler for the pass's
-        # row count (docs/performance.md; scripts/gpu/gemma4_invariance.py --moe)
+        # passes of up to this many tokens norm the layer's input and join each branch to the residual with one
+        # kernel a join (the norms around it, the add, the layer scalar), and an MoE layer's norms of the residual
+        # and of its routed output are one kernel each: compiled, these were reductions whose code the compiler
+        # chose (and autotuned) for the pass's row count (docs/performance.md; gemma4_invariance.py --moe)
         self.norm_rows = plan.attention_rows
         if self.moe:
             self.router = Gemma4Router(cfg, plan)
@@ -394,8 +394,10 @@ class Gemma4DecoderLayer(nn.Module):
             self.post_feedforward_layernorm_2 = Gemma4RMSNorm(h, eps)
 
     def forward(self, h, cos, sin, cache_k, cache_v, ring: int, positions, kv_len: int, mask) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(h), cos, sin, cache_k, cache_v, ring, positions, kv_len, mask)
-        if h.shape[0] <= self.norm_rows:
+        rows = h.shape[0] <= self.norm_rows
+        x = gemma_norm(h, self.input_layernorm.weight, self.input_layernorm.eps) if rows else self.input_layernorm(h)
+        attn = self.self_attn(x, cos, sin, cache_k, cache_v, ring, positions, kv_len, mask)
+        if rows:
             h, x = gemma_add_norm(attn, h, self.post_attention_layernorm.weight, self.pre_feedforward_layernorm.weight,
                                   self.post_attention_layernorm.eps)
             ff = self.mlp(x)

@@ -332,7 +332,7 @@ def test_gemma4_routes_to_the_kernel(tmp_path, fused, moe):
     way each few-row pass norms a layer's input (rms_norm_rows.gemma_norm) and joins its attention and
     feed-forward outputs to the residual with one kernel each (gemma_add_norm, gemma_add_scaled); an MoE layer's
     norms of the residual (the router's, the experts' input), of the experts' output and the join of its two
-    branches are one kernel each too (seven launches a layer)."""
+    branches are one kernel each too (seven launches a layer); and the pass's final norm."""
     from test_gemma4_target import LONG, WINDOW
     from test_gemma4_tiny import build_gemma4_target
 
@@ -366,7 +366,7 @@ def test_gemma4_routes_to_the_kernel(tmp_path, fused, moe):
     kinds = [(not layer.self_attn.sliding, layer.self_attn.sliding) for layer in routed.model.layers]
     # each few-row pass joins a layer's attention and then its feed-forward to the residual, one kernel a join
     assert all(layer.moe == moe for layer in routed.model.layers)
-    assert joins == [T for T in calls[::len(kinds)] for _ in range((7 if moe else 3) * len(kinds))]
+    assert joins == [T for T in calls[::len(kinds)] for _ in range((7 if moe else 3) * len(kinds) + 1)]
     assert preps == ([(T, *kind) for T in [7] * ((LONG - 20) // 7) + [(LONG - 20) % 7] * bool((LONG - 20) % 7)
                       for kind in kinds] if fused else [])
 

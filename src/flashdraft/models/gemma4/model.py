@@ -540,7 +540,11 @@ class Gemma4LM(nn.Module):
             cache.ring_pos.index_copy_(0, positions[-keep:] % cache.ring, positions[-keep:])
         if logits_row is not None:  # a [1] index on the device: a graphed pass's varies from replay to replay
             h = h.index_select(0, logits_row)
-        logits = self.logits(self.model.norm(h))
+        # a few-row pass's final norm one row kernel too, as its layers' norms (an eager reduction's code may
+        # follow the row count: on an H100 one token's logits of 16 differed alone, its last hidden state did not)
+        norm = self.model.norm
+        logits = self.logits(gemma_norm(h, norm.weight, norm.eps) if h.shape[0] <= self.plan.attention_rows
+                             else norm(h))
         return logits, (torch.cat([taps[i] for i in tap_ids], dim=-1) if tap_ids else None)
 
 

@@ -332,7 +332,8 @@ def test_gemma4_routes_to_the_kernel(tmp_path, fused, moe):
     way each few-row pass norms a layer's input (rms_norm_rows.gemma_norm) and joins its attention and
     feed-forward outputs to the residual with one kernel each (gemma_add_norm, gemma_add_scaled); an MoE layer's
     norms of the residual (the router's, the experts' input), of the experts' output and the join of its two
-    branches are one kernel each too (seven launches a layer); and the pass's final norm."""
+    branches are one kernel each too (seven launches a layer); without qkv_prep, each head's q, k and v norms;
+    and the pass's final norm."""
     from test_gemma4_target import LONG, WINDOW
     from test_gemma4_tiny import build_gemma4_target
 
@@ -366,7 +367,14 @@ def test_gemma4_routes_to_the_kernel(tmp_path, fused, moe):
     kinds = [(not layer.self_attn.sliding, layer.self_attn.sliding) for layer in routed.model.layers]
     # each few-row pass joins a layer's attention and then its feed-forward to the residual, one kernel a join
     assert all(layer.moe == moe for layer in routed.model.layers)
-    assert joins == [T for T in calls[::len(kinds)] for _ in range((7 if moe else 3) * len(kinds) + 1)]
+    # a layer: its input norm, [the modules path (q/k/v apart): each head's q, v and k norm, rows T x heads], the
+    # attention's join, [MoE: the router's and the experts' input norms, the experts' output norm, the branches'
+    # join], the feed-forward's join; then the pass's final norm
+    def launches(T):
+        per_layer = [[T] + ([] if fused else [T * a.n_heads, T * a.n_kv, T * a.n_kv]) + [T] * (6 if moe else 2)
+                     for a in (layer.self_attn for layer in routed.model.layers)]
+        return [rows for layer in per_layer for rows in layer] + [T]
+    assert joins == [rows for T in calls[::len(kinds)] for rows in launches(T)]
     assert preps == ([(T, *kind) for T in [7] * ((LONG - 20) // 7) + [(LONG - 20) % 7] * bool((LONG - 20) % 7)
                       for kind in kinds] if fused else [])
 

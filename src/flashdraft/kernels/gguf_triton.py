@@ -91,9 +91,10 @@ CONFIGS: dict[tuple[str, int, int], QuantConfig] = {
     ("Q5_K", 5376, 21504): QuantConfig(64, 256, 4, 4, 3, packed=True),   # down, first layers: 100 / 99 us
     ("Q6_K_LANES", 262144, 5376): QuantConfig(64, 256, 1, 4, 3, packed=True),  # tied LM head: 1133 / 1147 us
     # Gemma-4-26B-A4B's experts, one product a (token, choice) pair (launch_experts; scripts/gpu/expert_pairs_run.py
-    # --sweep on an H100, 2026-12-07): 2 warps, 8 / 128 pairs against 4 warps (the default)
+    # --sweep on an H100, 2026-12-07): 2 warps, 8 / 128 pairs against 4 warps (the default); for down, 64 rows a
+    # program, where 32 were 2 us faster at 8 pairs (one token) and 20 us slower at 128 (a verify block)
     ("Q4_K", 1408, 2816): QuantConfig(64, 256, 1, 2, 3, packed=True),  # gate|up: 29.5 / 209.5 us (33.6 / 257.0)
-    ("Q8_0", 2816, 704): QuantConfig(32, 64, 1, 2, 3),                 # down: 16.8 / 194.4 us (17.0 / 242.2)
+    ("Q8_0", 2816, 704): QuantConfig(64, 64, 1, 2, 3),                 # down: 18.8 / 174.6 us (17.0 / 242.2)
 }
 
 

@@ -187,6 +187,9 @@ class Gemma4Attention(nn.Module):
         # a layer (docs/performance.md)
         self.prep_rows = 0 if self.head_dim not in PREP_HEAD_DIMS else (
             min(self.attention_rows, RING_IN_PLACE_MAX_T) if self.sliding else self.attention_rows)
+        # passes of up to this many tokens that take neither norm each head's q, k and v with one row kernel, as
+        # the layer's other norms (Gemma4DecoderLayer.norm_rows)
+        self.norm_rows = plan.attention_rows
         h, bias, rows = cfg.hidden_size, cfg.attention_bias, plan.gemm_rows
         self.q_proj = Linear(h, self.n_heads * self.head_dim, bias=bias, max_rows=rows)
         self.k_proj = Linear(h, self.n_kv * self.head_dim, bias=bias, max_rows=rows)
@@ -234,11 +237,11 @@ class Gemma4Attention(nn.Module):
             keys, values, mask = self._in_place(cache_k, cache_v, ring, kv_len, mask)
             return self.o_proj(decode_attention(q.transpose(0, 1), keys, values, mask, scale=1.0))
         q, k, v = self._qkv(x)
-        q = apply_rope(self.q_norm(q.view(T, self.n_heads, self.head_dim)), cos, sin)
+        q = apply_rope(self._head_norm(self.q_norm, q.view(T, self.n_heads, self.head_dim)), cos, sin)
         raw_k = k.view(T, self.n_kv, self.head_dim)
         # Under attention_k_eq_v the value is the key projection before k_norm and RoPE.
-        v = self.v_norm(raw_k if v is None else v.view(T, self.n_kv, self.head_dim))
-        k = apply_rope(self.k_norm(raw_k), cos, sin)
+        v = self._head_norm(self.v_norm, raw_k if v is None else v.view(T, self.n_kv, self.head_dim))
+        k = apply_rope(self._head_norm(self.k_norm, raw_k), cos, sin)
         k, v = k.transpose(0, 1), v.transpose(0, 1)
         hd, dtype = self.head_dim, q.dtype
         if self.sliding and T > RING_IN_PLACE_MAX_T:
@@ -264,6 +267,13 @@ class Gemma4Attention(nn.Module):
         # grouped_attention: a boolean mask with grouped heads took SDPA's math kernel, every score in float32
         out = grouped_attention(q.transpose(0, 1)[None], keys[None], values[None], mask, scale=1.0)
         return self.o_proj(out[0].transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
+
+    def _head_norm(self, norm: Gemma4RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """norm of each head's values, x [T, heads, head_dim]: for a few-row pass one row kernel (gemma_norm)."""
+        if x.shape[0] > self.norm_rows:
+            return norm(x)
+        T, heads, hd = x.shape
+        return gemma_norm(x.reshape(T * heads, hd), norm.weight, norm.eps).view(T, heads, hd)
 
     def _in_place(self, cache_k, cache_v, ring: int, kv_len: int, mask):
         """The cache rows a pass that wrote its own rows first attends over, and its mask cut to them. Every
@@ -419,10 +429,11 @@ class Gemma4DecoderLayer(nn.Module):
         """The module path's MoE branch for a few-row pass, each norm one kernel a row: the routed experts' output
         normed, joined to the shared MLP's output ff normed (the same bits: the sum of two values commutes)."""
         weights, experts = self.router(h)
-        eps = self.pre_feedforward_layernorm_2.eps
-        routed = self.experts(gemma_norm(h, self.pre_feedforward_layernorm_2.weight, eps), weights, experts)
-        return gemma_add(ff, gemma_norm(routed, self.post_feedforward_layernorm_2.weight, eps),
-                         self.post_feedforward_layernorm_1.weight, eps)
+        pre, post_shared, post_routed = (self.pre_feedforward_layernorm_2, self.post_feedforward_layernorm_1,
+                                         self.post_feedforward_layernorm_2)
+        routed = self.experts(gemma_norm(h, pre.weight, pre.eps), weights, experts)
+        return gemma_add(ff, gemma_norm(routed, post_routed.weight, post_routed.eps), post_shared.weight,
+                         post_shared.eps)
 
 
 class Gemma4TextModel(nn.Module):
@@ -540,8 +551,9 @@ class Gemma4LM(nn.Module):
             cache.ring_pos.index_copy_(0, positions[-keep:] % cache.ring, positions[-keep:])
         if logits_row is not None:  # a [1] index on the device: a graphed pass's varies from replay to replay
             h = h.index_select(0, logits_row)
-        # a few-row pass's final norm one row kernel too, as its layers' norms (an eager reduction's code may
-        # follow the row count: on an H100 one token's logits of 16 differed alone, its last hidden state did not)
+        # the final norm over few rows (a few-row pass's, or logits_row's one) one row kernel too, as the layers'
+        # norms (an eager reduction's code may follow the row count: on an H100 one token's logits of 16 differed
+        # alone, its last hidden state did not)
         norm = self.model.norm
         logits = self.logits(gemma_norm(h, norm.weight, norm.eps) if h.shape[0] <= self.plan.attention_rows
                              else norm(h))

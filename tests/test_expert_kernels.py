@@ -173,9 +173,7 @@ def test_compiled_moe_target_at_26b_widths_gives_a_token_its_bits_alone_and_in_a
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     target = gi.build_moe_target(dev, torch.bfloat16, gen, "triton", True, False, [SLIDING, FULL])
-    for name, p in target.named_parameters():
-        if ("layernorm" in name and name.endswith(".weight")) or name == "model.norm.weight":
-            p.data.normal_(1.0, 0.1, generator=gen)
+    gi.ordinary_norms(target, gen)
     compile_layers(target)
     with torch.inference_mode():
         report = gi.model_check(target, dev, 100, 16, gen)

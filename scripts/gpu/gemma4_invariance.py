@@ -111,14 +111,14 @@ def moe_parts_check(target, dev, gen, dtype) -> dict:
     def post(attn, h):  # the layer after its attention, its forward's few-row path
         h, x = gemma_add_norm(attn, h, layer.post_attention_layernorm.weight, layer.pre_feedforward_layernorm.weight,
                               layer.post_attention_layernorm.eps)
-        ff = layer._moe_rows(h, layer.mlp(x))
+        ff = layer._with_experts(h, layer.mlp(x))
         return gemma_add_scaled(ff, h, layer.post_feedforward_layernorm.weight, layer.layer_scalar,
                                 layer.post_feedforward_layernorm.eps)
 
     pieces = {"router": (lambda h: layer.router(h), (h,)),
               "experts": (lambda x, w, e: layer.experts(x, w, e), (x, weights, experts)),
               "mlp": (lambda x: layer.mlp(x), (h,)),
-              "moe_rows": (lambda h, ff: layer._moe_rows(h, ff), (h, ff)),
+              "moe_branch": (lambda h, ff: layer._with_experts(h, ff), (h, ff)),
               "post_attention": (post, (attn, h))}
     out = {}
     for name, (fn, args) in pieces.items():
@@ -165,6 +165,14 @@ def build_moe_target(dev, dtype, gen, attention: str, compiled: bool, tiny: bool
     return target.eval().requires_grad_(False)
 
 
+def ordinary_norms(target, gen) -> None:
+    """The layers' and the final norm's weights N(1, 0.1): ordinary norms, not gguf_run's embedding-dominated
+    residual or build_moe_target's ones."""
+    for name, p in target.named_parameters():
+        if ("layernorm" in name and name.endswith(".weight")) or name == "model.norm.weight":
+            p.data.normal_(1.0, 0.1, generator=gen)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
@@ -199,9 +207,7 @@ def main(argv=None) -> int:
         else:
             target, _, _ = gguf_run.build_models(run, dev, dtype, gen, 256, drafter_bf16=True, attention=attention,
                                                  compile=compiled)
-        for pname, p in target.named_parameters():  # ordinary norms, not gguf_run's embedding-dominated residual
-            if ("layernorm" in pname and pname.endswith(".weight")) or pname == "model.norm.weight":
-                p.data.normal_(1.0, 0.1, generator=gen)
+        ordinary_norms(target, gen)
         if compiled:
             compile_layers(target)
         try:

@@ -153,7 +153,7 @@ def _gemma_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tor
 
 def gemma_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """norm(x) weight (norm(x) without a weight), Gemma4RMSNorm: x [T, N]. One kernel, one program a row
-    (gemma_add_norm): the MoE layers' norms of the residual for the router and the experts."""
+    (gemma_add_norm): a Gemma4RMSNorm's few-row passes."""
     return _gemma_norm(x, weight, eps)
 
 

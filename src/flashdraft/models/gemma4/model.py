@@ -53,14 +53,19 @@ _EMPTY = -(2 ** 40)
 
 
 class Gemma4RMSNorm(nn.Module):
-    """x * (mean(x^2) + eps)^-1/2 (* w), in float32 and cast back, as transformers' Gemma4RMSNorm."""
+    """x * (mean(x^2) + eps)^-1/2 (* w), in float32 and cast back, as transformers' Gemma4RMSNorm. An input of at
+    most `rows` tokens along dim 0 (a few-row pass: the plan's attention_rows) goes through one row kernel
+    (rms_norm_rows.gemma_norm, one program a row), where the reduction's code, compiled or eager, may follow the
+    row count and round a token otherwise alone than in a verify block (docs/performance.md, session 45)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, with_weight: bool = True):
+    def __init__(self, dim: int, eps: float = 1e-6, with_weight: bool = True, rows: int = 0):
         super().__init__()
-        self.eps = eps
+        self.eps, self.rows = eps, rows
         self.weight = nn.Parameter(torch.ones(dim)) if with_weight else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.rows:
+            return gemma_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         y = x.float()
         y = y * torch.pow(y.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
         if self.weight is not None:
@@ -187,18 +192,16 @@ class Gemma4Attention(nn.Module):
         # a layer (docs/performance.md)
         self.prep_rows = 0 if self.head_dim not in PREP_HEAD_DIMS else (
             min(self.attention_rows, RING_IN_PLACE_MAX_T) if self.sliding else self.attention_rows)
-        # passes of up to this many tokens that take neither norm each head's q, k and v with one row kernel, as
-        # the layer's other norms (Gemma4DecoderLayer.norm_rows)
-        self.norm_rows = plan.attention_rows
         h, bias, rows = cfg.hidden_size, cfg.attention_bias, plan.gemm_rows
         self.q_proj = Linear(h, self.n_heads * self.head_dim, bias=bias, max_rows=rows)
         self.k_proj = Linear(h, self.n_kv * self.head_dim, bias=bias, max_rows=rows)
         self.v_proj = None if cfg.uses_k_as_v(layer) else Linear(h, self.n_kv * self.head_dim, bias=bias,
                                                                   max_rows=rows)
         self.o_proj = Linear(self.n_heads * self.head_dim, h, bias=bias, max_rows=rows)
-        self.q_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.v_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps, with_weight=False)
+        # each head's norms, where qkv_prep does not take them (a few-row pass's: one row kernel)
+        self.q_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps, rows=plan.attention_rows)
+        self.k_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps, rows=plan.attention_rows)
+        self.v_norm = Gemma4RMSNorm(self.head_dim, cfg.rms_norm_eps, with_weight=False, rows=plan.attention_rows)
         self.qkv_proj = None  # q, k (and v) as one projection, once fuse_projections() found them alike
         self.qk_proj = None  # else q and k as one, beside a v of another type
 
@@ -237,11 +240,11 @@ class Gemma4Attention(nn.Module):
             keys, values, mask = self._in_place(cache_k, cache_v, ring, kv_len, mask)
             return self.o_proj(decode_attention(q.transpose(0, 1), keys, values, mask, scale=1.0))
         q, k, v = self._qkv(x)
-        q = apply_rope(self._head_norm(self.q_norm, q.view(T, self.n_heads, self.head_dim)), cos, sin)
+        q = apply_rope(self.q_norm(q.view(T, self.n_heads, self.head_dim)), cos, sin)
         raw_k = k.view(T, self.n_kv, self.head_dim)
         # Under attention_k_eq_v the value is the key projection before k_norm and RoPE.
-        v = self._head_norm(self.v_norm, raw_k if v is None else v.view(T, self.n_kv, self.head_dim))
-        k = apply_rope(self._head_norm(self.k_norm, raw_k), cos, sin)
+        v = self.v_norm(raw_k if v is None else v.view(T, self.n_kv, self.head_dim))
+        k = apply_rope(self.k_norm(raw_k), cos, sin)
         k, v = k.transpose(0, 1), v.transpose(0, 1)
         hd, dtype = self.head_dim, q.dtype
         if self.sliding and T > RING_IN_PLACE_MAX_T:
@@ -268,13 +271,6 @@ class Gemma4Attention(nn.Module):
         out = grouped_attention(q.transpose(0, 1)[None], keys[None], values[None], mask, scale=1.0)
         return self.o_proj(out[0].transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
 
-    def _head_norm(self, norm: Gemma4RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        """norm of each head's values, x [T, heads, head_dim]: for a few-row pass one row kernel (gemma_norm)."""
-        if x.shape[0] > self.norm_rows:
-            return norm(x)
-        T, heads, hd = x.shape
-        return gemma_norm(x.reshape(T * heads, hd), norm.weight, norm.eps).view(T, heads, hd)
-
     def _in_place(self, cache_k, cache_v, ring: int, kv_len: int, mask):
         """The cache rows a pass that wrote its own rows first attends over, and its mask cut to them. Every
         position is below kv_len, so a ring longer than kv_len holds rows only below kv_len: the sliding layers of
@@ -293,16 +289,14 @@ class Gemma4Router(nn.Module):
     def __init__(self, cfg: Gemma4Config, plan: LayerPlan):
         super().__init__()
         self.top_k = cfg.top_k_experts
-        self.norm = Gemma4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, with_weight=False)
+        self.norm = Gemma4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, with_weight=False, rows=plan.attention_rows)
         self.proj = Linear(cfg.hidden_size, cfg.num_experts, bias=False, max_rows=plan.gemm_rows)
         self.scale = nn.Parameter(torch.ones(cfg.hidden_size))
         self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts))
         self.root_size = cfg.hidden_size ** -0.5
-        self.norm_rows = plan.attention_rows  # as Gemma4DecoderLayer's: its norm one kernel a row
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        normed = gemma_norm(x, None, self.norm.eps) if x.shape[0] <= self.norm_rows else self.norm(x)
-        scores = self.proj(normed * self.scale * self.root_size).float()
+        scores = self.proj(self.norm(x) * self.scale * self.root_size).float()
         top, experts = torch.topk(scores, self.top_k, dim=-1)  # largest first
         e = torch.exp(top - top[:, :1])
         return e / add_in_order(e)[:, None] * self.per_expert_scale[experts], experts
@@ -384,56 +378,56 @@ class Gemma4DecoderLayer(nn.Module):
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.self_attn = Gemma4Attention(cfg, layer, plan)
         self.mlp = GatedMLP(h, cfg.intermediate_size, plan=plan, activation="gelu_tanh")
-        self.input_layernorm = Gemma4RMSNorm(h, eps)
-        self.post_attention_layernorm = Gemma4RMSNorm(h, eps)
-        self.pre_feedforward_layernorm = Gemma4RMSNorm(h, eps)
-        self.post_feedforward_layernorm = Gemma4RMSNorm(h, eps)
+
+        def norm() -> Gemma4RMSNorm:  # a few-row pass's norms one row kernel each
+            return Gemma4RMSNorm(h, eps, rows=plan.attention_rows)
+
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = norm()
+        self.post_feedforward_layernorm = norm()
         # A checkpoint value (JAX skip_scale), not 1: it scales the whole residual stream leaving the layer.
         self.layer_scalar = nn.Parameter(torch.ones(1))
         self.moe = cfg.num_experts > 0
-        # passes of up to this many tokens norm the layer's input and join each branch to the residual with one
-        # kernel a join (the norms around it, the add, the layer scalar), and an MoE layer's norms of the residual
-        # and of its routed output are one kernel each: compiled, these were reductions whose code the compiler
-        # chose (and autotuned) for the pass's row count (docs/performance.md; gemma4_invariance.py --moe)
+        # passes of up to this many tokens join each branch to the residual with one kernel a join (the norms
+        # around it, the add, the layer scalar), and an MoE layer its two branches: compiled, these were
+        # reductions whose code the compiler chose (and autotuned) for the pass's row count (docs/performance.md;
+        # gemma4_invariance.py --moe)
         self.norm_rows = plan.attention_rows
         if self.moe:
             self.router = Gemma4Router(cfg, plan)
             self.experts = Gemma4Experts(cfg)
-            self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(h, eps)
-            self.post_feedforward_layernorm_1 = Gemma4RMSNorm(h, eps)
-            self.post_feedforward_layernorm_2 = Gemma4RMSNorm(h, eps)
+            self.pre_feedforward_layernorm_2 = norm()
+            self.post_feedforward_layernorm_1 = norm()
+            self.post_feedforward_layernorm_2 = norm()
 
     def forward(self, h, cos, sin, cache_k, cache_v, ring: int, positions, kv_len: int, mask) -> torch.Tensor:
-        rows = h.shape[0] <= self.norm_rows
-        x = gemma_norm(h, self.input_layernorm.weight, self.input_layernorm.eps) if rows else self.input_layernorm(h)
-        attn = self.self_attn(x, cos, sin, cache_k, cache_v, ring, positions, kv_len, mask)
-        if rows:
+        attn = self.self_attn(self.input_layernorm(h), cos, sin, cache_k, cache_v, ring, positions, kv_len, mask)
+        if h.shape[0] <= self.norm_rows:
             h, x = gemma_add_norm(attn, h, self.post_attention_layernorm.weight, self.pre_feedforward_layernorm.weight,
                                   self.post_attention_layernorm.eps)
             ff = self.mlp(x)
             if self.moe:
-                ff = self._moe_rows(h, ff)
+                ff = self._with_experts(h, ff)
             return gemma_add_scaled(ff, h, self.post_feedforward_layernorm.weight, self.layer_scalar,
                                     self.post_feedforward_layernorm.eps)
         h = h + self.post_attention_layernorm(attn)
         ff = self.mlp(self.pre_feedforward_layernorm(h))
         if self.moe:
-            # The dense MLP is the always-on shared expert; the router reads the raw residual.
-            weights, experts = self.router(h)
-            routed = self.experts(self.pre_feedforward_layernorm_2(h), weights, experts)
-            ff = self.post_feedforward_layernorm_1(ff) + self.post_feedforward_layernorm_2(routed)
+            ff = self._with_experts(h, ff)
         h = h + self.post_feedforward_layernorm(ff)
         return h * self.layer_scalar
 
-    def _moe_rows(self, h: torch.Tensor, ff: torch.Tensor) -> torch.Tensor:
-        """The module path's MoE branch for a few-row pass, each norm one kernel a row: the routed experts' output
-        normed, joined to the shared MLP's output ff normed (the same bits: the sum of two values commutes)."""
+    def _with_experts(self, h: torch.Tensor, ff: torch.Tensor) -> torch.Tensor:
+        """The MoE branch joined to the shared MLP's output ff (the dense MLP is the always-on shared expert; the
+        router reads the raw residual h): both normed and added, for a few-row pass with one kernel (gemma_add; the
+        same bits: the sum of two values commutes)."""
         weights, experts = self.router(h)
-        pre, post_shared, post_routed = (self.pre_feedforward_layernorm_2, self.post_feedforward_layernorm_1,
-                                         self.post_feedforward_layernorm_2)
-        routed = self.experts(gemma_norm(h, pre.weight, pre.eps), weights, experts)
-        return gemma_add(ff, gemma_norm(routed, post_routed.weight, post_routed.eps), post_shared.weight,
-                         post_shared.eps)
+        routed = self.post_feedforward_layernorm_2(self.experts(self.pre_feedforward_layernorm_2(h), weights, experts))
+        shared = self.post_feedforward_layernorm_1
+        if h.shape[0] <= self.norm_rows:
+            return gemma_add(ff, routed, shared.weight, shared.eps)
+        return shared(ff) + routed
 
 
 class Gemma4TextModel(nn.Module):
@@ -443,7 +437,9 @@ class Gemma4TextModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(Gemma4DecoderLayer(cfg, i, plan) for i in range(cfg.num_hidden_layers))
-        self.norm = Gemma4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # its final norm over few rows (a few-row pass's, or logits_row's one) one row kernel too: eager, one token's
+        # logits of 16 differed alone on an H100 where its last hidden state did not
+        self.norm = Gemma4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rows=plan.attention_rows)
 
 
 class Gemma4LM(nn.Module):
@@ -551,12 +547,7 @@ class Gemma4LM(nn.Module):
             cache.ring_pos.index_copy_(0, positions[-keep:] % cache.ring, positions[-keep:])
         if logits_row is not None:  # a [1] index on the device: a graphed pass's varies from replay to replay
             h = h.index_select(0, logits_row)
-        # the final norm over few rows (a few-row pass's, or logits_row's one) one row kernel too, as the layers'
-        # norms (an eager reduction's code may follow the row count: on an H100 one token's logits of 16 differed
-        # alone, its last hidden state did not)
-        norm = self.model.norm
-        logits = self.logits(gemma_norm(h, norm.weight, norm.eps) if h.shape[0] <= self.plan.attention_rows
-                             else norm(h))
+        logits = self.logits(self.model.norm(h))
         return logits, (torch.cat([taps[i] for i in tap_ids], dim=-1) if tap_ids else None)
 
 

@@ -259,9 +259,11 @@ import q4k_layout_probe as lp
 from flashdraft.quant import mma_kernels
 
 text = mma_kernels.SOURCE.read_text()
-for layout in ("lanes", "tiles", "columns", "bulk"):
+for layout in ("lanes", "tiles", "bulk"):
     out = lp.layout_source(layout, text)
     assert out != text, layout
+assert lp.native_source("columns", 5376).startswith("#undef CHUNK_ROWS\n#define CHUNK_ROWS 5376\n")
+assert lp.native_source("chunks", 5376).startswith("#undef CHUNK_ROWS\n#define CHUNK_ROWS 256\n")
 bulk = lp.layout_source("bulk", text)
 assert "cp_async16(cdst" not in bulk and bulk.count("bulk_stage(") == 3 and "tile_base(" in bulk, "bulk ring"
 assert "#define ROWB (QTYPE == 4 ? 144 : 224)" in bulk
@@ -270,7 +272,7 @@ try:
     sys.exit("a cut that no longer fits the kernel was applied")
 except ValueError as e:
     assert "does not occur exactly once" in str(e), e
-n, nsb = 32, 2
+n, nsb = 512, 2
 blocks = torch.randint(0, 256, (n, nsb * 144), dtype=torch.uint8)
 out = lp.to_layout("bulk", blocks)
 for r, sb, gq, c, b in ((0, 0, 0, 0, 0), (17, 1, 3, 2, 5), (31, 1, 1, 3, 7), (5, 0, 2, 1, 3)):
@@ -280,15 +282,19 @@ for r, sb, gq, c, b in ((0, 0, 0, 0, 0), (17, 1, 3, 2, 5), (31, 1, 1, 3, 7), (5,
     assert out.reshape(-1)[tile_at + 7] == blocks[r, sb * 144 + 7]  # the header stays
     at = 8 * c + b  # super-block-major
     assert lp.to_layout("columns", blocks).reshape(-1)[(sb * n + r) * 144 + at] == blocks[r, sb * 144 + at]
+    r2 = r + 256  # the second chunk of 256 rows: its own super-block-major run after the first's
+    at2 = (256 * nsb + sb * 256 + r) * 144 + at
+    assert lp.to_layout("chunks", blocks).reshape(-1)[at2] == blocks[r2, sb * 144 + at]
 print("OK")
 """
 
 
 @pytest.mark.skipif(not _has_triton(), reason="the script imports the Triton kernels (run under the interpreter)")
 def test_layout_probe_patches_fit_the_kernel():
-    """scripts/gpu/q4k_layout_probe.py: each layout's patches (lane order, tile-major, super-block-major, the ring
-    filled by bulk copies) apply to kquant_mma.cu as written, a cut that no longer fits stops the script, and the
-    bulk and super-block-major layouts put each byte where their patched kernels read it."""
+    """scripts/gpu/q4k_layout_probe.py: each layout's patches (lane order, tile-major, the ring filled by bulk
+    copies) apply to kquant_mma.cu as written, a cut that no longer fits stops the script, the layouts the kernel
+    reads itself set its chunk of rows, and the bulk and super-block-major layouts put each byte where their
+    kernels read it."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "-c", LAYOUT_CHECK, str(ROOT / "scripts" / "gpu")], env=env,
                           capture_output=True, text=True, timeout=120)

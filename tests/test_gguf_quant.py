@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashdraft.quant import QUANT_FORMATS, QuantEmbedding, QuantLinear, UnsupportedQuantType, dequantize, q6k_lanes
+from flashdraft.quant import (QUANT_FORMATS, QuantEmbedding, QuantLinear, UnsupportedQuantType, dequantize,
+                              q4k_columns, q6k_lanes)
 from flashdraft.quant.linear import gpu_matmul
 
 # Byte offsets of each format's fp16 scales: random bytes there could be inf/NaN, so they get finite values.
@@ -14,7 +15,11 @@ FP16_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0"
 
 
 def random_blocks(qtype: str, rows: int, blocks_per_row: int, seed: int = 0) -> np.ndarray:
-    """Random rows of a GGUF type (finite scales), or of Q6_K_LANES: random Q6_K rows in lane order."""
+    """Random rows of a GGUF type (finite scales), or of Q6_K_LANES / Q4_K_COLUMNS: random Q6_K rows in lane order,
+    random Q4_K blocks super-block-major (rows a multiple of 256)."""
+    if qtype == q4k_columns.QTYPE:
+        gguf_rows = torch.from_numpy(random_blocks(q4k_columns.ROWS_QTYPE, rows, blocks_per_row, seed))
+        return q4k_columns.from_rows(gguf_rows).numpy()
     if qtype == q6k_lanes.QTYPE:
         gguf_rows = torch.from_numpy(random_blocks(q6k_lanes.GGUF_QTYPE, rows, blocks_per_row, seed))
         return q6k_lanes.from_gguf(gguf_rows).numpy()

@@ -4,9 +4,14 @@ over every M <= 16."""
 import pytest
 import torch
 
-from flashdraft.quant import dequantize, mma_kernels
+from flashdraft.quant import dequantize, mma_kernels, q4k_columns
 from flashdraft.quant.mma_kernels import MAX_SPLIT, MmaTiling, default_tiling, tilings_for
 from test_gguf_quant import random_blocks
+
+
+def _rows(qtype: str, rows: int) -> int:
+    """rows, or for super-block-major Q4_K the next whole number of its chunks of rows."""
+    return -(-rows // q4k_columns.CHUNK_ROWS) * q4k_columns.CHUNK_ROWS if qtype == q4k_columns.QTYPE else rows
 
 
 def test_products_off_the_gpu_are_not_taken():
@@ -122,7 +127,7 @@ def test_split_k_is_one_launch_the_same_bits_every_time_and_leaves_the_counts_at
     the unsplit one up to fp32 summation order, and the arrival counts zero again for the next product."""
     from torch.profiler import ProfilerActivity, profile
 
-    n, k = 1040, 4096
+    n, k = _rows(qtype, 1040), 4096
     blocks = torch.from_numpy(random_blocks(qtype, rows=n, blocks_per_row=k // 256)).cuda()
     x = torch.randn(16, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2)).bfloat16()
     whole = mma_kernels.launch(x, blocks, n, qtype, MmaTiling(1, 2, 1, 1)).float()
@@ -145,10 +150,11 @@ def test_quant_linear_adds_a_residual_as_the_sum_does():
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for qtype in mma_kernels.QTYPES:
-        blocks = torch.from_numpy(random_blocks(qtype, rows=64, blocks_per_row=2)).to(device)
+        n = _rows(qtype, 64)
+        blocks = torch.from_numpy(random_blocks(qtype, rows=n, blocks_per_row=2)).to(device)
         layer = QuantLinear(blocks, qtype, 512, torch.bfloat16)
         x = torch.randn(3, 512, generator=torch.Generator().manual_seed(3)).bfloat16().to(device)
-        r = torch.randn(3, 64, generator=torch.Generator().manual_seed(4)).mul(8).bfloat16().to(device)
+        r = torch.randn(3, n, generator=torch.Generator().manual_seed(4)).mul(8).bfloat16().to(device)
         y = layer(x)
         assert torch.equal(layer(x, residual=r), y + r) and not torch.equal(y + r, y)
 
@@ -158,7 +164,7 @@ def test_quant_linear_adds_a_residual_as_the_sum_does():
 @pytest.mark.parametrize("split", [1, 4])
 def test_the_kernel_adds_the_residual_as_torch_adds_it(qtype, split):
     """In the store of one K range and in the last warp's sum of several: the bits of y + r for every M."""
-    n, k = 1040, 4096
+    n, k = _rows(qtype, 1040), 4096
     blocks = torch.from_numpy(random_blocks(qtype, rows=n, blocks_per_row=k // 256)).cuda()
     gen = torch.Generator(device="cuda").manual_seed(5)
     x = torch.randn(16, k, device="cuda", generator=gen).bfloat16()
@@ -170,3 +176,28 @@ def test_the_kernel_adds_the_residual_as_torch_adds_it(qtype, split):
     with pytest.raises(ValueError, match="residual must be bf16"):
         mma_kernels.launch(x, blocks, n, qtype, tiling, residual=r[:, :16])
     assert not mma_kernels._counters(torch.cuda.current_device()).any()
+
+
+@cuda
+@pytest.mark.parametrize("n,k,tiling", [(4096, 5376, None), (21504, 5376, None), (5376, 21504, None),
+                                        (1024, 2048, MmaTiling(2, 4, 8, 1)), (256, 1024, MmaTiling(1, 2, 1, 1)),
+                                        (1280, 2048, MmaTiling(2, 4, 2, 1, 3)), (4096, 5376, MmaTiling(1, 2, 3, 1, 4)),
+                                        (24576, 4096, None), (6144, 4096, None)])
+def test_super_block_major_q4k_gives_the_bits_of_gguf_order(n, k, tiling):
+    """The kernel reading Q4_K_COLUMNS blocks (chunks of 256 rows super-block-major) computes what it computes on
+    GGUF's rows, bit for bit, with direct loads and through the shared-memory ring, one K range or several, and the
+    measured tilings (24576 x 4096 and 6144 x 4096 ring their 9-16-row passes), for every M; and a QuantLinear's
+    prefill-sized pass (the dequantized path, the rows put back first) matches too."""
+    from flashdraft.quant.linear import QuantLinear
+
+    rows = torch.from_numpy(random_blocks("Q4_K", rows=n, blocks_per_row=k // 256, seed=7)).cuda()
+    cols = q4k_columns.from_rows(rows)
+    x = torch.randn(40, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(8)).bfloat16()
+    assert mma_kernels.supported(x[:16], cols, n, q4k_columns.QTYPE)
+    for m in (1, 5, 9, 16):
+        want = mma_kernels.launch(x[:m], rows, n, "Q4_K", tiling)
+        assert torch.equal(mma_kernels.launch(x[:m], cols, n, q4k_columns.QTYPE, tiling), want), m
+    kept = QuantLinear(rows, "Q4_K", k, torch.bfloat16)
+    in_order = QuantLinear(rows, "Q4_K", k, torch.bfloat16, by_columns=False)
+    assert kept.qtype == q4k_columns.QTYPE
+    assert torch.equal(kept(x), in_order(x)) and torch.equal(kept(x[:3]), in_order(x[:3]))

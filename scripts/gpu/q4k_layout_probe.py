@@ -16,7 +16,9 @@ run after it.
 --layout columns: super-block-major, [super-blocks][N][144 bytes]: at a super-block, every warp's tile is the run
 after the one before it, so that the GPU's warps, which move through K together, read one stretch of memory in
 order (a grid-stride read of the same bytes streams faster than each block reading a run of its own: session 42,
-read_stream_probe.py).
+read_stream_probe.py). The package's kernel reads it itself (Q4_K_COLUMNS) with its chunk of rows set to N.
+--layout chunks: the package's Q4_K_COLUMNS (flashdraft.quant.q4k_columns): super-block-major in chunks of 256 rows,
+so that fused projections and their parts stay views of one another.
 --layout bulk: tile-major and lane order together, and the ring (tilings with stages) filled by bulk copies: lane 0
 of a warp brings each of its tiles' 2,304-byte runs of a super-block into the ring with one cp.async.bulk (Hopper's
 copy engine), a stage's arrival counted by an mbarrier, where each lane issued its share of the nine 16-byte
@@ -24,7 +26,7 @@ cp.async a row; rows 144 bytes apart in the ring, as lane order reads them witho
 longer issue the loads, and a ring's depth costs no registers (--stages 4,6: deeper rings too, also for
 the tilings that load directly, as the 16-row ones do).
 
-    PYTHONPATH=src python scripts/gpu/q4k_layout_probe.py OUT --layout lanes|tiles|columns|bulk
+    PYTHONPATH=src python scripts/gpu/q4k_layout_probe.py OUT --layout lanes|tiles|columns|chunks|bulk
         [--only gemma-q4k-fused,...] [--stages 4,6]
 
 --only: mma_tilings.py's Q4_K shape sets (default gemma-q4k-fused, gemma-q4k, qwen-q4k-fused).
@@ -45,7 +47,7 @@ from gguf_run import bench_ms, copies_for, random_blocks  # noqa: E402
 from kquant_ablate import apply_patches  # noqa: E402
 from mma_tilings import SETS  # noqa: E402
 
-from flashdraft.quant import mma_kernels  # noqa: E402
+from flashdraft.quant import mma_kernels, q4k_columns  # noqa: E402
 from flashdraft.quant.formats import row_bytes  # noqa: E402
 
 QS = 16  # where a Q4_K super-block's quant bytes start
@@ -58,20 +60,17 @@ ROW_PREFETCH = ("    for (int i = lane; i < R_TILES * 16 && prefetch_sb > 0; i +
                 "(size_t)sb0 * BLOCK_BYTES,\n                    (size_t)prefetch_sb * BLOCK_BYTES);")
 
 
+# the kernel's row_offset (GGUF's order, COLUMNS 0: the patched kernels are built as Q4_K) and sb_offset
+ROW_OFFSET = "#else\n    return (size_t)row * row_stride(nsb);"
+SB_OFFSET = "    return (size_t)sb * (COLUMNS ? CHUNK_ROWS : 1) * BLOCK_BYTES;"
+
+
 def reordered(prefetch: str, row_at, sb_stride: str) -> list[tuple[str, str, int]]:
     """The patches that make the kernel find a row's first super-block at W + row_at(row) (a C expression of the
-    row) and step through its super-blocks sb_stride bytes apart, with `prefetch` as its L2 prefetch."""
-    rows_of_lane = "min((tile0 + r) * 16 + g + 8 * hh, N - 1)"
-    rows_of_chunk = "min(tile0 * 16 + (con[t] ? row : 0), N - 1)"
-    return [(ROW_PREFETCH, prefetch, 1),
-            (f"rowp[r][hh] = W + (size_t){rows_of_lane} * row_stride(nsb);",
-             f"rowp[r][hh] = W + {row_at(rows_of_lane)};", 2),
-            ("const unsigned char *blk = rowp[r][hh] + sb * BLOCK_BYTES;",
-             f"const unsigned char *blk = rowp[r][hh] + (size_t)sb * {sb_stride};", 1),
-            (f"csrc[t] = W + (size_t){rows_of_chunk} * row_stride(nsb) + 16 * col;",
-             f"csrc[t] = W + {row_at(rows_of_chunk)} + 16 * col;", 1),
-            ("csrc[t] + (size_t)(sb0 + s) * BLOCK_BYTES", f"csrc[t] + (size_t)(sb0 + s) * {sb_stride}", 1),
-            ("csrc[t] + (size_t)ahead * BLOCK_BYTES", f"csrc[t] + (size_t)ahead * {sb_stride}", 1)]
+    row) and step through its super-blocks sb_stride bytes apart (the kernel's row_offset and sb_offset), with
+    `prefetch` as its L2 prefetch."""
+    return [(ROW_PREFETCH, prefetch, 1), (ROW_OFFSET, f"#else\n    return {row_at('row')};", 1),
+            (SB_OFFSET, f"    return (size_t)sb * {sb_stride};", 1)]
 
 
 # layout -> (old text, new text, times it occurs in kquant_mma.cu) patches
@@ -91,14 +90,6 @@ PATCHES = {
         "        prefetch_l2(W + tile_base((tile0 + i) * 16, nsb) + (size_t)sb0 * 16 * BLOCK_BYTES,\n"
         "                    (size_t)prefetch_sb * 16 * BLOCK_BYTES);",
         lambda row: f"tile_base({row}, nsb)", "16 * BLOCK_BYTES"),
-    # super-block-major: [nsb][N][144]; row n's super-block sb at (sb N + n) 144. The L2 prefetch a tile's first
-    # super-blocks' runs, one a lane
-    "columns": reordered(
-        "    for (int i = lane; i < R_TILES * prefetch_sb; i += 32)  // a lane a tile's super-block\n"
-        "        if ((tile0 + i % R_TILES) * 16 < N)\n"
-        "            prefetch_l2(W + ((size_t)(sb0 + i / R_TILES) * N + (tile0 + i % R_TILES) * 16) * BLOCK_BYTES,\n"
-        "                        16 * BLOCK_BYTES);",
-        lambda row: f"(size_t){row} * BLOCK_BYTES", "N * BLOCK_BYTES"),
 }
 TILE_HELPER = """
 // byte offset of a row's first super-block in the tile-major layout: its tile's run, then its place in the tile
@@ -106,7 +97,7 @@ __device__ __forceinline__ size_t tile_base(int row, int nsb) {
     return (size_t)(row / 16) * 16 * row_stride(nsb) + (size_t)(row % 16) * BLOCK_BYTES;
 }
 """
-ANCHOR = "// The warp's sums at zero, and where this lane reads x"
+ANCHOR = "// Where Q4_K / Q5_K weight row `row`'s super-block sb starts"
 
 
 BULK_HELPERS = """
@@ -192,6 +183,15 @@ def layout_source(layout: str, source: str) -> str:
     return source
 
 
+# layouts the package's kernel reads itself (Q4_K_COLUMNS), by their chunk of rows (None: the weight's N)
+NATIVE = {"columns": None, "chunks": q4k_columns.CHUNK_ROWS}
+
+
+def native_source(layout: str, n: int) -> str:
+    """kquant_mma.cu with the chunk of rows of a NATIVE layout for an n-row weight."""
+    return f"#undef CHUNK_ROWS\n#define CHUNK_ROWS {NATIVE[layout] or n}\n" + mma_kernels.SOURCE.read_text()
+
+
 def to_layout(layout: str, blocks: torch.Tensor) -> torch.Tensor:
     """Q4_K rows [N, nsb * 144] -> the same bytes in `layout`, as a [N, nsb * 144] tensor."""
     n, nbytes = blocks.shape
@@ -200,6 +200,8 @@ def to_layout(layout: str, blocks: torch.Tensor) -> torch.Tensor:
         return to_layout("tiles", to_layout("lanes", blocks))
     if layout == "columns":  # [N][nsb][144] -> [nsb][N][144]
         return blocks.reshape(n, nsb, 144).transpose(0, 1).contiguous().reshape(n, nbytes)
+    if layout == "chunks":
+        return q4k_columns.from_rows(blocks)
     if layout == "lanes":  # each super-block's quant bytes (gq, c, b) -> (c, gq, b)
         b = blocks.reshape(n, nsb, 144)
         quants = b[..., QS:].reshape(n, nsb, 4, 4, 8).transpose(2, 3).reshape(n, nsb, 128)
@@ -210,7 +212,7 @@ def to_layout(layout: str, blocks: torch.Tensor) -> torch.Tensor:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--layout", choices=sorted(PATCHES) + ["bulk"], required=True)
+    ap.add_argument("--layout", choices=sorted(PATCHES) + ["bulk"] + sorted(NATIVE), required=True)
     ap.add_argument("--only", default="gemma-q4k-fused,gemma-q4k,qwen-q4k-fused")
     ap.add_argument("--stages", default="", help="also the layout with rings of these many stages (e.g. 4,6) where "
                     "a tiling has a ring (--layout bulk: every tiling, the direct ones too): where loads wait, so the "
@@ -220,7 +222,9 @@ def main() -> int:
     if wrong:
         ap.error(f"not Q4_K shape sets of mma_tilings.py: {wrong}")
     args.out.mkdir(parents=True, exist_ok=True)
-    patched = layout_source(args.layout, mma_kernels.SOURCE.read_text())
+    native = args.layout in NATIVE
+    qtype = q4k_columns.QTYPE if native else "Q4_K"
+    patched = None if native else layout_source(args.layout, mma_kernels.SOURCE.read_text())
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = []
@@ -230,19 +234,21 @@ def main() -> int:
             ws = [random_blocks("Q4_K", n, k, gen, dev) for _ in range(copies_for(n * row_bytes("Q4_K", k), False))]
             ls = [to_layout(args.layout, w) for w in ws]
             x = torch.randn(16, k, device=dev, dtype=torch.bfloat16, generator=gen)
-            forms = [("gguf", ws, None, tilings), (args.layout, ls, patched, tilings)]
+            source = native_source(args.layout, n) if native else patched
+            forms = [("gguf", ws, None, tilings), (args.layout, ls, source, tilings)]
             for stages in filter(None, args.stages.split(",")):
-                forms.append((f"{args.layout}-s{stages}", ls, patched,
+                forms.append((f"{args.layout}-s{stages}", ls, source,
                               tuple(dataclasses.replace(t, stages=int(stages)) if t.stages or args.layout == "bulk"
                                     else t for t in tilings)))
             want = {m: mma_kernels.launch(x[:m], ws[0], n, "Q4_K", tilings) for m in (1, 5, 16)}
-            same = {form: all(torch.equal(want[m], mma_kernels.launch(x[:m], blocks[0], n, "Q4_K", form_tilings,
-                                                                      source=source)) for m in want)
-                    for form, blocks, source, form_tilings in forms[1:]}
+            same = {form: all(torch.equal(want[m], mma_kernels.launch(x[:m], blocks[0], n, qtype, form_tilings,
+                                                                      source=text)) for m in want)
+                    for form, blocks, text, form_tilings in forms[1:]}
             us = {}
-            for form, blocks, source, form_tilings in forms:
-                us[form] = [1000 * bench_ms([lambda w=w, m=m, t=form_tilings, s=source: mma_kernels.launch(
-                    x[:m], w, n, "Q4_K", t, source=s) for w in blocks], False) for m in (1, 16)]
+            for form, blocks, text, form_tilings in forms:
+                q = "Q4_K" if form == "gguf" else qtype
+                us[form] = [1000 * bench_ms([lambda w=w, m=m, t=form_tilings, s=text, q=q: mma_kernels.launch(
+                    x[:m], w, n, q, t, source=s) for w in blocks], False) for m in (1, 16)]
             mb = n * row_bytes("Q4_K", k) / 1e6
             old = us["gguf"]
             rows.append({"set": set_name, "shape": shape, "n": n, "k": k, "mb": mb, "same_bits": same,

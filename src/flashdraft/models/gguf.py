@@ -216,7 +216,7 @@ def tie_lm_head(model: nn.Module, hidden_size: int, dtype: torch.dtype) -> None:
     """The LM head reads the embedding's weights: the same blocks when they are quantized."""
     emb = model.model.embed_tokens
     if isinstance(emb, QuantEmbedding):
-        model.lm_head = QuantLinear(emb.blocks, emb.qtype, hidden_size, dtype)
+        model.lm_head = QuantLinear(emb.blocks, emb.qtype, hidden_size, dtype, by_columns=False)
     else:
         model.lm_head.weight = emb.weight
 

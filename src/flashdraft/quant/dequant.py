@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from flashdraft.quant import q6k_lanes
+from flashdraft.quant import q4k_columns, q6k_lanes
 from flashdraft.quant.formats import block_format
 
 
@@ -122,9 +122,11 @@ _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0":
 
 def dequantize(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """uint8 [..., row_bytes] of `qtype` blocks -> float32 [..., row_elems] (each row decoded independently);
-    Q6_K_LANES rows are put back in GGUF's order first."""
+    Q6_K_LANES rows and Q4_K_COLUMNS blocks (2-D) are put back in GGUF's order first."""
     if qtype == q6k_lanes.QTYPE:
         return dequantize(q6k_lanes.to_gguf(blocks), q6k_lanes.GGUF_QTYPE)
+    if qtype == q4k_columns.QTYPE:
+        return dequantize(q4k_columns.to_rows(blocks), q4k_columns.ROWS_QTYPE)
     fmt = block_format(qtype)
     if blocks.dtype != torch.uint8:
         raise TypeError(f"{qtype} blocks must be uint8, got {blocks.dtype}")

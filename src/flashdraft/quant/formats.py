@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flashdraft.quant import q6k_lanes
+from flashdraft.quant import q4k_columns, q6k_lanes
 
 
 class UnsupportedQuantType(ValueError):
@@ -47,5 +47,8 @@ def block_format(name: str) -> BlockFormat:
 
 
 def row_bytes(qtype: str, k: int) -> int:
-    """Bytes of a row of k weights held as qtype: GGUF's blocks, or the lane-order rows of Q6_K_LANES."""
-    return q6k_lanes.row_bytes(k) if qtype == q6k_lanes.QTYPE else block_format(qtype).row_bytes(k)
+    """Bytes of a row of k weights held as qtype: GGUF's blocks, the lane-order rows of Q6_K_LANES, or Q4_K's
+    row size for Q4_K_COLUMNS (the same bytes, super-block-major)."""
+    if qtype == q6k_lanes.QTYPE:
+        return q6k_lanes.row_bytes(k)
+    return block_format(q4k_columns.ROWS_QTYPE if qtype == q4k_columns.QTYPE else qtype).row_bytes(k)

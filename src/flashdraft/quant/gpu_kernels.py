@@ -1,5 +1,5 @@
 """The GPU product of x with GGUF blocks that QuantLinear calls: one op to torch.compile'd code (opaque_op), which
-takes the CUDA tensor-core kernel where it applies (Q4_K, Q5_K, Q6_K;
+takes the CUDA tensor-core kernel where it applies (Q4_K, also super-block-major, Q5_K, Q6_K;
 bf16 x of at most 16 rows: decoding and speculative verify), a dequantized copy and cuBLAS for passes of many rows
 (prefill; gguf_triton.dequantizes), and the Triton kernels otherwise (other types, fp32, short passes)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from flashdraft.kernels import gguf_triton
 from flashdraft.kernels.runtime import opaque_op
-from flashdraft.quant import mma_kernels
+from flashdraft.quant import mma_kernels, q4k_columns
 
 
 def _output_like(x, blocks, out_features, qtype, residual=None):
@@ -21,6 +21,8 @@ def _quant_matmul(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtyp
     """x @ W^T (+ residual: the CUDA kernel adds it in its store, the others after, the same bits)."""
     if mma_kernels.supported(x, blocks, out_features, qtype):
         return mma_kernels.launch(x, blocks, out_features, qtype, residual=residual)
+    if qtype == q4k_columns.QTYPE:  # the Triton kernels read GGUF's row order (a copy: off the decoding path)
+        blocks, qtype = q4k_columns.to_rows(blocks), q4k_columns.ROWS_QTYPE
     if gguf_triton.dequantizes(x.numel() // max(x.shape[-1], 1), out_features, x.shape[-1], x.dtype):
         y = gguf_triton.dequantize_matmul(x, blocks, qtype)
     else:
@@ -37,7 +39,7 @@ def _matmul(qtype: str):
     return matmul
 
 
-KERNELS = {name: _matmul(name) for name in gguf_triton.QTYPE_CODES}
+KERNELS = {name: _matmul(name) for name in (*gguf_triton.QTYPE_CODES, q4k_columns.QTYPE)}
 
 
 def _experts_output_like(x, blocks, experts, qtype):

@@ -1,8 +1,10 @@
 // GGUF k-quant weights (Q4_K, Q5_K, Q6_K) times 1-16 rows of bf16 x on the tensor cores, from register fragments
 // (no block barriers). Compiled at first use by NVRTC (flashdraft.quant.mma_kernels): kq_mma with QTYPE (4, 5 or 6),
-// R_TILES, NT, WARPS, MINB and STAGES defined in front of this text, once per type and tiling.
+// COLUMNS (0 or 1), CHUNK_ROWS, R_TILES, NT, WARPS, MINB and STAGES defined in front of this text, once per type and
+// tiling.
 //
-// W: GGUF blocks, row-major uint8 [N, K / 256 * BLOCK_BYTES] (Q6_K: lane-order rows, row_stride bytes apart). X: bf16
+// W: GGUF blocks, row-major uint8 [N, K / 256 * BLOCK_BYTES] (Q6_K: lane-order rows, row_stride bytes apart; Q4_K
+// with COLUMNS: super-block-major, row_offset / sb_offset). X: bf16
 // [M, K], M <= 8 * NT. With one K range (gridDim.y 1) the kernel rounds its sums to bf16 into Y [M, N]. With several (a
 // split), each warp writes its range's sums into P, float32 [split, M, N], and counts itself in C[its warp column]
 // (uint32, zero between launches); the warp that counts last for its rows adds their split sums in range order 0, 1,
@@ -165,6 +167,25 @@ __device__ __forceinline__ size_t row_stride(int nsb) {
 #endif
 }
 
+// Where Q4_K / Q5_K weight row `row`'s super-block sb starts: W + row_offset(row) + sb_offset(sb). In GGUF's order
+// (COLUMNS 0) rows lie row_stride apart, a row's super-blocks one after the other. Super-block-major in chunks of
+// CHUNK_ROWS rows (COLUMNS 1: Q4_K_COLUMNS, flashdraft.quant.q4k_columns), [N / CHUNK_ROWS][nsb][CHUNK_ROWS]
+// [BLOCK_BYTES]: a chunk's super-blocks at one K position lie one after the other, so that the warps, which move
+// through K together, read long stretches of memory in order.
+#if COLUMNS && QTYPE != 4
+#error "only Q4_K comes super-block-major (COLUMNS 1)"
+#endif
+__device__ __forceinline__ size_t row_offset(int row, int nsb) {
+#if COLUMNS
+    return (size_t)(row / CHUNK_ROWS) * CHUNK_ROWS * row_stride(nsb) + (size_t)(row % CHUNK_ROWS) * BLOCK_BYTES;
+#else
+    return (size_t)row * row_stride(nsb);
+#endif
+}
+__device__ __forceinline__ size_t sb_offset(int sb) {
+    return (size_t)sb * (COLUMNS ? CHUNK_ROWS : 1) * BLOCK_BYTES;
+}
+
 // The warp's sums at zero, and where this lane reads x: token g + 8 nt's row (a row of zeros past M), from `col`.
 __device__ __forceinline__ void start_sums(float (&tot)[R_TILES][NT][4], const u16 *(&xrow)[NT], bool (&xok)[NT],
                                            const u16 *__restrict__ X, int M, int K, int g, int col) {
@@ -270,9 +291,16 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
     if (tile0 * 16 >= N) return;
     const int sb0 = blockIdx.y * sb_per_split;
     const int K = nsb * 256;
+#if COLUMNS  // a lane a tile's first super-blocks (a tile's 16 rows of one lie together), while earlier kernels run
+    for (int i = lane; i < R_TILES * prefetch_sb; i += 32)
+        if ((tile0 + i % R_TILES) * 16 < N)
+            prefetch_l2(W + sb_offset(sb0 + i / R_TILES) + row_offset((tile0 + i % R_TILES) * 16, nsb),
+                        16 * BLOCK_BYTES);
+#else
     for (int i = lane; i < R_TILES * 16 && prefetch_sb > 0; i += 32)  // a lane a row, while earlier kernels run
         prefetch_l2(W + (size_t)min(tile0 * 16 + i, N - 1) * row_stride(nsb) + (size_t)sb0 * BLOCK_BYTES,
                     (size_t)prefetch_sb * BLOCK_BYTES);
+#endif
 
     float tot[R_TILES][NT][4];
     const u16 *xrow[NT];
@@ -365,7 +393,7 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
     for (int r = 0; r < R_TILES; ++r)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
-            rowp[r][hh] = W + (size_t)min((tile0 + r) * 16 + g + 8 * hh, N - 1) * row_stride(nsb);
+            rowp[r][hh] = W + row_offset(min((tile0 + r) * 16 + g + 8 * hh, N - 1), nsb);
 #endif
 
 #if STAGES > 0
@@ -381,7 +409,7 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
     for (int t = 0; t < CHUNKS; ++t) {
         const int i = lane + 32 * t, row = i / ROW_CHUNKS, col = i % ROW_CHUNKS;
         con[t] = i < R_TILES * 16 * ROW_CHUNKS;
-        csrc[t] = W + (size_t)min(tile0 * 16 + (con[t] ? row : 0), N - 1) * row_stride(nsb) + 16 * col;
+        csrc[t] = W + row_offset(min(tile0 * 16 + (con[t] ? row : 0), N - 1), nsb) + 16 * col;
         cdst[t] = ring_addr + row * ROWB + 16 * col;
     }
     const int sb_end = sb0 + sb_per_split;
@@ -389,7 +417,7 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
     for (int s = 0; s < STAGES - 1; ++s) {
 #pragma unroll
         for (int t = 0; t < CHUNKS; ++t)
-            cp_async16(cdst[t] + s * STAGE_BYTES, csrc[t] + (size_t)(sb0 + s) * BLOCK_BYTES,
+            cp_async16(cdst[t] + s * STAGE_BYTES, csrc[t] + sb_offset(sb0 + s),
                        con[t] && sb0 + s < sb_end);
         cp_async_commit();
     }
@@ -409,7 +437,7 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
             const int ahead = sb + STAGES - 1, slot = (stage + STAGES - 1) % STAGES;
 #pragma unroll
             for (int t = 0; t < CHUNKS; ++t)
-                cp_async16(cdst[t] + slot * STAGE_BYTES, csrc[t] + (size_t)ahead * BLOCK_BYTES,
+                cp_async16(cdst[t] + slot * STAGE_BYTES, csrc[t] + sb_offset(ahead),
                            con[t] && ahead < sb_end);
             cp_async_commit();
         }
@@ -430,7 +458,7 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
         for (int r = 0; r < R_TILES; ++r)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
-                const unsigned char *blk = rowp[r][hh] + sb * BLOCK_BYTES;
+                const unsigned char *blk = rowp[r][hh] + sb_offset(sb);
                 hdr[r][hh] = __ldg((const uint4 *)blk);
 #if QTYPE == 5
                 qh[r][hh] = __ldg((const uint2 *)(blk + 16 + 8 * c));

@@ -1,9 +1,11 @@
 """Linear and Embedding layers whose weights stay in their GGUF blocks (uint8), bit-faithful to the file.
 
 The blocks are the only copy of a weight. GGUF's Q6_K blocks are re-laid out as they come in (Q6_K_LANES,
-flashdraft.quant.q6k_lanes: the same bytes in the order the GPU kernels load them); the other types stay as the
-file has them. A forward dequantizes them per call (CPU, and any type without a GPU kernel) and runs an ordinary
-matmul, so the result is exactly that of an nn.Linear holding the dequantized weight. On CUDA, `gpu_matmul` may
+flashdraft.quant.q6k_lanes: the same bytes in the order the GPU kernels load them), and so are a projection's Q4_K
+blocks of whole 256-row chunks (Q4_K_COLUMNS, flashdraft.quant.q4k_columns: super-block-major, for the CUDA kernel's
+reads); the other types stay as the file has them. A forward dequantizes them per call (CPU, and any type without
+a GPU kernel) and runs an ordinary matmul, so the result is exactly that of an nn.Linear holding the dequantized
+weight. On CUDA, `gpu_matmul` may
 supply a kernel that reads the blocks directly; it must compute the same product, batch-invariantly, for plain
 decoding and speculative verify to agree.
 """
@@ -13,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashdraft.quant import q6k_lanes
+from flashdraft.quant import q4k_columns, q6k_lanes
 from flashdraft.quant.dequant import dequantize
 from flashdraft.quant.formats import row_bytes
 
@@ -35,23 +37,30 @@ def gpu_matmul(qtype: str, device: torch.device):
     return gpu_kernels.KERNELS.get(qtype)
 
 
-def _stored_blocks(blocks: torch.Tensor, qtype: str, row_elems: int) -> tuple[torch.Tensor, str]:
-    """The blocks as a module keeps them, and their type: checked, and Q6_K put in lane order."""
+def _stored_blocks(blocks: torch.Tensor, qtype: str, row_elems: int,
+                   by_columns: bool = False) -> tuple[torch.Tensor, str]:
+    """The blocks as a module keeps them, and their type: checked, Q6_K put in lane order, and with by_columns Q4_K
+    of whole chunks of rows put super-block-major."""
     expected = (blocks.shape[0], row_bytes(qtype, row_elems))
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or tuple(blocks.shape) != expected:
         raise ValueError(f"{qtype} blocks must be uint8 {list(expected)}, got {blocks.dtype} {list(blocks.shape)}")
+    if qtype == q4k_columns.QTYPE and not q4k_columns.fits(blocks.shape[0]):
+        raise ValueError(f"{qtype} blocks come in chunks of {q4k_columns.CHUNK_ROWS} rows, got {blocks.shape[0]} rows")
+    if by_columns and qtype == q4k_columns.ROWS_QTYPE and q4k_columns.fits(blocks.shape[0]):
+        return q4k_columns.from_rows(blocks), q4k_columns.QTYPE
     kept = q6k_lanes.kept_qtype(qtype)
     return (blocks if kept == qtype else q6k_lanes.from_gguf(blocks)), kept
 
 
 class QuantLinear(nn.Module):
     """y = x W^T (+ b) with W [out_features, in_features] held as GGUF blocks uint8 [out_features, row_bytes]
-    (qtype: the file's type, or Q6_K_LANES for rows already in lane order; self.qtype is the type kept)."""
+    (qtype: the file's type, or Q6_K_LANES / Q4_K_COLUMNS for blocks already so laid out; self.qtype is the type
+    kept). by_columns False keeps Q4_K rows in GGUF's order: blocks that an embedding shares (a tied LM head)."""
 
     def __init__(self, blocks: torch.Tensor, qtype: str, in_features: int, dtype: torch.dtype,
-                 bias: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, by_columns: bool = True):
         super().__init__()
-        blocks, self.qtype = _stored_blocks(blocks, qtype, in_features)
+        blocks, self.qtype = _stored_blocks(blocks, qtype, in_features, by_columns)
         self.in_features, self.out_features = in_features, blocks.shape[0]
         self.dtype = dtype  # the compute dtype: activations and the dequantized weight
         self.register_buffer("blocks", blocks)

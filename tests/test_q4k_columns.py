@@ -84,3 +84,19 @@ def test_an_embedding_and_its_tied_lm_head_keep_gguf_order_and_share_the_blocks(
     tie_lm_head(model, 512, torch.float32)
     assert emb.qtype == model.lm_head.qtype == "Q4_K" and model.lm_head.blocks is emb.blocks
     assert torch.equal(emb(torch.tensor([7])), model.lm_head.weight[7:8])
+
+
+def test_parts_of_whole_chunks_and_others_fuse_in_gguf_order():
+    """A q of whole chunks (super-block-major) and k / v that are not (GGUF's order) are still one product: the
+    fused weight in GGUF's order, the parts views of it of its type, every weight as before."""
+    from flashdraft.layers.skinny_gemm import fuse_rows
+
+    parts = [QuantLinear(_rows(n, 2, seed=s), "Q4_K", 512, torch.float32) for s, n in ((8, CHUNK), (9, 128),
+                                                                                       (10, 128))]
+    assert [p.qtype for p in parts] == [q4k_columns.QTYPE, "Q4_K", "Q4_K"]
+    weights = [p.weight.clone() for p in parts]
+    fused = fuse_rows(parts)
+    assert fused.qtype == "Q4_K" and all(p.qtype == "Q4_K" for p in parts)
+    assert torch.equal(fused.weight, torch.cat(weights))
+    assert all(torch.equal(p.weight, w) for p, w in zip(parts, weights))
+    assert parts[1].blocks.data_ptr() == fused.blocks[CHUNK:].data_ptr()

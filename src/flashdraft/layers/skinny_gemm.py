@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashdraft.kernels.runtime import gpu_sm_count, opaque_op
+from flashdraft.quant import q4k_columns
 from flashdraft.quant.linear import QuantLinear
 
 
@@ -327,7 +328,8 @@ def fuse_rows(parts: list[nn.Module]) -> nn.Module | None:
     instead of one per part), the parts' weights becoming views of its own, so no memory is added; None where the
     parts cannot be one: plain Linear layers of one input size, dtype and max_rows, all with a bias or none, or
     QuantLinear layers without bias of one GGUF type, input size and compute dtype (a type mix, as Q4_K_S files
-    give some layers, stays apart)."""
+    give some layers, stays apart; Q4_K parts kept super-block-major and in GGUF's order are one type: the fused
+    weight in GGUF's order, since a part that is not whole chunks cannot be a view of a super-block-major one)."""
     first, biased = parts[0], parts[0].bias is not None
     if all(type(p) is Linear and (p.bias is not None) == biased and p.in_features == first.in_features
            and p.weight.dtype == first.weight.dtype and p.max_rows == first.max_rows for p in parts):
@@ -337,9 +339,15 @@ def fuse_rows(parts: list[nn.Module]) -> nn.Module | None:
         if biased:
             fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
         names = ["weight", "bias"] if biased else ["weight"]
-    elif all(type(p) is QuantLinear and p.bias is None and (p.qtype, p.in_features, p.dtype)
-             == (first.qtype, first.in_features, first.dtype) for p in parts):
-        fused = QuantLinear(torch.cat([p.blocks for p in parts]), first.qtype, first.in_features, first.dtype)
+    elif all(type(p) is QuantLinear and p.bias is None and (q4k_columns.file_type(p.qtype), p.in_features, p.dtype)
+             == (q4k_columns.file_type(first.qtype), first.in_features, first.dtype) for p in parts):
+        # Q4_K parts of whole 256-row chunks (super-block-major) beside others (GGUF's order): all in GGUF's order,
+        # the parts then of the fused weight's type
+        qtype = first.qtype if all(p.qtype == first.qtype for p in parts) else q4k_columns.ROWS_QTYPE
+        blocks = [p.blocks if p.qtype == qtype else q4k_columns.to_rows(p.blocks) for p in parts]
+        fused = QuantLinear(torch.cat(blocks), qtype, first.in_features, first.dtype, by_columns=False)
+        for p in parts:
+            p.qtype = qtype
         names = ["blocks"]
     else:
         return None

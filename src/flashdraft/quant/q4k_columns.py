@@ -33,6 +33,11 @@ BLOCK_BYTES = 144
 CHUNK_ROWS = 256
 
 
+def file_type(qtype: str) -> str:
+    """The GGUF type of blocks kept as qtype: Q4_K for Q4_K_COLUMNS, else qtype."""
+    return ROWS_QTYPE if qtype == QTYPE else qtype
+
+
 def fits(rows: int) -> bool:
     """Whether a Q4_K weight of this many rows is stored super-block-major (a whole number of chunks)."""
     return rows > 0 and rows % CHUNK_ROWS == 0

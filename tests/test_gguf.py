@@ -16,7 +16,7 @@ from flashdraft.config import ConfigError, ModelConfig, SamplingParams
 from flashdraft.engine.generator import Engine
 from flashdraft.models import load_model, load_target
 from flashdraft.loading.checkpoint import CheckpointError
-from flashdraft.quant import QuantEmbedding, QuantLinear, UnsupportedQuantType, q6k_lanes
+from flashdraft.quant import QuantEmbedding, QuantLinear, UnsupportedQuantType, q4k_columns, q6k_lanes
 from tiny_models import build_drafter, build_target
 
 LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -331,6 +331,8 @@ def test_quantized_gguf_is_the_dequantized_model(request, tmp_path, case, ids):
     # The weights stay in their blocks.
     q = model.model.layers[0].self_attn.q_proj
     kept = q6k_lanes.kept_qtype(qtype_of("blk.1.attn_q.weight"))  # Q6_K: in lane order
+    if kept == "Q4_K" and q.out_features % q4k_columns.CHUNK_ROWS == 0:  # whole chunks: super-block-major
+        kept = q4k_columns.QTYPE
     assert isinstance(q, QuantLinear) and q.blocks.dtype == torch.uint8 and q.qtype == kept
     assert isinstance(model.model.embed_tokens, QuantEmbedding) and isinstance(model.lm_head, QuantLinear)
     ours = _logits(model, ids)

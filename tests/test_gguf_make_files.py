@@ -16,7 +16,7 @@ import torch
 from flashdraft.config import SamplingParams
 from flashdraft.engine.generator import Engine
 from flashdraft.loading.gguf import GGUFFile
-from flashdraft.quant import QuantEmbedding, QuantLinear, dequantize, q6k_lanes
+from flashdraft.quant import QuantEmbedding, QuantLinear, dequantize, q4k_columns, q6k_lanes
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = Path(os.environ.get("FLASHDRAFT_LLAMACPP_BENCH", ROOT.parent / "shared" / "llamacpp-bench"))
@@ -78,7 +78,8 @@ def test_make_gguf_files_load_and_generate(mg, files, shape, ftype):
     g = GGUFFile(path)
     quant = {m.blocks.data_ptr(): m for m in target.modules() if isinstance(m, (QuantLinear, QuantEmbedding))}
     want = {q for q in plan.values() if q not in ("F32", "BF16")}
-    assert {m.qtype for m in quant.values()} == {q6k_lanes.kept_qtype(q) for q in want}  # Q6_K: in lane order
+    # Q6_K in lane order, Q4_K of whole 256-row chunks super-block-major (Q4_K_COLUMNS)
+    assert {q4k_columns.file_type(m.qtype) for m in quant.values()} == {q6k_lanes.kept_qtype(q) for q in want}
     emb = target.model.embed_tokens
     if plan["token_embd.weight"] in ("F32", "BF16"):
         assert not quant and emb.weight.dtype == torch.float32
@@ -92,7 +93,7 @@ def test_make_gguf_files_load_and_generate(mg, files, shape, ftype):
         counts[q] = counts.get(q, 0) + 1
     blocks = {}
     for m in quant.values():
-        blocks[m.qtype] = blocks.get(m.qtype, 0) + 1
+        blocks[q4k_columns.file_type(m.qtype)] = blocks.get(q4k_columns.file_type(m.qtype), 0) + 1
     for q in want:  # a tied head shares the embedding's blocks: one tensor in the file, one set of blocks here
         assert blocks[q6k_lanes.kept_qtype(q)] == counts[q], (q, blocks, counts)
 

@@ -342,16 +342,14 @@ def _field_to_f32(bits, offset: tl.constexpr, B: tl.constexpr):
 
 
 @triton.jit
-def _q45_k_words(row, sb, w_mask, FIVE_BIT: tl.constexpr):
-    """Super-block sb of Q4_K/Q5_K rows (row: [BLOCK_N, 1, 1] uint8 row pointers) as int32 words, as _q45_k_packed
-    describes: d and dmin as float32, the three scale words, the nibble words [BLOCK_N, 4 (g), 8 (word)] and the
-    same shifted down by 16 (bytes 2, 3), and for Q5_K the fifth bits put where each (byte p, nibble h) finds
-    them (qh, and shifted down by 16: qh_hi; zeros for Q4_K)."""
+def _q45_k_words(base, w_mask, FIVE_BIT: tl.constexpr):
+    """One Q4_K/Q5_K super-block of each row (base: [BLOCK_N, 1, 1] uint8 pointers to it) as int32 words, as
+    _q45_k_packed describes: d and dmin as float32, the three scale words, the nibble words [BLOCK_N, 4 (g), 8
+    (word)] and the same shifted down by 16 (bytes 2, 3), and for Q5_K the fifth bits put where each (byte p,
+    nibble h) finds them (qh, and shifted down by 16: qh_hi; zeros for Q4_K)."""
     if FIVE_BIT:
-        base = row + sb * 176
         qs = (base + 48).to(tl.pointer_type(tl.int32))
     else:
-        base = row + sb * 144
         qs = (base + 16).to(tl.pointer_type(tl.int32))
     hdr = base.to(tl.pointer_type(tl.int32))
     w0 = tl.load(hdr, mask=w_mask, other=0)
@@ -422,7 +420,8 @@ def _q45_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, FIVE_BIT: tl.cons
     256 sb + 32d + 8g + w, so x_rows points into the permuted x. Bytes 2 and 3 are taken from the words shifted
     down by 16, so every nibble is masked where it lies (bit B = 8 (p % 2) + 4h, <= 12) and converted by
     _field_to_f32, its scale times 2**-B."""
-    d, dmin, sc_w, mn_w, hi_w, words, words_hi, qh, qh_hi = _q45_k_words(row, sb, w_mask, FIVE_BIT)
+    base = row + sb * (176 if FIVE_BIT else 144)
+    d, dmin, sc_w, mn_w, hi_w, words, words_hi, qh, qh_hi = _q45_k_words(base, w_mask, FIVE_BIT)
     c = tl.arange(0, 32)
     for h in tl.static_range(2):
         dl, ml = _q45_k_scales(d, dmin, sc_w, mn_w, hi_w, h)
@@ -560,19 +559,26 @@ def row_bytes(qtype: str, k: int) -> int:
 
 
 @triton.jit
-def _dequantize_q45_kernel(w_ptr, out_ptr, N, row_bytes, magic, FIVE_BIT: tl.constexpr, BLOCK_N: tl.constexpr,
-                           UPCAST: tl.constexpr):
+def _dequantize_q45_kernel(w_ptr, out_ptr, N, row_bytes, magic, FIVE_BIT: tl.constexpr, CHUNK_ROWS: tl.constexpr,
+                           BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
     """out[rows, super-block] = the Q4_K/Q5_K weights of BLOCK_N rows and one super-block (program axis 1), read as
     the packed kernel reads them (words: no byte loads) and written in K order: the four bytes p of each word
     (nibble h) are joined into [BLOCK_N, 4 (g), 32] runs at K = 64g + 32h + 0..31. The same fp32 formulas as
-    _decode_tile_2d, cast to out's dtype."""
+    _decode_tile_2d, cast to out's dtype. CHUNK_ROWS 0: GGUF's rows; else the blocks are super-block-major in
+    chunks of that many rows (row n's super-block sb at (n // C) * C * row_bytes + (sb * C + n % C) * bytes)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     sb = tl.program_id(1)
     n_ok = (rn < N)[:, None, None]
-    row = w_ptr + (rn.to(tl.int64) * row_bytes)[:, None, None]
-    d, dmin, sc_w, mn_w, hi_w, words, words_hi, qh, qh_hi = _q45_k_words(row, sb, n_ok, FIVE_BIT)
+    sb_bytes: tl.constexpr = 176 if FIVE_BIT else 144
+    n64 = rn.to(tl.int64)
+    if CHUNK_ROWS:
+        base = w_ptr + ((n64 // CHUNK_ROWS) * CHUNK_ROWS * row_bytes + (sb * CHUNK_ROWS + n64 % CHUNK_ROWS)
+                        * sb_bytes)[:, None, None]
+    else:
+        base = w_ptr + (n64 * row_bytes + sb * sb_bytes)[:, None, None]
+    d, dmin, sc_w, mn_w, hi_w, words, words_hi, qh, qh_hi = _q45_k_words(base, n_ok, FIVE_BIT)
     col = 64 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 32)[None, None, :]    # [1, 4, 32]
-    out_rows = out_ptr + (rn.to(tl.int64) * (row_bytes // (176 if FIVE_BIT else 144) * 256))[:, None, None]
+    out_rows = out_ptr + (n64 * (row_bytes // sb_bytes * 256))[:, None, None]
     for h in tl.static_range(2):
         dl, ml = _q45_k_scales(d, dmin, sc_w, mn_w, hi_w, h)
         t_lo = qh << (3 * h + 4)
@@ -752,15 +758,20 @@ def dequantizes(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
     return m >= DEQUANT_MIN_ROWS and n * k * torch.finfo(dtype).bits // 8 <= DEQUANT_MAX_BYTES
 
 
-def dequantize(blocks: torch.Tensor, qtype: str, k: int, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(blocks: torch.Tensor, qtype: str, k: int, dtype: torch.dtype, chunk_rows: int = 0) -> torch.Tensor:
     """The weights [N, k] of `qtype` blocks (uint8 [N, row_bytes]) in dtype: the fp32 values of
-    flashdraft.quant.dequant, rounded once to dtype (as QuantLinear.weight). One kernel, no host sync."""
+    flashdraft.quant.dequant, rounded once to dtype (as QuantLinear.weight). One kernel, no host sync.
+    chunk_rows > 0: Q4_K/Q5_K blocks super-block-major in chunks of that many rows (quant.q4k_columns), read where
+    they lie (a prefill's product no longer copies them back to GGUF's order first)."""
     n = blocks.shape[0]
     elems = 256 if qtype in K_QUANTS else 32
     nbytes = row_bytes(qtype, k)
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or k % elems or blocks.shape[1] != nbytes:
         raise ValueError(f"{qtype} blocks of {k} weights a row must be uint8 [N, {nbytes}], "
                          f"got {blocks.dtype} {list(blocks.shape)}")
+    if chunk_rows and (qtype not in ("Q4_K", "Q5_K") or chunk_rows < 0 or n % chunk_rows):
+        raise ValueError(f"blocks in chunks of {chunk_rows} rows must be Q4_K or Q5_K with a whole number of chunks, "
+                         f"got {qtype} of {n} rows")
     if blocks.stride(1) != 1 or blocks.stride(0) != blocks.shape[1]:
         blocks = blocks.contiguous()
     out = torch.empty((n, k), dtype=dtype, device=blocks.device)
@@ -769,8 +780,8 @@ def dequantize(blocks: torch.Tensor, qtype: str, k: int, dtype: torch.dtype) -> 
         if blocks.data_ptr() % 4:
             blocks = blocks.clone()
         _dequantize_q45_kernel[(triton.cdiv(n, block_n), k // 256)](
-            blocks, out, n, blocks.shape[1], 0x4B000000, FIVE_BIT=qtype == "Q5_K", BLOCK_N=block_n,
-            UPCAST=_interpreting(), num_warps=4)
+            blocks, out, n, blocks.shape[1], 0x4B000000, FIVE_BIT=qtype == "Q5_K", CHUNK_ROWS=chunk_rows,
+            BLOCK_N=block_n, UPCAST=_interpreting(), num_warps=4)
         return out
     if qtype == "Q6_K_LANES":  # the half-words of the packed decode, written in K order
         if blocks.data_ptr() % 2:
@@ -785,7 +796,7 @@ def dequantize(blocks: torch.Tensor, qtype: str, k: int, dtype: torch.dtype) -> 
     return out
 
 
-def dequantize_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+def dequantize_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str, chunk_rows: int = 0) -> torch.Tensor:
     """y = x @ W^T through a dequantized copy of W in x's dtype (freed on return) and F.linear: for passes of
-    many rows (dequantizes)."""
-    return torch.nn.functional.linear(x, dequantize(blocks, qtype, x.shape[-1], x.dtype))
+    many rows (dequantizes); chunk_rows as dequantize's."""
+    return torch.nn.functional.linear(x, dequantize(blocks, qtype, x.shape[-1], x.dtype, chunk_rows))

@@ -21,12 +21,13 @@ def _quant_matmul(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtyp
     """x @ W^T (+ residual: the CUDA kernel adds it in its store, the others after, the same bits)."""
     if mma_kernels.supported(x, blocks, out_features, qtype):
         return mma_kernels.launch(x, blocks, out_features, qtype, residual=residual)
-    if qtype == q4k_columns.QTYPE:  # the Triton kernels read GGUF's row order (a copy: off the decoding path)
-        blocks, qtype = q4k_columns.to_rows(blocks), q4k_columns.ROWS_QTYPE
+    chunk_rows = 0
+    if qtype == q4k_columns.QTYPE:
+        qtype, chunk_rows = q4k_columns.ROWS_QTYPE, q4k_columns.CHUNK_ROWS
     if gguf_triton.dequantizes(x.numel() // max(x.shape[-1], 1), out_features, x.shape[-1], x.dtype):
-        y = gguf_triton.dequantize_matmul(x, blocks, qtype)
-    else:
-        y = gguf_triton.launch(x, blocks, out_features, qtype)
+        y = gguf_triton.dequantize_matmul(x, blocks, qtype, chunk_rows)  # reads the chunks where they lie
+    else:  # the Triton product reads GGUF's row order (a copy: off the decoding path)
+        y = gguf_triton.launch(x, q4k_columns.to_rows(blocks) if chunk_rows else blocks, out_features, qtype)
     return y if residual is None else y + residual
 
 

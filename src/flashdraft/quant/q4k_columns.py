@@ -20,8 +20,9 @@ order (Q4_K).
 
 The tensor keeps the row-major one's shape, uint8 [N, nsb * 144], so a QuantLinear's sizes read as before; rows
 may be sliced only at chunk boundaries and never gathered (an embedding keeps GGUF's order). The CUDA tensor-core
-kernel reads the layout itself (kquant_mma.cu, COLUMNS); dequantization and the Triton kernels put the rows back
-first (to_rows).
+kernel (kquant_mma.cu, COLUMNS) and the GPU dequantization of prefill passes (gguf_triton.dequantize, chunk_rows)
+read the layout where it lies; the Triton product kernels and the CPU dequantization put the rows back first
+(to_rows).
 """
 from __future__ import annotations
 

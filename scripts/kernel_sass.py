@@ -1,6 +1,7 @@
 """Fingerprints of the quantized-matmul, skinny-GEMM and decode-attention Triton kernels' sm_90 machine code,
-compiled offline (no GPU needed): for each quant type and decode form, for the skinny GEMM's fusion and
-operand-order variants, and for each adopted attention tiling, the instruction count, a hash of the instructions
+compiled offline (no GPU needed): for each quant type and decode form (and Q4_K blocks in 256-row chunks, and the
+Q4_K/Q5_K dequantization of prefill passes), for the skinny GEMM's fusion and operand-order variants, and for each
+adopted attention tiling, the instruction count, a hash of the instructions
 (addresses and line information left out), and registers a thread, stack and shared memory. Run it on two
 checkouts and compare: identical fingerprints show that a change to the kernels' source (a helper factored out, a
 rename) changed no instruction, so it cannot change their speed; and a tiling's registers say how many of its
@@ -44,6 +45,7 @@ from flashdraft.layers import skinny_gemm as sg  # noqa: E402
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 POINTERS = {"x_ptr": "*bf16", "w_ptr": "*u8", "y_ptr": "*bf16", "p_ptr": "*fp32", "M": "i32", "N": "i32",
             "row_bytes": "i32", "stride_xm": "i32", "stride_ym": "i32"}
+DEQUANTIZE = {"w_ptr": "*u8", "out_ptr": "*bf16", "N": "i32", "row_bytes": "i32", "magic": "i32"}
 # Gemma-4-31B's K; the tilings the H200 runs (64 x 256 tiles, 4 warps, 3 stages)
 COMMON = dict(K=5376, IEEE=False, UPCAST=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, SPLIT_K=1, STEPS=21,
               EVEN_N=True, EVEN_K=True)
@@ -165,6 +167,12 @@ def main() -> int:
         if qtype in tk.K_QUANTS:
             out[f"{qtype} packed"] = fingerprint(tk._quant_matmul_packed_kernel, dict(POINTERS, magic="i32"),
                                                  dict(COMMON, QTYPE=code))
+    out["Q4_K packed, 256-row chunks"] = fingerprint(tk._quant_matmul_packed_kernel, dict(POINTERS, magic="i32"),
+                                                     dict(COMMON, QTYPE=tk.QTYPE_CODES["Q4_K"], CHUNK_ROWS=256))
+    for five_bit, chunk_rows in ((False, 0), (True, 0), (False, 256)):
+        out[f"{'Q5_K' if five_bit else 'Q4_K'} dequantize{', 256-row chunks' if chunk_rows else ''}"] = fingerprint(
+            tk._dequantize_q45_kernel, DEQUANTIZE, dict(FIVE_BIT=five_bit, CHUNK_ROWS=chunk_rows, BLOCK_N=32,
+                                                        UPCAST=False))
     out.update(skinny_fingerprints())
     out.update(attention_fingerprints(segmented=False))
     out.update(attention_fingerprints(segmented=True))

@@ -177,33 +177,44 @@ for qtype in ["Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K_LANE
     x = torch.randn(tk.DEQUANT_MIN_ROWS, k, generator=torch.Generator().manual_seed(1)).bfloat16()
     if not torch.equal(gpu_kernels.KERNELS[qtype](x, blocks, n), torch.nn.functional.linear(x, w.bfloat16())):
         failures.append((qtype, "the op's many-row pass is not F.linear on the dequantized weight"))
-# blocks super-block-major in chunks of rows (quant.q4k_columns): dequantized where they lie, the same bits as their
-# rows put back; chunks of 8 rows, so one 32-row program spans several; the op's many-row pass on a Q4_K_COLUMNS
-# weight takes that read, never a copy back to GGUF's order
-for qtype in ["Q4_K", "Q5_K"]:
-    rows = torch.from_numpy(random_blocks(qtype, rows=40, blocks_per_row=2, seed=6))
-    nsb, size = 2, 176 if qtype == "Q5_K" else 144
-    chunked = rows.reshape(5, 8, nsb, size).transpose(1, 2).contiguous().reshape(40, nsb * size)
-    if not torch.equal(tk.dequantize(chunked, qtype, 512, torch.bfloat16, chunk_rows=8),
-                       dequantize(rows, qtype).bfloat16()):
-        failures.append((qtype, "dequantize of 8-row chunks differs from dequantize of the rows"))
+# Q4_K blocks super-block-major in chunks of rows (quant.q4k_columns), read where they lie: dequantized, the same
+# bits as their rows; the packed product (17 rows: two M-tiles; a K split; a ragged N-tile), the same bits as on the
+# rows. Chunks of 8 rows, so one program's 32 or 64 rows span several. The op on a Q4_K_COLUMNS weight takes these
+# reads for a short pass and a prefill's, never a copy back to GGUF's order.
+rows = torch.from_numpy(random_blocks("Q4_K", rows=40, blocks_per_row=2, seed=6))
+chunked = rows.reshape(5, 8, 2, 144).transpose(1, 2).contiguous().reshape(40, 2 * 144)
+if not torch.equal(tk.dequantize(chunked, "Q4_K", 512, torch.bfloat16, chunk_rows=8),
+                   dequantize(rows, "Q4_K").bfloat16()):
+    failures.append(("dequantize of 8-row chunks differs from dequantize of the rows",))
+x = torch.randn(17, 512, generator=torch.Generator().manual_seed(2)).bfloat16()
+for cfg in (tk.QuantConfig(32, 256, 2, 4, 3, packed=True), tk.QuantConfig(64, 512, 1, 4, 1, packed=True)):
+    if not torch.equal(tk.launch(x, chunked, 40, "Q4_K", cfg, chunk_rows=8), tk.launch(x, rows, 40, "Q4_K", cfg)):
+        failures.append(("the packed product on 8-row chunks differs from the product on the rows", cfg.name))
 rows = torch.from_numpy(random_blocks("Q4_K", rows=q4k_columns.CHUNK_ROWS, blocks_per_row=2, seed=7))
-x = torch.randn(tk.DEQUANT_MIN_ROWS, 512, generator=torch.Generator().manual_seed(2)).bfloat16()
+w = dequantize(rows, "Q4_K").bfloat16()
+x = torch.randn(tk.DEQUANT_MIN_ROWS, 512, generator=torch.Generator().manual_seed(3)).bfloat16()
 to_rows = q4k_columns.to_rows
-q4k_columns.to_rows = lambda b: failures.append(("the many-row pass copied the chunks back",)) or to_rows(b)
-got = gpu_kernels.KERNELS[q4k_columns.QTYPE](x, q4k_columns.from_rows(rows), rows.shape[0])
+q4k_columns.to_rows = lambda b: failures.append(("a pass copied the chunks back",)) or to_rows(b)
+for m in (20, tk.DEQUANT_MIN_ROWS):
+    got = gpu_kernels.KERNELS[q4k_columns.QTYPE](x[:m], q4k_columns.from_rows(rows), rows.shape[0])
+    want = gpu_kernels.KERNELS["Q4_K"](x[:m], rows, rows.shape[0])
+    if not torch.equal(got, want) or (m >= tk.DEQUANT_MIN_ROWS and not torch.equal(got, torch.nn.functional.linear(
+            x[:m], w))):
+        failures.append(("the op's pass of", m, "rows on Q4_K_COLUMNS is not its pass on the rows"))
 q4k_columns.to_rows = to_rows
-if not torch.equal(got, torch.nn.functional.linear(x, dequantize(rows, "Q4_K").bfloat16())):
-    failures.append(("the op's many-row pass on Q4_K_COLUMNS is not F.linear on the dequantized weight",))
-for bad, args in (("Q8_0 in chunks", (torch.zeros(16, 34, dtype=torch.uint8), "Q8_0", 32, torch.bfloat16, 8)),
-                  ("12 rows in chunks of 8", (torch.zeros(12, 144, dtype=torch.uint8), "Q4_K", 256,
-                                              torch.bfloat16, 8))):
+for bad, call in (("Q5_K in chunks", lambda: tk.dequantize(torch.zeros(16, 176, dtype=torch.uint8), "Q5_K", 256,
+                                                            torch.bfloat16, 8)),
+                  ("12 rows in chunks of 8", lambda: tk.launch(torch.zeros(1, 256), torch.zeros(12, 144,
+                                                               dtype=torch.uint8), 12, "Q4_K", chunk_rows=8)),
+                  ("chunks for the per-element decode", lambda: tk.launch(
+                      torch.zeros(1, 256), torch.zeros(16, 144, dtype=torch.uint8), 16, "Q4_K",
+                      tk.QuantConfig(32, 256), chunk_rows=8))):
     try:
-        tk.dequantize(*args)
-        failures.append(("dequantize accepted " + bad,))
+        call()
+        failures.append(("accepted " + bad,))
     except ValueError as e:
-        if "whole number of chunks" not in str(e):
-            failures.append(("dequantize's chunk error", str(e)))
+        if "chunks of 8 rows" not in str(e) and "chunks of rows are read by the packed decode only" not in str(e):
+            failures.append(("the error for " + bad, str(e)))
 try:
     tk.dequantize(torch.zeros(8, 100, dtype=torch.uint8), "Q4_K", 256, torch.bfloat16)
     failures.append(("dequantize accepted blocks of the wrong size",))

@@ -187,17 +187,21 @@ def test_super_block_major_q4k_gives_the_bits_of_gguf_order(n, k, tiling):
     """The kernel reading Q4_K_COLUMNS blocks (chunks of 256 rows super-block-major) computes what it computes on
     GGUF's rows, bit for bit, with direct loads and through the shared-memory ring, one K range or several, and the
     measured tilings (24576 x 4096 and 6144 x 4096 ring their 9-16-row passes), for every M; and a QuantLinear's
-    prefill-sized pass (the dequantized path, the rows put back first) matches too."""
+    other passes on the GPU match too: 40 rows (the Triton product) and a prefill's 128 (the dequantized copy),
+    both reading the chunks where they lie."""
+    from flashdraft.kernels.gguf_triton import DEQUANT_MIN_ROWS
     from flashdraft.quant.linear import QuantLinear
 
     rows = torch.from_numpy(random_blocks("Q4_K", rows=n, blocks_per_row=k // 256, seed=7)).cuda()
     cols = q4k_columns.from_rows(rows)
-    x = torch.randn(40, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(8)).bfloat16()
+    x = torch.randn(DEQUANT_MIN_ROWS, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(8))
+    x = x.bfloat16()
     assert mma_kernels.supported(x[:16], cols, n, q4k_columns.QTYPE)
     for m in (1, 5, 9, 16):
         want = mma_kernels.launch(x[:m], rows, n, "Q4_K", tiling)
         assert torch.equal(mma_kernels.launch(x[:m], cols, n, q4k_columns.QTYPE, tiling), want), m
-    kept = QuantLinear(rows, "Q4_K", k, torch.bfloat16)
-    in_order = QuantLinear(rows, "Q4_K", k, torch.bfloat16, by_columns=False)
+    kept = QuantLinear(rows, "Q4_K", k, torch.bfloat16, by_columns=True)
+    in_order = QuantLinear(rows, "Q4_K", k, torch.bfloat16)
     assert kept.qtype == q4k_columns.QTYPE
-    assert torch.equal(kept(x), in_order(x)) and torch.equal(kept(x[:3]), in_order(x[:3]))
+    for m in (3, 40, DEQUANT_MIN_ROWS):
+        assert torch.equal(kept(x[:m]), in_order(x[:m])), m

@@ -342,14 +342,29 @@ def _field_to_f32(bits, offset: tl.constexpr, B: tl.constexpr):
 
 
 @triton.jit
-def _q45_k_words(base, w_mask, FIVE_BIT: tl.constexpr):
-    """One Q4_K/Q5_K super-block of each row (base: [BLOCK_N, 1, 1] uint8 pointers to it) as int32 words, as
+def _row_pointers(w_ptr, rn, row_bytes, BLOCK_BYTES: tl.constexpr, CHUNK_ROWS: tl.constexpr):
+    """[BLOCK_N, 1, 1] pointers to rows rn's first super-blocks (of BLOCK_BYTES): row n at n * row_bytes in GGUF's
+    order; with CHUNK_ROWS, super-block-major in chunks of that many rows (quant.q4k_columns), at
+    (n // CHUNK_ROWS) * CHUNK_ROWS * row_bytes + (n % CHUNK_ROWS) * BLOCK_BYTES, the next super-block
+    CHUNK_ROWS * BLOCK_BYTES on."""
+    n = rn.to(tl.int64)
+    if CHUNK_ROWS:
+        return w_ptr + ((n // CHUNK_ROWS) * CHUNK_ROWS * row_bytes + (n % CHUNK_ROWS) * BLOCK_BYTES)[:, None, None]
+    return w_ptr + (n * row_bytes)[:, None, None]
+
+
+@triton.jit
+def _q45_k_words(row, sb, w_mask, FIVE_BIT: tl.constexpr, SB_BYTES: tl.constexpr):
+    """Super-block sb of Q4_K/Q5_K rows (row: [BLOCK_N, 1, 1] uint8 pointers to each row's first super-block, the
+    next SB_BYTES on: 144/176 in GGUF's order, more where the blocks are super-block-major) as int32 words, as
     _q45_k_packed describes: d and dmin as float32, the three scale words, the nibble words [BLOCK_N, 4 (g), 8
     (word)] and the same shifted down by 16 (bytes 2, 3), and for Q5_K the fifth bits put where each (byte p,
     nibble h) finds them (qh, and shifted down by 16: qh_hi; zeros for Q4_K)."""
     if FIVE_BIT:
+        base = row + sb * SB_BYTES
         qs = (base + 48).to(tl.pointer_type(tl.int32))
     else:
+        base = row + sb * SB_BYTES
         qs = (base + 16).to(tl.pointer_type(tl.int32))
     hdr = base.to(tl.pointer_type(tl.int32))
     w0 = tl.load(hdr, mask=w_mask, other=0)
@@ -407,7 +422,7 @@ def _q45_k_field(words, words_hi, t_lo, t_hi, dl, ml, magic, h: tl.constexpr, p:
 
 @triton.jit
 def _q45_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, FIVE_BIT: tl.constexpr, BLOCK_N: tl.constexpr,
-                  IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                  IEEE: tl.constexpr, UPCAST: tl.constexpr, SB_BYTES: tl.constexpr):
     """acc += x[:, super-block sb] @ W[:, super-block sb]^T for Q4_K/Q5_K; row: [BLOCK_N, 1, 1] uint8 row pointers.
 
     Super-blocks are 144/176 bytes, so with 16-byte aligned rows (row_bytes is a multiple of 144/176, a multiple of
@@ -420,8 +435,7 @@ def _q45_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, FIVE_BIT: tl.cons
     256 sb + 32d + 8g + w, so x_rows points into the permuted x. Bytes 2 and 3 are taken from the words shifted
     down by 16, so every nibble is masked where it lies (bit B = 8 (p % 2) + 4h, <= 12) and converted by
     _field_to_f32, its scale times 2**-B."""
-    base = row + sb * (176 if FIVE_BIT else 144)
-    d, dmin, sc_w, mn_w, hi_w, words, words_hi, qh, qh_hi = _q45_k_words(base, w_mask, FIVE_BIT)
+    d, dmin, sc_w, mn_w, hi_w, words, words_hi, qh, qh_hi = _q45_k_words(row, sb, w_mask, FIVE_BIT, SB_BYTES)
     c = tl.arange(0, 32)
     for h in tl.static_range(2):
         dl, ml = _q45_k_scales(d, dmin, sc_w, mn_w, hi_w, h)
@@ -506,16 +520,18 @@ def _quant_matmul_packed_kernel(x_ptr, w_ptr, y_ptr, p_ptr, M, N, row_bytes, str
                                 K: tl.constexpr, QTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                 SPLIT_K: tl.constexpr, STEPS: tl.constexpr, EVEN_N: tl.constexpr,
-                                EVEN_K: tl.constexpr, e_ptr=None, stride_e=0, EXPERTS: tl.constexpr = False):
+                                EVEN_K: tl.constexpr, e_ptr=None, stride_e=0, EXPERTS: tl.constexpr = False,
+                                CHUNK_ROWS: tl.constexpr = 0):
     """_quant_matmul_kernel for the K-quants with the packed-word decode: K steps of BLOCK_K // 256 super-blocks,
     each added by _q45_k_packed / _q6_k_packed; the same grid, split and output as _quant_matmul_kernel. x_ptr is
-    the permuted x (`_packed_perm`), not x."""
+    the permuted x (`_packed_perm`), not x. CHUNK_ROWS: Q4_K blocks super-block-major in chunks of that many rows
+    (_row_pointers), read where they lie."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     rm, m_ok, w_ptr = _row_tile(pid_m, M, w_ptr, e_ptr, stride_e, BLOCK_M, EXPERTS)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row = w_ptr + (rn.to(tl.int64) * row_bytes)[:, None, None]
+    row = _row_pointers(w_ptr, rn, row_bytes, 144, CHUNK_ROWS)
     n_ok = (rn < N)[:, None, None]
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -533,7 +549,8 @@ def _quant_matmul_packed_kernel(x_ptr, w_ptr, y_ptr, p_ptr, M, N, row_bytes, str
             if QTYPE == 5:
                 acc = _q6_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, K // 256, BLOCK_N, IEEE, UPCAST)
             else:
-                acc = _q45_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, QTYPE == 4, BLOCK_N, IEEE, UPCAST)
+                acc = _q45_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, QTYPE == 4, BLOCK_N, IEEE, UPCAST,
+                                    (176 if QTYPE == 4 else 144) * (CHUNK_ROWS if CHUNK_ROWS else 1))
     _store_tile(acc, y_ptr, p_ptr, rm, rn, m_ok, M, N, stride_ym, pid_k, SPLIT_K, UPCAST)
 
 
@@ -569,16 +586,11 @@ def _dequantize_q45_kernel(w_ptr, out_ptr, N, row_bytes, magic, FIVE_BIT: tl.con
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     sb = tl.program_id(1)
     n_ok = (rn < N)[:, None, None]
-    sb_bytes: tl.constexpr = 176 if FIVE_BIT else 144
-    n64 = rn.to(tl.int64)
-    if CHUNK_ROWS:
-        base = w_ptr + ((n64 // CHUNK_ROWS) * CHUNK_ROWS * row_bytes + (sb * CHUNK_ROWS + n64 % CHUNK_ROWS)
-                        * sb_bytes)[:, None, None]
-    else:
-        base = w_ptr + (n64 * row_bytes + sb * sb_bytes)[:, None, None]
-    d, dmin, sc_w, mn_w, hi_w, words, words_hi, qh, qh_hi = _q45_k_words(base, n_ok, FIVE_BIT)
+    row = _row_pointers(w_ptr, rn, row_bytes, 176 if FIVE_BIT else 144, CHUNK_ROWS)
+    d, dmin, sc_w, mn_w, hi_w, words, words_hi, qh, qh_hi = _q45_k_words(
+        row, sb, n_ok, FIVE_BIT, (176 if FIVE_BIT else 144) * (CHUNK_ROWS if CHUNK_ROWS else 1))
     col = 64 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 32)[None, None, :]    # [1, 4, 32]
-    out_rows = out_ptr + (n64 * (row_bytes // sb_bytes * 256))[:, None, None]
+    out_rows = out_ptr + (rn.to(tl.int64) * (row_bytes // (176 if FIVE_BIT else 144) * 256))[:, None, None]
     for h in tl.static_range(2):
         dl, ml = _q45_k_scales(d, dmin, sc_w, mn_w, hi_w, h)
         t_lo = qh << (3 * h + 4)
@@ -657,16 +669,25 @@ def _packed_perm(qtype: str, k: int, device: torch.device) -> torch.Tensor:
 
 
 def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str,
-           config: QuantConfig | None = None) -> torch.Tensor:
+           config: QuantConfig | None = None, chunk_rows: int = 0) -> torch.Tensor:
     """y = x @ W^T for W [out_features, K] held as `qtype` blocks (uint8 [out_features, row_bytes]); y in x's
     dtype (bf16/fp16: tensor-core products of the weights rounded to that dtype; fp32: IEEE products).
     No host sync and no allocation besides the output (and the split-K workspace, and for the packed decode the
-    permuted x): safe in CUDA graphs."""
+    permuted x): safe in CUDA graphs. chunk_rows > 0: Q4_K blocks super-block-major in chunks of that many rows
+    (quant.q4k_columns), read where they lie by the packed decode."""
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[0] != out_features:
         raise ValueError(f"{qtype} blocks must be uint8 [{out_features}, row_bytes], got {blocks.dtype} "
                          f"{list(blocks.shape)}")
+    _check_chunks(qtype, out_features, chunk_rows)
     lead, k = x.shape[:-1], x.shape[-1]
-    return _run(x.reshape(-1, k), blocks, out_features, qtype, config).reshape(*lead, out_features)
+    return _run(x.reshape(-1, k), blocks, out_features, qtype, config, chunk_rows=chunk_rows).reshape(*lead,
+                                                                                                       out_features)
+
+
+def _check_chunks(qtype: str, n: int, chunk_rows: int) -> None:
+    if chunk_rows and (qtype != "Q4_K" or chunk_rows < 0 or n % chunk_rows):
+        raise ValueError(f"blocks in chunks of {chunk_rows} rows must be Q4_K with a whole number of chunks, "
+                         f"got {qtype} of {n} rows")
 
 
 MAX_EXPERT_ROWS = 65535  # the grid's third axis, a program a row
@@ -698,8 +719,9 @@ def launch_experts(x: torch.Tensor, blocks: torch.Tensor, experts: torch.Tensor,
 
 
 def _run(x2: torch.Tensor, blocks: torch.Tensor, n: int, qtype: str, config: QuantConfig | None,
-         experts: torch.Tensor | None = None) -> torch.Tensor:
-    """x2 [M, K] times the blocks of one [n, K] weight (blocks 2-D), or of row m's expert (3-D, experts [M])."""
+         experts: torch.Tensor | None = None, chunk_rows: int = 0) -> torch.Tensor:
+    """x2 [M, K] times the blocks of one [n, K] weight (blocks 2-D; chunk_rows as launch's), or of row m's expert
+    (3-D, experts [M])."""
     code = QTYPE_CODES[qtype]
     k = x2.shape[-1]
     elems = 256 if qtype in K_QUANTS else 32
@@ -719,6 +741,8 @@ def _run(x2: torch.Tensor, blocks: torch.Tensor, n: int, qtype: str, config: Qua
     steps = -(-k // bk)
     if steps % split:
         raise ValueError(f"split {split} does not divide the {steps} K steps of {k} weights")
+    if chunk_rows and not config.packed:
+        raise ValueError(f"Q4_K blocks in chunks of rows are read by the packed decode only, not {config.name}")
     if config.packed:
         if qtype not in K_QUANTS or bk % 256:
             raise ValueError(f"packed decode is for K-quants with block_k a multiple of 256, not {qtype} / {bk}")
@@ -735,6 +759,8 @@ def _run(x2: torch.Tensor, blocks: torch.Tensor, n: int, qtype: str, config: Qua
                   num_stages=config.num_stages)
     if experts is not None:  # one row a program, over its expert's blocks
         common.update(e_ptr=experts, stride_e=blocks.stride(0), EXPERTS=True)
+    if chunk_rows:
+        common.update(CHUNK_ROWS=chunk_rows)
     if config.packed:
         _quant_matmul_packed_kernel[grid](x2, blocks, y, part, m, n, blocks.shape[-1], x2.stride(0), y.stride(0),
                                           0x4B000000, **common)
@@ -761,17 +787,14 @@ def dequantizes(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
 def dequantize(blocks: torch.Tensor, qtype: str, k: int, dtype: torch.dtype, chunk_rows: int = 0) -> torch.Tensor:
     """The weights [N, k] of `qtype` blocks (uint8 [N, row_bytes]) in dtype: the fp32 values of
     flashdraft.quant.dequant, rounded once to dtype (as QuantLinear.weight). One kernel, no host sync.
-    chunk_rows > 0: Q4_K/Q5_K blocks super-block-major in chunks of that many rows (quant.q4k_columns), read where
-    they lie (a prefill's product no longer copies them back to GGUF's order first)."""
+    chunk_rows as launch's: the blocks read where they lie."""
     n = blocks.shape[0]
     elems = 256 if qtype in K_QUANTS else 32
     nbytes = row_bytes(qtype, k)
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or k % elems or blocks.shape[1] != nbytes:
         raise ValueError(f"{qtype} blocks of {k} weights a row must be uint8 [N, {nbytes}], "
                          f"got {blocks.dtype} {list(blocks.shape)}")
-    if chunk_rows and (qtype not in ("Q4_K", "Q5_K") or chunk_rows < 0 or n % chunk_rows):
-        raise ValueError(f"blocks in chunks of {chunk_rows} rows must be Q4_K or Q5_K with a whole number of chunks, "
-                         f"got {qtype} of {n} rows")
+    _check_chunks(qtype, n, chunk_rows)
     if blocks.stride(1) != 1 or blocks.stride(0) != blocks.shape[1]:
         blocks = blocks.contiguous()
     out = torch.empty((n, k), dtype=dtype, device=blocks.device)

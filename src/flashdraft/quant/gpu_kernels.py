@@ -1,7 +1,8 @@
 """The GPU product of x with GGUF blocks that QuantLinear calls: one op to torch.compile'd code (opaque_op), which
 takes the CUDA tensor-core kernel where it applies (Q4_K, also super-block-major, Q5_K, Q6_K;
 bf16 x of at most 16 rows: decoding and speculative verify), a dequantized copy and cuBLAS for passes of many rows
-(prefill; gguf_triton.dequantizes), and the Triton kernels otherwise (other types, fp32, short passes)."""
+(prefill; gguf_triton.dequantizes), and the Triton kernels otherwise (other types, fp32, short passes). Each reads
+Q4_K_COLUMNS blocks where they lie (gguf_triton's chunk_rows)."""
 from __future__ import annotations
 
 import torch
@@ -25,9 +26,9 @@ def _quant_matmul(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtyp
     if qtype == q4k_columns.QTYPE:
         qtype, chunk_rows = q4k_columns.ROWS_QTYPE, q4k_columns.CHUNK_ROWS
     if gguf_triton.dequantizes(x.numel() // max(x.shape[-1], 1), out_features, x.shape[-1], x.dtype):
-        y = gguf_triton.dequantize_matmul(x, blocks, qtype, chunk_rows)  # reads the chunks where they lie
-    else:  # the Triton product reads GGUF's row order (a copy: off the decoding path)
-        y = gguf_triton.launch(x, q4k_columns.to_rows(blocks) if chunk_rows else blocks, out_features, qtype)
+        y = gguf_triton.dequantize_matmul(x, blocks, qtype, chunk_rows)
+    else:
+        y = gguf_triton.launch(x, blocks, out_features, qtype, chunk_rows=chunk_rows)
     return y if residual is None else y + residual
 
 

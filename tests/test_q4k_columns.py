@@ -42,18 +42,35 @@ def test_blocks_that_are_not_whole_chunks_are_refused_by_name():
         q4k_columns.to_rows(torch.zeros(CHUNK, 145, dtype=torch.uint8))
     with pytest.raises(ValueError, match="chunks of 256 rows, got 100 rows"):
         QuantLinear(_rows(100, 1), q4k_columns.QTYPE, 256, torch.float32)
+    with pytest.raises(ValueError, match=r"looks its rows up one by one.*\(Q4_K\), not Q4_K_COLUMNS"):
+        QuantEmbedding(q4k_columns.from_rows(_rows(CHUNK, 1)), q4k_columns.QTYPE, 256, torch.float32)
 
 
 def test_quant_linear_keeps_whole_chunks_super_block_major_and_computes_the_same_product():
+    """by_columns (the loader's projections) re-lays whole chunks out; without it the blocks are kept as given."""
     rows = _rows(CHUNK, 2, seed=2)
-    kept = QuantLinear(rows, "Q4_K", 512, torch.float32)
-    in_order = QuantLinear(rows, "Q4_K", 512, torch.float32, by_columns=False)
+    kept = QuantLinear(rows, "Q4_K", 512, torch.float32, by_columns=True)
+    in_order = QuantLinear(rows, "Q4_K", 512, torch.float32)
     assert kept.qtype == q4k_columns.QTYPE and in_order.qtype == "Q4_K"
     assert torch.equal(kept.blocks, q4k_columns.from_rows(rows)) and torch.equal(in_order.blocks, rows)
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
     assert torch.equal(kept(x), in_order(x))
-    odd = QuantLinear(_rows(CHUNK + 16, 2), "Q4_K", 512, torch.float32)  # not whole chunks: GGUF's order
+    assert in_order.blocks is rows
+    odd = QuantLinear(_rows(CHUNK + 16, 2), "Q4_K", 512, torch.float32, by_columns=True)  # not whole chunks
     assert odd.qtype == "Q4_K"
+
+
+def _kv_rows_of(fused: QuantLinear, q_rows: int) -> QuantLinear:
+    """The drafter's [k; v] projection of an attention whose fused q/k/v is `fused` (llama.model._kv_rows)."""
+    from types import SimpleNamespace
+
+    from flashdraft.models.llama.model import _kv_rows
+
+    return _kv_rows(SimpleNamespace(qkv_proj=fused, q_proj=SimpleNamespace(out_features=q_rows)))
+
+
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def test_fused_parts_and_a_slice_of_their_rows_stay_views_of_one_layout():
@@ -61,16 +78,17 @@ def test_fused_parts_and_a_slice_of_their_rows_stay_views_of_one_layout():
     it (skinny_gemm.fuse_rows), and rows cut at a chunk boundary (a drafter's [k; v] rows) are a projection too."""
     from flashdraft.layers.skinny_gemm import fuse_rows
 
-    parts = [QuantLinear(_rows(n, 2, seed=s), "Q4_K", 512, torch.float32) for s, n in ((3, 2 * CHUNK), (4, CHUNK),
-                                                                                       (5, CHUNK))]
+    parts = [QuantLinear(_rows(n, 2, seed=s), "Q4_K", 512, torch.float32, by_columns=True)
+             for s, n in ((3, 2 * CHUNK), (4, CHUNK), (5, CHUNK))]
     weights = [p.weight.clone() for p in parts]
     fused = fuse_rows(parts)
     assert fused.qtype == q4k_columns.QTYPE and fused.out_features == 4 * CHUNK
     assert torch.equal(fused.weight, torch.cat(weights))
     for p, w in zip(parts, weights):
-        assert p.blocks.untyped_storage().data_ptr() == fused.blocks.untyped_storage().data_ptr()
+        assert _shares(p.blocks, fused.blocks)
         assert torch.equal(p.weight, w)
-    kv = QuantLinear(fused.blocks[2 * CHUNK:], fused.qtype, 512, torch.float32)
+    kv = _kv_rows_of(fused, 2 * CHUNK)
+    assert kv.qtype == q4k_columns.QTYPE and _shares(kv.blocks, fused.blocks)
     assert torch.equal(kv.weight, torch.cat(weights[1:]))
 
 
@@ -91,8 +109,8 @@ def test_parts_of_whole_chunks_and_others_fuse_in_gguf_order():
     fused weight in GGUF's order, the parts views of it of its type, every weight as before."""
     from flashdraft.layers.skinny_gemm import fuse_rows
 
-    parts = [QuantLinear(_rows(n, 2, seed=s), "Q4_K", 512, torch.float32) for s, n in ((8, CHUNK), (9, 128),
-                                                                                       (10, 128))]
+    parts = [QuantLinear(_rows(n, 2, seed=s), "Q4_K", 512, torch.float32, by_columns=True)
+             for s, n in ((8, CHUNK), (9, 128), (10, 128))]
     assert [p.qtype for p in parts] == [q4k_columns.QTYPE, "Q4_K", "Q4_K"]
     weights = [p.weight.clone() for p in parts]
     fused = fuse_rows(parts)
@@ -100,3 +118,6 @@ def test_parts_of_whole_chunks_and_others_fuse_in_gguf_order():
     assert torch.equal(fused.weight, torch.cat(weights))
     assert all(torch.equal(p.weight, w) for p, w in zip(parts, weights))
     assert parts[1].blocks.data_ptr() == fused.blocks[CHUNK:].data_ptr()
+    kv = _kv_rows_of(fused, CHUNK)  # [k; v]: 256 rows in GGUF's order, kept so (a view, not a copy re-laid out)
+    assert kv.qtype == "Q4_K" and kv.blocks.data_ptr() == fused.blocks[CHUNK:].data_ptr()
+    assert torch.equal(kv.weight, torch.cat(weights[1:]))

@@ -436,7 +436,7 @@ def quantize_linears(model, plan, dev, dtype, gen, weight_std: float = 0.02) -> 
             if qtype is None:
                 continue
             blocks = random_blocks(qtype, child.out_features, child.in_features, gen, dev, weight_std)
-            setattr(parent, child_name, QuantLinear(blocks, qtype, child.in_features, dtype))
+            setattr(parent, child_name, QuantLinear(blocks, qtype, child.in_features, dtype, by_columns=True))
 
 
 def materialize(model, dev, dtype, gen, fill: dict) -> None:
@@ -530,7 +530,7 @@ def build_models(run: Run, dev, dtype, gen, capacity: int, drafter_bf16: bool, d
 def adopt_tilings(run: Run, dev, *models) -> dict:
     """Shapes the kernel stage did not time take the tiling family (all but the K split, which is re-derived)
     of the tiling adopted for a timed shape of the same quant type. Returns {qtype N x K: tiling name}."""
-    from flashdraft.quant import QuantLinear
+    from flashdraft.quant import QuantLinear, q4k_columns
     try:
         from flashdraft.kernels import gguf_triton as tk
     except ImportError:
@@ -545,11 +545,12 @@ def adopt_tilings(run: Run, dev, *models) -> dict:
         for m in model.modules():
             if not isinstance(m, QuantLinear):
                 continue
-            key = (m.qtype, m.out_features, m.in_features)
-            f = families.get(m.qtype)
+            qtype = q4k_columns.file_type(m.qtype)  # the Triton kernels' type (they read Q4_K_COLUMNS as Q4_K)
+            key = (qtype, m.out_features, m.in_features)
+            f = families.get(qtype)
             if key not in tk.CONFIGS and f is not None:
                 tk.CONFIGS[key] = tk.heuristic_config(
-                    m.qtype, m.out_features, m.in_features, sms, block_n=f["block_n"], num_warps=f["num_warps"],
+                    qtype, m.out_features, m.in_features, sms, block_n=f["block_n"], num_warps=f["num_warps"],
                     num_stages=f["num_stages"], block_k=f["block_k"], packed=f.get("packed", False))
             used[f"{m.qtype} {m.out_features}x{m.in_features}"] = tk.config_for(*key, sms).name
     log("(c) tilings: " + ", ".join(f"{k} {v}" for k, v in sorted(used.items())))

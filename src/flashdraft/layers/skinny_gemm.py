@@ -345,7 +345,7 @@ def fuse_rows(parts: list[nn.Module]) -> nn.Module | None:
         # the parts then of the fused weight's type
         qtype = first.qtype if all(p.qtype == first.qtype for p in parts) else q4k_columns.ROWS_QTYPE
         blocks = [p.blocks if p.qtype == qtype else q4k_columns.to_rows(p.blocks) for p in parts]
-        fused = QuantLinear(torch.cat(blocks), qtype, first.in_features, first.dtype, by_columns=False)
+        fused = QuantLinear(torch.cat(blocks), qtype, first.in_features, first.dtype)
         for p in parts:
             p.qtype = qtype
         names = ["blocks"]

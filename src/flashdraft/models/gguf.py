@@ -163,7 +163,7 @@ class TensorInstaller:
             replacement = QuantEmbedding(blocks, qtype, module.embedding_dim, self.dtype)
         else:
             bias = module.bias if module.bias is not None and not module.bias.is_meta else None
-            replacement = QuantLinear(blocks, qtype, module.in_features, self.dtype, bias)
+            replacement = QuantLinear(blocks, qtype, module.in_features, self.dtype, bias, by_columns=True)
         parent, name = _submodule(self.model, module_path)
         setattr(parent, name, replacement.to(self.device))
 
@@ -216,7 +216,7 @@ def tie_lm_head(model: nn.Module, hidden_size: int, dtype: torch.dtype) -> None:
     """The LM head reads the embedding's weights: the same blocks when they are quantized."""
     emb = model.model.embed_tokens
     if isinstance(emb, QuantEmbedding):
-        model.lm_head = QuantLinear(emb.blocks, emb.qtype, hidden_size, dtype, by_columns=False)
+        model.lm_head = QuantLinear(emb.blocks, emb.qtype, hidden_size, dtype)  # the embedding's blocks, shared
     else:
         model.lm_head.weight = emb.weight
 

@@ -5,9 +5,8 @@ flashdraft.quant.q6k_lanes: the same bytes in the order the GPU kernels load the
 blocks of whole 256-row chunks (Q4_K_COLUMNS, flashdraft.quant.q4k_columns: super-block-major, for the CUDA kernel's
 reads); the other types stay as the file has them. A forward dequantizes them per call (CPU, and any type without
 a GPU kernel) and runs an ordinary matmul, so the result is exactly that of an nn.Linear holding the dequantized
-weight. On CUDA, `gpu_matmul` may
-supply a kernel that reads the blocks directly; it must compute the same product, batch-invariantly, for plain
-decoding and speculative verify to agree.
+weight. On CUDA, `gpu_matmul` may supply a kernel that reads the blocks directly; it must compute the same product,
+batch-invariantly, for plain decoding and speculative verify to agree.
 """
 from __future__ import annotations
 
@@ -55,10 +54,12 @@ def _stored_blocks(blocks: torch.Tensor, qtype: str, row_elems: int,
 class QuantLinear(nn.Module):
     """y = x W^T (+ b) with W [out_features, in_features] held as GGUF blocks uint8 [out_features, row_bytes]
     (qtype: the file's type, or Q6_K_LANES / Q4_K_COLUMNS for blocks already so laid out; self.qtype is the type
-    kept). by_columns False keeps Q4_K rows in GGUF's order: blocks that an embedding shares (a tied LM head)."""
+    kept). by_columns puts Q4_K blocks of whole 256-row chunks super-block-major (a copy; the loader asks for it
+    for a file's projections); without it the blocks are kept as given (a view: a tied LM head's embedding blocks,
+    a slice of a fused projection's rows)."""
 
     def __init__(self, blocks: torch.Tensor, qtype: str, in_features: int, dtype: torch.dtype,
-                 bias: torch.Tensor | None = None, by_columns: bool = True):
+                 bias: torch.Tensor | None = None, by_columns: bool = False):
         super().__init__()
         blocks, self.qtype = _stored_blocks(blocks, qtype, in_features, by_columns)
         self.in_features, self.out_features = in_features, blocks.shape[0]
@@ -92,6 +93,9 @@ class QuantEmbedding(nn.Module):
 
     def __init__(self, blocks: torch.Tensor, qtype: str, embedding_dim: int, dtype: torch.dtype):
         super().__init__()
+        if qtype == q4k_columns.QTYPE:
+            raise ValueError(f"an embedding looks its rows up one by one: its blocks must be in GGUF's row order "
+                             f"({q4k_columns.ROWS_QTYPE}), not {qtype}")
         blocks, self.qtype = _stored_blocks(blocks, qtype, embedding_dim)
         self.num_embeddings, self.embedding_dim = blocks.shape[0], embedding_dim
         self.dtype = dtype

@@ -1,6 +1,6 @@
-"""Q4_K weights super-block-major in chunks of rows (Q4_K_COLUMNS): GGUF's Q4_K bytes, re-laid out once as a
-QuantLinear takes them, so that the warps of a product, which move through K together, read long stretches of
-memory in order.
+"""Q4_K weights super-block-major in chunks of rows (Q4_K_COLUMNS): GGUF's Q4_K bytes, re-laid out once as the
+loader builds its QuantLinear (by_columns), so that the warps of a product, which move through K together, read
+long stretches of memory in order.
 
 In GGUF's row-major order a warp's step reads one 144-byte super-block from each of its tile's rows, rows K / 256 *
 144 bytes apart. Here the weight's rows come in chunks of CHUNK_ROWS, and within a chunk the super-blocks of all its
@@ -19,9 +19,9 @@ Q4_K weight of Gemma 4 and Qwen3 that the tensor-core kernel multiplies; weights
 order (Q4_K).
 
 The tensor keeps the row-major one's shape, uint8 [N, nsb * 144], so a QuantLinear's sizes read as before; rows
-may be sliced only at chunk boundaries and never gathered (an embedding keeps GGUF's order). The CUDA tensor-core
-kernel (kquant_mma.cu, COLUMNS) and the GPU dequantization of prefill passes (gguf_triton.dequantize, chunk_rows)
-read the layout where it lies; the Triton product kernels and the CPU dequantization put the rows back first
+may be sliced only at chunk boundaries and never gathered (QuantEmbedding refuses it). The CUDA tensor-core kernel
+(kquant_mma.cu, COLUMNS) and the Triton kernels (gguf_triton: the packed product and the dequantization of prefill
+passes, chunk_rows) read the layout where it lies; only the CPU's dequantization puts the rows back first
 (to_rows).
 """
 from __future__ import annotations

@@ -190,6 +190,11 @@ x = torch.randn(17, 512, generator=torch.Generator().manual_seed(2)).bfloat16()
 for cfg in (tk.QuantConfig(32, 256, 2, 4, 3, packed=True), tk.QuantConfig(64, 512, 1, 4, 1, packed=True)):
     if not torch.equal(tk.launch(x, chunked, 40, "Q4_K", cfg, chunk_rows=8), tk.launch(x, rows, 40, "Q4_K", cfg)):
         failures.append(("the packed product on 8-row chunks differs from the product on the rows", cfg.name))
+tk.CONFIGS[("Q4_K", 40, 512)] = tk.QuantConfig(64, 256, 1, 4, 1)  # a per-element tiling adopted for the shape
+if not torch.equal(tk.launch(x, chunked, 40, "Q4_K", chunk_rows=8),
+                   tk.launch(x, rows, 40, "Q4_K", tk.default_config("Q4_K", 40, 512))):
+    failures.append(("chunks under an adopted per-element tiling: not the packed default's product",))
+del tk.CONFIGS[("Q4_K", 40, 512)]
 rows = torch.from_numpy(random_blocks("Q4_K", rows=q4k_columns.CHUNK_ROWS, blocks_per_row=2, seed=7))
 w = dequantize(rows, "Q4_K").bfloat16()
 x = torch.randn(tk.DEQUANT_MIN_ROWS, 512, generator=torch.Generator().manual_seed(3)).bfloat16()

@@ -736,7 +736,10 @@ def _run(x2: torch.Tensor, blocks: torch.Tensor, n: int, qtype: str, config: Qua
     if m == 0:
         return y
     if config is None:
-        config = config_for(qtype, n, k, sm_count(x2.device.index if x2.device.type == "cuda" else None))
+        sms = sm_count(x2.device.index if x2.device.type == "cuda" else None)
+        config = config_for(qtype, n, k, sms)
+        if chunk_rows and not config.packed:  # a per-element tiling adopted for the type: chunks need the packed one
+            config = default_config(qtype, n, k, sms)
     bk, split = config.block_k, config.split_k
     steps = -(-k // bk)
     if steps % split:

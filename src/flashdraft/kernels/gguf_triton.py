@@ -342,29 +342,28 @@ def _field_to_f32(bits, offset: tl.constexpr, B: tl.constexpr):
 
 
 @triton.jit
-def _row_pointers(w_ptr, rn, row_bytes, BLOCK_BYTES: tl.constexpr, CHUNK_ROWS: tl.constexpr):
-    """[BLOCK_N, 1, 1] pointers to rows rn's first super-blocks (of BLOCK_BYTES): row n at n * row_bytes in GGUF's
-    order; with CHUNK_ROWS, super-block-major in chunks of that many rows (quant.q4k_columns), at
-    (n // CHUNK_ROWS) * CHUNK_ROWS * row_bytes + (n % CHUNK_ROWS) * BLOCK_BYTES, the next super-block
-    CHUNK_ROWS * BLOCK_BYTES on."""
+def _row_pointers(w_ptr, rn, row_bytes, CHUNK_ROWS: tl.constexpr):
+    """[BLOCK_N, 1, 1] pointers to rows rn's first super-blocks: row n at n * row_bytes in GGUF's order; with
+    CHUNK_ROWS, Q4_K super-block-major in chunks of that many rows (quant.q4k_columns), at
+    (n // CHUNK_ROWS) * CHUNK_ROWS * row_bytes + (n % CHUNK_ROWS) * 144, the next super-block CHUNK_ROWS * 144 on."""
     n = rn.to(tl.int64)
     if CHUNK_ROWS:
-        return w_ptr + ((n // CHUNK_ROWS) * CHUNK_ROWS * row_bytes + (n % CHUNK_ROWS) * BLOCK_BYTES)[:, None, None]
+        return w_ptr + ((n // CHUNK_ROWS) * CHUNK_ROWS * row_bytes + (n % CHUNK_ROWS) * 144)[:, None, None]
     return w_ptr + (n * row_bytes)[:, None, None]
 
 
 @triton.jit
-def _q45_k_words(row, sb, w_mask, FIVE_BIT: tl.constexpr, SB_BYTES: tl.constexpr):
-    """Super-block sb of Q4_K/Q5_K rows (row: [BLOCK_N, 1, 1] uint8 pointers to each row's first super-block, the
-    next SB_BYTES on: 144/176 in GGUF's order, more where the blocks are super-block-major) as int32 words, as
-    _q45_k_packed describes: d and dmin as float32, the three scale words, the nibble words [BLOCK_N, 4 (g), 8
-    (word)] and the same shifted down by 16 (bytes 2, 3), and for Q5_K the fifth bits put where each (byte p,
-    nibble h) finds them (qh, and shifted down by 16: qh_hi; zeros for Q4_K)."""
+def _q45_k_words(row, sb, w_mask, FIVE_BIT: tl.constexpr, CHUNK_ROWS: tl.constexpr):
+    """Super-block sb of Q4_K/Q5_K rows (row: [BLOCK_N, 1, 1] pointers to each row's first super-block,
+    _row_pointers; with CHUNK_ROWS, Q4_K's next one CHUNK_ROWS * 144 bytes on) as int32 words, as _q45_k_packed
+    describes: d and dmin as float32, the three scale words, the nibble words [BLOCK_N, 4 (g), 8 (word)] and the
+    same shifted down by 16 (bytes 2, 3), and for Q5_K the fifth bits put where each (byte p, nibble h) finds
+    them (qh, and shifted down by 16: qh_hi; zeros for Q4_K)."""
     if FIVE_BIT:
-        base = row + sb * SB_BYTES
+        base = row + sb * 176
         qs = (base + 48).to(tl.pointer_type(tl.int32))
     else:
-        base = row + sb * SB_BYTES
+        base = row + sb * (144 * CHUNK_ROWS if CHUNK_ROWS else 144)
         qs = (base + 16).to(tl.pointer_type(tl.int32))
     hdr = base.to(tl.pointer_type(tl.int32))
     w0 = tl.load(hdr, mask=w_mask, other=0)
@@ -422,7 +421,7 @@ def _q45_k_field(words, words_hi, t_lo, t_hi, dl, ml, magic, h: tl.constexpr, p:
 
 @triton.jit
 def _q45_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, FIVE_BIT: tl.constexpr, BLOCK_N: tl.constexpr,
-                  IEEE: tl.constexpr, UPCAST: tl.constexpr, SB_BYTES: tl.constexpr):
+                  IEEE: tl.constexpr, UPCAST: tl.constexpr, CHUNK_ROWS: tl.constexpr):
     """acc += x[:, super-block sb] @ W[:, super-block sb]^T for Q4_K/Q5_K; row: [BLOCK_N, 1, 1] uint8 row pointers.
 
     Super-blocks are 144/176 bytes, so with 16-byte aligned rows (row_bytes is a multiple of 144/176, a multiple of
@@ -435,7 +434,7 @@ def _q45_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, FIVE_BIT: tl.cons
     256 sb + 32d + 8g + w, so x_rows points into the permuted x. Bytes 2 and 3 are taken from the words shifted
     down by 16, so every nibble is masked where it lies (bit B = 8 (p % 2) + 4h, <= 12) and converted by
     _field_to_f32, its scale times 2**-B."""
-    d, dmin, sc_w, mn_w, hi_w, words, words_hi, qh, qh_hi = _q45_k_words(row, sb, w_mask, FIVE_BIT, SB_BYTES)
+    d, dmin, sc_w, mn_w, hi_w, words, words_hi, qh, qh_hi = _q45_k_words(row, sb, w_mask, FIVE_BIT, CHUNK_ROWS)
     c = tl.arange(0, 32)
     for h in tl.static_range(2):
         dl, ml = _q45_k_scales(d, dmin, sc_w, mn_w, hi_w, h)
@@ -531,7 +530,7 @@ def _quant_matmul_packed_kernel(x_ptr, w_ptr, y_ptr, p_ptr, M, N, row_bytes, str
     pid_m = tl.program_id(2)
     rm, m_ok, w_ptr = _row_tile(pid_m, M, w_ptr, e_ptr, stride_e, BLOCK_M, EXPERTS)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row = _row_pointers(w_ptr, rn, row_bytes, 144, CHUNK_ROWS)
+    row = _row_pointers(w_ptr, rn, row_bytes, CHUNK_ROWS)
     n_ok = (rn < N)[:, None, None]
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -550,7 +549,7 @@ def _quant_matmul_packed_kernel(x_ptr, w_ptr, y_ptr, p_ptr, M, N, row_bytes, str
                 acc = _q6_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, K // 256, BLOCK_N, IEEE, UPCAST)
             else:
                 acc = _q45_k_packed(acc, x_rows, x_mask, row, sb, w_mask, magic, QTYPE == 4, BLOCK_N, IEEE, UPCAST,
-                                    (176 if QTYPE == 4 else 144) * (CHUNK_ROWS if CHUNK_ROWS else 1))
+                                    CHUNK_ROWS)
     _store_tile(acc, y_ptr, p_ptr, rm, rn, m_ok, M, N, stride_ym, pid_k, SPLIT_K, UPCAST)
 
 
@@ -581,14 +580,13 @@ def _dequantize_q45_kernel(w_ptr, out_ptr, N, row_bytes, magic, FIVE_BIT: tl.con
     """out[rows, super-block] = the Q4_K/Q5_K weights of BLOCK_N rows and one super-block (program axis 1), read as
     the packed kernel reads them (words: no byte loads) and written in K order: the four bytes p of each word
     (nibble h) are joined into [BLOCK_N, 4 (g), 32] runs at K = 64g + 32h + 0..31. The same fp32 formulas as
-    _decode_tile_2d, cast to out's dtype. CHUNK_ROWS 0: GGUF's rows; else the blocks are super-block-major in
-    chunks of that many rows (row n's super-block sb at (n // C) * C * row_bytes + (sb * C + n % C) * bytes)."""
+    _decode_tile_2d, cast to out's dtype. CHUNK_ROWS 0: GGUF's rows; else Q4_K blocks super-block-major in chunks
+    of that many rows (_row_pointers)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     sb = tl.program_id(1)
     n_ok = (rn < N)[:, None, None]
-    row = _row_pointers(w_ptr, rn, row_bytes, 176 if FIVE_BIT else 144, CHUNK_ROWS)
-    d, dmin, sc_w, mn_w, hi_w, words, words_hi, qh, qh_hi = _q45_k_words(
-        row, sb, n_ok, FIVE_BIT, (176 if FIVE_BIT else 144) * (CHUNK_ROWS if CHUNK_ROWS else 1))
+    row = _row_pointers(w_ptr, rn, row_bytes, CHUNK_ROWS)
+    d, dmin, sc_w, mn_w, hi_w, words, words_hi, qh, qh_hi = _q45_k_words(row, sb, n_ok, FIVE_BIT, CHUNK_ROWS)
     col = 64 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 32)[None, None, :]    # [1, 4, 32]
     out_rows = out_ptr + (rn.to(tl.int64) * (row_bytes // (176 if FIVE_BIT else 144) * 256))[:, None, None]
     for h in tl.static_range(2):

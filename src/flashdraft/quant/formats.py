@@ -51,4 +51,4 @@ def row_bytes(qtype: str, k: int) -> int:
     row size for Q4_K_COLUMNS (the same bytes, super-block-major)."""
     if qtype == q6k_lanes.QTYPE:
         return q6k_lanes.row_bytes(k)
-    return block_format(q4k_columns.ROWS_QTYPE if qtype == q4k_columns.QTYPE else qtype).row_bytes(k)
+    return block_format(q4k_columns.file_type(qtype)).row_bytes(k)

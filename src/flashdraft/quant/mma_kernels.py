@@ -40,9 +40,9 @@ from flashdraft.quant.formats import row_bytes
 
 MAX_ROWS = 16
 SOURCE = Path(__file__).with_name("kquant_mma.cu")
-# the kernel's QTYPE per type; Q4_K_COLUMNS is Q4_K read super-block-major (flashdraft.quant.q4k_columns: COLUMNS)
+# the kernel's QTYPE per type; Q4_K_COLUMNS is Q4_K read super-block-major (flashdraft.quant.q4k_columns: COLUMNS),
+# with Q4_K's tilings (the same arithmetic)
 QTYPES = {"Q4_K": 4, "Q4_K_COLUMNS": 4, "Q5_K": 5, "Q6_K_LANES": 6}
-COLUMN_TYPES = {"Q4_K_COLUMNS": "Q4_K"}  # -> the type whose tilings it takes (the same arithmetic)
 # per super-block of 256 weights (Q6_K: d apart)
 BLOCK_BYTES = {"Q4_K": 144, "Q4_K_COLUMNS": 144, "Q5_K": 176, "Q6_K_LANES": 208}
 # bytes a row of a super-block takes in a shared-memory ring stage (the block padded to 8 or 24 mod 32 words: the
@@ -140,7 +140,7 @@ def default_tiling(n: int, k: int, sms: int = 132) -> MmaTiling:
 
 def tilings_for(qtype: str, n: int, k: int, sms: int = 132) -> tuple[MmaTiling, MmaTiling]:
     """The tilings for up to 8 and for 9-16 rows of x (Q4_K_COLUMNS: Q4_K's, measured in GGUF's order)."""
-    return TILINGS.get((COLUMN_TYPES.get(qtype, qtype), n, k)) or (default_tiling(n, k, sms),) * 2
+    return TILINGS.get((q4k_columns.file_type(qtype), n, k)) or (default_tiling(n, k, sms),) * 2
 
 
 def supported(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str) -> bool:
@@ -148,7 +148,7 @@ def supported(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: s
     k = x.shape[-1]
     if not (qtype in QTYPES and x.is_cuda and x.dtype == torch.bfloat16 and x.numel() // max(k, 1) <= MAX_ROWS
             and k % 256 == 0 and out_features % 16 == 0
-            and (qtype not in COLUMN_TYPES or q4k_columns.fits(out_features))
+            and (qtype != q4k_columns.QTYPE or q4k_columns.fits(out_features))
             and blocks.shape == (out_features, row_bytes(qtype, k))):
         return False
     device_index = _device_index(x)
@@ -185,7 +185,7 @@ def _matmul_kernel(tiling: MmaTiling, nt: int, qtype: str, device_index: int, so
     """kq_mma for this type, tiling and NT 8-token tiles, compiled by NVRTC for and loaded on that GPU (a module is
     loaded per device), from kquant_mma.cu or the given source text."""
     shared = tiling.shared_bytes(qtype)  # refuses a ring for a type that takes none
-    head = (f"#define QTYPE {QTYPES[qtype]}\n#define COLUMNS {int(qtype in COLUMN_TYPES)}\n"
+    head = (f"#define QTYPE {QTYPES[qtype]}\n#define COLUMNS {int(qtype == q4k_columns.QTYPE)}\n"
             f"#define CHUNK_ROWS {q4k_columns.CHUNK_ROWS}\n"
             f"#define R_TILES {tiling.r_tiles}\n#define NT {nt}\n"
             f"#define WARPS {tiling.warps}\n#define MINB {tiling.min_blocks}\n#define STAGES {tiling.stages}\n")

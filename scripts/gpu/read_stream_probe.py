@@ -14,6 +14,11 @@ into one word (never written unless it hits a value no random buffer gives), eac
             the same blocks tile-major (a warp's step one contiguous 16 x ROWB run), `columns` super-block-major
             (every warp's step at the same super-block one run after the other: the GPU sweeps the bytes in
             order, as the grid-stride read does)
+    ring    the k-quant kernel's shared-memory ring alone (cp.async of a warp's rows a super-block, STAGES deep,
+            waits as the kernel waits, then each lane's fragment bytes read from the stage) on the package's Q4_K
+            layout (256-row chunks super-block-major): whether the kernel's way of filling its ring reaches what
+            a read alone does (the ablation left the ring and loads at ~2.7 TB/s on the H200, the reads above
+            ~3.7), and which warp shape, depth and occupancy would
 
     PYTHONPATH=src python scripts/gpu/read_stream_probe.py OUT [--sizes gemma-gate-up,...]
 
@@ -160,12 +165,89 @@ extern "C" __global__ void __launch_bounds__(128) read_rows(const unsigned char 
     }
     keep(acc, out);
 }
+
+// The k-quant kernel's ring (kquant_mma.cu with STAGES > 0) alone, on Q4_K rows in 256-row chunks super-block-major
+// (the package's Q4_K_COLUMNS): blocks of WARPS warps, a warp RT 16-row tiles; a super-block of the warp's rows
+// copied into a ring of STAGES stages (rows RINGB bytes apart) by each lane's 16-byte cp.async (L1CA 1: .ca, else
+// .cg), STAGES - 1 ahead, waited for and __syncwarp'd as the kernel does; then each lane reads the bytes of its
+// fragments (rows g, g + 8 of each tile: the 16-byte header and four 8-byte quant words) and folds them (CONSUME 0:
+// not read, the copies and waits alone).
+__device__ __forceinline__ void ring_copy(u32 dst, const void *src) {
+#if L1CA
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src));
+#else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src));
+#endif
+}
+extern "C" __global__ void __launch_bounds__(32 * WARPS) read_ring(const unsigned char *__restrict__ w, int rows,
+                                                                   int nsb, u32 *out) {
+    extern __shared__ __align__(16) unsigned char sm[];
+    constexpr int STAGE = RT * 16 * RINGB, TOTAL = RT * 16 * 9, PER = (TOTAL + 31) / 32;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const int row0 = (blockIdx.x * WARPS + warp) * RT * 16;
+    if (row0 >= rows) return;
+    const unsigned char *ring = sm + warp * STAGES * STAGE;
+    const u32 ring_addr = smem_addr(ring);
+    const u64 sb_bytes = 256 * 144;  // a chunk's super-block: its 256 rows' blocks
+    const unsigned char *src[PER];
+    u32 dst[PER];
+    bool on[PER];
+#pragma unroll
+    for (int t = 0; t < PER; ++t) {
+        const int i = lane + 32 * t, r = i / 9, col = i % 9, row = row0 + (i < TOTAL ? r : 0);
+        on[t] = i < TOTAL;
+        src[t] = w + (u64)(row / 256) * 256 * nsb * 144 + (u64)(row % 256) * 144 + 16 * col;
+        dst[t] = ring_addr + r * RINGB + 16 * col;
+    }
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+#pragma unroll
+        for (int t = 0; t < PER; ++t)
+            if (on[t] && s < nsb) ring_copy(dst[t] + s * STAGE, src[t] + s * sb_bytes);
+        asm volatile("cp.async.commit_group;");
+    }
+    u32 acc = 0;
+    for (int sb = 0; sb < nsb; ++sb) {
+        const int stage = sb % STAGES;
+        asm volatile("cp.async.wait_group %0;" :: "n"(STAGES >= 2 ? STAGES - 2 : 0));
+        __syncwarp();
+        const int ahead = sb + STAGES - 1, slot = (stage + STAGES - 1) % STAGES;
+#pragma unroll
+        for (int t = 0; t < PER; ++t)
+            if (on[t] && ahead < nsb) ring_copy(dst[t] + slot * STAGE, src[t] + ahead * sb_bytes);
+        asm volatile("cp.async.commit_group;");
+#if CONSUME
+#pragma unroll
+        for (int r = 0; r < RT; ++r)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const unsigned char *blk = ring + stage * STAGE + (r * 16 + g + 8 * hh) * RINGB;
+                acc ^= fold(*(const uint4 *)blk);
+#pragma unroll
+                for (int gq = 0; gq < 4; ++gq) {
+                    const uint2 q = *(const uint2 *)(blk + 16 + 32 * gq + 8 * c);
+                    acc ^= q.x ^ q.y;
+                }
+            }
+#endif
+    }
+    keep(acc, out);
+}
 """
 
 
 # every kernel of SOURCE reads these macros; a build sets those of its own kernel
-DEFINES = {"UNROLL": 1, "STAGES": 1, "CH": 16, "ROWB": 144, "SB": 1, "ORDER": 0}
-KINDS = ("flat", "chunk", "bulk", "rows", "tiles", "columns")
+DEFINES = {"UNROLL": 1, "STAGES": 1, "CH": 16, "ROWB": 144, "SB": 1, "ORDER": 0, "RT": 1, "WARPS": 1, "RINGB": 160,
+           "L1CA": 0, "CONSUME": 1}
+KINDS = ("flat", "chunk", "bulk", "rows", "tiles", "columns", "ring")
+# the ring kind's builds, (RT, WARPS, STAGES, CONSUME, L1CA, blocks a multiprocessor): Gemma gate|up's adopted one-row
+# tiling first (2 tiles, 2 warps, 3 stages; 6 blocks a multiprocessor, as the kernel's registers allow, here by
+# asking for more shared memory), then as many blocks as the ring's shared memory allows (the probe's few registers
+# cap nothing), without the reads, through L1, and other ring depths and warp shapes
+RINGS = ((2, 2, 3, 1, 0, 6), (2, 2, 3, 1, 0, 0), (2, 2, 3, 0, 0, 6), (2, 2, 3, 1, 1, 6), (2, 2, 2, 1, 0, 6),
+         (2, 2, 4, 1, 0, 6), (1, 2, 3, 1, 0, 0), (1, 4, 3, 1, 0, 0), (2, 4, 3, 1, 0, 0), (4, 2, 3, 1, 0, 0),
+         (4, 1, 3, 1, 0, 0))
+SHARED_PER_SM = 228 * 1024  # Hopper: a multiprocessor's shared memory, of which the driver keeps 1 KB a block
 
 
 @functools.cache
@@ -206,6 +288,15 @@ def variants(nbytes: int, sms: int, rows: int, k: int, kinds: set[str]):
             kern = compile_kernel("read_rows", SB=sb, ORDER=order)
             yield (f"{label} sb{sb}", kern, (-(-rows // 64), 1, 1), (128, 1, 1), 0,
                    lambda b, o: [b, rows, nsb, o], nbytes)
+    for rt, warps, stages, consume, l1ca, per_sm in RINGS if "ring" in kinds and rows % 256 == 0 else ():
+        kern = compile_kernel("read_ring", RT=rt, WARPS=warps, STAGES=stages, CONSUME=consume, L1CA=l1ca)
+        shared = warps * stages * rt * 16 * 160
+        if per_sm:  # at most per_sm blocks a multiprocessor: enough shared memory that one more does not fit
+            shared = max(shared, SHARED_PER_SM // (per_sm + 1) - 1024 + 16)
+        kern.set_shared_memory_config(shared)
+        how = ("" if consume else ", not read") + (", .ca" if l1ca else "") + (f", {per_sm}/SM" if per_sm else "")
+        yield (f"ring {rt} tiles x {warps} warps, {stages} stages{how}", kern, (-(-rows // (16 * rt * warps)), 1, 1),
+               (32 * warps, 1, 1), shared, lambda b, o: [b, rows, nsb, o], nbytes)
 
 
 def copy_bandwidth(dev) -> float:

@@ -329,11 +329,12 @@ def test_gemma4_routes_to_the_kernel(tmp_path, fused, moe):
     """Gemma 4's sliding (ring read in place) and full layers take decode_attention for few-row passes, with the
     logits of the SDPA path; longer passes stay on SDPA. With q/k/v as one projection (the GPU's plan), the
     few-row passes' norms, RoPE and cache writes are one qkv_prep launch a layer, with the same logits. Either
-    way each few-row pass norms a layer's input (rms_norm_rows.gemma_norm) and joins its attention and
-    feed-forward outputs to the residual with one kernel each (gemma_add_norm, gemma_add_scaled); an MoE layer's
-    norms of the residual (the router's, the experts' input), of the experts' output and the join of its two
-    branches are one kernel each too (seven launches a layer); without qkv_prep, each head's q, k and v norms;
-    and the pass's final norm."""
+    way each few-row pass norms the first layer's input (rms_norm_rows.gemma_norm) and joins each layer's attention
+    and feed-forward outputs to the residual with one kernel each (gemma_add_norm, gemma_add_scaled_norm: the
+    latter also norms the next layer's input, the last layer's the final norm, so no other launch takes those); an
+    MoE layer's norms of the residual (the router's, the experts' input), of the experts' output and the join of
+    its two branches are one kernel each too (six launches a layer); without qkv_prep, each head's q, k and v
+    norms."""
     from test_gemma4_target import LONG, WINDOW
     from test_gemma4_tiny import build_gemma4_target
 
@@ -367,13 +368,13 @@ def test_gemma4_routes_to_the_kernel(tmp_path, fused, moe):
     kinds = [(not layer.self_attn.sliding, layer.self_attn.sliding) for layer in routed.model.layers]
     # each few-row pass joins a layer's attention and then its feed-forward to the residual, one kernel a join
     assert all(layer.moe == moe for layer in routed.model.layers)
-    # a layer: its input norm, [the modules path (q/k/v apart): each head's q, v and k norm, rows T x heads], the
-    # attention's join, [MoE: the router's and the experts' input norms, the experts' output norm, the branches'
-    # join], the feed-forward's join; then the pass's final norm
+    # the first layer's input norm; a layer: [the modules path (q/k/v apart): each head's q, v and k norm, rows T x
+    # heads], the attention's join, [MoE: the router's and the experts' input norms, the experts' output norm, the
+    # branches' join], the feed-forward's join with the next input norm (the last one's with the final norm)
     def launches(T):
-        per_layer = [[T] + ([] if fused else [T * a.n_heads, T * a.n_kv, T * a.n_kv]) + [T] * (6 if moe else 2)
+        per_layer = [([] if fused else [T * a.n_heads, T * a.n_kv, T * a.n_kv]) + [T] * (6 if moe else 2)
                      for a in (layer.self_attn for layer in routed.model.layers)]
-        return [rows for layer in per_layer for rows in layer] + [T]
+        return [T] + [rows for layer in per_layer for rows in layer]
     assert joins == [rows for T in calls[::len(kinds)] for rows in launches(T)]
     assert preps == ([(T, *kind) for T in [7] * ((LONG - 20) // 7) + [(LONG - 20) % 7] * bool((LONG - 20) % 7)
                       for kind in kinds] if fused else [])

@@ -81,7 +81,7 @@ def _gemma_reference(x, h, w, w_next=None, scalar=None, eps=1e-6):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("N", [256, 200])
 def test_gemma_joins_match_the_module_path(dtype, N):
-    from flashdraft.layers.rms_norm_rows import gemma_add_norm, gemma_add_scaled
+    from flashdraft.layers.rms_norm_rows import gemma_add_norm, gemma_add_scaled_norm, gemma_norm
 
     x, h, w = _inputs(7, N, dtype, seed=2)
     w_next = (0.25 + torch.rand(N, generator=torch.Generator().manual_seed(3))).to(dtype).to(DEVICE)
@@ -93,9 +93,12 @@ def test_gemma_joins_match_the_module_path(dtype, N):
     torch.testing.assert_close(y, ref_y, rtol=tol, atol=tol)
     if dtype == torch.bfloat16:  # the rounding points are the module's: bits differ only by the sum's order
         assert (s != ref_s).float().mean().item() < 0.02 and (y != ref_y).float().mean().item() < 0.02
-    out = gemma_add_scaled(x, h, w, scalar, 1e-6)
-    ref_out, _ = _gemma_reference(x, h, w, scalar=scalar)
+    out, out_next = gemma_add_scaled_norm(x, h, w, scalar, w_next, 1e-6)
+    ref_out, ref_next = _gemma_reference(x, h, w, w_next, scalar=scalar)
     torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol)
+    torch.testing.assert_close(out_next, ref_next, rtol=tol, atol=tol)
+    # the next layer's input norm, computed in the join, is the bits of that norm alone on the join's output
+    assert torch.equal(out_next, gemma_norm(out, w_next, 1e-6))
     if dtype == torch.bfloat16:
         assert (out != ref_out).float().mean().item() < 0.02
         # the scalar product rounds on its own, after the sum: not (h + norm(x) w) * scalar in float32
@@ -104,16 +107,17 @@ def test_gemma_joins_match_the_module_path(dtype, N):
 
 
 def test_gemma_join_rows_are_the_same_bits_alone_as_in_a_block():
-    from flashdraft.layers.rms_norm_rows import gemma_add_norm, gemma_add_scaled
+    from flashdraft.layers.rms_norm_rows import gemma_add_norm, gemma_add_scaled_norm
 
     x, h, w = _inputs(16, 384, torch.bfloat16, seed=4)
     scalar = torch.tensor([1.5], dtype=torch.bfloat16, device=DEVICE)
     s, y = gemma_add_norm(x, h, w, w.flip(0), 1e-6)
-    out = gemma_add_scaled(x, h, w, scalar, 1e-6)
+    out, out_next = gemma_add_scaled_norm(x, h, w, scalar, w.flip(0), 1e-6)
     for i in (0, 9, 15):
         s_i, y_i = gemma_add_norm(x[i:i + 1], h[i:i + 1], w, w.flip(0), 1e-6)
         assert torch.equal(s_i[0], s[i]) and torch.equal(y_i[0], y[i])
-        assert torch.equal(gemma_add_scaled(x[i:i + 1], h[i:i + 1], w, scalar, 1e-6)[0], out[i])
+        o_i, n_i = gemma_add_scaled_norm(x[i:i + 1], h[i:i + 1], w, scalar, w.flip(0), 1e-6)
+        assert torch.equal(o_i[0], out[i]) and torch.equal(n_i[0], out_next[i])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -140,7 +144,7 @@ def test_gemma_moe_norms_match_the_module_path_and_rows_are_alone_as_in_a_block(
 
 
 def test_gemma_join_arguments_are_named():
-    from flashdraft.layers.rms_norm_rows import gemma_add_norm, gemma_add_scaled
+    from flashdraft.layers.rms_norm_rows import gemma_add_norm, gemma_add_scaled_norm
 
     x, h, w = _inputs(3, 64, torch.float32)
     with pytest.raises(ValueError, match="h must be torch.float32 \\[3, 64\\]"):
@@ -148,9 +152,11 @@ def test_gemma_join_arguments_are_named():
     with pytest.raises(ValueError, match="next_weight must be \\[64\\]"):
         gemma_add_norm(x, h, w, w[:8], 1e-6)
     with pytest.raises(ValueError, match="scalar must be one value"):
-        gemma_add_scaled(x, h, w, w, 1e-6)
+        gemma_add_scaled_norm(x, h, w, w, w, 1e-6)
     with pytest.raises(ValueError, match="x must be \\[T, N\\]"):
-        gemma_add_scaled(x[None], h, w, w[:1], 1e-6)
+        gemma_add_scaled_norm(x[None], h, w, w[:1], w, 1e-6)
+    with pytest.raises(ValueError, match="next_weight must be \\[64\\]"):
+        gemma_add_scaled_norm(x, h, w, w[:1], w[:8], 1e-6)
     from flashdraft.layers.rms_norm_rows import gemma_add, gemma_norm
     with pytest.raises(ValueError, match="weight must be \\[64\\]"):
         gemma_norm(x, w[:8], 1e-6)

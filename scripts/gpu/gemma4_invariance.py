@@ -100,7 +100,7 @@ def moe_parts_check(target, dev, gen, dtype) -> dict:
     16-row call against the row alone, to find which piece of a compiled MoE layer parts a token's rows. Also how
     many of the 16 rows have tied router scores among their top k + 1 (bf16 scores tie often; a top-k whose order
     among ties followed the pass's shape would part rows)."""
-    from flashdraft.layers.rms_norm_rows import gemma_add_norm, gemma_add_scaled
+    from flashdraft.layers.rms_norm_rows import gemma_add_norm, gemma_add_scaled_norm
 
     layer = target.model.layers[0]
     H = target.config.hidden_size
@@ -112,8 +112,8 @@ def moe_parts_check(target, dev, gen, dtype) -> dict:
         h, x = gemma_add_norm(attn, h, layer.post_attention_layernorm.weight, layer.pre_feedforward_layernorm.weight,
                               layer.post_attention_layernorm.eps)
         ff = layer._with_experts(h, layer.mlp(x))
-        return gemma_add_scaled(ff, h, layer.post_feedforward_layernorm.weight, layer.layer_scalar,
-                                layer.post_feedforward_layernorm.eps)
+        post_ff, next_norm = layer.post_feedforward_layernorm, target.model.layers[1].input_layernorm
+        return gemma_add_scaled_norm(ff, h, post_ff.weight, layer.layer_scalar, next_norm.weight, post_ff.eps)
 
     pieces = {"router": (lambda h: layer.router(h), (h,)),
               "experts": (lambda x, w, e: layer.experts(x, w, e), (x, weights, experts)),

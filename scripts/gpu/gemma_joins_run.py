@@ -1,9 +1,9 @@
 """Time Gemma 4's joins of a branch to the residual (s = h + norm(attn), then norm(s) for the feed-forward; and
-(h + norm(ff)) * layer scalar) as a compiled layer computed them (the same ops under torch.compile(dynamic=True):
-Inductor's fused reductions) against the one-kernel joins of layers.rms_norm_rows (gemma_add_norm,
-gemma_add_scaled), at Gemma-4-31B's width and 1 / 16 rows, each as 60 calls in a CUDA graph (one a layer of the
-31B); check that the kernels' rows match the compiled ones' within bf16 rounding and are the same bits alone as in
-a block.
+(h + norm(ff)) * layer scalar, then its norm for the next layer) as a compiled layer computed them (the same ops
+under torch.compile(dynamic=True): Inductor's fused reductions) against the one-kernel joins of
+layers.rms_norm_rows (gemma_add_norm, gemma_add_scaled_norm), at Gemma-4-31B's width and 1 / 16 rows, each as 60
+calls in a CUDA graph (one a layer of the 31B); check that the kernels' rows match the compiled ones' within bf16
+rounding and are the same bits alone as in a block.
 
 Usage (GPU machine, repo root): PYTHONPATH=src python scripts/gpu/gemma_joins_run.py OUT_DIR
 """
@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemm_run import graphed_per_call_ms  # noqa: E402
 
-from flashdraft.layers.rms_norm_rows import gemma_add_norm, gemma_add_scaled  # noqa: E402
+from flashdraft.layers.rms_norm_rows import gemma_add_norm, gemma_add_scaled_norm  # noqa: E402
 from flashdraft.models.gemma4.model import Gemma4RMSNorm  # noqa: E402
 
 WIDTH, LAYERS, EPS = 5376, 60, 1e-6
@@ -29,11 +29,11 @@ WIDTH, LAYERS, EPS = 5376, 60, 1e-6
 def main(out: Path) -> None:
     dev, dtype = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(0)
-    norms = [Gemma4RMSNorm(WIDTH, EPS).to(dev, dtype) for _ in range(3)]
+    norms = [Gemma4RMSNorm(WIDTH, EPS).to(dev, dtype) for _ in range(4)]
     for n in norms:
         n.weight.data = (0.5 + torch.rand(WIDTH, device=dev, generator=gen)).to(dtype)
     scalar = torch.tensor([0.8], device=dev, dtype=dtype)
-    post_attn, pre_ff, post_ff = norms
+    post_attn, pre_ff, post_ff, next_input = norms
 
     @torch.compile(dynamic=True)
     def compiled_after_attention(attn, h):
@@ -42,13 +42,14 @@ def main(out: Path) -> None:
 
     @torch.compile(dynamic=True)
     def compiled_after_ffn(ff, h):
-        return (h + post_ff(ff)) * scalar
+        h = (h + post_ff(ff)) * scalar
+        return h, next_input(h)
 
     def kernel_after_attention(attn, h):
         return gemma_add_norm(attn, h, post_attn.weight, pre_ff.weight, EPS)
 
     def kernel_after_ffn(ff, h):
-        return gemma_add_scaled(ff, h, post_ff.weight, scalar, EPS)
+        return gemma_add_scaled_norm(ff, h, post_ff.weight, scalar, next_input.weight, EPS)
 
     results = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "width": WIDTH, "calls_a_graph": LAYERS, "rows": []}

@@ -125,21 +125,24 @@ def gemma_add_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, next_
     return _gemma_add_norm(x, h, weight, next_weight, eps)
 
 
-def _one_like(x, h, weight, scalar, eps):
-    return torch.empty_like(x)
+def _two_scaled_like(x, h, weight, scalar, next_weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
 
 
-@opaque_op("flashdraft::gemma_add_scaled", _one_like)
-def _gemma_add_scaled(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, scalar: torch.Tensor,
-                      eps: float) -> torch.Tensor:
-    return _gemma_launch(x, h, weight, eps, scalar, None)[0]
+@opaque_op("flashdraft::gemma_add_scaled_norm", _two_scaled_like)
+def _gemma_add_scaled_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, scalar: torch.Tensor,
+                           next_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _gemma_launch(x, h, weight, eps, scalar, next_weight)
 
 
-def gemma_add_scaled(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, scalar: torch.Tensor,
-                     eps: float) -> torch.Tensor:
-    """(h + norm(x) weight) * scalar, Gemma4RMSNorm's norm: x [T, N] a layer's feed-forward output, h its residual,
-    scalar [1] the layer's scalar; the layer's output. One kernel, one program a row (gemma_add_norm)."""
-    return _gemma_add_scaled(x, h, weight, scalar, eps)
+def gemma_add_scaled_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, scalar: torch.Tensor,
+                          next_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, norm(s) next_weight) for s = (h + norm(x) weight) * scalar, Gemma4RMSNorm's norms: x [T, N] a layer's
+    feed-forward output, h its residual, scalar [1] the layer's scalar; s is the layer's output, the second the
+    next layer's input (next_weight its input norm's; after the last layer, the final norm's). The second norm is
+    gemma_norm(s, next_weight)'s bits: the same arithmetic on the same rounded s. One kernel, one program a row
+    (gemma_add_norm)."""
+    return _gemma_add_scaled_norm(x, h, weight, scalar, next_weight, eps)
 
 
 def _norm_like(x, weight, eps):

@@ -35,7 +35,7 @@ from flashdraft.layers.attention import grouped_attention
 from flashdraft.layers.decode_attention import decode_attention
 from flashdraft.layers.plan import LayerPlan
 from flashdraft.layers.qkv_prep import HEAD_DIMS as PREP_HEAD_DIMS, qkv_prep
-from flashdraft.layers.rms_norm_rows import gemma_add, gemma_add_norm, gemma_add_scaled, gemma_norm
+from flashdraft.layers.rms_norm_rows import gemma_add, gemma_add_norm, gemma_add_scaled_norm, gemma_norm
 from flashdraft.layers.skinny_gemm import Linear, attach_fused
 from flashdraft.loading.checkpoint import CheckpointError, assign_tensors, default_device_dtype, safetensors_files
 from flashdraft.quant.kv_formats import as_stored, bytes_per_token, cache_format, new_rows, read_rows, write_rows
@@ -390,9 +390,9 @@ class Gemma4DecoderLayer(nn.Module):
         self.layer_scalar = nn.Parameter(torch.ones(1))
         self.moe = cfg.num_experts > 0
         # passes of up to this many tokens join each branch to the residual with one kernel a join (the norms
-        # around it, the add, the layer scalar), and an MoE layer its two branches: compiled, these were
-        # reductions whose code the compiler chose (and autotuned) for the pass's row count (docs/performance.md;
-        # gemma4_invariance.py --moe)
+        # around it, the add, the layer scalar, the next layer's input norm), and an MoE layer its two branches:
+        # compiled, these were reductions whose code the compiler chose (and autotuned) for the pass's row count
+        # (docs/performance.md; gemma4_invariance.py --moe)
         self.norm_rows = plan.attention_rows
         if self.moe:
             self.router = Gemma4Router(cfg, plan)
@@ -401,22 +401,30 @@ class Gemma4DecoderLayer(nn.Module):
             self.post_feedforward_layernorm_1 = norm()
             self.post_feedforward_layernorm_2 = norm()
 
-    def forward(self, h, cos, sin, cache_k, cache_v, ring: int, positions, kv_len: int, mask) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(h), cos, sin, cache_k, cache_v, ring, positions, kv_len, mask)
+    def forward(self, h, x, next_weight, cos, sin, cache_k, cache_v, ring: int, positions, kv_len: int,
+                mask) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the layer's output, the next layer's normed input or None) for the residual h [T, hidden]. x: h's input
+        norm where the layer before computed it in its last join (a few-row pass after the first layer), else None;
+        next_weight: for a few-row pass, the weight of the norm after this layer (the next layer's input norm, or
+        the final norm after the last layer), which the last join computes in the same kernel (one launch a layer
+        less; the same bits as the norm alone). Every norm of a Gemma 4 text model has the config's one eps."""
+        if x is None:
+            x = self.input_layernorm(h)
+        attn = self.self_attn(x, cos, sin, cache_k, cache_v, ring, positions, kv_len, mask)
         if h.shape[0] <= self.norm_rows:
             h, x = gemma_add_norm(attn, h, self.post_attention_layernorm.weight, self.pre_feedforward_layernorm.weight,
                                   self.post_attention_layernorm.eps)
             ff = self.mlp(x)
             if self.moe:
                 ff = self._with_experts(h, ff)
-            return gemma_add_scaled(ff, h, self.post_feedforward_layernorm.weight, self.layer_scalar,
-                                    self.post_feedforward_layernorm.eps)
+            return gemma_add_scaled_norm(ff, h, self.post_feedforward_layernorm.weight, self.layer_scalar,
+                                         next_weight, self.post_feedforward_layernorm.eps)
         h = h + self.post_attention_layernorm(attn)
         ff = self.mlp(self.pre_feedforward_layernorm(h))
         if self.moe:
             ff = self._with_experts(h, ff)
         h = h + self.post_feedforward_layernorm(ff)
-        return h * self.layer_scalar
+        return h * self.layer_scalar, None
 
     def _with_experts(self, h: torch.Tensor, ff: torch.Tensor) -> torch.Tensor:
         """The MoE branch joined to the shared MLP's output ff (the dense MLP is the always-on shared expert; the
@@ -537,17 +545,27 @@ class Gemma4LM(nn.Module):
         rope, masks = self._rope(positions), self._masks(positions, cache, kv_len, causal)
         h = self.embed(tokens)
         taps, wanted = {}, set(tap_ids or ())
-        for i, layer in enumerate(self.model.layers):
+        layers = self.model.layers
+        # a few-row pass: each layer's last join norms its output for the next layer, the last one's for the head
+        after = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
+        few = T <= self.model.norm.rows
+        x = None
+        for i, layer in enumerate(layers):
             kind = self.config.layer_types[i]
-            h = layer(h, *rope[kind], cache.k[i], cache.v[i], cache.ring, positions, kv_len, masks[kind])
+            h, x = layer(h, x, after[i].weight if few else None, *rope[kind], cache.k[i], cache.v[i], cache.ring,
+                         positions, kv_len, masks[kind])
             if i in wanted:
                 taps[i] = h
         if SLIDING in self.config.layer_types:
             keep = min(T, cache.ring)
             cache.ring_pos.index_copy_(0, positions[-keep:] % cache.ring, positions[-keep:])
-        if logits_row is not None:  # a [1] index on the device: a graphed pass's varies from replay to replay
-            h = h.index_select(0, logits_row)
-        logits = self.logits(self.model.norm(h))
+        # logits_row: a [1] index on the device (a graphed pass's varies from replay to replay); the final norm of a
+        # longer pass's row is a one-row pass's (the row kernel's) too
+        if few:
+            normed = x if logits_row is None else x.index_select(0, logits_row)
+        else:
+            normed = self.model.norm(h if logits_row is None else h.index_select(0, logits_row))
+        logits = self.logits(normed)
         return logits, (torch.cat([taps[i] for i in tap_ids], dim=-1) if tap_ids else None)
 
 

@@ -18,7 +18,8 @@ into one word (never written unless it hits a value no random buffer gives), eac
             waits as the kernel waits, then each lane's fragment bytes read from the stage) on the package's Q4_K
             layout (256-row chunks super-block-major): whether the kernel's way of filling its ring reaches what
             a read alone does (the ablation left the ring and loads at ~2.7 TB/s on the H200, the reads above
-            ~3.7), and which warp shape, depth and occupancy would
+            ~3.7), and which warp shape, depth and occupancy would; and the same ring filled by the copy
+            engine, one bulk copy a warp and stage (the layout puts a warp's rows of a super-block in one run)
 
     PYTHONPATH=src python scripts/gpu/read_stream_probe.py OUT [--sizes gemma-gate-up,...]
 
@@ -233,6 +234,57 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) read_ring(const unsigne
     }
     keep(acc, out);
 }
+
+// The same ring filled by the copy engine: in the package's layout a warp's rows at one super-block are one
+// contiguous run (RT x 16 x 144 bytes, inside one 256-row chunk), so lane 0 brings a stage with one
+// cp.async.bulk (an mbarrier a stage) where the lanes issued 9 x RT x 16 / 32 cp.async each; rows then lie 144
+// bytes apart in the ring (the fragments' 8-byte reads meet 2-way bank conflicts there, which CONSUME includes).
+extern "C" __global__ void __launch_bounds__(32 * WARPS) read_ring_bulk(const unsigned char *__restrict__ w,
+                                                                        int rows, int nsb, u32 *out) {
+    extern __shared__ __align__(128) unsigned char sm[];
+    __shared__ __align__(8) u64 full[WARPS][STAGES];
+    constexpr int STAGE = RT * 16 * 144;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const int row0 = (blockIdx.x * WARPS + warp) * RT * 16;
+    if (row0 >= rows) return;
+    unsigned char *ring = sm + warp * STAGES * STAGE;
+    const unsigned char *run = w + (u64)(row0 / 256) * 256 * nsb * 144 + (u64)(row0 % 256) * 144;
+    const u64 sb_bytes = 256 * 144;
+    if (lane == 0) {
+        for (int s = 0; s < STAGES; ++s)
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(&full[warp][s])) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        for (int s = 0; s < STAGES - 1 && s < nsb; ++s)
+            bulk_to_shared(ring + s * STAGE, run + s * sb_bytes, STAGE, &full[warp][s]);
+    }
+    __syncwarp();
+    u32 acc = 0;
+    for (int sb = 0; sb < nsb; ++sb) {
+        const int stage = sb % STAGES;
+        wait_phase(&full[warp][stage], (sb / STAGES) & 1);
+        __syncwarp();  // every lane done with the stage refilled next
+        const int ahead = sb + STAGES - 1, slot = (stage + STAGES - 1) % STAGES;
+        if (lane == 0 && ahead < nsb) {
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            bulk_to_shared(ring + slot * STAGE, run + ahead * sb_bytes, STAGE, &full[warp][slot]);
+        }
+#if CONSUME
+#pragma unroll
+        for (int r = 0; r < RT; ++r)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const unsigned char *blk = ring + stage * STAGE + (r * 16 + g + 8 * hh) * 144;
+                acc ^= fold(*(const uint4 *)blk);
+#pragma unroll
+                for (int gq = 0; gq < 4; ++gq) {
+                    const uint2 q = *(const uint2 *)(blk + 16 + 32 * gq + 8 * c);
+                    acc ^= q.x ^ q.y;
+                }
+            }
+#endif
+    }
+    keep(acc, out);
+}
 """
 
 
@@ -240,13 +292,14 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) read_ring(const unsigne
 DEFINES = {"UNROLL": 1, "STAGES": 1, "CH": 16, "ROWB": 144, "SB": 1, "ORDER": 0, "RT": 1, "WARPS": 1, "RINGB": 160,
            "L1CA": 0, "CONSUME": 1}
 KINDS = ("flat", "chunk", "bulk", "rows", "tiles", "columns", "ring")
-# the ring kind's builds, (RT, WARPS, STAGES, CONSUME, L1CA, blocks a multiprocessor): Gemma gate|up's adopted one-row
-# tiling first (2 tiles, 2 warps, 3 stages; 6 blocks a multiprocessor, as the kernel's registers allow, here by
-# asking for more shared memory), then as many blocks as the ring's shared memory allows (the probe's few registers
-# cap nothing), without the reads, through L1, and other ring depths and warp shapes
+# the ring kind's builds, (RT, WARPS, STAGES, CONSUME, L1CA, blocks a multiprocessor): Gemma gate|up's adopted
+# one-row tiling first (2 tiles, 2 warps, 3 stages; 6 blocks a multiprocessor, as the kernel's registers allow, here
+# by asking for more shared memory), then as many blocks as the ring's shared memory allows (the probe's few
+# registers cap nothing), without the reads, through L1, other ring depths and warp shapes, and (L1CA 2) the ring
+# filled by bulk copies
 RINGS = ((2, 2, 3, 1, 0, 6), (2, 2, 3, 1, 0, 0), (2, 2, 3, 0, 0, 6), (2, 2, 3, 1, 1, 6), (2, 2, 2, 1, 0, 6),
          (2, 2, 4, 1, 0, 6), (1, 2, 3, 1, 0, 0), (1, 4, 3, 1, 0, 0), (2, 4, 3, 1, 0, 0), (4, 2, 3, 1, 0, 0),
-         (4, 1, 3, 1, 0, 0))
+         (4, 1, 3, 1, 0, 0), (2, 2, 3, 1, 2, 6), (2, 2, 3, 1, 2, 0), (2, 2, 4, 1, 2, 0), (4, 2, 3, 1, 2, 0))
 SHARED_PER_SM = 228 * 1024  # Hopper: a multiprocessor's shared memory, of which the driver keeps 1 KB a block
 
 
@@ -289,12 +342,15 @@ def variants(nbytes: int, sms: int, rows: int, k: int, kinds: set[str]):
             yield (f"{label} sb{sb}", kern, (-(-rows // 64), 1, 1), (128, 1, 1), 0,
                    lambda b, o: [b, rows, nsb, o], nbytes)
     for rt, warps, stages, consume, l1ca, per_sm in RINGS if "ring" in kinds and rows % 256 == 0 else ():
-        kern = compile_kernel("read_ring", RT=rt, WARPS=warps, STAGES=stages, CONSUME=consume, L1CA=l1ca)
-        shared = warps * stages * rt * 16 * 160
+        bulk = l1ca == 2
+        kern = compile_kernel("read_ring_bulk" if bulk else "read_ring", RT=rt, WARPS=warps, STAGES=stages,
+                              CONSUME=consume, L1CA=int(l1ca == 1))
+        shared = warps * stages * rt * 16 * (144 if bulk else 160)
         if per_sm:  # at most per_sm blocks a multiprocessor: enough shared memory that one more does not fit
             shared = max(shared, SHARED_PER_SM // (per_sm + 1) - 1024 + 16)
         kern.set_shared_memory_config(shared)
-        how = ("" if consume else ", not read") + (", .ca" if l1ca else "") + (f", {per_sm}/SM" if per_sm else "")
+        how = ("" if consume else ", not read") + {0: "", 1: ", .ca", 2: ", bulk copies"}[l1ca] + (
+            f", {per_sm}/SM" if per_sm else "")
         yield (f"ring {rt} tiles x {warps} warps, {stages} stages{how}", kern, (-(-rows // (16 * rt * warps)), 1, 1),
                (32 * warps, 1, 1), shared, lambda b, o: [b, rows, nsb, o], nbytes)
 

@@ -18,7 +18,9 @@ Variants (text patches of the kernel; each must apply exactly as many times as l
   per-super-block loads of x, L1 or L2 hits, cost);
 - "ring unwaited" (tilings with a shared-memory ring): no wait for a stage's copies (the time of the loop's issue
   or of the copies' stream, whichever is longer, without the waits between them); a tiling that loads directly
-  (the 16-row ones, mostly) runs as is. These two touch only the Q4_K / Q5_K part, and Q6_K shapes skip them;
+  (the 16-row ones, mostly) runs as is;
+- "weights through L1" (tilings with a ring): the weights' copies into it as cp.async.ca instead of .cg (the same
+  results). These three touch only the Q4_K / Q5_K part, and Q6_K shapes skip them;
 - "launch only": every block returns at once (the grid launched gridDim.z = 1): the launch and scheduling of the
   same grid, with its shared memory and registers. With "as is", the three split a product's time into its
   launch, its weights' stream and its arithmetic, which is what a fixed cost of ~5 us a launch (issue #18:
@@ -86,8 +88,11 @@ VARIANTS["x loaded once"] = [("xrow[nt] + sb * 256 + 32 * (2 * gq + h)", "xrow[n
 # stage holds, while the copies stream on; the time is then the larger of the loop's issue and the copies' stream,
 # where as is it also has every wait for a stage
 VARIANTS["ring unwaited"] = [("cp_async_wait_ahead();", ";", 1)]
+# the ring's weight copies through L1 (cp.async.ca instead of .cg; the same results): the kernel's ring alone filled
+# so streamed 10% faster on an H100 (read_stream_probe.py --kinds ring, docs/performance.md, session 48)
+VARIANTS["weights through L1"] = [("@p cp.async.cg.shared.global", "@p cp.async.ca.shared.global", 1)]
 # the variants whose patches touch only the Q4_K / Q5_K part of the kernel: for Q6_K they would time the kernel as is
-Q45_ONLY = {"x loaded once", "ring unwaited"}
+Q45_ONLY = {"x loaded once", "ring unwaited", "weights through L1"}
 # every block returns at once: the launch and scheduling of the same grid, its shared memory and registers
 VARIANTS["launch only"] = [("if (tile0 * 16 >= N) return;", "if (tile0 * 16 >= N || gridDim.z == 1) return;", 1)]
 DEFAULT_SETS = "qwen-q4k-fused,qwen-q6k,gemma-q4k-fused"

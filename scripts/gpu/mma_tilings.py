@@ -4,10 +4,13 @@ Q4_K_M-shaped Qwen3-8B (random valid blocks, CUDA graphs over weight copies that
 (against dequantize + matmul, M = 1 against row 0 of M = 16, and every tiling of a K split against the others: the
 same bits), and print the TILINGS table: per shape the K split with the lowest M = 1 + M = 16 time, each with its
 fastest tiling at M = 1 and at M = 16, next to the best without a ring, the default tiling and the Triton kernel.
+Q4_K weights whose rows fill the package's chunks are timed as the loader keeps them, super-block-major
+(Q4_K_COLUMNS, flashdraft.quant.q4k_columns), unless --gguf-order (the order of every sweep before session 48: the
+adopted tilings were chosen in it).
 
 Usage (GPU machine, repo root):
     PYTHONPATH=src python scripts/gpu/mma_tilings.py OUT [--only gemma-q4k,gemma-q5k,...] [--no-rings]
-        [--budget-s S]
+        [--gguf-order] [--budget-s S]
 --only: the shape sets (SETS below; default all); --no-rings: direct loads only; --budget-s: no new shape is
 started past this many seconds (what was measured is printed and written).
 """
@@ -26,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gguf_run import bench_ms, copies_for, random_blocks, rel_err  # noqa: E402
 
 from flashdraft.kernels import gguf_triton  # noqa: E402
-from flashdraft.quant import dequantize, mma_kernels  # noqa: E402
+from flashdraft.quant import dequantize, mma_kernels, q4k_columns  # noqa: E402
 from flashdraft.quant.formats import row_bytes  # noqa: E402
 from flashdraft.quant.mma_kernels import MmaTiling  # noqa: E402
 
@@ -67,6 +70,7 @@ def main() -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("--only", default=",".join(SETS), help="comma-separated shape sets: " + ", ".join(SETS))
     ap.add_argument("--no-rings", action="store_true")
+    ap.add_argument("--gguf-order", action="store_true", help="Q4_K in GGUF's row order, not the package's chunks")
     ap.add_argument("--budget-s", type=float, default=float("inf"))
     args = ap.parse_args()
     unknown = [name for name in args.only.split(",") if name not in SETS]
@@ -89,18 +93,21 @@ def main() -> int:
               for _ in range(copies_for(n * row_bytes(qtype, k), False))]
         x = torch.randn(16, k, device=dev, dtype=torch.bfloat16, generator=gen)
         ref = x.double() @ dequantize(ws[0], qtype).double().T
+        chunk_rows = 0  # the Triton kernel's view of the layout
+        if qtype == q4k_columns.ROWS_QTYPE and q4k_columns.fits(n) and not args.gguf_order:
+            ws, qtype, chunk_rows = [q4k_columns.from_rows(w) for w in ws], q4k_columns.QTYPE, q4k_columns.CHUNK_ROWS
         default = mma_kernels.default_tiling(n, k)
         splits = [d for d in range(1, 17) if nsb % d == 0]
         grid = list(dict.fromkeys([*mma_kernels.tilings_for(qtype, n, k), default]))  # as adopted
         grid += [MmaTiling(r, w, s, b) for r, (w, b), s in itertools.product((1, 2), DIRECT, splits)]
-        if qtype in mma_kernels.RING_ROW_BYTES and not args.no_rings:
+        if qtype in mma_kernels.RING_ROW_BYTES and not args.no_rings:  # (Q4_K_COLUMNS among them)
             grid += [MmaTiling(r, w, s, b, st) for st, r, (w, b), s in itertools.product(STAGES, (1, 2), RING, splits)]
         grid = list(dict.fromkeys(grid))
         results, by_split = [], {}
         for tiling in [None] + grid:
             def call(w, m, tiling=tiling):
                 if tiling is None:
-                    return gguf_triton.launch(x[:m], w, n, qtype)
+                    return gguf_triton.launch(x[:m], w, n, q4k_columns.file_type(qtype), chunk_rows=chunk_rows)
                 return mma_kernels.launch(x[:m], w, n, qtype, tiling)
             try:
                 y16, y1 = call(ws[0], 16), call(ws[0], 1)
@@ -152,7 +159,8 @@ def main() -> int:
     print("\nTILINGS = {")
     for shape, t in table.items():
         few, many = (f"MmaTiling({', '.join(map(str, tiling))})" for tiling in t["tilings"])
-        print(f"    (\"{t['qtype']}\", {t['n']}, {t['k']}): ({few}, {many}),  # {shape}: {t['best_us'][0]:.1f} / "
+        key = f"(\"{q4k_columns.file_type(t['qtype'])}\", {t['n']}, {t['k']})"
+        print(f"    {key}: ({few}, {many}),  # {shape}: {t['best_us'][0]:.1f} / "
               f"{t['best_us'][1]:.1f} us at M = 1 / 16")
     print("}")
     return 0

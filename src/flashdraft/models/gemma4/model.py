@@ -405,9 +405,9 @@ class Gemma4DecoderLayer(nn.Module):
                 mask) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the layer's output, the next layer's normed input or None) for the residual h [T, hidden]. x: h's input
         norm where the layer before computed it in its last join (a few-row pass after the first layer), else None;
-        next_weight: for a few-row pass, the weight of the norm after this layer (the next layer's input norm, or
-        the final norm after the last layer), which the last join computes in the same kernel (one launch a layer
-        less; the same bits as the norm alone). Every norm of a Gemma 4 text model has the config's one eps."""
+        next_weight: the weight of the norm after this layer (the next layer's input norm, or the final norm after
+        the last layer), which a few-row pass's last join computes in the same kernel (one launch a layer less; the
+        same bits as the norm alone). Every norm of a Gemma 4 text model has the config's one eps."""
         if x is None:
             x = self.input_layernorm(h)
         attn = self.self_attn(x, cos, sin, cache_k, cache_v, ring, positions, kv_len, mask)
@@ -546,14 +546,14 @@ class Gemma4LM(nn.Module):
         h = self.embed(tokens)
         taps, wanted = {}, set(tap_ids or ())
         layers = self.model.layers
-        # a few-row pass: each layer's last join norms its output for the next layer, the last one's for the head
+        # the norm after each layer: in a few-row pass the layer's last join applies it (x), the last one's for the
+        # head
         after = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
-        few = T <= self.model.norm.rows
         x = None
         for i, layer in enumerate(layers):
             kind = self.config.layer_types[i]
-            h, x = layer(h, x, after[i].weight if few else None, *rope[kind], cache.k[i], cache.v[i], cache.ring,
-                         positions, kv_len, masks[kind])
+            h, x = layer(h, x, after[i].weight, *rope[kind], cache.k[i], cache.v[i], cache.ring, positions, kv_len,
+                         masks[kind])
             if i in wanted:
                 taps[i] = h
         if SLIDING in self.config.layer_types:
@@ -561,7 +561,7 @@ class Gemma4LM(nn.Module):
             cache.ring_pos.index_copy_(0, positions[-keep:] % cache.ring, positions[-keep:])
         # logits_row: a [1] index on the device (a graphed pass's varies from replay to replay); the final norm of a
         # longer pass's row is a one-row pass's (the row kernel's) too
-        if few:
+        if x is not None:
             normed = x if logits_row is None else x.index_select(0, logits_row)
         else:
             normed = self.model.norm(h if logits_row is None else h.index_select(0, logits_row))

@@ -173,6 +173,29 @@ extern "C" __global__ void __launch_bounds__(128) read_rows(const unsigned char 
 // .cg), STAGES - 1 ahead, waited for and __syncwarp'd as the kernel does; then each lane reads the bytes of its
 // fragments (rows g, g + 8 of each tile: the 16-byte header and four 8-byte quant words) and folds them (CONSUME 0:
 // not read, the copies and waits alone).
+// where row `row`'s first super-block lies in the package's layout (256-row chunks, a chunk's super-block after
+// super-block: CHUNK_SB bytes apart)
+#define CHUNK_SB (256 * 144)
+__device__ __forceinline__ const unsigned char *chunk_row(const unsigned char *w, int row, int nsb) {
+    return w + (u64)(row / 256) * nsb * CHUNK_SB + (u64)(row % 256) * 144;
+}
+// the bytes of this lane's fragments in a stage whose rows lie rowb apart, folded into acc: rows g, g + 8 of each
+// tile, the 16-byte header and four 8-byte quant words, as the kernel reads them
+__device__ __forceinline__ u32 fold_stage(const unsigned char *stage, int rowb, int g, int c, u32 acc) {
+#pragma unroll
+    for (int r = 0; r < RT; ++r)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const unsigned char *blk = stage + (r * 16 + g + 8 * hh) * rowb;
+            acc ^= fold(*(const uint4 *)blk);
+#pragma unroll
+            for (int gq = 0; gq < 4; ++gq) {
+                const uint2 q = *(const uint2 *)(blk + 16 + 32 * gq + 8 * c);
+                acc ^= q.x ^ q.y;
+            }
+        }
+    return acc;
+}
 __device__ __forceinline__ void ring_copy(u32 dst, const void *src) {
 #if L1CA
     asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src));
@@ -189,7 +212,6 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) read_ring(const unsigne
     if (row0 >= rows) return;
     const unsigned char *ring = sm + warp * STAGES * STAGE;
     const u32 ring_addr = smem_addr(ring);
-    const u64 sb_bytes = 256 * 144;  // a chunk's super-block: its 256 rows' blocks
     const unsigned char *src[PER];
     u32 dst[PER];
     bool on[PER];
@@ -197,14 +219,14 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) read_ring(const unsigne
     for (int t = 0; t < PER; ++t) {
         const int i = lane + 32 * t, r = i / 9, col = i % 9, row = row0 + (i < TOTAL ? r : 0);
         on[t] = i < TOTAL;
-        src[t] = w + (u64)(row / 256) * 256 * nsb * 144 + (u64)(row % 256) * 144 + 16 * col;
+        src[t] = chunk_row(w, row, nsb) + 16 * col;
         dst[t] = ring_addr + r * RINGB + 16 * col;
     }
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
 #pragma unroll
         for (int t = 0; t < PER; ++t)
-            if (on[t] && s < nsb) ring_copy(dst[t] + s * STAGE, src[t] + s * sb_bytes);
+            if (on[t] && s < nsb) ring_copy(dst[t] + s * STAGE, src[t] + s * CHUNK_SB);
         asm volatile("cp.async.commit_group;");
     }
     u32 acc = 0;
@@ -215,21 +237,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) read_ring(const unsigne
         const int ahead = sb + STAGES - 1, slot = (stage + STAGES - 1) % STAGES;
 #pragma unroll
         for (int t = 0; t < PER; ++t)
-            if (on[t] && ahead < nsb) ring_copy(dst[t] + slot * STAGE, src[t] + ahead * sb_bytes);
+            if (on[t] && ahead < nsb) ring_copy(dst[t] + slot * STAGE, src[t] + ahead * CHUNK_SB);
         asm volatile("cp.async.commit_group;");
 #if CONSUME
-#pragma unroll
-        for (int r = 0; r < RT; ++r)
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const unsigned char *blk = ring + stage * STAGE + (r * 16 + g + 8 * hh) * RINGB;
-                acc ^= fold(*(const uint4 *)blk);
-#pragma unroll
-                for (int gq = 0; gq < 4; ++gq) {
-                    const uint2 q = *(const uint2 *)(blk + 16 + 32 * gq + 8 * c);
-                    acc ^= q.x ^ q.y;
-                }
-            }
+        acc = fold_stage(ring + stage * STAGE, RINGB, g, c, acc);
 #endif
     }
     keep(acc, out);
@@ -248,14 +259,13 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) read_ring_bulk(const un
     const int row0 = (blockIdx.x * WARPS + warp) * RT * 16;
     if (row0 >= rows) return;
     unsigned char *ring = sm + warp * STAGES * STAGE;
-    const unsigned char *run = w + (u64)(row0 / 256) * 256 * nsb * 144 + (u64)(row0 % 256) * 144;
-    const u64 sb_bytes = 256 * 144;
+    const unsigned char *run = chunk_row(w, row0, nsb);
     if (lane == 0) {
         for (int s = 0; s < STAGES; ++s)
             asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(&full[warp][s])) : "memory");
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         for (int s = 0; s < STAGES - 1 && s < nsb; ++s)
-            bulk_to_shared(ring + s * STAGE, run + s * sb_bytes, STAGE, &full[warp][s]);
+            bulk_to_shared(ring + s * STAGE, run + s * CHUNK_SB, STAGE, &full[warp][s]);
     }
     __syncwarp();
     u32 acc = 0;
@@ -266,21 +276,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) read_ring_bulk(const un
         const int ahead = sb + STAGES - 1, slot = (stage + STAGES - 1) % STAGES;
         if (lane == 0 && ahead < nsb) {
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            bulk_to_shared(ring + slot * STAGE, run + ahead * sb_bytes, STAGE, &full[warp][slot]);
+            bulk_to_shared(ring + slot * STAGE, run + ahead * CHUNK_SB, STAGE, &full[warp][slot]);
         }
 #if CONSUME
-#pragma unroll
-        for (int r = 0; r < RT; ++r)
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const unsigned char *blk = ring + stage * STAGE + (r * 16 + g + 8 * hh) * 144;
-                acc ^= fold(*(const uint4 *)blk);
-#pragma unroll
-                for (int gq = 0; gq < 4; ++gq) {
-                    const uint2 q = *(const uint2 *)(blk + 16 + 32 * gq + 8 * c);
-                    acc ^= q.x ^ q.y;
-                }
-            }
+        acc = fold_stage(ring + stage * STAGE, 144, g, c, acc);
 #endif
     }
     keep(acc, out);

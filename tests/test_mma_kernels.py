@@ -62,6 +62,27 @@ def test_a_ring_of_one_stage_is_refused_and_rings_take_shared_memory_per_warp():
         MmaTiling(2, 4, 3, 1, 4).shared_bytes("Q6_K_LANES")
 
 
+def test_the_copy_engines_ring_takes_unpadded_rows_of_q4k_columns_only():
+    with pytest.raises(ValueError, match="bulk needs stages"):
+        MmaTiling(1, 2, 1, 1, 0, bulk=True)
+    bulk = MmaTiling(2, 2, 1, 1, 3, bulk=True)
+    assert bulk.shared_bytes(q4k_columns.QTYPE) == 2 * 3 * 2 * 16 * 144  # warps x stages x rows x 144-byte row
+    for qtype in ("Q4_K", "Q5_K"):
+        with pytest.raises(ValueError, match="copy engine fills the ring of Q4_K_COLUMNS weights only"):
+            bulk.shared_bytes(qtype)
+
+
+def test_tilings_fill_their_rings_by_lanes_where_the_copy_engine_cannot(monkeypatch):
+    """A measured tiling with bulk keeps it for Q4_K_COLUMNS on a GPU with the copy engine, and falls back to the
+    lanes' copies (the same bits) for GGUF-order Q4_K or a GPU without it."""
+    bulk = MmaTiling(2, 2, 1, 1, 3, bulk=True)
+    monkeypatch.setitem(mma_kernels.TILINGS, ("Q4_K", 4096, 2048), (bulk, bulk))
+    assert tilings_for(q4k_columns.QTYPE, 4096, 2048) == (bulk, bulk)
+    lanes = MmaTiling(2, 2, 1, 1, 3)
+    assert tilings_for("Q4_K", 4096, 2048) == (lanes, lanes)
+    assert tilings_for(q4k_columns.QTYPE, 4096, 2048, copy_engine=False) == (lanes, lanes)
+
+
 SHAPES = [(64, 512, None), (4096, 5376, None), (21504, 5376, None), (5376, 21504, None),
           (1040, 2048, MmaTiling(2, 4, 8, 1)), (48, 1024, MmaTiling(1, 2, 1, 1))]
 RINGS = [(1040, 2048, MmaTiling(2, 4, 2, 1, 3)), (4096, 5376, MmaTiling(1, 2, 3, 1, 4)),
@@ -175,6 +196,30 @@ def test_the_kernel_adds_the_residual_as_torch_adds_it(qtype, split):
         assert torch.equal(mma_kernels.launch(x[:m], blocks, n, qtype, tiling, residual=r[:m]), y[:m] + r[:m]), m
     with pytest.raises(ValueError, match="residual must be bf16"):
         mma_kernels.launch(x, blocks, n, qtype, tiling, residual=r[:, :16])
+    assert not mma_kernels._counters(torch.cuda.current_device()).any()
+
+
+@cuda
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0),
+                    reason="the copy engine (cp.async.bulk) needs compute capability 9.0")
+@pytest.mark.parametrize("n,k,split", [(1280, 2048, 2), (4096, 5376, 3), (256, 1024, 1), (43008, 5376, 1)])
+def test_the_copy_engines_ring_gives_the_bits_of_the_lanes_ring(n, k, split):
+    """Filling the ring by one bulk copy a warp and stage (rows unpadded, each lane group on its permuted row)
+    changes where the bytes land, not the arithmetic: the bits of the lanes' ring for every M, with a residual too,
+    and the split-K counts left at zero."""
+    rows = torch.from_numpy(random_blocks("Q4_K", rows=n, blocks_per_row=k // 256, seed=3)).cuda()
+    cols = q4k_columns.from_rows(rows)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    x = torch.randn(16, k, device="cuda", generator=gen).bfloat16()
+    res = torch.randn(16, n, device="cuda", generator=gen).bfloat16()
+    for r_tiles, warps, stages, min_blocks in ((1, 2, 2, 1), (2, 2, 3, 1), (1, 4, 4, 2)):
+        lanes = MmaTiling(r_tiles, warps, split, min_blocks, stages)
+        bulk = MmaTiling(r_tiles, warps, split, min_blocks, stages, bulk=True)
+        for m in (1, 5, 9, 16):
+            want = mma_kernels.launch(x[:m], cols, n, q4k_columns.QTYPE, lanes)
+            assert torch.equal(mma_kernels.launch(x[:m], cols, n, q4k_columns.QTYPE, bulk), want), (bulk, m)
+        want = mma_kernels.launch(x[:3], cols, n, q4k_columns.QTYPE, lanes, residual=res[:3])
+        assert torch.equal(mma_kernels.launch(x[:3], cols, n, q4k_columns.QTYPE, bulk, residual=res[:3]), want)
     assert not mma_kernels._counters(torch.cuda.current_device()).any()
 
 

@@ -6,11 +6,12 @@ same bits), and print the TILINGS table: per shape the K split with the lowest M
 fastest tiling at M = 1 and at M = 16, next to the best without a ring, the default tiling and the Triton kernel.
 Q4_K weights whose rows fill the package's chunks are timed as the loader keeps them, super-block-major
 (Q4_K_COLUMNS, flashdraft.quant.q4k_columns), unless --gguf-order (the order of every sweep before session 48: the
-adopted tilings were chosen in it).
+adopted tilings were chosen in it). --copy-engine adds, for Q4_K_COLUMNS on compute capability 9.0, each ring
+filled by the copy engine (MmaTiling.bulk).
 
 Usage (GPU machine, repo root):
     PYTHONPATH=src python scripts/gpu/mma_tilings.py OUT [--only gemma-q4k,gemma-q5k,...] [--no-rings]
-        [--gguf-order] [--budget-s S]
+        [--gguf-order] [--copy-engine] [--budget-s S]
 --only: the shape sets (SETS below; default all); --no-rings: direct loads only; --budget-s: no new shape is
 started past this many seconds (what was measured is printed and written).
 """
@@ -44,6 +45,10 @@ SETS = {
                            "full k": (2048, 5376), "full o": (5376, 16384)}),
     # the fused projections of Gemma4LM.prepare (sliding q|k|v is 16384 x 5376, full q's shape)
     "gemma-q4k-fused": ("Q4_K", {"full q|k": (18432, 5376), "gate|up": (43008, 5376)}),
+    # the Q4_K products of a Gemma-4-31B decode step as Gemma4LM.prepare fuses them, the most time first (60 gate|up
+    # and down, 50 sliding q|k|v and o, 10 full q|k and o)
+    "gemma-step": ("Q4_K", {"gate|up": (43008, 5376), "down": (5376, 21504), "sliding q|k|v": (16384, 5376),
+                            "sliding o": (5376, 8192), "full q|k": (18432, 5376), "full o": (5376, 16384)}),
     "gemma-q5k": ("Q5_K", {"sliding v": (4096, 5376), "down": (5376, 21504)}),
     "gemma-q6k": ("Q6_K_LANES", {"lm head": (262144, 5376)}),
     "qwen-q4k": ("Q4_K", {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (12288, 4096), "down": (4096, 12288),
@@ -71,6 +76,8 @@ def main() -> int:
     ap.add_argument("--only", default=",".join(SETS), help="comma-separated shape sets: " + ", ".join(SETS))
     ap.add_argument("--no-rings", action="store_true")
     ap.add_argument("--gguf-order", action="store_true", help="Q4_K in GGUF's row order, not the package's chunks")
+    ap.add_argument("--copy-engine", action="store_true",
+                    help="Q4_K_COLUMNS rings filled by the copy engine too (compute capability 9.0)")
     ap.add_argument("--budget-s", type=float, default=float("inf"))
     args = ap.parse_args()
     unknown = [name for name in args.only.split(",") if name not in SETS]
@@ -101,7 +108,9 @@ def main() -> int:
         grid = list(dict.fromkeys([*mma_kernels.tilings_for(qtype, n, k), default]))  # as adopted
         grid += [MmaTiling(r, w, s, b) for r, (w, b), s in itertools.product((1, 2), DIRECT, splits)]
         if qtype in mma_kernels.RING_ROW_BYTES and not args.no_rings:  # (Q4_K_COLUMNS among them)
-            grid += [MmaTiling(r, w, s, b, st) for st, r, (w, b), s in itertools.product(STAGES, (1, 2), RING, splits)]
+            fills = (False, True) if args.copy_engine and qtype == q4k_columns.QTYPE else (False,)
+            grid += [MmaTiling(r, w, s, b, st, bulk) for st, r, (w, b), s, bulk
+                     in itertools.product(STAGES, (1, 2), RING, splits, fills)]
         grid = list(dict.fromkeys(grid))
         results, by_split = [], {}
         for tiling in [None] + grid:
@@ -119,7 +128,8 @@ def main() -> int:
                 print(f"{shape} {tiling}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
             name = "triton" if tiling is None else (f"r{tiling.r_tiles} w{tiling.warps} s{tiling.split} "
-                                                    f"b{tiling.min_blocks} st{tiling.stages}")
+                                                    f"b{tiling.min_blocks} st{tiling.stages}"
+                                                    + " bulk" * tiling.bulk)
             row = {"shape": shape, "qtype": qtype, "n": n, "k": k, "tiling": name, "us_m1": us[0], "us_m16": us[1],
                    "ok": ok, "default": tiling == default}
             rows.append(row)
@@ -143,7 +153,8 @@ def main() -> int:
                         "best_us": [few["us_m1"], many["us_m16"]],
                         "default_us": [dflt["us_m1"], dflt["us_m16"]] if dflt else None,
                         "triton_us": [triton["us_m1"], triton["us_m16"]],
-                        "tilings": [[t.r_tiles, t.warps, t.split, t.min_blocks, t.stages] for t in (few_t, many_t)],
+                        "tilings": [[t.r_tiles, t.warps, t.split, t.min_blocks, t.stages] + [True] * t.bulk
+                                    for t in (few_t, many_t)],
                         "best_direct_us": min(([r["us_m1"], r["us_m16"]] for t, r in good if t.stages == 0),
                                               key=sum),
                         "all_ok": all(r["ok"] for _, r in results if _ is not None)}

@@ -1,7 +1,7 @@
 // GGUF k-quant weights (Q4_K, Q5_K, Q6_K) times 1-16 rows of bf16 x on the tensor cores, from register fragments
 // (no block barriers). Compiled at first use by NVRTC (flashdraft.quant.mma_kernels): kq_mma with QTYPE (4, 5 or 6),
-// COLUMNS (0 or 1), CHUNK_ROWS, R_TILES, NT, WARPS, MINB and STAGES defined in front of this text, once per type and
-// tiling.
+// COLUMNS (0 or 1), CHUNK_ROWS, R_TILES, NT, WARPS, MINB, STAGES and RING_BULK defined in front of this text, once
+// per type and tiling.
 //
 // W: GGUF blocks, row-major uint8 [N, K / 256 * BLOCK_BYTES] (Q6_K: lane-order rows, row_stride bytes apart; Q4_K
 // with COLUMNS: super-block-major, row_offset / sb_offset). X: bf16
@@ -32,6 +32,10 @@
 // keeps a ring of n super-blocks of its rows in shared memory, filled by cp.async STAGES - 1 super-blocks ahead of
 // the one it computes: more bytes in flight per multiprocessor without more registers. Rows sit ROWB bytes apart
 // there (the block padded so that the fragment reads of a half-warp hit 32 different banks). Same arithmetic.
+// With RING_BULK 1 (Q4_K_COLUMNS, compute capability 9.0): a warp's rows at one super-block are one run of
+// R_TILES x 16 x 144 bytes in that layout, so lane 0 fills a stage with one cp.async.bulk (the copy engine, an
+// mbarrier a stage) where the lanes issue 16-byte cp.async each; rows then lie 144 bytes apart, and lane group g
+// takes the fragments of tile row frag_row(g) so that a half-warp's reads still hit 32 different banks.
 //
 // Q6_K (its own part of the kernel): weights d sc q - 32 d sc with a signed scale per 16 weights and no minimum, so
 // one MMA k-step is one 16-weight group: lane c holds the group's positions 4c .. 4c + 3, 128 + q is again exact in
@@ -186,6 +190,14 @@ __device__ __forceinline__ size_t sb_offset(int sb) {
     return (size_t)sb * (COLUMNS ? CHUNK_ROWS : 1) * BLOCK_BYTES;
 }
 
+// The tile row (and that row + 8) whose A fragments lane group g holds, and whose sums it stores: g, or in the copy
+// engine's ring (rows 144 bytes = 36 words apart) 2 (g % 4) + g / 4, so that the half-warp g = 0-3 reads rows 0, 2,
+// 4, 6, 72 words apart: 32 different banks for its 8-byte reads (rows g would meet 2-way conflicts)
+#if RING_BULK && !(COLUMNS && STAGES > 0)
+#error "the copy engine fills only a ring (STAGES > 0) of Q4_K_COLUMNS"
+#endif
+__device__ __forceinline__ int frag_row(int g) { return RING_BULK ? 2 * (g & 3) + (g >> 2) : g; }
+
 // The warp's sums at zero, and where this lane reads x: token g + 8 nt's row (a row of zeros past M), from `col`.
 __device__ __forceinline__ void start_sums(float (&tot)[R_TILES][NT][4], const u16 *(&xrow)[NT], bool (&xok)[NT],
                                            const u16 *__restrict__ X, int M, int K, int g, int col) {
@@ -227,7 +239,7 @@ __device__ __forceinline__ void store_sums(const float (&tot)[R_TILES][NT][4], f
             for (int i = 0; i < 4; ++i) {  // C fragment: rows g (i < 2), g + 8; tokens 2c + i % 2
                 int token = 8 * nt + 2 * c + (i & 1);
                 if (token >= M) continue;
-                size_t at = (size_t)token * N + (tile0 + r) * 16 + g + 8 * (i >> 1);
+                size_t at = (size_t)token * N + (tile0 + r) * 16 + frag_row(g) + 8 * (i >> 1);
                 if (gridDim.y == 1)
                     Y[at] = output_bits(tot[r][nt][i], R, has_r, at);
                 else
@@ -257,8 +269,8 @@ __device__ __forceinline__ void store_sums(const float (&tot)[R_TILES][NT][4], f
 
 #if STAGES > 0
 // bytes per row of a stage: the block padded to 8 or 24 mod 32 words (160 = 40 words, 224 = 56), so that the
-// 8-byte reads of rows g = 0-3 at 8c fall on 32 different banks
-#define ROWB (QTYPE == 4 ? 160 : 224)
+// 8-byte reads of rows g = 0-3 at 8c fall on 32 different banks; unpadded in the copy engine's ring (frag_row)
+#define ROWB (RING_BULK ? BLOCK_BYTES : QTYPE == 4 ? 160 : 224)
 #define STAGE_BYTES (R_TILES * 16 * ROWB)
 #define ROW_CHUNKS (BLOCK_BYTES / 16)
 #define CHUNKS ((R_TILES * 16 * ROW_CHUNKS + 31) / 32)   // 16-byte copies per lane per super-block
@@ -269,6 +281,16 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void *src, bool on) {
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 __device__ __forceinline__ void cp_async_wait_ahead() { asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 2)); }
+// `bytes` from global src into shared dst by the copy engine, counted into the mbarrier at bar
+__device__ __forceinline__ void bulk_copy(u32 dst, const void *src, u32 bytes, u32 bar) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void wait_phase(u32 bar, u32 parity) {
+    asm volatile("{ .reg .pred done; WAIT_%=: mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;"
+                 " @!done bra WAIT_%=; }" :: "r"(bar), "r"(parity) : "memory");
+}
 #endif  // STAGES > 0
 
 #if QTYPE == 6
@@ -402,6 +424,21 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
     const unsigned char *ring = (const unsigned char *)smem + warp * STAGES * STAGE_BYTES;
     u32 ring_addr;  // its shared-window address, for cp.async
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(ring_addr) : "l"(ring));
+    const int sb_end = sb0 + sb_per_split;
+#if RING_BULK  // the warp's rows at a super-block: one run, from row_offset(tile0 * 16) on (COLUMNS)
+    __shared__ __align__(8) unsigned long long full[WARPS][STAGES];
+    u32 full_addr;  // the warp's mbarriers, one a stage, 8 bytes apart
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(full_addr) : "l"(&full[warp][0]));
+    const unsigned char *run = W + row_offset(tile0 * 16, nsb);
+    if (lane == 0) {
+        for (int s = 0; s < STAGES; ++s)
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(full_addr + 8 * s) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        for (int s = 0; s < STAGES - 1 && sb0 + s < sb_end; ++s)
+            bulk_copy(ring_addr + s * STAGE_BYTES, run + sb_offset(sb0 + s), STAGE_BYTES, full_addr + 8 * s);
+    }
+    __syncwarp();
+#else
     const unsigned char *csrc[CHUNKS];
     u32 cdst[CHUNKS];
     bool con[CHUNKS];
@@ -412,7 +449,6 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
         csrc[t] = W + row_offset(min(tile0 * 16 + (con[t] ? row : 0), N - 1), nsb) + 16 * col;
         cdst[t] = ring_addr + row * ROWB + 16 * col;
     }
-    const int sb_end = sb0 + sb_per_split;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
 #pragma unroll
@@ -421,7 +457,8 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
                        con[t] && sb0 + s < sb_end);
         cp_async_commit();
     }
-#endif
+#endif  // RING_BULK
+#endif  // STAGES > 0
     wait_for_earlier_kernels();
     for (int sb = sb0; sb < sb0 + sb_per_split; ++sb) {
         uint4 hdr[R_TILES][2];
@@ -430,22 +467,27 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
         uint2 qh[R_TILES][2];  // bit j of byte i: the fifth bit of position i (of 32) of sub-block j
 #endif
 #if STAGES > 0
-        const int stage = (sb - sb0) % STAGES;
+        const int stage = (sb - sb0) % STAGES, ahead = sb + STAGES - 1, slot = (stage + STAGES - 1) % STAGES;
+#if RING_BULK
+        wait_phase(full_addr + 8 * stage, ((sb - sb0) / STAGES) & 1);  // this super-block's bytes have landed
+        __syncwarp();  // every lane is done with the stage refilled next
+        if (lane == 0 && ahead < sb_end) {
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the lanes' reads before the copy's writes
+            bulk_copy(ring_addr + slot * STAGE_BYTES, run + sb_offset(ahead), STAGE_BYTES, full_addr + 8 * slot);
+        }
+#else
         cp_async_wait_ahead();  // this super-block's copies (this lane's) are done
         __syncwarp();           // and every lane's; and every lane is done with the stage refilled next
-        {
-            const int ahead = sb + STAGES - 1, slot = (stage + STAGES - 1) % STAGES;
 #pragma unroll
-            for (int t = 0; t < CHUNKS; ++t)
-                cp_async16(cdst[t] + slot * STAGE_BYTES, csrc[t] + sb_offset(ahead),
-                           con[t] && ahead < sb_end);
-            cp_async_commit();
-        }
+        for (int t = 0; t < CHUNKS; ++t)
+            cp_async16(cdst[t] + slot * STAGE_BYTES, csrc[t] + sb_offset(ahead), con[t] && ahead < sb_end);
+        cp_async_commit();
+#endif
 #pragma unroll
         for (int r = 0; r < R_TILES; ++r)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
-                const unsigned char *blk = ring + stage * STAGE_BYTES + (r * 16 + g + 8 * hh) * ROWB;
+                const unsigned char *blk = ring + stage * STAGE_BYTES + (r * 16 + frag_row(g) + 8 * hh) * ROWB;
                 hdr[r][hh] = *(const uint4 *)blk;
 #if QTYPE == 5
                 qh[r][hh] = *(const uint2 *)(blk + 16 + 8 * c);

@@ -10,7 +10,10 @@ products, so it runs about twice as fast as the Triton kernel at one row, and th
 (docs/performance.md).
 
 Q4_K also comes super-block-major in chunks of rows (Q4_K_COLUMNS, flashdraft.quant.q4k_columns: the warps read long
-stretches of memory in order; the same arithmetic, so the same bits, and Q4_K's tilings).
+stretches of memory in order; the same arithmetic, so the same bits, and Q4_K's tilings). There a warp's rows at one
+super-block are one run of bytes, so on compute capability 9.0 a tiling may have the copy engine fill its ring
+(MmaTiling.bulk: one bulk copy a warp and stage where the lanes issue a 16-byte copy per 16 bytes; a read of the
+ring alone streams faster so, docs/performance.md), a choice of the tiling sweep like the others.
 
 Used by flashdraft.quant.linear for these types when x is bf16 with at most MAX_ROWS rows, K a multiple of 256 and N
 of 16, on a GPU of compute capability 8.0 or newer; anything else, or a failed compile (warned once), goes to the
@@ -61,16 +64,23 @@ class MmaTiling:
     min_blocks: int = 1   # __launch_bounds__ blocks per SM (caps the registers a thread may use)
     stages: int = 0       # 0: fragments loaded from global memory; n >= 2: a ring of n super-blocks per warp in
                           # shared memory, filled by cp.async n - 1 ahead (kquant_mma.cu says why)
+    bulk: bool = False    # the ring filled by the copy engine, one cp.async.bulk a warp and stage (Q4_K_COLUMNS on
+                          # compute capability 9.0; rows unpadded)
 
     def __post_init__(self):
         if self.stages == 1 or self.stages < 0:
             raise ValueError(f"stages is 0 or at least 2, not {self.stages}")
+        if self.bulk and not self.stages:
+            raise ValueError("the copy engine fills a ring: bulk needs stages >= 2")
 
     def shared_bytes(self, qtype: str) -> int:
         """The dynamic shared memory a block of this tiling takes for weights of this type."""
         if self.stages and qtype not in RING_ROW_BYTES:
             raise ValueError(f"{qtype} weights take no shared-memory ring (stages 0), got stages {self.stages}")
-        return self.warps * self.stages * self.r_tiles * 16 * RING_ROW_BYTES.get(qtype, 0)
+        if self.bulk and qtype != q4k_columns.QTYPE:
+            raise ValueError(f"the copy engine fills the ring of {q4k_columns.QTYPE} weights only, not {qtype}")
+        row = BLOCK_BYTES[qtype] if self.bulk else RING_ROW_BYTES.get(qtype, 0)
+        return self.warps * self.stages * self.r_tiles * 16 * row
 
 
 # (type, N, K) -> the tilings for 1-8 and for 9-16 rows of x: per shape the K split with the lowest M = 1 plus M = 16
@@ -138,9 +148,13 @@ def default_tiling(n: int, k: int, sms: int = 132) -> MmaTiling:
     return MmaTiling(tiling.r_tiles, tiling.warps, split, tiling.min_blocks)
 
 
-def tilings_for(qtype: str, n: int, k: int, sms: int = 132) -> tuple[MmaTiling, MmaTiling]:
-    """The tilings for up to 8 and for 9-16 rows of x (Q4_K_COLUMNS: Q4_K's, measured in GGUF's order)."""
-    return TILINGS.get((q4k_columns.file_type(qtype), n, k)) or (default_tiling(n, k, sms),) * 2
+def tilings_for(qtype: str, n: int, k: int, sms: int = 132, copy_engine: bool = True) -> tuple[MmaTiling, MmaTiling]:
+    """The tilings for up to 8 and for 9-16 rows of x (Q4_K_COLUMNS: Q4_K's), their rings filled by lanes' copies
+    where the weights are not Q4_K_COLUMNS or the GPU has no copy engine (copy_engine False)."""
+    tilings = TILINGS.get((q4k_columns.file_type(qtype), n, k)) or (default_tiling(n, k, sms),) * 2
+    if qtype != q4k_columns.QTYPE or not copy_engine:
+        tilings = tuple(dataclasses.replace(t, bulk=False) for t in tilings)
+    return tilings
 
 
 def supported(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str) -> bool:
@@ -152,11 +166,17 @@ def supported(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: s
             and blocks.shape == (out_features, row_bytes(qtype, k))):
         return False
     device_index = _device_index(x)
-    return _builds(tilings_for(qtype, out_features, k, gpu_sm_count(device_index)), qtype, device_index)
+    return _builds(_tilings_on(device_index, qtype, out_features, k), qtype, device_index)
 
 
 def _device_index(x: torch.Tensor) -> int:
     return x.device.index if x.device.index is not None else torch.cuda.current_device()
+
+
+def _tilings_on(device_index: int, qtype: str, n: int, k: int) -> tuple[MmaTiling, MmaTiling]:
+    """tilings_for this GPU: its SM count, and the copy engine from compute capability 9.0 on."""
+    return tilings_for(qtype, n, k, gpu_sm_count(device_index),
+                       torch.cuda.get_device_capability(device_index) >= (9, 0))
 
 
 @functools.cache
@@ -188,7 +208,8 @@ def _matmul_kernel(tiling: MmaTiling, nt: int, qtype: str, device_index: int, so
     head = (f"#define QTYPE {QTYPES[qtype]}\n#define COLUMNS {int(qtype == q4k_columns.QTYPE)}\n"
             f"#define CHUNK_ROWS {q4k_columns.CHUNK_ROWS}\n"
             f"#define R_TILES {tiling.r_tiles}\n#define NT {nt}\n"
-            f"#define WARPS {tiling.warps}\n#define MINB {tiling.min_blocks}\n#define STAGES {tiling.stages}\n")
+            f"#define WARPS {tiling.warps}\n#define MINB {tiling.min_blocks}\n#define STAGES {tiling.stages}\n"
+            f"#define RING_BULK {int(tiling.bulk)}\n")
     with torch.cuda.device(device_index):
         kernel = torch.cuda._compile_kernel(head + (source or SOURCE.read_text()), "kq_mma")
         kernel.set_shared_memory_config(shared)  # past 48 KB a kernel must ask for it
@@ -237,7 +258,7 @@ def launch(x: torch.Tensor, blocks: torch.Tensor, out_features: int, qtype: str,
         return y.reshape(*lead, n)
     device_index = _device_index(x)
     if tiling is None:
-        tiling = tilings_for(qtype, n, k, gpu_sm_count(device_index))
+        tiling = _tilings_on(device_index, qtype, n, k)
     tilings = (tiling, tiling) if isinstance(tiling, MmaTiling) else tiling
     nsb = k // 256
     if tilings[0].split != tilings[1].split:

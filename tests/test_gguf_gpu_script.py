@@ -303,22 +303,21 @@ import q4k_layout_probe as lp
 from flashdraft.quant import mma_kernels
 
 text = mma_kernels.SOURCE.read_text()
-for layout in ("lanes", "tiles", "bulk"):
+for layout in ("lanes", "tiles"):
     out = lp.layout_source(layout, text)
     assert out != text, layout
 assert lp.native_source("columns", 5376).startswith("#undef CHUNK_ROWS\n#define CHUNK_ROWS 5376\n")
 assert lp.native_source("chunks", 5376).startswith("#undef CHUNK_ROWS\n#define CHUNK_ROWS 256\n")
-bulk = lp.layout_source("bulk", text)
-assert "cp_async16(cdst" not in bulk and bulk.count("bulk_stage(") == 3 and "tile_base(" in bulk, "bulk ring"
-assert "#define ROWB (QTYPE == 4 ? 144 : 224)" in bulk
+assert "#define ROWB (RING_BULK ? BLOCK_BYTES : QTYPE == 4 ? 144 : 224)" in lp.layout_source("lanes", text)
+assert "tile_base(" in lp.layout_source("tiles", text)
 try:
-    lp.layout_source("bulk", text.replace("cp_async_wait_ahead();  // this super-block's copies", "", 1))
-    sys.exit("a cut that no longer fits the kernel was applied")
+    lp.layout_source("lanes", text.replace("#define ROWB", "#define ROW_BYTES", 1))
+    sys.exit("a patch that no longer fits the kernel was applied")
 except ValueError as e:
-    assert "does not occur exactly once" in str(e), e
+    assert "occurs 0 times in the kernel" in str(e), e
 n, nsb = 512, 2
 blocks = torch.randint(0, 256, (n, nsb * 144), dtype=torch.uint8)
-out = lp.to_layout("bulk", blocks)
+out = lp.to_layout("tiles", lp.to_layout("lanes", blocks))
 for r, sb, gq, c, b in ((0, 0, 0, 0, 0), (17, 1, 3, 2, 5), (31, 1, 1, 3, 7), (5, 0, 2, 1, 3)):
     tile_at = (r // 16) * 16 * nsb * 144 + sb * 16 * 144 + (r % 16) * 144  # tile-major
     src = blocks[r, sb * 144 + 16 + 32 * gq + 8 * c + b]
@@ -335,10 +334,9 @@ print("OK")
 
 @pytest.mark.skipif(not _has_triton(), reason="the script imports the Triton kernels (run under the interpreter)")
 def test_layout_probe_patches_fit_the_kernel():
-    """scripts/gpu/q4k_layout_probe.py: each layout's patches (lane order, tile-major, the ring filled by bulk
-    copies) apply to kquant_mma.cu as written, a cut that no longer fits stops the script, the layouts the kernel
-    reads itself set its chunk of rows, and the bulk and super-block-major layouts put each byte where their
-    kernels read it."""
+    """scripts/gpu/q4k_layout_probe.py: each layout's patches (lane order, tile-major) apply to kquant_mma.cu as
+    written, a patch that no longer fits stops the script, the layouts the kernel reads itself set its chunk of
+    rows, and lane order, tile-major and super-block-major put each byte where their kernels read it."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "-c", LAYOUT_CHECK, str(ROOT / "scripts" / "gpu")], env=env,
                           capture_output=True, text=True, timeout=120)

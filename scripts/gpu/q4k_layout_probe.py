@@ -19,14 +19,10 @@ order (a grid-stride read of the same bytes streams faster than each block readi
 read_stream_probe.py). The package's kernel reads it itself (Q4_K_COLUMNS) with its chunk of rows set to N.
 --layout chunks: the package's Q4_K_COLUMNS (flashdraft.quant.q4k_columns): super-block-major in chunks of 256 rows,
 so that fused projections and their parts stay views of one another.
---layout bulk: tile-major and lane order together, and the ring (tilings with stages) filled by bulk copies: lane 0
-of a warp brings each of its tiles' 2,304-byte runs of a super-block into the ring with one cp.async.bulk (Hopper's
-copy engine), a stage's arrival counted by an mbarrier, where each lane issued its share of the nine 16-byte
-cp.async a row; rows 144 bytes apart in the ring, as lane order reads them without bank conflicts. The lanes no
-longer issue the loads, and a ring's depth costs no registers (--stages 4,6: deeper rings too, also for
-the tilings that load directly, as the 16-row ones do).
+(The ring filled by the copy engine, which session 42 probed here on tile-major lane-order blocks, is a tiling
+choice of the kernel itself since session 49: MmaTiling.bulk, timed by mma_tilings.py --copy-engine.)
 
-    PYTHONPATH=src python scripts/gpu/q4k_layout_probe.py OUT --layout lanes|tiles|columns|chunks|bulk
+    PYTHONPATH=src python scripts/gpu/q4k_layout_probe.py OUT --layout lanes|tiles|columns|chunks
         [--only gemma-q4k-fused,...] [--stages 4,6]
 
 --only: mma_tilings.py's Q4_K shape sets (default gemma-q4k-fused, gemma-q4k, qwen-q4k-fused).
@@ -81,7 +77,8 @@ PATCHES = {
          LANE_LOADS.format(load="__ldg((const uint4 *)"), 1),
         ("for (int gq = 0; gq < 4; ++gq) q[r][hh][gq] = *(const uint2 *)(blk + QS + 32 * gq + 8 * c);",
          LANE_LOADS.format(load="*((const uint4 *)"), 1),
-        ("#define ROWB (QTYPE == 4 ? 160 : 224)", "#define ROWB (QTYPE == 4 ? 144 : 224)", 1),
+        ("#define ROWB (RING_BULK ? BLOCK_BYTES : QTYPE == 4 ? 160 : 224)",
+         "#define ROWB (RING_BULK ? BLOCK_BYTES : QTYPE == 4 ? 144 : 224)", 1),
     ],
     # every address of a row's super-block: its tile's run, its place in the tile, 16 blocks a step; the L2
     # prefetch a tile's run per lane
@@ -100,67 +97,6 @@ __device__ __forceinline__ size_t tile_base(int row, int nsb) {
 ANCHOR = "// Where Q4_K / Q5_K weight row `row`'s super-block sb starts"
 
 
-BULK_HELPERS = """
-#if STAGES > 0
-__device__ __forceinline__ u32 shared_addr(const void *p) { return (u32)__cvta_generic_to_shared(p); }
-// super-block sb of the warp's tiles (tile-major: one 16 x 144-byte run a tile) into a ring stage by lane 0's bulk
-// copies, their bytes counted by the stage's mbarrier
-__device__ __forceinline__ void bulk_stage(const unsigned char *dst, const unsigned char *__restrict__ W, int tile0,
-                                           int N, int nsb, int sb, unsigned long long *bar) {
-    int tiles = 0;
-#pragma unroll
-    for (int r = 0; r < R_TILES; ++r) tiles += (tile0 + r) * 16 < N;
-    const u32 bytes = 16 * BLOCK_BYTES;
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stage's earlier reads before the copy
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(shared_addr(bar)),
-                 "r"(tiles * bytes) : "memory");
-    for (int r = 0; r < tiles; ++r)
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                     :: "r"(shared_addr(dst + r * 16 * ROWB)),
-                        "l"(W + tile_base((tile0 + r) * 16, nsb) + (size_t)sb * 16 * BLOCK_BYTES), "r"(bytes),
-                        "r"(shared_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void wait_stage(unsigned long long *bar, u32 parity) {
-    asm volatile("{ .reg .pred done; WAIT_%=: mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;"
-                 " @!done bra WAIT_%=; }" :: "r"(shared_addr(bar)), "r"(parity) : "memory");
-}
-#endif
-"""
-BULK_SETUP = """    extern __shared__ uint4 smem[];
-    const unsigned char *ring = (const unsigned char *)smem + warp * STAGES * STAGE_BYTES;
-    __shared__ __align__(8) unsigned long long stage_full[WARPS][STAGES];
-    const int sb_end = sb0 + sb_per_split;
-    if (lane == 0) {
-        for (int s = 0; s < STAGES; ++s)
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(shared_addr(&stage_full[warp][s])) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        for (int s = 0; s < STAGES - 1 && sb0 + s < sb_end; ++s)
-            bulk_stage(ring + s * STAGE_BYTES, W, tile0, N, nsb, sb0 + s, &stage_full[warp][s]);
-    }
-    __syncwarp();
-"""
-BULK_WAIT = """        wait_stage(&stage_full[warp][stage], ((sb - sb0) / STAGES) & 1);
-        __syncwarp();  // every lane is done with the stage refilled next
-        if (lane == 0 && sb + STAGES - 1 < sb_end) {
-            const int slot = (stage + STAGES - 1) % STAGES;
-            bulk_stage(ring + slot * STAGE_BYTES, W, tile0, N, nsb, sb + STAGES - 1, &stage_full[warp][slot]);
-        }
-"""
-# the ring's fill and its wait, cut out between these markers (each must occur once) for --layout bulk
-BULK_CUTS = (("    // this lane's 16-byte copies of a super-block: chunk i = lane + 32 t",
-              "#endif\n    wait_for_earlier_kernels();\n    for (int sb = sb0;", BULK_SETUP),
-             ("        cp_async_wait_ahead();  // this super-block's copies",
-              "#pragma unroll\n        for (int r = 0; r < R_TILES; ++r)\n#pragma unroll\n            for (int hh = 0; "
-              "hh < 2; ++hh) {\n                const unsigned char *blk = ring", BULK_WAIT))
-
-
-def cut(source: str, start: str, end: str, new: str) -> str:
-    """source with the text from `start` up to `end` replaced by `new` (ValueError unless each occurs once)."""
-    if source.count(start) != 1 or source.count(end) != 1:
-        raise ValueError(f"bulk: {start!r} or {end!r} does not occur exactly once in the kernel")
-    i, j = source.index(start), source.index(end)
-    return source[:i] + new + source[j:]
-
 
 def insert_before(source: str, anchor: str, text: str) -> str:
     if source.count(anchor) != 1:
@@ -170,15 +106,8 @@ def insert_before(source: str, anchor: str, text: str) -> str:
 
 def layout_source(layout: str, source: str) -> str:
     """kquant_mma.cu's text reading the blocks in `layout` (ValueError where a patch does not fit the text)."""
-    if layout == "bulk":  # tile-major and lane order, the ring filled by bulk copies
-        for start, end, new in BULK_CUTS:
-            source = cut(source, start, end, new)
-        source = apply_patches(source, PATCHES["lanes"] + [patch for patch in PATCHES["tiles"]
-                                                            if "csrc" not in patch[0]], layout)
-        source = insert_before(source, "#if QTYPE == 6\n#if STAGES > 0", BULK_HELPERS)
-    else:
-        source = apply_patches(source, PATCHES[layout], layout)
-    if layout in ("tiles", "bulk"):
+    source = apply_patches(source, PATCHES[layout], layout)
+    if layout == "tiles":
         source = insert_before(source, ANCHOR, TILE_HELPER)
     return source
 
@@ -196,8 +125,6 @@ def to_layout(layout: str, blocks: torch.Tensor) -> torch.Tensor:
     """Q4_K rows [N, nsb * 144] -> the same bytes in `layout`, as a [N, nsb * 144] tensor."""
     n, nbytes = blocks.shape
     nsb = nbytes // 144
-    if layout == "bulk":
-        return to_layout("tiles", to_layout("lanes", blocks))
     if layout == "columns":  # [N][nsb][144] -> [nsb][N][144]
         return blocks.reshape(n, nsb, 144).transpose(0, 1).contiguous().reshape(n, nbytes)
     if layout == "chunks":
@@ -212,11 +139,10 @@ def to_layout(layout: str, blocks: torch.Tensor) -> torch.Tensor:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--layout", choices=sorted(PATCHES) + ["bulk"] + sorted(NATIVE), required=True)
+    ap.add_argument("--layout", choices=sorted(PATCHES) + sorted(NATIVE), required=True)
     ap.add_argument("--only", default="gemma-q4k-fused,gemma-q4k,qwen-q4k-fused")
     ap.add_argument("--stages", default="", help="also the layout with rings of these many stages (e.g. 4,6) where "
-                    "a tiling has a ring (--layout bulk: every tiling, the direct ones too): where loads wait, so the "
-                    "same bits")
+                    "a tiling has a ring: where loads wait, so the same bits")
     args = ap.parse_args()
     wrong = [name for name in args.only.split(",") if SETS.get(name, ("",))[0] != "Q4_K"]
     if wrong:
@@ -238,8 +164,8 @@ def main() -> int:
             forms = [("gguf", ws, None, tilings), (args.layout, ls, source, tilings)]
             for stages in filter(None, args.stages.split(",")):
                 forms.append((f"{args.layout}-s{stages}", ls, source,
-                              tuple(dataclasses.replace(t, stages=int(stages)) if t.stages or args.layout == "bulk"
-                                    else t for t in tilings)))
+                              tuple(dataclasses.replace(t, stages=int(stages)) if t.stages else t
+                                    for t in tilings)))
             want = {m: mma_kernels.launch(x[:m], ws[0], n, "Q4_K", tilings) for m in (1, 5, 16)}
             same = {form: all(torch.equal(want[m], mma_kernels.launch(x[:m], blocks[0], n, qtype, form_tilings,
                                                                       source=text)) for m in want)

@@ -89,16 +89,13 @@ class MmaTiling:
 # every M gives the same bits; other shapes get default_tiling for both.
 TILINGS: dict[tuple[str, int, int], tuple[MmaTiling, MmaTiling]] = {
     ("Q4_K", 21504, 5376): (MmaTiling(1, 4, 1, 2, 3), MmaTiling(1, 2, 1, 6)),     # gate/up: 29.2 / 44.3 us, M 1 / 16
-    ("Q4_K", 5376, 21504): (MmaTiling(2, 2, 6, 1, 3), MmaTiling(2, 4, 6, 1, 3)),  # down: 28.6 / 42.2 us
     ("Q4_K", 8192, 5376): (MmaTiling(1, 4, 3, 2, 3), MmaTiling(1, 2, 3, 6)),      # sliding q: 14.7 / 19.3 us
     ("Q4_K", 4096, 5376): (MmaTiling(1, 2, 7, 1), MmaTiling(2, 4, 7, 1)),        # sliding k/v: 10.0 / 12.8 us
     ("Q4_K", 5376, 8192): (MmaTiling(1, 4, 4, 1, 3), MmaTiling(1, 2, 4, 6)),      # sliding o: 15.5 / 21.1 us
     ("Q4_K", 16384, 5376): (MmaTiling(1, 4, 1, 1, 3), MmaTiling(1, 2, 1, 1, 3)),  # full q: 22.9 / 32.2 us
     ("Q4_K", 2048, 5376): (MmaTiling(1, 4, 7, 1, 3), MmaTiling(1, 4, 7, 1)),      # full k: 7.8 / 9.4 us
-    ("Q4_K", 5376, 16384): (MmaTiling(2, 2, 8, 1), MmaTiling(1, 2, 8, 6)),        # full o: 25.4 / 37.4 us
     # fused projections (gate|up; Gemma 4's full q|k, its sliding q|k|v being full q's shape; Qwen3-8B's q|k|v),
     # and Qwen3-8B's Q4_K shapes: the same sweep, 2026-12-03 evening (docs/perf/h200-sbs-2026-12-03-eve)
-    ("Q4_K", 43008, 5376): (MmaTiling(2, 2, 1, 1, 3), MmaTiling(1, 2, 1, 6)),     # Gemma gate|up: 51.4 / 83.7 us
     ("Q4_K", 18432, 5376): (MmaTiling(1, 4, 1, 1, 3), MmaTiling(1, 2, 1, 6)),     # Gemma full q|k: 28.4 / 43.7 us
     ("Q4_K", 6144, 4096): (MmaTiling(1, 4, 4, 1), MmaTiling(1, 2, 4, 6)),        # Qwen q|k|v: 10.2 / 17.0 us
     ("Q4_K", 24576, 4096): (MmaTiling(1, 4, 1, 1, 3), MmaTiling(1, 2, 1, 6)),     # Qwen gate|up: 23.9 / 36.6 us
@@ -129,6 +126,12 @@ TILINGS: dict[tuple[str, int, int], tuple[MmaTiling, MmaTiling]] = {
     ("Q5_K", 4096, 12288): (MmaTiling(1, 2, 6, 1), MmaTiling(1, 2, 6, 6)),        # drafter down: 19.4 / 29.0 (44.3)
     ("Q5_K", 4096, 20480): (MmaTiling(1, 2, 4, 1, 3), MmaTiling(1, 4, 4, 1, 3)),  # drafter fc: 30.2 / 41.9 (60.6)
     ("Q5_K", 2048, 4096): (MmaTiling(1, 2, 4, 1, 4), MmaTiling(1, 2, 4, 6)),      # drafter k|v: 6.8 / 12.8 (25.1)
+    # Gemma-4-31B's step as it runs: Q4_K_COLUMNS, rings filled by the copy engine among the choices
+    # (mma_tilings.py --only gemma-step --copy-engine on an H200, 2026-12-07, docs/perf/h200-2026-12-07-s49; the
+    # shapes whose M = 1 plus M = 16 time fell by more than 1%)
+    ("Q4_K", 43008, 5376): (MmaTiling(2, 4, 1, 2, 3, bulk=True), MmaTiling(1, 2, 1, 6)),  # gate|up: 47.4 / 81.6 us
+    ("Q4_K", 5376, 21504): (MmaTiling(1, 4, 6, 1), MmaTiling(2, 2, 6, 1, 3)),             # down: 27.1 / 47.7 us
+    ("Q4_K", 5376, 16384): (MmaTiling(1, 2, 4, 1, 3), MmaTiling(1, 2, 4, 6)),             # full o: 24.4 / 39.6 us
 }
 MAX_SPLIT = 16
 # Launched as a programmatic dependent (kernels.programmatic), a product prefetches into L2 up to this many bytes

@@ -12,8 +12,8 @@ products, so it runs about twice as fast as the Triton kernel at one row, and th
 Q4_K also comes super-block-major in chunks of rows (Q4_K_COLUMNS, flashdraft.quant.q4k_columns: the warps read long
 stretches of memory in order; the same arithmetic, so the same bits, and Q4_K's tilings). There a warp's rows at one
 super-block are one run of bytes, so on compute capability 9.0 a tiling may have the copy engine fill its ring
-(MmaTiling.bulk: one bulk copy a warp and stage where the lanes issue a 16-byte copy per 16 bytes; a read of the
-ring alone streams faster so, docs/performance.md), a choice of the tiling sweep like the others.
+(MmaTiling.bulk: one bulk copy a warp and stage where the lanes issue a 16-byte copy per 16 bytes, and the lanes
+keep no copy addresses: fewer registers), a choice of the tiling sweep like the others (docs/performance.md).
 
 Used by flashdraft.quant.linear for these types when x is bf16 with at most MAX_ROWS rows, K a multiple of 256 and N
 of 16, on a GPU of compute capability 8.0 or newer; anything else, or a failed compile (warned once), goes to the

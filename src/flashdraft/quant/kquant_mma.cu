@@ -279,6 +279,12 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void *src, bool on) {
     asm volatile("{ .reg .pred p; setp.ne.b32 p, %2, 0; @p cp.async.cg.shared.global [%0], [%1], 16; }"
                  :: "r"(dst), "l"(src), "r"((int)on));
 }
+// a shared-memory pointer's address in the shared window, as cp.async, bulk copies and mbarriers take it
+__device__ __forceinline__ u32 shared_window(const void *p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 __device__ __forceinline__ void cp_async_wait_ahead() { asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 2)); }
 // `bytes` from global src into shared dst by the copy engine, counted into the mbarrier at bar
@@ -422,13 +428,11 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
     // this lane's 16-byte copies of a super-block: chunk i = lane + 32 t of the warp's rows' 9 chunks each
     extern __shared__ uint4 smem[];
     const unsigned char *ring = (const unsigned char *)smem + warp * STAGES * STAGE_BYTES;
-    u32 ring_addr;  // its shared-window address, for cp.async
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(ring_addr) : "l"(ring));
+    const u32 ring_addr = shared_window(ring);  // for cp.async
     const int sb_end = sb0 + sb_per_split;
 #if RING_BULK  // the warp's rows at a super-block: one run, from row_offset(tile0 * 16) on (COLUMNS)
     __shared__ __align__(8) unsigned long long full[WARPS][STAGES];
-    u32 full_addr;  // the warp's mbarriers, one a stage, 8 bytes apart
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(full_addr) : "l"(&full[warp][0]));
+    const u32 full_addr = shared_window(&full[warp][0]);  // the warp's mbarriers, one a stage, 8 bytes apart
     const unsigned char *run = W + row_offset(tile0 * 16, nsb);
     if (lane == 0) {
         for (int s = 0; s < STAGES; ++s)

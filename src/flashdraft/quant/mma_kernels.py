@@ -176,8 +176,10 @@ def _device_index(x: torch.Tensor) -> int:
     return x.device.index if x.device.index is not None else torch.cuda.current_device()
 
 
+@functools.cache
 def _tilings_on(device_index: int, qtype: str, n: int, k: int) -> tuple[MmaTiling, MmaTiling]:
-    """tilings_for this GPU: its SM count, and the copy engine from compute capability 9.0 on."""
+    """tilings_for this GPU: its SM count, and the copy engine from compute capability 9.0 on (cached: launch asks
+    for every product, and eager passes of a few rows are bound by the host)."""
     return tilings_for(qtype, n, k, gpu_sm_count(device_index),
                        torch.cuda.get_device_capability(device_index) >= (9, 0))
 

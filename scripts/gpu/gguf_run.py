@@ -887,10 +887,13 @@ def main(argv=None) -> int:
             run.error("configs", e)
     if args.mma_tilings is not None:
         try:
-            from flashdraft.quant import mma_kernels
+            from flashdraft.quant import mma_kernels, q4k_columns
             for entry in json.loads(args.mma_tilings.read_text())["table"].values():
                 few, many = (mma_kernels.MmaTiling(*tiling) for tiling in entry["tilings"])
-                mma_kernels.TILINGS[(entry.get("qtype", "Q4_K"), entry["n"], entry["k"])] = (few, many)
+                # keyed by the file's type, as tilings_for looks them up (a sweep in the package's layout says
+                # Q4_K_COLUMNS)
+                qtype = q4k_columns.file_type(entry.get("qtype", "Q4_K"))
+                mma_kernels.TILINGS[(qtype, entry["n"], entry["k"])] = (few, many)
             run.result["mma_tilings"] = {f"{q} {n}x{k}": str(t) for (q, n, k), t in mma_kernels.TILINGS.items()}
             log(f"k-quant kernel tilings from {args.mma_tilings}: {run.result['mma_tilings']}")
         except Exception as e:  # noqa: BLE001

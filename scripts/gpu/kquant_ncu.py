@@ -9,7 +9,9 @@ issue slots (docs/performance.md, session 43): the kernel waits more than it iss
         python scripts/gpu/kquant_ncu.py gemma-q4k-fused "gate|up" --rows 1 [--variant "all arithmetic"]
 
 The shape comes from mma_tilings.py's sets, the tiling is the adopted one (mma_kernels.tilings_for), the variant
-one of kquant_ablate.py's (the kernel's text with a stage left out). Without ncu it prints the launch's time.
+one of kquant_ablate.py's (the kernel's text with a stage left out). Q4_K weights whose rows fill the package's
+chunks are laid out as the loader keeps them (Q4_K_COLUMNS), unless --gguf-order. Without ncu it prints the
+launch's time.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from gguf_run import random_blocks  # noqa: E402
 from kquant_ablate import VARIANTS, applies, variant_source  # noqa: E402
 from mma_tilings import SETS  # noqa: E402
 
-from flashdraft.quant import mma_kernels  # noqa: E402
+from flashdraft.quant import mma_kernels, q4k_columns  # noqa: E402
 
 LAUNCHES = 6
 
@@ -35,6 +37,7 @@ def main() -> int:
     ap.add_argument("shape")
     ap.add_argument("--rows", type=int, default=1, help="rows of x, 1 to 16")
     ap.add_argument("--variant", default="as is", choices=sorted(VARIANTS))
+    ap.add_argument("--gguf-order", action="store_true", help="Q4_K in GGUF's row order, not the package's layout")
     args = ap.parse_args()
     qtype, shapes = SETS[args.set]
     if args.shape not in shapes:
@@ -48,6 +51,8 @@ def main() -> int:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     w = random_blocks(qtype, n, k, gen, dev)
+    if qtype == q4k_columns.ROWS_QTYPE and q4k_columns.fits(n) and not args.gguf_order:
+        w, qtype = q4k_columns.from_rows(w), q4k_columns.QTYPE
     x = torch.randn(args.rows, k, device=dev, dtype=torch.bfloat16, generator=gen)
     tilings = mma_kernels.tilings_for(qtype, n, k)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

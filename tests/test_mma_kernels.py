@@ -73,17 +73,6 @@ def test_the_copy_engines_ring_takes_unpadded_rows_of_q4k_columns_only():
             bulk.shared_bytes(qtype)
 
 
-def test_an_l2_prefetch_goes_with_direct_loads_of_q4k_and_q5k_only():
-    for bad in (dict(l2_ahead=-1), dict(stages=3, l2_ahead=2)):
-        with pytest.raises(ValueError, match="l2_ahead"):
-            MmaTiling(1, 2, 1, 1, **bad)
-    ahead = MmaTiling(1, 4, 6, 1, l2_ahead=2)
-    for qtype in ("Q4_K", q4k_columns.QTYPE, "Q5_K"):
-        assert ahead.shared_bytes(qtype) == 0
-    with pytest.raises(ValueError, match="l2_ahead prefetches Q4_K and Q5_K rows only"):
-        ahead.shared_bytes("Q6_K_LANES")
-
-
 def test_tilings_fill_their_rings_by_lanes_where_the_copy_engine_cannot(monkeypatch):
     """A measured tiling with bulk keeps it for Q4_K_COLUMNS on a GPU with the copy engine, and falls back to the
     lanes' copies (the same bits) for GGUF-order Q4_K or a GPU without it."""
@@ -232,28 +221,6 @@ def test_the_copy_engines_ring_gives_the_bits_of_the_lanes_ring(n, k, split):
             assert torch.equal(mma_kernels.launch(x[:m], cols, n, q4k_columns.QTYPE, bulk), want), (bulk, m)
         want = mma_kernels.launch(x[:3], cols, n, q4k_columns.QTYPE, lanes, residual=res[:3])
         assert torch.equal(mma_kernels.launch(x[:3], cols, n, q4k_columns.QTYPE, bulk, residual=res[:3]), want)
-    assert not mma_kernels._counters(torch.cuda.current_device()).any()
-
-
-@cuda
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", q4k_columns.QTYPE])
-@pytest.mark.parametrize("n,k,split", [(1280, 2048, 2), (5376, 21504, 6), (256, 1024, 1)])
-def test_an_l2_prefetch_ahead_gives_the_bits_of_the_direct_loads(qtype, n, k, split):
-    """Asking L2 for the rows' later super-blocks moves no byte into a register: the bits of the direct loads for
-    every M and distance (past the K range's end too), with a residual, and the split-K counts left at zero."""
-    blocks = torch.from_numpy(random_blocks(qtype, rows=n, blocks_per_row=k // 256, seed=5)).cuda()
-    gen = torch.Generator(device="cuda").manual_seed(6)
-    x = torch.randn(16, k, device="cuda", generator=gen).bfloat16()
-    res = torch.randn(16, n, device="cuda", generator=gen).bfloat16()
-    for r_tiles, warps in ((1, 4), (2, 2)):
-        direct = MmaTiling(r_tiles, warps, split, 1)
-        want = mma_kernels.launch(x, blocks, n, qtype, direct)
-        for ahead in (1, 2, 8):
-            tiling = MmaTiling(r_tiles, warps, split, 1, l2_ahead=ahead)
-            for m in (1, 5, 9, 16):
-                assert torch.equal(mma_kernels.launch(x[:m], blocks, n, qtype, tiling), want[:m]), (tiling, m)
-        assert torch.equal(mma_kernels.launch(x[:3], blocks, n, qtype, tiling, residual=res[:3]),
-                           mma_kernels.launch(x[:3], blocks, n, qtype, direct, residual=res[:3]))
     assert not mma_kernels._counters(torch.cuda.current_device()).any()
 
 

@@ -7,20 +7,18 @@ fastest tiling at M = 1 and at M = 16, next to the best without a ring, the defa
 Q4_K weights whose rows fill the package's chunks are timed as the loader keeps them, super-block-major
 (Q4_K_COLUMNS, flashdraft.quant.q4k_columns), unless --gguf-order (the order of every sweep before session 48: the
 adopted tilings were chosen in it). --copy-engine adds, for Q4_K_COLUMNS on compute capability 9.0, each ring
-filled by the copy engine (MmaTiling.bulk). --l2-ahead A,B adds, for Q4_K and Q5_K, each direct-load tiling with its
-rows prefetched into L2 A (and B) super-blocks ahead (MmaTiling.l2_ahead). --adopted-only times only the adopted
-tilings (and those copies), the default and the Triton kernel: a quick check of one change against what runs.
+filled by the copy engine (MmaTiling.bulk). --adopted-only times only the adopted tilings, the default and the
+Triton kernel: a quick check of a kernel change against what runs.
 
 Usage (GPU machine, repo root):
     PYTHONPATH=src python scripts/gpu/mma_tilings.py OUT [--only gemma-q4k,gemma-q5k,...] [--no-rings]
-        [--gguf-order] [--copy-engine] [--l2-ahead A,B] [--adopted-only] [--budget-s S]
+        [--gguf-order] [--copy-engine] [--adopted-only] [--budget-s S]
 --only: the shape sets (SETS below; default all); --no-rings: direct loads only; --budget-s: no new shape is
 started past this many seconds (what was measured is printed and written).
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import sys
@@ -81,18 +79,9 @@ def main() -> int:
     ap.add_argument("--gguf-order", action="store_true", help="Q4_K in GGUF's row order, not the package's chunks")
     ap.add_argument("--copy-engine", action="store_true",
                     help="Q4_K_COLUMNS rings filled by the copy engine too (compute capability 9.0)")
-    ap.add_argument("--l2-ahead", default="", help="comma-separated prefetch distances (super-blocks) added to "
-                    "the direct-load tilings of Q4_K and Q5_K shapes")
-    ap.add_argument("--adopted-only", action="store_true",
-                    help="only the adopted tilings (with their --l2-ahead copies), the default and Triton")
+    ap.add_argument("--adopted-only", action="store_true", help="only the adopted tilings, the default and Triton")
     ap.add_argument("--budget-s", type=float, default=float("inf"))
     args = ap.parse_args()
-    try:
-        aheads = [int(a) for a in args.l2_ahead.split(",") if a]
-    except ValueError:
-        ap.error(f"--l2-ahead takes comma-separated whole numbers, not {args.l2_ahead!r}")
-    if any(a < 1 for a in aheads):
-        ap.error(f"--l2-ahead distances are at least 1, not {args.l2_ahead!r}")
     unknown = [name for name in args.only.split(",") if name not in SETS]
     if unknown:
         ap.error(f"unknown shape set(s) {unknown}: choose from {list(SETS)}")
@@ -125,8 +114,6 @@ def main() -> int:
             fills = (False, True) if args.copy_engine and qtype == q4k_columns.QTYPE else (False,)
             grid += [MmaTiling(r, w, s, b, st, bulk) for st, r, (w, b), s, bulk
                      in itertools.product(STAGES, (1, 2), RING, splits, fills)]
-        if qtype in mma_kernels.RING_ROW_BYTES:  # the types whose direct loads take an L2 prefetch
-            grid += [dataclasses.replace(t, l2_ahead=a) for t in grid for a in aheads if not t.stages]
         grid = list(dict.fromkeys(grid))
         results, by_split = [], {}
         for tiling in [None] + grid:
@@ -145,8 +132,7 @@ def main() -> int:
                 continue
             name = "triton" if tiling is None else (f"r{tiling.r_tiles} w{tiling.warps} s{tiling.split} "
                                                     f"b{tiling.min_blocks} st{tiling.stages}"
-                                                    + " bulk" * tiling.bulk
-                                                    + (f" l2a{tiling.l2_ahead}" if tiling.l2_ahead else ""))
+                                                    + " bulk" * tiling.bulk)
             row = {"shape": shape, "qtype": qtype, "n": n, "k": k, "tiling": name, "us_m1": us[0], "us_m16": us[1],
                    "ok": ok, "default": tiling == default}
             rows.append(row)
@@ -170,7 +156,8 @@ def main() -> int:
                         "best_us": [few["us_m1"], many["us_m16"]],
                         "default_us": [dflt["us_m1"], dflt["us_m16"]] if dflt else None,
                         "triton_us": [triton["us_m1"], triton["us_m16"]],
-                        "tilings": [fields(t) for t in (few_t, many_t)],
+                        "tilings": [[t.r_tiles, t.warps, t.split, t.min_blocks, t.stages] + [True] * t.bulk
+                                    for t in (few_t, many_t)],
                         "best_direct_us": min(([r["us_m1"], r["us_m16"]] for t, r in good if t.stages == 0),
                                               key=sum),
                         "all_ok": all(r["ok"] for _, r in results if _ is not None)}
@@ -193,21 +180,9 @@ def main() -> int:
     return 0
 
 
-def fields(t: MmaTiling) -> list:
-    """The tiling's fields as MmaTiling takes them by position, the last ones only where they are not the default
-    (so the JSON of a sweep without them reads as before)."""
-    values = [t.r_tiles, t.warps, t.split, t.min_blocks, t.stages]
-    if t.bulk or t.l2_ahead:
-        values.append(t.bulk)
-    if t.l2_ahead:
-        values.append(t.l2_ahead)
-    return values
-
-
 def code(t: MmaTiling) -> str:
-    """The tiling as TILINGS writes it: five numbers, then bulk and l2_ahead by name where set."""
-    named = (", bulk=True" if t.bulk else "") + (f", l2_ahead={t.l2_ahead}" if t.l2_ahead else "")
-    return f"MmaTiling({t.r_tiles}, {t.warps}, {t.split}, {t.min_blocks}, {t.stages}{named})"
+    """The tiling as TILINGS writes it: five numbers, then bulk by name where set."""
+    return f"MmaTiling({t.r_tiles}, {t.warps}, {t.split}, {t.min_blocks}, {t.stages}{', bulk=True' * t.bulk})"
 
 
 def write(out: Path, rows: list, table: dict, t0: float) -> None:

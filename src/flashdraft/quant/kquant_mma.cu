@@ -1,7 +1,7 @@
 // GGUF k-quant weights (Q4_K, Q5_K, Q6_K) times 1-16 rows of bf16 x on the tensor cores, from register fragments
 // (no block barriers). Compiled at first use by NVRTC (flashdraft.quant.mma_kernels): kq_mma with QTYPE (4, 5 or 6),
-// COLUMNS (0 or 1), CHUNK_ROWS, R_TILES, NT, WARPS, MINB, STAGES, RING_BULK and L2_AHEAD defined in front of this
-// text, once per type and tiling.
+// COLUMNS (0 or 1), CHUNK_ROWS, R_TILES, NT, WARPS, MINB, STAGES and RING_BULK defined in front of this text, once
+// per type and tiling.
 //
 // W: GGUF blocks, row-major uint8 [N, K / 256 * BLOCK_BYTES] (Q6_K: lane-order rows, row_stride bytes apart; Q4_K
 // with COLUMNS: super-block-major, row_offset / sb_offset). X: bf16
@@ -28,9 +28,7 @@
 // (bytes 0, 1) or 2c + 8, 2c + 9 (bytes 2, 3).
 //
 // Where the weight bytes come from: with STAGES 0, each lane loads its fragments' bytes from global memory when
-// it reaches a super-block (the loads in flight are what the warps' registers hold); with L2_AHEAD a > 0 as well,
-// the warp asks L2 for its rows' super-block a ahead of the one it loads (cp.async.bulk.prefetch: no registers, no
-// wait), so that its own loads meet L2's latency rather than the DRAM's. With STAGES n > 0, each warp
+// it reaches a super-block (the loads in flight are what the warps' registers hold). With STAGES n > 0, each warp
 // keeps a ring of n super-blocks of its rows in shared memory, filled by cp.async STAGES - 1 super-blocks ahead of
 // the one it computes: more bytes in flight per multiprocessor without more registers. Rows sit ROWB bytes apart
 // there (the block padded so that the fragment reads of a half-warp hit 32 different banks). Same arithmetic.
@@ -502,18 +500,6 @@ kq_mma(const unsigned char *__restrict__ W, const u16 *__restrict__ X, float *__
                 for (int gq = 0; gq < 4; ++gq) q[r][hh][gq] = *(const uint2 *)(blk + QS + 32 * gq + 8 * c);
             }
 #else
-#if L2_AHEAD > 0
-        if (sb + L2_AHEAD < sb0 + sb_per_split) {
-#if COLUMNS  // a lane a tile: its 16 rows of one super-block lie together
-            if (lane < R_TILES && (tile0 + lane) * 16 < N)
-                prefetch_l2(W + row_offset((tile0 + lane) * 16, nsb) + sb_offset(sb + L2_AHEAD), 16 * BLOCK_BYTES);
-#else  // a lane a row
-            if (lane < R_TILES * 16)
-                prefetch_l2(W + row_offset(min(tile0 * 16 + lane, N - 1), nsb) + sb_offset(sb + L2_AHEAD),
-                            BLOCK_BYTES);
-#endif
-        }
-#endif
 #pragma unroll
         for (int r = 0; r < R_TILES; ++r)
 #pragma unroll

@@ -66,17 +66,12 @@ class MmaTiling:
                           # shared memory, filled by cp.async n - 1 ahead (kquant_mma.cu says why)
     bulk: bool = False    # the ring filled by the copy engine, one cp.async.bulk a warp and stage (Q4_K_COLUMNS on
                           # compute capability 9.0; rows unpadded)
-    l2_ahead: int = 0     # direct loads (stages 0) of Q4_K / Q5_K: each super-block's loads go with an L2 prefetch
-                          # of the warp's rows this many super-blocks ahead (0: none)
 
     def __post_init__(self):
         if self.stages == 1 or self.stages < 0:
             raise ValueError(f"stages is 0 or at least 2, not {self.stages}")
         if self.bulk and not self.stages:
             raise ValueError("the copy engine fills a ring: bulk needs stages >= 2")
-        if self.l2_ahead < 0 or (self.l2_ahead and self.stages):
-            raise ValueError(f"l2_ahead is 0, or at least 1 with direct loads (stages 0), not {self.l2_ahead} with "
-                             f"stages {self.stages}")
 
     def shared_bytes(self, qtype: str) -> int:
         """The dynamic shared memory a block of this tiling takes for weights of this type."""
@@ -84,8 +79,6 @@ class MmaTiling:
             raise ValueError(f"{qtype} weights take no shared-memory ring (stages 0), got stages {self.stages}")
         if self.bulk and qtype != q4k_columns.QTYPE:
             raise ValueError(f"the copy engine fills the ring of {q4k_columns.QTYPE} weights only, not {qtype}")
-        if self.l2_ahead and qtype not in RING_ROW_BYTES:
-            raise ValueError(f"l2_ahead prefetches Q4_K and Q5_K rows only, not {qtype}'s")
         row = BLOCK_BYTES[qtype] if self.bulk else RING_ROW_BYTES.get(qtype, 0)
         return self.warps * self.stages * self.r_tiles * 16 * row
 
@@ -221,7 +214,7 @@ def _matmul_kernel(tiling: MmaTiling, nt: int, qtype: str, device_index: int, so
             f"#define CHUNK_ROWS {q4k_columns.CHUNK_ROWS}\n"
             f"#define R_TILES {tiling.r_tiles}\n#define NT {nt}\n"
             f"#define WARPS {tiling.warps}\n#define MINB {tiling.min_blocks}\n#define STAGES {tiling.stages}\n"
-            f"#define RING_BULK {int(tiling.bulk)}\n#define L2_AHEAD {tiling.l2_ahead}\n")
+            f"#define RING_BULK {int(tiling.bulk)}\n")
     with torch.cuda.device(device_index):
         kernel = torch.cuda._compile_kernel(head + (source or SOURCE.read_text()), "kq_mma")
         kernel.set_shared_memory_config(shared)  # past 48 KB a kernel must ask for it

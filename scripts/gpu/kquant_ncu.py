@@ -6,7 +6,7 @@ issue slots (docs/performance.md, session 43): the kernel waits more than it iss
     ncu --clock-control none -k regex:kq_mma --launch-skip 3 --launch-count 1 --section SpeedOfLight \\
         --section WarpStateStats --section Occupancy --section SchedulerStats --section LaunchStats \\
         --section MemoryWorkloadAnalysis --print-details all \\
-        python scripts/gpu/kquant_ncu.py gemma-q4k-fused "gate|up" --rows 1 [--variant "all arithmetic"]
+        python scripts/gpu/kquant_ncu.py gemma-step "gate|up" --rows 1 [--variant "all arithmetic"] [--gguf-order]
 
 The shape comes from mma_tilings.py's sets, the tiling is the adopted one (mma_kernels.tilings_for), the variant
 one of kquant_ablate.py's (the kernel's text with a stage left out). Q4_K weights whose rows fill the package's

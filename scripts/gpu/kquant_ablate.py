@@ -20,7 +20,10 @@ Variants (text patches of the kernel; each must apply exactly as many times as l
   or of the copies' stream, whichever is longer, without the waits between them); a tiling that loads directly
   (the 16-row ones, mostly) runs as is;
 - "weights through L1" (tilings with a ring): the weights' copies into it as cp.async.ca instead of .cg (the same
-  results). These three touch only the Q4_K / Q5_K part, and Q6_K shapes skip them;
+  results);
+- "x a super-block ahead": x's fragments for the next super-block loaded while this one is computed (registers
+  instead of a wait: the profiles' first stall is the long scoreboard of x's loads; the same results). These four
+  touch only the Q4_K / Q5_K part, and Q6_K shapes skip them;
 - "launch only": every block returns at once (the grid launched gridDim.z = 1): the launch and scheduling of the
   same grid, with its shared memory and registers. With "as is", the three split a product's time into its
   launch, its weights' stream and its arithmetic, which is what a fixed cost of ~5 us a launch (issue #18:
@@ -29,10 +32,15 @@ A variant also frees registers (offline, nvcc 13, sm_90, Q4_K at 1 tile and 2 to
 the x sums, 144 without the correction), so where a tiling's min_blocks does not cap them, a difference includes
 more warps resident.
 
+The variants that keep the results (SAME_BITS) are checked against the kernel as is, at 1 and 16 rows.
+
 Usage (GPU machine, repo root):
-    PYTHONPATH=src python scripts/gpu/kquant_ablate.py OUT [--only qwen-q4k-fused,qwen-q6k,...] [--budget-s S]
---only: mma_tilings.py's shape sets (default: qwen-q4k-fused, qwen-q6k, gemma-q4k-fused); OUT/kquant_ablate.json
-gets every time.
+    PYTHONPATH=src python scripts/gpu/kquant_ablate.py OUT [--only qwen-q4k-fused,qwen-q6k,...]
+        [--variants "x sums,weights through L1"] [--gguf-order] [--budget-s S]
+--only: mma_tilings.py's shape sets (default: qwen-q4k-fused, qwen-q6k, gemma-q4k-fused); --variants: the variants
+to time beside "as is" (default all); Q4_K weights whose rows fill the package's chunks are timed as the loader
+keeps them (Q4_K_COLUMNS, with its tilings: the copy engine's rings among them), unless --gguf-order.
+OUT/kquant_ablate.json gets every time.
 """
 from __future__ import annotations
 
@@ -48,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gguf_run import bench_ms, copies_for, random_blocks  # noqa: E402
 from mma_tilings import SETS  # noqa: E402
 
-from flashdraft.quant import mma_kernels  # noqa: E402
+from flashdraft.quant import mma_kernels, q4k_columns  # noqa: E402
 from flashdraft.quant.formats import row_bytes  # noqa: E402
 
 HELPERS = """
@@ -64,6 +72,20 @@ __device__ __forceinline__ void xor_mma_c(float (&d)[4], u32 a0, u32 a1, u32 a2,
     for (int i = 0; i < 4; ++i) d[i] = c[i];
     xor_mma(d, a0, a1, a2, a3, b0, b1);
 }
+#ifdef NT
+// the x fragments a Q4_K / Q5_K super-block's loop reads (its xv loads), for super-block sb
+__device__ __forceinline__ void x_of_super_block(uint4 (&xs)[4][NT][2], const u16 *const (&xrow)[NT],
+                                                 const bool (&xok)[NT], int sb) {
+#pragma unroll
+    for (int gq = 0; gq < 4; ++gq)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                xs[gq][nt][h] = xok[nt] ? __ldg((const uint4 *)(xrow[nt] + 256 * sb + 32 * (2 * gq + h)))
+                                        : make_uint4(0, 0, 0, 0);
+}
+#endif
 """
 # variant -> (old text, new text, times it occurs in kquant_mma.cu)
 VARIANTS = {
@@ -91,8 +113,28 @@ VARIANTS["ring unwaited"] = [("cp_async_wait_ahead();", ";", 1)]
 # the ring's weight copies through L1 (cp.async.ca instead of .cg; the same results): the kernel's ring alone filled
 # so streamed 10% faster on an H100 (read_stream_probe.py --kinds ring, docs/performance.md, session 48)
 VARIANTS["weights through L1"] = [("@p cp.async.cg.shared.global", "@p cp.async.ca.shared.global", 1)]
+# x's fragments for super-block sb + 1 loaded into registers while sb is computed, in the builds for up to 8 rows
+# (32 more registers; the 16-row builds would spill): the one-row products' first stall on an H100 is the long
+# scoreboard, x's loads from L1 / L2 (docs/performance.md, session 50)
+VARIANTS["x a super-block ahead"] = [
+    ("    wait_for_earlier_kernels();\n    for (int sb = sb0; sb < sb0 + sb_per_split; ++sb) {\n"
+     "        uint4 hdr[R_TILES][2];",
+     "    wait_for_earlier_kernels();\n#if NT == 1\n    uint4 xnext[4][NT][2];\n"
+     "    x_of_super_block(xnext, xrow, xok, sb0);\n#endif\n"
+     "    for (int sb = sb0; sb < sb0 + sb_per_split; ++sb) {\n#if NT == 1\n"
+     "        uint4 xcur[4][NT][2];\n"
+     "#pragma unroll\n        for (int i = 0; i < 4 * NT * 2; ++i) (&xcur[0][0][0])[i] = (&xnext[0][0][0])[i];\n"
+     "        if (sb + 1 < sb0 + sb_per_split) x_of_super_block(xnext, xrow, xok, sb + 1);\n#endif\n"
+     "        uint4 hdr[R_TILES][2];", 1),
+    ("                    xv[nt][h] = xok[nt] ? __ldg((const uint4 *)(xrow[nt] + sb * 256 + 32 * (2 * gq + h)))\n"
+     "                                        : make_uint4(0, 0, 0, 0);",
+     "#if NT == 1\n                    xv[nt][h] = xcur[gq][nt][h];\n#else\n"
+     "                    xv[nt][h] = xok[nt] ? __ldg((const uint4 *)(xrow[nt] + sb * 256 + 32 * (2 * gq + h)))\n"
+     "                                        : make_uint4(0, 0, 0, 0);\n#endif", 1)]
 # the variants whose patches touch only the Q4_K / Q5_K part of the kernel: for Q6_K they would time the kernel as is
-Q45_ONLY = {"x loaded once", "ring unwaited", "weights through L1"}
+Q45_ONLY = {"x loaded once", "ring unwaited", "weights through L1", "x a super-block ahead"}
+# the variants that change where bytes come from, not the results: checked against the kernel as is
+SAME_BITS = {"weights through L1", "x a super-block ahead"}
 # every block returns at once: the launch and scheduling of the same grid, its shared memory and registers
 VARIANTS["launch only"] = [("if (tile0 * 16 >= N) return;", "if (tile0 * 16 >= N || gridDim.z == 1) return;", 1)]
 DEFAULT_SETS = "qwen-q4k-fused,qwen-q6k,gemma-q4k-fused"
@@ -126,14 +168,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--only", default=DEFAULT_SETS, help="comma-separated shape sets of mma_tilings.py")
+    ap.add_argument("--variants", default=",".join(v for v in VARIANTS if v != "as is"),
+                    help="comma-separated variants timed beside 'as is'")
+    ap.add_argument("--gguf-order", action="store_true", help="Q4_K in GGUF's row order, not the package's layout")
     ap.add_argument("--budget-s", type=float, default=float("inf"))
     args = ap.parse_args()
     unknown = [name for name in args.only.split(",") if name not in SETS]
     if unknown:
         ap.error(f"unknown shape sets {unknown}; choose from {', '.join(SETS)}")
+    chosen = ["as is"] + [v for v in args.variants.split(",") if v and v != "as is"]
+    unknown = [v for v in chosen if v not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     text = mma_kernels.SOURCE.read_text()
-    sources = {name: variant_source(name, text) for name in VARIANTS}  # every patch checked before any GPU work
+    sources = {name: variant_source(name, text) for name in chosen}  # every patch checked before any GPU work
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     rows, t0 = [], time.time()
@@ -144,22 +193,30 @@ def main() -> int:
         if time.time() - t0 > args.budget_s:
             print(f"budget spent: {len(todo) - i} shapes not measured, from {set_name} {shape} on", flush=True)
             break
-        tilings = mma_kernels.tilings_for(qtype, n, k)
         ws = [random_blocks(qtype, n, k, gen, dev)
               for _ in range(copies_for(n * row_bytes(qtype, k), False))]
+        if qtype == q4k_columns.ROWS_QTYPE and q4k_columns.fits(n) and not args.gguf_order:
+            ws, qtype = [q4k_columns.from_rows(w) for w in ws], q4k_columns.QTYPE
+        tilings = mma_kernels.tilings_for(qtype, n, k)
         x = torch.randn(16, k, device=dev, dtype=torch.bfloat16, generator=gen)
+        want = {m: mma_kernels.launch(x[:m], ws[0], n, qtype, tilings) for m in (1, 16)}
         base = None
         for name, source in sources.items():
-            if not applies(name, qtype):
+            if not applies(name, q4k_columns.file_type(qtype)):
                 continue
+            same = None
+            if name in SAME_BITS:
+                same = all(torch.equal(mma_kernels.launch(x[:m], ws[0], n, qtype, tilings, source=source), y)
+                           for m, y in want.items())
             us = [1000 * bench_ms([lambda w=w, m=m: mma_kernels.launch(x[:m], w, n, qtype, tilings,
                                                                        source=source) for w in ws], False)
                   for m in (1, 16)]
             base = base or us
             rows.append({"set": set_name, "shape": shape, "qtype": qtype, "n": n, "k": k, "variant": name,
-                         "us_m1": us[0], "us_m16": us[1]})
+                         "tilings": [str(t) for t in tilings], "us_m1": us[0], "us_m16": us[1], "same_bits": same})
             print(f"{set_name} {shape:10s} {n}x{k} {name:24s} M=1 {us[0]:7.1f} us ({us[0] - base[0]:+6.1f})  "
-                  f"M=16 {us[1]:7.1f} us ({us[1] - base[1]:+6.1f})", flush=True)
+                  f"M=16 {us[1]:7.1f} us ({us[1] - base[1]:+6.1f})"
+                  + ("" if same is None else f"  same bits {same}"), flush=True)
         del ws
         torch.cuda.empty_cache()
         (args.out / "kquant_ablate.json").write_text(json.dumps({"rows": rows, "elapsed_s": time.time() - t0},

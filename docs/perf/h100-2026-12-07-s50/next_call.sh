@@ -1,5 +1,5 @@
-# Prepared in session 50 for the next H200 call (not yet run): the three one-row measurements that say where the
-# H200's 2.6-2.75 TB/s floor comes from, then the A/B of session 49's tilings. Run from the repo root on the device:
+# Prepared in session 50 for the next H200 call (not yet run): the one-row measurements that say where the H200's
+# 2.6-2.75 TB/s floor comes from (and x's fragments loaded a super-block ahead), then the A/B of session 49's tilings. Run from the repo root on the device:
 #   bash docs/perf/h100-2026-12-07-s50/next_call.sh     carry [".ab", ".llamacpp-bench/beellama-src.tar.gz",
 #                                                              ".llamacpp-bench/make_gguf.py", ".llamacpp-bench/device_cmd.sh"]
 # .ab/base must hold 98e868d's src (git archive 98e868d src | tar -x -C .ab/base; demo weights deleted).
@@ -12,6 +12,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > $R/gpu.txt
 step 40 python scripts/gpu/read_stream_probe.py $R --sizes gemma-gate-up --kinds ring,columns,bulk > $R/read_ring.log 2>&1
 step 40 python scripts/gpu/q4k_layout_probe.py $R --layout columns --only gemma-q4k-fused > $R/q4k_columns.log 2>&1
 step 40 python scripts/gpu/q4k_layout_probe.py $R --layout chunks --only gemma-q4k-fused > $R/q4k_chunks.log 2>&1
+step 40 python scripts/gpu/kquant_ablate.py $R --only gemma-step --variants "x a super-block ahead" > $R/ablate_x_ahead.log 2>&1
 NCU="ncu --clock-control none -k regex:kq_mma --launch-skip 3 --launch-count 1 --section SpeedOfLight --section WarpStateStats --section Occupancy --section SchedulerStats --section LaunchStats --section MemoryWorkloadAnalysis --section SourceCounters --print-details all"
 step 30 $NCU python scripts/gpu/kquant_ncu.py gemma-step "gate|up" --rows 1 > $R/ncu_gateup_m1.txt 2>&1
 AB=$(( $(left) - 5 )); if [ $AB -gt 230 ]; then OUT=$R AB_MODELS="gemma-4-31b:q4_k_s" AB_ROUNDS=1 AB_BUDGET_S=$AB AB_NEED_S=100 bash scripts/gpu/ab_run.sh > /dev/null 2>&1; echo "ab rc $?"; cp $R/ab_summary.txt $OUT/; else echo "no time for the A/B ($AB s)"; fi

@@ -15,5 +15,9 @@ step 40 python scripts/gpu/q4k_layout_probe.py $R --layout chunks --only gemma-q
 step 40 python scripts/gpu/kquant_ablate.py $R --only gemma-step --variants "x a super-block ahead" > $R/ablate_x_ahead.log 2>&1
 NCU="ncu --clock-control none -k regex:kq_mma --launch-skip 3 --launch-count 1 --section SpeedOfLight --section WarpStateStats --section Occupancy --section SchedulerStats --section LaunchStats --section MemoryWorkloadAnalysis --section SourceCounters --print-details all"
 step 30 $NCU python scripts/gpu/kquant_ncu.py gemma-step "gate|up" --rows 1 > $R/ncu_gateup_m1.txt 2>&1
+# the stall samples per SASS instruction (which loads the long scoreboard waits on): a report, then its source page
+step 30 ncu --clock-control none -k regex:kq_mma --launch-skip 3 --launch-count 1 --section SourceCounters \
+    --section WarpStateStats -o $R/gateup_m1 python scripts/gpu/kquant_ncu.py gemma-step "gate|up" --rows 1 > /dev/null 2>&1
+step 20 ncu --import $R/gateup_m1.ncu-rep --page source --csv --print-source sass > $R/gateup_m1_source.csv 2>&1
 AB=$(( $(left) - 5 )); if [ $AB -gt 230 ]; then OUT=$R AB_MODELS="gemma-4-31b:q4_k_s" AB_ROUNDS=1 AB_BUDGET_S=$AB AB_NEED_S=100 bash scripts/gpu/ab_run.sh > /dev/null 2>&1; echo "ab rc $?"; cp $R/ab_summary.txt $OUT/; else echo "no time for the A/B ($AB s)"; fi
 tar -czf $OUT/next_call.tgz -C $OUT r && rm -rf $R; ls -la $OUT

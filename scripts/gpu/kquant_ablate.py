@@ -16,23 +16,24 @@ Variants (text patches of the kernel; each must apply exactly as many times as l
 - "all arithmetic": the four above at once: the loads, permutes and stores alone, the kernel's streaming;
 - "x loaded once": x's fragments read from one place for every super-block, so loaded before the loop (what the
   per-super-block loads of x, L1 or L2 hits, cost);
-- "ring unwaited" (tilings with a shared-memory ring): no wait for a stage's copies (the time of the loop's issue
+- "ring unwaited" (tilings whose ring the lanes fill): no wait for a stage's copies (the time of the loop's issue
   or of the copies' stream, whichever is longer, without the waits between them); a tiling that loads directly
-  (the 16-row ones, mostly) runs as is;
-- "weights through L1" (tilings with a ring): the weights' copies into it as cp.async.ca instead of .cg (the same
-  results);
-- "x a super-block ahead": x's fragments for the next super-block loaded while this one is computed (registers
-  instead of a wait: the profiles' first stall is the long scoreboard of x's loads; the same results). These four
-  touch only the Q4_K / Q5_K part, and Q6_K shapes skip them;
+  (the 16-row ones, mostly) or whose ring the copy engine fills runs as is;
+- "weights through L1" (tilings whose ring the lanes fill): the weights' copies into it as cp.async.ca instead of
+  .cg (the same results); other tilings run as is;
+- "x a super-block ahead": in the builds for up to 8 rows, x's fragments for the next super-block loaded while
+  this one is computed (registers instead of a wait on x's loads, the long scoreboard being the profiles' first
+  stall; the same results; the 16-row builds run as is). These four touch only the Q4_K / Q5_K part, and Q6_K
+  shapes skip them;
 - "launch only": every block returns at once (the grid launched gridDim.z = 1): the launch and scheduling of the
   same grid, with its shared memory and registers. With "as is", the three split a product's time into its
   launch, its weights' stream and its arithmetic, which is what a fixed cost of ~5 us a launch (issue #18:
   fitted over shapes, docs/performance.md) is made of.
-A variant also frees registers (offline, nvcc 13, sm_90, Q4_K at 1 tile and 2 token tiles: 182 as is, 156 without
-the x sums, 144 without the correction), so where a tiling's min_blocks does not cap them, a difference includes
-more warps resident.
+A variant also changes the registers (offline, nvcc 13, sm_90, Q4_K at 1 tile and 2 token tiles: 182 as is, 156
+without the x sums, 144 without the correction; "x a super-block ahead" takes 20-36 more in the builds for up to 8
+rows), so where a tiling's min_blocks does not cap them, a difference includes a change in the warps resident.
 
-The variants that keep the results (SAME_BITS) are checked against the kernel as is, at 1 and 16 rows.
+The variants that keep the results (SAME_BITS) are checked against the kernel as is, at 1, 5, 8 and 16 rows.
 
 Usage (GPU machine, repo root):
     PYTHONPATH=src python scripts/gpu/kquant_ablate.py OUT [--only qwen-q4k-fused,qwen-q6k,...]
@@ -114,8 +115,8 @@ VARIANTS["ring unwaited"] = [("cp_async_wait_ahead();", ";", 1)]
 # so streamed 10% faster on an H100 (read_stream_probe.py --kinds ring, docs/performance.md, session 48)
 VARIANTS["weights through L1"] = [("@p cp.async.cg.shared.global", "@p cp.async.ca.shared.global", 1)]
 # x's fragments for super-block sb + 1 loaded into registers while sb is computed, in the builds for up to 8 rows
-# (32 more registers; the 16-row builds would spill): the one-row products' first stall on an H100 is the long
-# scoreboard, x's loads from L1 / L2 (docs/performance.md, session 50)
+# (20-36 more registers offline; the 16-row builds would spill): the one-row products' first stall on an H100 is
+# the long scoreboard (docs/performance.md, session 50)
 VARIANTS["x a super-block ahead"] = [
     ("    wait_for_earlier_kernels();\n    for (int sb = sb0; sb < sb0 + sb_per_split; ++sb) {\n"
      "        uint4 hdr[R_TILES][2];",
@@ -199,7 +200,8 @@ def main() -> int:
             ws, qtype = [q4k_columns.from_rows(w) for w in ws], q4k_columns.QTYPE
         tilings = mma_kernels.tilings_for(qtype, n, k)
         x = torch.randn(16, k, device=dev, dtype=torch.bfloat16, generator=gen)
-        want = {m: mma_kernels.launch(x[:m], ws[0], n, qtype, tilings) for m in (1, 16)}
+        want = ({m: mma_kernels.launch(x[:m], ws[0], n, qtype, tilings) for m in (1, 5, 8, 16)}
+                if SAME_BITS & set(sources) else {})
         base = None
         for name, source in sources.items():
             if not applies(name, q4k_columns.file_type(qtype)):

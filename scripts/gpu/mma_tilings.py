@@ -82,6 +82,8 @@ def main() -> int:
     ap.add_argument("--adopted-only", action="store_true", help="only the adopted tilings, the default and Triton")
     ap.add_argument("--budget-s", type=float, default=float("inf"))
     args = ap.parse_args()
+    if args.adopted_only and (args.no_rings or args.copy_engine):
+        ap.error("--adopted-only times the adopted tilings as they are: it takes neither --no-rings nor --copy-engine")
     unknown = [name for name in args.only.split(",") if name not in SETS]
     if unknown:
         ap.error(f"unknown shape set(s) {unknown}: choose from {list(SETS)}")

@@ -1,4 +1,4 @@
-# session 50, call 4: the L2 prefetch of direct loads (MmaTiling.l2_ahead): its bits on the GPU, and the adopted
+# session 50, call 3: the L2 prefetch of direct loads (MmaTiling.l2_ahead): its bits on the GPU, and the adopted
 # tilings with and without it on Gemma's step and Qwen3-8B's Q4_K shapes; on an H200 also the A/B (98e868d vs this
 # tree's kernel without l2_ahead adopted = main's tilings) and ncu of the one-row gate|up; the Gemma lossless tests last
 START=$(date +%s); left(){ echo $(( 250 - ($(date +%s)-START) )); }

@@ -169,6 +169,16 @@ def random_blocks(qtype: str, rows: int, k: int, gen, device, weight_std: float 
     return raw.view(rows, nb * fmt.block_bytes)
 
 
+def as_loaded(qtype: str, blocks: list, gguf_order: bool = False) -> tuple[list, str]:
+    """Random GGUF blocks (each uint8 [rows, row_bytes]) and their type as the loader keeps them: Q4_K of whole
+    256-row chunks super-block-major (Q4_K_COLUMNS), unless gguf_order; other types as they are."""
+    from flashdraft.quant import q4k_columns  # (imported here only: ab_run.sh's baseline trees may predate it)
+
+    if gguf_order or qtype != q4k_columns.ROWS_QTYPE or not q4k_columns.fits(blocks[0].shape[0]):
+        return blocks, qtype
+    return [q4k_columns.from_rows(b) for b in blocks], q4k_columns.QTYPE
+
+
 def rel_err(y, ref) -> float:
     return float((y.float() - ref.float()).norm() / ref.float().norm())
 

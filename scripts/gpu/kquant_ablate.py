@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gguf_run import bench_ms, copies_for, random_blocks  # noqa: E402
+from gguf_run import as_loaded, bench_ms, copies_for, random_blocks  # noqa: E402
 from mma_tilings import SETS  # noqa: E402
 
 from flashdraft.quant import mma_kernels, q4k_columns  # noqa: E402
@@ -196,8 +196,7 @@ def main() -> int:
             break
         ws = [random_blocks(qtype, n, k, gen, dev)
               for _ in range(copies_for(n * row_bytes(qtype, k), False))]
-        if qtype == q4k_columns.ROWS_QTYPE and q4k_columns.fits(n) and not args.gguf_order:
-            ws, qtype = [q4k_columns.from_rows(w) for w in ws], q4k_columns.QTYPE
+        ws, qtype = as_loaded(qtype, ws, args.gguf_order)
         tilings = mma_kernels.tilings_for(qtype, n, k)
         x = torch.randn(16, k, device=dev, dtype=torch.bfloat16, generator=gen)
         want = ({m: mma_kernels.launch(x[:m], ws[0], n, qtype, tilings) for m in (1, 5, 8, 16)}

@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gguf_run import random_blocks  # noqa: E402
+from gguf_run import as_loaded, random_blocks  # noqa: E402
 from kquant_ablate import VARIANTS, applies, variant_source  # noqa: E402
 from mma_tilings import SETS  # noqa: E402
 
-from flashdraft.quant import mma_kernels, q4k_columns  # noqa: E402
+from flashdraft.quant import mma_kernels  # noqa: E402
 
 LAUNCHES = 6
 
@@ -50,9 +50,7 @@ def main() -> int:
     source = variant_source(args.variant, mma_kernels.SOURCE.read_text())
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    w = random_blocks(qtype, n, k, gen, dev)
-    if qtype == q4k_columns.ROWS_QTYPE and q4k_columns.fits(n) and not args.gguf_order:
-        w, qtype = q4k_columns.from_rows(w), q4k_columns.QTYPE
+    (w,), qtype = as_loaded(qtype, [random_blocks(qtype, n, k, gen, dev)], args.gguf_order)
     x = torch.randn(args.rows, k, device=dev, dtype=torch.bfloat16, generator=gen)
     tilings = mma_kernels.tilings_for(qtype, n, k)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gguf_run import bench_ms, copies_for, random_blocks, rel_err  # noqa: E402
+from gguf_run import as_loaded, bench_ms, copies_for, random_blocks, rel_err  # noqa: E402
 
 from flashdraft.kernels import gguf_triton  # noqa: E402
 from flashdraft.quant import dequantize, mma_kernels, q4k_columns  # noqa: E402
@@ -104,9 +104,8 @@ def main() -> int:
               for _ in range(copies_for(n * row_bytes(qtype, k), False))]
         x = torch.randn(16, k, device=dev, dtype=torch.bfloat16, generator=gen)
         ref = x.double() @ dequantize(ws[0], qtype).double().T
-        chunk_rows = 0  # the Triton kernel's view of the layout
-        if qtype == q4k_columns.ROWS_QTYPE and q4k_columns.fits(n) and not args.gguf_order:
-            ws, qtype, chunk_rows = [q4k_columns.from_rows(w) for w in ws], q4k_columns.QTYPE, q4k_columns.CHUNK_ROWS
+        ws, qtype = as_loaded(qtype, ws, args.gguf_order)
+        chunk_rows = q4k_columns.CHUNK_ROWS if qtype == q4k_columns.QTYPE else 0  # the Triton kernel's view of it
         default = mma_kernels.default_tiling(n, k)
         splits = [d for d in range(1, 17) if nsb % d == 0]
         grid = list(dict.fromkeys([*mma_kernels.tilings_for(qtype, n, k), default]))  # as adopted

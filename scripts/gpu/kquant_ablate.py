@@ -46,6 +46,7 @@ OUT/kquant_ablate.json gets every time.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import sys
 import time
@@ -61,6 +62,7 @@ from flashdraft.quant import mma_kernels, q4k_columns  # noqa: E402
 from flashdraft.quant.formats import row_bytes  # noqa: E402
 
 HELPERS = """
+#define X_SHARED_ELEMS 5376  // "x in shared memory": one row of Gemma's widest K range
 __device__ __forceinline__ void skip_mma(float (&d)[4], u32, u32, u32, u32, u32, u32) {}
 __device__ __forceinline__ void xor_mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     d[0] = __uint_as_float(__float_as_uint(d[0]) ^ a0 ^ a1 ^ a2 ^ a3 ^ b0 ^ b1);
@@ -72,6 +74,14 @@ __device__ __forceinline__ void xor_mma_c(float (&d)[4], u32 a0, u32 a1, u32 a2,
                                           const float (&c)[4]) {
     for (int i = 0; i < 4; ++i) d[i] = c[i];
     xor_mma(d, a0, a1, a2, a3, b0, b1);
+}
+// 16 bytes of x from shared memory (ld.shared, not a generic load) or through the read-only path
+__device__ __forceinline__ uint4 x_fragment(const u16 *p, bool shared) {
+    if (!shared) return __ldg((const uint4 *)p);
+    uint4 v;
+    asm("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "r"((u32)__cvta_generic_to_shared(p)));
+    return v;
 }
 #ifdef NT
 // the x fragments a Q4_K / Q5_K super-block's loop reads (its xv loads), for super-block sb
@@ -132,10 +142,52 @@ VARIANTS["x a super-block ahead"] = [
      "#if NT == 1\n                    xv[nt][h] = xcur[gq][nt][h];\n#else\n"
      "                    xv[nt][h] = xok[nt] ? __ldg((const uint4 *)(xrow[nt] + sb * 256 + 32 * (2 * gq + h)))\n"
      "                                        : make_uint4(0, 0, 0, 0);\n#endif", 1)]
+# x's K range copied by the block into shared memory once, after the wait for earlier kernels, where M rows of it
+# fit (X_SHARED_ELEMS, in HELPERS: one row of Gemma's widest range, so one-row products only; a block-uniform choice),
+# and read from there in the loop: loads of a few cycles where the profiles' first stall is the long scoreboard,
+# the bound "x loaded once" sets without its wrong results (a product in the package would size it by M)
+VARIANTS["x in shared memory"] = [
+    ("    wait_for_earlier_kernels();\n    for (int sb = sb0; sb < sb0 + sb_per_split; ++sb) {\n"
+     "        uint4 hdr[R_TILES][2];",
+     "    wait_for_earlier_kernels();\n"
+     "    __shared__ __align__(16) u16 x_shared[X_SHARED_ELEMS];\n"
+     "    const int x_range = sb_per_split * 256;\n"
+     "    bool x_is_shared = false;\n"
+     "    if (M * x_range <= X_SHARED_ELEMS) {  // the same for every thread of the block\n"
+     "        for (int i = threadIdx.x; i < M * x_range / 8; i += blockDim.x) {\n"
+     "            const int t = i / (x_range / 8), e = 8 * (i % (x_range / 8));\n"
+     "            *(uint4 *)(x_shared + t * x_range + e) = __ldg((const uint4 *)(X + (size_t)t * K + sb0 * 256 + e));\n"
+     "        }\n"
+     "        __syncthreads();\n"
+     "        x_is_shared = true;\n"
+     "#pragma unroll\n"
+     "        for (int nt = 0; nt < NT; ++nt)\n"
+     "            xrow[nt] = x_shared + (xok[nt] ? g + 8 * nt : 0) * x_range - sb0 * 256 + 8 * c;\n"
+     "    }\n"
+     "    for (int sb = sb0; sb < sb0 + sb_per_split; ++sb) {\n"
+     "        uint4 hdr[R_TILES][2];", 1),
+    ("                    xv[nt][h] = xok[nt] ? __ldg((const uint4 *)(xrow[nt] + sb * 256 + 32 * (2 * gq + h)))\n",
+     "                    xv[nt][h] = xok[nt] ? x_fragment(xrow[nt] + sb * 256 + 32 * (2 * gq + h), x_is_shared)\n", 1)]
+# the 128-byte lines of x a later super-block's loop reads prefetched into L1 at the top of each super-block (lane c
+# of a token's four takes line c of its 512 bytes; no registers held): the warps of a multiprocessor reach each
+# super-block together, so its x is new to L1 for all of them, and the profile's first stall (on an H100, session
+# 51) is the loop's first weight MMA waiting on x's load
+for ahead in (1, 2):
+    VARIANTS[f"x into L1 {ahead} ahead"] = [
+        ("        uint4 hdr[R_TILES][2];\n",
+         f"        if (sb + {ahead} < sb0 + sb_per_split)\n"
+         "#pragma unroll\n"
+         "            for (int nt = 0; nt < NT; ++nt)\n"
+         "                if (xok[nt])\n"
+         "                    asm volatile(\"prefetch.global.L1 [%0];\" :: "
+         f"\"l\"(xrow[nt] - 8 * c + (sb + {ahead}) * 256 + 64 * c));\n"
+         "        uint4 hdr[R_TILES][2];\n", 1)]
 # the variants whose patches touch only the Q4_K / Q5_K part of the kernel: for Q6_K they would time the kernel as is
-Q45_ONLY = {"x loaded once", "ring unwaited", "weights through L1", "x a super-block ahead"}
+Q45_ONLY = {"x loaded once", "ring unwaited", "weights through L1", "x a super-block ahead", "x in shared memory",
+            "x into L1 1 ahead", "x into L1 2 ahead"}
 # the variants that change where bytes come from, not the results: checked against the kernel as is
-SAME_BITS = {"weights through L1", "x a super-block ahead"}
+SAME_BITS = {"weights through L1", "x a super-block ahead", "x in shared memory", "x into L1 1 ahead",
+             "x into L1 2 ahead"}
 # every block returns at once: the launch and scheduling of the same grid, its shared memory and registers
 VARIANTS["launch only"] = [("if (tile0 * 16 >= N) return;", "if (tile0 * 16 >= N || gridDim.z == 1) return;", 1)]
 DEFAULT_SETS = "qwen-q4k-fused,qwen-q6k,gemma-q4k-fused"
@@ -163,6 +215,17 @@ def variant_source(name: str, source: str) -> str:
     if source.count(anchor) != 1:
         raise ValueError(f"the kernel has no single {anchor.strip()!r} to put the variants' helpers after")
     return source.replace(anchor, anchor + HELPERS)
+
+
+def residency(qtype: str, tiling: mma_kernels.MmaTiling, nt: int, source: str) -> str:
+    """The registers a thread of this build takes and the blocks of it a multiprocessor holds (libcuda's own
+    count, with the tiling's shared memory): what a variant changes besides its instructions."""
+    kernel = mma_kernels._matmul_kernel(mma_kernels._code_of(tiling), nt, qtype, torch.cuda.current_device(), source)
+    lib, regs, blocks = ctypes.CDLL("libcuda.so.1"), ctypes.c_int(), ctypes.c_int()
+    lib.cuFuncGetAttribute(ctypes.byref(regs), 4, kernel.func)  # CU_FUNC_ATTRIBUTE_NUM_REGS
+    lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(blocks), kernel.func, 32 * tiling.warps,
+                                                    ctypes.c_size_t(tiling.shared_bytes(qtype)))
+    return f"{regs.value} regs, {blocks.value}/SM"
 
 
 def main() -> int:
@@ -213,10 +276,13 @@ def main() -> int:
                                                                        source=source) for w in ws], False)
                   for m in (1, 16)]
             base = base or us
+            held = [residency(qtype, t, nt, source) for nt, t in enumerate(tilings, 1)]
             rows.append({"set": set_name, "shape": shape, "qtype": qtype, "n": n, "k": k, "variant": name,
-                         "tilings": [str(t) for t in tilings], "us_m1": us[0], "us_m16": us[1], "same_bits": same})
-            print(f"{set_name} {shape:10s} {n}x{k} {name:24s} M=1 {us[0]:7.1f} us ({us[0] - base[0]:+6.1f})  "
-                  f"M=16 {us[1]:7.1f} us ({us[1] - base[1]:+6.1f})"
+                         "tilings": [str(t) for t in tilings], "us_m1": us[0], "us_m16": us[1], "same_bits": same,
+                         "residency_m1": held[0], "residency_m16": held[1]})
+            print(f"{set_name} {shape:10s} {n}x{k} {name:24s} M=1 {us[0]:7.1f} us ({us[0] - base[0]:+6.1f}; "
+                  f"{held[0]})  "
+                  f"M=16 {us[1]:7.1f} us ({us[1] - base[1]:+6.1f}; {held[1]})"
                   + ("" if same is None else f"  same bits {same}"), flush=True)
         del ws
         torch.cuda.empty_cache()

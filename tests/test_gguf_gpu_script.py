@@ -269,7 +269,7 @@ for name in ka.VARIANTS:
 ahead = ka.variant_source("x a super-block ahead", text)
 assert "x_of_super_block(xnext, xrow, xok, sb + 1);" in ahead and "xv[nt][h] = xcur[gq][nt][h];" in ahead
 shared = ka.variant_source("x in shared memory", text)
-assert "__syncthreads();" in shared and shared.count("x_fragment(xrow[nt] + sb * 256") == 1
+assert "__syncthreads();" in shared and "xrow[nt] = x_shared + " in shared
 assert "prefetch.global.L1" in ka.variant_source("x into L1 2 ahead", text)
 assert ka.SAME_BITS <= set(ka.VARIANTS) and ka.SAME_BITS <= ka.Q45_ONLY
 arithmetic = ka.variant_source("all arithmetic", text)

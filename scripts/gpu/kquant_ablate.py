@@ -75,14 +75,6 @@ __device__ __forceinline__ void xor_mma_c(float (&d)[4], u32 a0, u32 a1, u32 a2,
     for (int i = 0; i < 4; ++i) d[i] = c[i];
     xor_mma(d, a0, a1, a2, a3, b0, b1);
 }
-// 16 bytes of x from shared memory (ld.shared, not a generic load) or through the read-only path
-__device__ __forceinline__ uint4 x_fragment(const u16 *p, bool shared) {
-    if (!shared) return __ldg((const uint4 *)p);
-    uint4 v;
-    asm("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "r"((u32)__cvta_generic_to_shared(p)));
-    return v;
-}
 #ifdef NT
 // the x fragments a Q4_K / Q5_K super-block's loop reads (its xv loads), for super-block sb
 __device__ __forceinline__ void x_of_super_block(uint4 (&xs)[4][NT][2], const u16 *const (&xrow)[NT],
@@ -144,22 +136,22 @@ VARIANTS["x a super-block ahead"] = [
      "                                        : make_uint4(0, 0, 0, 0);\n#endif", 1)]
 # x's K range copied by the block into shared memory once, after the wait for earlier kernels, where M rows of it
 # fit (X_SHARED_ELEMS, in HELPERS: one row of Gemma's widest range, so one-row products only; a block-uniform choice),
-# and read from there in the loop: loads of a few cycles where the profiles' first stall is the long scoreboard,
-# the bound "x loaded once" sets without its wrong results (a product in the package would size it by M)
+# and read from there in the loop through the generic address space (a branch between a shared and a global load in
+# the loop kept the compiler from hoisting them: 133 registers instead of 182 at 16 rows, and a slower loop): loads
+# of a few cycles where the profiles' first stall is the long scoreboard, the bound "x loaded once" sets without its
+# wrong results (a product in the package would size it by M)
 VARIANTS["x in shared memory"] = [
     ("    wait_for_earlier_kernels();\n    for (int sb = sb0; sb < sb0 + sb_per_split; ++sb) {\n"
      "        uint4 hdr[R_TILES][2];",
      "    wait_for_earlier_kernels();\n"
      "    __shared__ __align__(16) u16 x_shared[X_SHARED_ELEMS];\n"
      "    const int x_range = sb_per_split * 256;\n"
-     "    bool x_is_shared = false;\n"
      "    if (M * x_range <= X_SHARED_ELEMS) {  // the same for every thread of the block\n"
      "        for (int i = threadIdx.x; i < M * x_range / 8; i += blockDim.x) {\n"
      "            const int t = i / (x_range / 8), e = 8 * (i % (x_range / 8));\n"
      "            *(uint4 *)(x_shared + t * x_range + e) = __ldg((const uint4 *)(X + (size_t)t * K + sb0 * 256 + e));\n"
      "        }\n"
      "        __syncthreads();\n"
-     "        x_is_shared = true;\n"
      "#pragma unroll\n"
      "        for (int nt = 0; nt < NT; ++nt)\n"
      "            xrow[nt] = x_shared + (xok[nt] ? g + 8 * nt : 0) * x_range - sb0 * 256 + 8 * c;\n"
@@ -167,7 +159,7 @@ VARIANTS["x in shared memory"] = [
      "    for (int sb = sb0; sb < sb0 + sb_per_split; ++sb) {\n"
      "        uint4 hdr[R_TILES][2];", 1),
     ("                    xv[nt][h] = xok[nt] ? __ldg((const uint4 *)(xrow[nt] + sb * 256 + 32 * (2 * gq + h)))\n",
-     "                    xv[nt][h] = xok[nt] ? x_fragment(xrow[nt] + sb * 256 + 32 * (2 * gq + h), x_is_shared)\n", 1)]
+     "                    xv[nt][h] = xok[nt] ? *(const uint4 *)(xrow[nt] + sb * 256 + 32 * (2 * gq + h))\n", 1)]
 # the 128-byte lines of x a later super-block's loop reads prefetched into L1 at the top of each super-block (lane c
 # of a token's four takes line c of its 512 bytes; no registers held): the warps of a multiprocessor reach each
 # super-block together, so its x is new to L1 for all of them, and the profile's first stall (on an H100, session

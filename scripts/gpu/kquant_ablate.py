@@ -23,15 +23,22 @@ Variants (text patches of the kernel; each must apply exactly as many times as l
   .cg (the same results); other tilings run as is;
 - "x a super-block ahead": in the builds for up to 8 rows, x's fragments for the next super-block loaded while
   this one is computed (registers instead of a wait on x's loads, the long scoreboard being the profiles' first
-  stall; the same results; the 16-row builds run as is). These four touch only the Q4_K / Q5_K part, and Q6_K
-  shapes skip them;
+  stall; the same results; the 16-row builds run as is);
+- "x in shared memory": x's K range copied by the block into shared memory once, where one row of it fits (so at
+  one row only), and read from there;
+- "x into L1 1 ahead", "x into L1 2 ahead": the lines of x a later super-block reads prefetched into L1 (no
+  registers held);
+- "x in the copy engine's ring" (tilings whose ring the copy engine fills, at one row): x's 512 bytes of each
+  super-block copied into the ring with its weights. These eight touch only the Q4_K / Q5_K part, and Q6_K shapes
+  skip them;
 - "launch only": every block returns at once (the grid launched gridDim.z = 1): the launch and scheduling of the
   same grid, with its shared memory and registers. With "as is", the three split a product's time into its
   launch, its weights' stream and its arithmetic, which is what a fixed cost of ~5 us a launch (issue #18:
   fitted over shapes, docs/performance.md) is made of.
 A variant also changes the registers (offline, nvcc 13, sm_90, Q4_K at 1 tile and 2 token tiles: 182 as is, 156
 without the x sums, 144 without the correction; "x a super-block ahead" takes 20-36 more in the builds for up to 8
-rows), so where a tiling's min_blocks does not cap them, a difference includes a change in the warps resident.
+rows), so where a tiling's min_blocks does not cap them, a difference includes a change in the warps resident:
+each line says the registers and blocks a multiprocessor of the builds it timed (libcuda's counts).
 
 The variants that keep the results (SAME_BITS) are checked against the kernel as is, at 1, 5, 8 and 16 rows.
 
@@ -75,6 +82,21 @@ __device__ __forceinline__ void xor_mma_c(float (&d)[4], u32 a0, u32 a1, u32 a2,
     for (int i = 0; i < 4; ++i) d[i] = c[i];
     xor_mma(d, a0, a1, a2, a3, b0, b1);
 }
+#ifdef RING_BULK
+#if RING_BULK
+// "x in the copy engine's ring": a stage's weights copied, the mbarrier told to expect `expect` bytes (theirs and x's)
+__device__ __forceinline__ void bulk_copy_expect(u32 dst, const void *src, u32 bytes, u32 expect, u32 bar) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(expect) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+// x's 512 bytes of a super-block into the ring, counted into the stage's mbarrier (which expects them already)
+__device__ __forceinline__ void x_copy(u32 dst, const void *src, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(dst), "l"(src), "r"(512u), "r"(bar) : "memory");
+}
+#endif
+#endif
 #ifdef NT
 // the x fragments a Q4_K / Q5_K super-block's loop reads (its xv loads), for super-block sb
 __device__ __forceinline__ void x_of_super_block(uint4 (&xs)[4][NT][2], const u16 *const (&xrow)[NT],
@@ -174,12 +196,47 @@ for ahead in (1, 2):
          "                    asm volatile(\"prefetch.global.L1 [%0];\" :: "
          f"\"l\"(xrow[nt] - 8 * c + (sb + {ahead}) * 256 + 64 * c));\n"
          "        uint4 hdr[R_TILES][2];\n", 1)]
+# x's row for a super-block (512 bytes, where M is 1) copied into the copy engine's ring with the weights, counted
+# into the same mbarrier, and read from there (generic loads; the builds without that ring run as is). The stages
+# filled before griddepcontrol.wait expect x's bytes at once and get them after it (x is the earlier kernel's
+# output), so no stage completes without them. No registers held, where "x a super-block ahead" holds 20-36
+VARIANTS["x in the copy engine's ring"] = [
+    ("    const unsigned char *run = W + row_offset(tile0 * 16, nsb);\n",
+     "    const unsigned char *run = W + row_offset(tile0 * 16, nsb);\n"
+     "    __shared__ __align__(128) u16 x_ring[WARPS][STAGES][256];  // x's row at a stage's super-block (M 1)\n"
+     "    const u32 x_ring_addr = shared_window(&x_ring[warp][0][0]);\n"
+     "    const u32 x_bytes = M == 1 ? 512u : 0u;\n", 1),
+    ("            bulk_copy(ring_addr + s * STAGE_BYTES, run + sb_offset(sb0 + s), STAGE_BYTES, full_addr + 8 * s);",
+     "            bulk_copy_expect(ring_addr + s * STAGE_BYTES, run + sb_offset(sb0 + s), STAGE_BYTES, "
+     "STAGE_BYTES + x_bytes,\n                             full_addr + 8 * s);", 1),
+    ("    wait_for_earlier_kernels();\n    for (int sb = sb0; sb < sb0 + sb_per_split; ++sb) {\n"
+     "        uint4 hdr[R_TILES][2];",
+     "    wait_for_earlier_kernels();\n#if RING_BULK\n"
+     "    if (lane == 0 && x_bytes)\n"
+     "        for (int s = 0; s < STAGES - 1 && sb0 + s < sb_end; ++s)\n"
+     "            x_copy(x_ring_addr + 512 * s, X + (size_t)(sb0 + s) * 256, full_addr + 8 * s);\n#endif\n"
+     "    for (int sb = sb0; sb < sb0 + sb_per_split; ++sb) {\n        uint4 hdr[R_TILES][2];", 1),
+    ("            bulk_copy(ring_addr + slot * STAGE_BYTES, run + sb_offset(ahead), STAGE_BYTES, "
+     "full_addr + 8 * slot);",
+     "            bulk_copy_expect(ring_addr + slot * STAGE_BYTES, run + sb_offset(ahead), STAGE_BYTES,\n"
+     "                             STAGE_BYTES + x_bytes, full_addr + 8 * slot);\n"
+     "            if (x_bytes) x_copy(x_ring_addr + 512 * slot, X + (size_t)ahead * 256, full_addr + 8 * slot);", 1),
+    ("        float xsum[NT][4];\n",
+     "        const u16 *xsb[NT];  // x at this super-block: X's rows, or the ring's copy of row 0\n"
+     "#pragma unroll\n        for (int nt = 0; nt < NT; ++nt) xsb[nt] = xrow[nt] + sb * 256;\n"
+     "#if RING_BULK\n        if (x_bytes) xsb[0] = &x_ring[warp][(sb - sb0) % STAGES][8 * c];\n#endif\n"
+     "        float xsum[NT][4];\n", 1),
+    ("                    xv[nt][h] = xok[nt] ? __ldg((const uint4 *)(xrow[nt] + sb * 256 + 32 * (2 * gq + h)))\n",
+     "#if RING_BULK\n"
+     "                    xv[nt][h] = xok[nt] ? *(const uint4 *)(xsb[nt] + 32 * (2 * gq + h))\n#else\n"
+     "                    xv[nt][h] = xok[nt] ? __ldg((const uint4 *)(xrow[nt] + sb * 256 + 32 * (2 * gq + h)))\n"
+     "#endif\n", 1)]
 # the variants whose patches touch only the Q4_K / Q5_K part of the kernel: for Q6_K they would time the kernel as is
 Q45_ONLY = {"x loaded once", "ring unwaited", "weights through L1", "x a super-block ahead", "x in shared memory",
-            "x into L1 1 ahead", "x into L1 2 ahead"}
+            "x into L1 1 ahead", "x into L1 2 ahead", "x in the copy engine's ring"}
 # the variants that change where bytes come from, not the results: checked against the kernel as is
 SAME_BITS = {"weights through L1", "x a super-block ahead", "x in shared memory", "x into L1 1 ahead",
-             "x into L1 2 ahead"}
+             "x into L1 2 ahead", "x in the copy engine's ring"}
 # every block returns at once: the launch and scheduling of the same grid, its shared memory and registers
 VARIANTS["launch only"] = [("if (tile0 * 16 >= N) return;", "if (tile0 * 16 >= N || gridDim.z == 1) return;", 1)]
 DEFAULT_SETS = "qwen-q4k-fused,qwen-q6k,gemma-q4k-fused"

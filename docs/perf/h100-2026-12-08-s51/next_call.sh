@@ -20,10 +20,10 @@ total = {}
 for r in rows:
     total[r["variant"]] = total.get(r["variant"], 0) + r["us_m1"]
 base = total.get("as is", 0)
-candidates = [v for v in total if v.startswith("x into L1") or v == "x in the copy engine's ring"]
+candidates = [v for v in total if (v.startswith("x into L1") or v == "x in the copy engine's ring")
+              and all(r["same_bits"] for r in rows if r["variant"] == v)]
 best = min(candidates, key=total.get, default=None)
-ok = best and all(r["same_bits"] for r in rows if r["variant"] == best) and total[best] < 0.99 * base
-print(best if ok else "")
+print(best if best and total[best] < 0.99 * base else "")
 PY
 )
 echo "best: '$BEST' (left $(left) s)"

@@ -1,9 +1,10 @@
 """Where a kernel's warps wait, per SASS instruction, from an Nsight Compute source page.
 
-Reads the CSV that `ncu --import REPORT --page source --csv --print-source sass` writes (plain or gzipped) and prints
-the stall reasons' shares over all samples, then the instructions with the most samples, each with its two largest
-reasons and the instructions before it (where the registers it waits on were loaded). Runs anywhere: the profile
-is taken on the GPU machine (scripts/gpu/kquant_ncu.py), read here.
+Reads the CSV that `ncu --import REPORT --page source --csv --print-source sass` writes (plain or gzipped; its first
+kernel, where it holds several) and prints the stall reasons' shares over all samples, then the instructions with
+the most samples, each with its two largest reasons and the instructions just before it in address order (the load
+a wait is on may lie further back: search the page for the register). Runs anywhere: the profile is taken on the
+GPU machine (scripts/gpu/kquant_ncu.py), read here.
 
 Usage: python scripts/ncu_stalls.py SOURCE.csv[.gz] [--top 12] [--before 6]
 """
@@ -28,7 +29,13 @@ def read_rows(path: Path) -> tuple[list[str], list[list[str]]]:
     if at is None:
         raise ValueError(f"{path}: no row with Address, Source and {SAMPLES!r}: not an ncu source page (--page "
                          f"source --csv --print-source sass)")
-    return rows[at], [r for r in rows[at + 1:] if len(r) == len(rows[at])]
+    header, body = rows[at], []
+    for row in rows[at + 1:]:
+        if row == header or (row and row[0] == "Kernel Name"):  # the next kernel's page
+            break
+        if len(row) == len(header):
+            body.append(row)
+    return header, body
 
 
 def digest(header: list[str], rows: list[list[str]], top: int, before: int) -> str:

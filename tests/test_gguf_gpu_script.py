@@ -1,9 +1,11 @@
 """scripts/gpu/gguf_run.py --tiny: the GPU run's code paths on tiny shapes on the CPU (Triton kernels under the
 interpreter when Triton is installed, the model on the dequantize path), so the one GPU run does not fail on a bug
 that a CPU could have shown. Checks the JSON's fields and that its correctness and invariance checks passed."""
+import concurrent.futures
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -305,6 +307,48 @@ def test_ablation_variants_fit_the_kernel():
                           "--variants", "x sums,x early"], env=env, capture_output=True, text=True, timeout=120,
                          cwd=os.environ.get("TMPDIR", "/tmp"))
     assert bad.returncode == 2 and "unknown variants ['x early']" in bad.stderr, bad.stderr[-3000:]
+
+
+VARIANT_SOURCES = r"""
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import kquant_ablate as ka
+from flashdraft.quant import mma_kernels
+from flashdraft.quant.mma_kernels import MmaTiling
+
+# a build of each kind the step runs: the copy engine's ring, the lanes' ring at 16 rows, direct loads, Q5_K, Q6_K
+BUILDS = [("Q4_K_COLUMNS", MmaTiling(2, 4, 1, 2, 3, bulk=True), 1), ("Q4_K_COLUMNS", MmaTiling(1, 2, 1, 1, 6), 2),
+          ("Q4_K", MmaTiling(1, 4, 6, 1), 1), ("Q5_K", MmaTiling(1, 2, 1, 1, 3), 1), ("Q6_K_LANES", MmaTiling(1, 2), 2)]
+text = mma_kernels.SOURCE.read_text()
+out = Path(sys.argv[2])
+for v, name in enumerate(ka.VARIANTS):
+    source = ka.variant_source(name, text)
+    for b, (qtype, tiling, nt) in enumerate(BUILDS):
+        (out / f"v{v}_b{b}.cu").write_text(mma_kernels.kernel_defines(tiling, nt, qtype) + source)
+print(len(ka.VARIANTS) * len(BUILDS))
+"""
+
+
+@pytest.mark.skipif(not _has_triton() or shutil.which("nvcc") is None,
+                    reason="needs nvcc, and the script imports the Triton kernels (run under the interpreter)")
+def test_ablation_variants_compile_for_sm90(tmp_path):
+    """Every variant of scripts/gpu/kquant_ablate.py compiles, for the H100/H200 (sm_90), in each kind of build
+    Gemma's step runs (a patch may fit the text and still not compile: the GPU call would then stop at it)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", VARIANT_SOURCES, str(ROOT / "scripts" / "gpu"), str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sources = sorted(tmp_path.glob("*.cu"))
+    assert len(sources) == int(proc.stdout.split()[-1]) > 0
+
+    def compile_one(cu: Path) -> tuple[Path, subprocess.CompletedProcess]:
+        return cu, subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-o", str(cu.with_suffix(".cubin")), str(cu)],
+                                  capture_output=True, text=True, timeout=300)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        failed = [(cu.name, done.stderr[-1500:]) for cu, done in pool.map(compile_one, sources) if done.returncode]
+    assert not failed, failed
 
 
 LAYOUT_CHECK = r"""

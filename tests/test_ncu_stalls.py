@@ -1,5 +1,6 @@
-"""scripts/ncu_stalls.py reads an Nsight Compute source page (plain or gzipped): the reasons' shares, the
-instructions with the most samples and what came before them; a file that is no such page is refused by name."""
+"""scripts/ncu_stalls.py reads an Nsight Compute source page (plain or gzipped; its first kernel): the reasons'
+shares, the instructions with the most samples and what came before them; a file that is no such page is refused
+by name."""
 import gzip
 import subprocess
 import sys
@@ -36,6 +37,14 @@ def test_digest_of_a_source_page(tmp_path):
         top = next(i for i, line in enumerate(lines) if "HMMA" in line)
         assert lines[top].split()[:2] == ["9", "(75.0%)"] and lines[top].endswith("long_sb 8, math 1")
         assert "LDG.E.128.CONSTANT" in lines[top + 1] and "PRMT" in lines[top + 2] and len(lines) == top + 3
+
+
+def test_only_the_first_kernel_is_read(tmp_path):
+    path = tmp_path / "two.csv"
+    path.write_text(PAGE + PAGE.replace('"9","8","1","5"', '"90","80","10","5"'))
+    out = run(path, "--top", "1")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == "12 samples over 4 instructions"
 
 
 def test_a_file_that_is_no_source_page_is_refused(tmp_path):

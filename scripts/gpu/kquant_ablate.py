@@ -24,10 +24,10 @@ Variants (text patches of the kernel; each must apply exactly as many times as l
 - "x a super-block ahead": in the builds for up to 8 rows, x's fragments for the next super-block loaded while
   this one is computed (registers instead of a wait on x's loads, the long scoreboard being the profiles' first
   stall; the same results; the 16-row builds run as is);
-- "x in shared memory": x's K range copied by the block into shared memory once, where one row of it fits (so at
-  one row only), and read from there;
-- "x into L1 1 ahead", "x into L1 2 ahead": the lines of x a later super-block reads prefetched into L1 (no
-  registers held);
+- "x in shared memory": in the builds for up to 8 rows, x's K range copied by the block into shared memory once,
+  where one row of it fits (so at one row only), and read from there;
+- "x into L1 1 ahead", "x into L1 2 ahead": the lines of x a later super-block reads prefetched into L1 (no data
+  held in registers);
 - "x in the copy engine's ring" (tilings whose ring the copy engine fills, at one row): x's 512 bytes of each
   super-block copied into the ring with its weights. These eight touch only the Q4_K / Q5_K part, and Q6_K shapes
   skip them;
@@ -82,7 +82,6 @@ __device__ __forceinline__ void xor_mma_c(float (&d)[4], u32 a0, u32 a1, u32 a2,
     for (int i = 0; i < 4; ++i) d[i] = c[i];
     xor_mma(d, a0, a1, a2, a3, b0, b1);
 }
-#ifdef RING_BULK
 #if RING_BULK
 // "x in the copy engine's ring": a stage's weights copied, the mbarrier told to expect `expect` bytes (theirs and x's)
 __device__ __forceinline__ void bulk_copy_expect(u32 dst, const void *src, u32 bytes, u32 expect, u32 bar) {
@@ -95,7 +94,6 @@ __device__ __forceinline__ void x_copy(u32 dst, const void *src, u32 bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  :: "r"(dst), "l"(src), "r"(512u), "r"(bar) : "memory");
 }
-#endif
 #endif
 #ifdef NT
 // the x fragments a Q4_K / Q5_K super-block's loop reads (its xv loads), for super-block sb
@@ -157,19 +155,24 @@ VARIANTS["x a super-block ahead"] = [
      "                    xv[nt][h] = xok[nt] ? __ldg((const uint4 *)(xrow[nt] + sb * 256 + 32 * (2 * gq + h)))\n"
      "                                        : make_uint4(0, 0, 0, 0);\n#endif", 1)]
 # x's K range copied by the block into shared memory once, after the wait for earlier kernels, where M rows of it
-# fit (X_SHARED_ELEMS, in HELPERS: one row of Gemma's widest range, so one-row products only; a block-uniform choice),
-# and read from there in the loop through the generic address space (a branch between a shared and a global load in
-# the loop kept the compiler from hoisting them: 133 registers instead of 182 at 16 rows, and a slower loop): loads
-# of a few cycles where the profiles' first stall is the long scoreboard, the bound "x loaded once" sets without its
-# wrong results (a product in the package would size it by M)
+# fit (X_SHARED_ELEMS, in HELPERS: one row of Gemma's widest range, so one-row products only; a block-uniform
+# choice), by the block's warps that have rows (those past N returned at the kernel's start), and read from there in
+# the loop through the generic address space. A branch in the loop between a shared and a global load kept the
+# compiler from hoisting them (offline, the 16-row build of 1 tile, 2 warps and 6 stages went from 182 registers
+# to 133), so the builds for up to 8 rows read every x so, and the 16-row builds run as is. Loads of a few cycles
+# where the profiles' first stall is the long scoreboard: the bound "x loaded once" sets, without its wrong results
+# (a product in the package would size the array by M)
 VARIANTS["x in shared memory"] = [
     ("    wait_for_earlier_kernels();\n    for (int sb = sb0; sb < sb0 + sb_per_split; ++sb) {\n"
      "        uint4 hdr[R_TILES][2];",
      "    wait_for_earlier_kernels();\n"
+     "#if NT == 1\n"
      "    __shared__ __align__(16) u16 x_shared[X_SHARED_ELEMS];\n"
      "    const int x_range = sb_per_split * 256;\n"
      "    if (M * x_range <= X_SHARED_ELEMS) {  // the same for every thread of the block\n"
-     "        for (int i = threadIdx.x; i < M * x_range / 8; i += blockDim.x) {\n"
+     "        const int tiles_left = (N / 16 - blockIdx.x * WARPS * R_TILES + R_TILES - 1) / R_TILES;\n"
+     "        const int live = 32 * min(WARPS, tiles_left);  // the threads of the warps that did not return\n"
+     "        for (int i = threadIdx.x; i < M * x_range / 8; i += live) {\n"
      "            const int t = i / (x_range / 8), e = 8 * (i % (x_range / 8));\n"
      "            *(uint4 *)(x_shared + t * x_range + e) = __ldg((const uint4 *)(X + (size_t)t * K + sb0 * 256 + e));\n"
      "        }\n"
@@ -178,14 +181,20 @@ VARIANTS["x in shared memory"] = [
      "        for (int nt = 0; nt < NT; ++nt)\n"
      "            xrow[nt] = x_shared + (xok[nt] ? g + 8 * nt : 0) * x_range - sb0 * 256 + 8 * c;\n"
      "    }\n"
+     "#endif\n"
      "    for (int sb = sb0; sb < sb0 + sb_per_split; ++sb) {\n"
      "        uint4 hdr[R_TILES][2];", 1),
     ("                    xv[nt][h] = xok[nt] ? __ldg((const uint4 *)(xrow[nt] + sb * 256 + 32 * (2 * gq + h)))\n",
-     "                    xv[nt][h] = xok[nt] ? *(const uint4 *)(xrow[nt] + sb * 256 + 32 * (2 * gq + h))\n", 1)]
+     "#if NT == 1\n"
+     "                    xv[nt][h] = xok[nt] ? *(const uint4 *)(xrow[nt] + sb * 256 + 32 * (2 * gq + h))\n"
+     "#else\n"
+     "                    xv[nt][h] = xok[nt] ? __ldg((const uint4 *)(xrow[nt] + sb * 256 + 32 * (2 * gq + h)))\n"
+     "#endif\n", 1)]
 # the 128-byte lines of x a later super-block's loop reads prefetched into L1 at the top of each super-block (lane c
-# of a token's four takes line c of its 512 bytes; no registers held): the warps of a multiprocessor reach each
+# of a token's four takes line c of its 512 bytes; no data held in registers): the warps of a multiprocessor reach each
 # super-block together, so its x is new to L1 for all of them, and the profile's first stall (on an H100, session
-# 51) is the loop's first weight MMA waiting on x's load
+# 51) is the loop's first weight MMA waiting on x's load. (x's rows start on 128-byte lines where torch allocated
+# them, as in the step; launch() promises only 16 bytes, and off a line the four prefetches miss a fifth line.)
 for ahead in (1, 2):
     VARIANTS[f"x into L1 {ahead} ahead"] = [
         ("        uint4 hdr[R_TILES][2];\n",
@@ -199,7 +208,7 @@ for ahead in (1, 2):
 # x's row for a super-block (512 bytes, where M is 1) copied into the copy engine's ring with the weights, counted
 # into the same mbarrier, and read from there (generic loads; the builds without that ring run as is). The stages
 # filled before griddepcontrol.wait expect x's bytes at once and get them after it (x is the earlier kernel's
-# output), so no stage completes without them. No registers held, where "x a super-block ahead" holds 20-36
+# output), so no stage completes without them. No data held in registers, where "x a super-block ahead" holds 20-36
 VARIANTS["x in the copy engine's ring"] = [
     ("    const unsigned char *run = W + row_offset(tile0 * 16, nsb);\n",
      "    const unsigned char *run = W + row_offset(tile0 * 16, nsb);\n"
@@ -266,15 +275,20 @@ def variant_source(name: str, source: str) -> str:
     return source.replace(anchor, anchor + HELPERS)
 
 
-def residency(qtype: str, tiling: mma_kernels.MmaTiling, nt: int, source: str) -> str:
+def residency(qtype: str, tiling: mma_kernels.MmaTiling, nt: int, source: str) -> dict:
     """The registers a thread of this build takes and the blocks of it a multiprocessor holds (libcuda's own
-    count, with the tiling's shared memory): what a variant changes besides its instructions."""
+    count, with the tiling's shared memory): what a variant changes besides its instructions. RuntimeError naming
+    the call where libcuda answers with an error."""
     kernel = mma_kernels._matmul_kernel(mma_kernels._code_of(tiling), nt, qtype, torch.cuda.current_device(), source)
     lib, regs, blocks = ctypes.CDLL("libcuda.so.1"), ctypes.c_int(), ctypes.c_int()
-    lib.cuFuncGetAttribute(ctypes.byref(regs), 4, kernel.func)  # CU_FUNC_ATTRIBUTE_NUM_REGS
-    lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(blocks), kernel.func, 32 * tiling.warps,
-                                                    ctypes.c_size_t(tiling.shared_bytes(qtype)))
-    return f"{regs.value} regs, {blocks.value}/SM"
+    for name, status in (
+            ("cuFuncGetAttribute", lib.cuFuncGetAttribute(ctypes.byref(regs), 4, kernel.func)),  # NUM_REGS
+            ("cuOccupancyMaxActiveBlocksPerMultiprocessor",
+             lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(blocks), kernel.func, 32 * tiling.warps,
+                                                             ctypes.c_size_t(tiling.shared_bytes(qtype))))):
+        if status:
+            raise RuntimeError(f"{name} returned CUresult {status}")
+    return {"registers": regs.value, "blocks_per_sm": blocks.value}
 
 
 def main() -> int:
@@ -330,8 +344,9 @@ def main() -> int:
                          "tilings": [str(t) for t in tilings], "us_m1": us[0], "us_m16": us[1], "same_bits": same,
                          "residency_m1": held[0], "residency_m16": held[1]})
             print(f"{set_name} {shape:10s} {n}x{k} {name:24s} M=1 {us[0]:7.1f} us ({us[0] - base[0]:+6.1f}; "
-                  f"{held[0]})  "
-                  f"M=16 {us[1]:7.1f} us ({us[1] - base[1]:+6.1f}; {held[1]})"
+                  f"{held[0]['registers']} regs, {held[0]['blocks_per_sm']}/SM)  "
+                  f"M=16 {us[1]:7.1f} us ({us[1] - base[1]:+6.1f}; {held[1]['registers']} regs, "
+                  f"{held[1]['blocks_per_sm']}/SM)"
                   + ("" if same is None else f"  same bits {same}"), flush=True)
         del ws
         torch.cuda.empty_cache()

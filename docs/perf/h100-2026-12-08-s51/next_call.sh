@@ -1,8 +1,9 @@
 # Prepared in session 51 for the next call (not yet run; the device time went on starts that found no machine):
 # the ways of bringing x to the one-row loop sooner, with each build's registers and blocks a multiprocessor
-# (kquant_ablate.py prints them), then, if one of those that keep the bits gains over Gemma's step at one row by 1%
-# or more, main against main with it in the kernel, end to end (ab_run.sh; DFlash checks the tokens). From the repo
-# root on the GPU machine, carrying .llamacpp-bench's beellama-src.tar.gz, make_gguf.py and device_cmd.sh:
+# (kquant_ablate.py prints them), then, if one of those that keep the bits and serve every M gains 1% or more over
+# Gemma's step at one row (its shapes weighted by how often a step runs them), main against main with it in the
+# kernel, end to end (ab_run.sh; DFlash checks the tokens). From the repo root on the GPU machine, carrying
+# .llamacpp-bench's beellama-src.tar.gz, make_gguf.py and device_cmd.sh:
 #   bash docs/perf/h100-2026-12-08-s51/next_call.sh
 # Everything goes to $OUT/next_call.tgz.
 START=$(date +%s); left(){ echo $(( 575 - ($(date +%s)-START) )); }
@@ -16,10 +17,14 @@ echo "ablate rc $?"; cat $R/ablate_x.log
 BEST=$(python - $R/kquant_ablate.json <<'PY'
 import json, sys
 rows = json.load(open(sys.argv[1]))["rows"]
+# a step's one-row product time: each shape as often as Gemma-4-31B runs it (60 gate|up and down, 50 sliding
+# q|k|v and o, 10 full q|k and o; mma_tilings.SETS's note)
+times = {"gate|up": 60, "down": 60, "sliding q|k|v": 50, "sliding o": 50, "full q|k": 10, "full o": 10}
 total = {}
 for r in rows:
-    total[r["variant"]] = total.get(r["variant"], 0) + r["us_m1"]
+    total[r["variant"]] = total.get(r["variant"], 0) + times[r["shape"]] * r["us_m1"]
 base = total.get("as is", 0)
+# those that keep the bits and can serve every M ("x in shared memory" holds one row only)
 candidates = [v for v in total if (v.startswith("x into L1") or v == "x in the copy engine's ring")
               and all(r["same_bits"] for r in rows if r["variant"] == v)]
 best = min(candidates, key=total.get, default=None)

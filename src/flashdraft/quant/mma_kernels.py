@@ -205,18 +205,23 @@ def _code_of(tiling: MmaTiling) -> MmaTiling:
     return dataclasses.replace(tiling, split=1)
 
 
+def kernel_defines(tiling: MmaTiling, nt: int, qtype: str) -> str:
+    """The defines kquant_mma.cu is compiled with for this tiling, NT 8-token tiles and type (its header)."""
+    return (f"#define QTYPE {QTYPES[qtype]}\n#define COLUMNS {int(qtype == q4k_columns.QTYPE)}\n"
+            f"#define CHUNK_ROWS {q4k_columns.CHUNK_ROWS}\n"
+            f"#define R_TILES {tiling.r_tiles}\n#define NT {nt}\n"
+            f"#define WARPS {tiling.warps}\n#define MINB {tiling.min_blocks}\n#define STAGES {tiling.stages}\n"
+            f"#define RING_BULK {int(tiling.bulk)}\n")
+
+
 @functools.cache
 def _matmul_kernel(tiling: MmaTiling, nt: int, qtype: str, device_index: int, source: str | None = None):
     """kq_mma for this type, tiling and NT 8-token tiles, compiled by NVRTC for and loaded on that GPU (a module is
     loaded per device), from kquant_mma.cu or the given source text."""
     shared = tiling.shared_bytes(qtype)  # refuses a ring for a type that takes none
-    head = (f"#define QTYPE {QTYPES[qtype]}\n#define COLUMNS {int(qtype == q4k_columns.QTYPE)}\n"
-            f"#define CHUNK_ROWS {q4k_columns.CHUNK_ROWS}\n"
-            f"#define R_TILES {tiling.r_tiles}\n#define NT {nt}\n"
-            f"#define WARPS {tiling.warps}\n#define MINB {tiling.min_blocks}\n#define STAGES {tiling.stages}\n"
-            f"#define RING_BULK {int(tiling.bulk)}\n")
     with torch.cuda.device(device_index):
-        kernel = torch.cuda._compile_kernel(head + (source or SOURCE.read_text()), "kq_mma")
+        kernel = torch.cuda._compile_kernel(kernel_defines(tiling, nt, qtype) + (source or SOURCE.read_text()),
+                                            "kq_mma")
         kernel.set_shared_memory_config(shared)  # past 48 KB a kernel must ask for it
     return kernel
 

@@ -82,19 +82,6 @@ __device__ __forceinline__ void xor_mma_c(float (&d)[4], u32 a0, u32 a1, u32 a2,
     for (int i = 0; i < 4; ++i) d[i] = c[i];
     xor_mma(d, a0, a1, a2, a3, b0, b1);
 }
-#if RING_BULK
-// "x in the copy engine's ring": a stage's weights copied, the mbarrier told to expect `expect` bytes (theirs and x's)
-__device__ __forceinline__ void bulk_copy_expect(u32 dst, const void *src, u32 bytes, u32 expect, u32 bar) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(expect) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-// x's 512 bytes of a super-block into the ring, counted into the stage's mbarrier (which expects them already)
-__device__ __forceinline__ void x_copy(u32 dst, const void *src, u32 bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(dst), "l"(src), "r"(512u), "r"(bar) : "memory");
-}
-#endif
 #ifdef NT
 // the x fragments a Q4_K / Q5_K super-block's loop reads (its xv loads), for super-block sb
 __device__ __forceinline__ void x_of_super_block(uint4 (&xs)[4][NT][2], const u16 *const (&xrow)[NT],
@@ -205,35 +192,37 @@ for ahead in (1, 2):
          "                    asm volatile(\"prefetch.global.L1 [%0];\" :: "
          f"\"l\"(xrow[nt] - 8 * c + (sb + {ahead}) * 256 + 64 * c));\n"
          "        uint4 hdr[R_TILES][2];\n", 1)]
-# x's row for a super-block (512 bytes, where M is 1) copied into the copy engine's ring with the weights, counted
-# into the same mbarrier, and read from there (generic loads; the builds without that ring run as is). The stages
-# filled before griddepcontrol.wait expect x's bytes at once and get them after it (x is the earlier kernel's
-# output), so no stage completes without them. No data held in registers, where "x a super-block ahead" holds 20-36
+# x's row for a super-block (512 bytes, where M is 1) copied into the copy engine's ring with the weights by the
+# kernel's own bulk_copy, and read from there (generic loads; the builds without that ring run as is). Each stage's
+# mbarrier then waits for two arrivals, the weights' and x's: the stages filled before griddepcontrol.wait get x's
+# copy (the earlier kernel's output) after it, so no stage completes without them. No data held in registers, where
+# "x a super-block ahead" holds 20-36
 VARIANTS["x in the copy engine's ring"] = [
     ("    const unsigned char *run = W + row_offset(tile0 * 16, nsb);\n",
      "    const unsigned char *run = W + row_offset(tile0 * 16, nsb);\n"
      "    __shared__ __align__(128) u16 x_ring[WARPS][STAGES][256];  // x's row at a stage's super-block (M 1)\n"
      "    const u32 x_ring_addr = shared_window(&x_ring[warp][0][0]);\n"
-     "    const u32 x_bytes = M == 1 ? 512u : 0u;\n", 1),
-    ("            bulk_copy(ring_addr + s * STAGE_BYTES, run + sb_offset(sb0 + s), STAGE_BYTES, full_addr + 8 * s);",
-     "            bulk_copy_expect(ring_addr + s * STAGE_BYTES, run + sb_offset(sb0 + s), STAGE_BYTES, "
-     "STAGE_BYTES + x_bytes,\n                             full_addr + 8 * s);", 1),
+     "    const bool x_in_ring = M == 1;\n", 1),
+    ('            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(full_addr + 8 * s) : "memory");',
+     '            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(full_addr + 8 * s),\n'
+     '                         "r"(x_in_ring ? 2 : 1) : "memory");', 1),
     ("    wait_for_earlier_kernels();\n    for (int sb = sb0; sb < sb0 + sb_per_split; ++sb) {\n"
      "        uint4 hdr[R_TILES][2];",
      "    wait_for_earlier_kernels();\n#if RING_BULK\n"
-     "    if (lane == 0 && x_bytes)\n"
+     "    if (lane == 0 && x_in_ring)\n"
      "        for (int s = 0; s < STAGES - 1 && sb0 + s < sb_end; ++s)\n"
-     "            x_copy(x_ring_addr + 512 * s, X + (size_t)(sb0 + s) * 256, full_addr + 8 * s);\n#endif\n"
+     "            bulk_copy(x_ring_addr + 512 * s, X + (size_t)(sb0 + s) * 256, 512, full_addr + 8 * s);\n#endif\n"
      "    for (int sb = sb0; sb < sb0 + sb_per_split; ++sb) {\n        uint4 hdr[R_TILES][2];", 1),
     ("            bulk_copy(ring_addr + slot * STAGE_BYTES, run + sb_offset(ahead), STAGE_BYTES, "
      "full_addr + 8 * slot);",
-     "            bulk_copy_expect(ring_addr + slot * STAGE_BYTES, run + sb_offset(ahead), STAGE_BYTES,\n"
-     "                             STAGE_BYTES + x_bytes, full_addr + 8 * slot);\n"
-     "            if (x_bytes) x_copy(x_ring_addr + 512 * slot, X + (size_t)ahead * 256, full_addr + 8 * slot);", 1),
+     "            bulk_copy(ring_addr + slot * STAGE_BYTES, run + sb_offset(ahead), STAGE_BYTES, "
+     "full_addr + 8 * slot);\n"
+     "            if (x_in_ring) bulk_copy(x_ring_addr + 512 * slot, X + (size_t)ahead * 256, 512, "
+     "full_addr + 8 * slot);", 1),
     ("        float xsum[NT][4];\n",
      "        const u16 *xsb[NT];  // x at this super-block: X's rows, or the ring's copy of row 0\n"
      "#pragma unroll\n        for (int nt = 0; nt < NT; ++nt) xsb[nt] = xrow[nt] + sb * 256;\n"
-     "#if RING_BULK\n        if (x_bytes) xsb[0] = &x_ring[warp][(sb - sb0) % STAGES][8 * c];\n#endif\n"
+     "#if RING_BULK\n        if (x_in_ring) xsb[0] = &x_ring[warp][(sb - sb0) % STAGES][8 * c];\n#endif\n"
      "        float xsum[NT][4];\n", 1),
     ("                    xv[nt][h] = xok[nt] ? __ldg((const uint4 *)(xrow[nt] + sb * 256 + 32 * (2 * gq + h)))\n",
      "#if RING_BULK\n"
